@@ -1,0 +1,18 @@
+"""chunkvmap: `jax.vmap` that fits in memory.
+
+Evaluate a vectorised function over N examples in chunks (`jax.vmap` inside
+`lax.scan`), optionally folding the chunk results with a reduction instead of stacking
+them.
+"""
+
+import importlib.metadata
+
+from ._core import batch_map as batch_map, batch_vmap as batch_vmap, identity as identity
+
+
+try:
+    __version__ = importlib.metadata.version("chunkvmap")
+except importlib.metadata.PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = ["batch_map", "batch_vmap", "identity"]

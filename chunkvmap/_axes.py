@@ -1,0 +1,168 @@
+"""Axis normalisation: `in_axes` / `out_axes` specs to and from per-leaf axes.
+
+Everything here is about turning a user's axis specification (an int, `None`, or a
+pytree prefix, exactly as `jax.vmap` accepts it) into one canonical, non-negative axis
+(or `None`) per array leaf, and about reading the mapped size off those leaves. Nothing
+here slices, loops or evaluates the user's function.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+AxisSpec = Any  # int | None | pytree prefix of ints and Nones
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _is_axis(x: Any) -> bool:
+    return x is None or (
+        isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    )
+
+
+def check_axes_spec(name: str, spec: AxisSpec, *, top_level_tuple: bool) -> AxisSpec:
+    """Static checks of an axis spec, done when `batch_vmap` is called.
+
+    Mirrors `jax.vmap`: a list at the top level is read as a tuple; `in_axes` must be an
+    int, None, or a tuple (one entry per positional argument); every leaf is an int or
+    None.
+    """
+    if isinstance(spec, list):
+        spec = tuple(spec)
+    if top_level_tuple and not (_is_axis(spec) or isinstance(spec, tuple)):
+        raise TypeError(
+            f"batch_vmap {name} must be an int, None, or a tuple of entries "
+            f"corresponding to the positional arguments passed to the function, "
+            f"but got {name}={spec!r} of type {type(spec).__name__}."
+        )
+    leaves = jax.tree.leaves(spec, is_leaf=_is_none)
+    bad = [leaf for leaf in leaves if not _is_axis(leaf)]
+    if bad:
+        raise TypeError(
+            f"batch_vmap {name} must be an int, None, or a pytree prefix whose leaves "
+            f"are ints or None, but got {name}={spec!r} containing "
+            + ", ".join(f"{b!r} ({type(b).__name__})" for b in bad)
+            + "."
+        )
+    return jax.tree.map(lambda a: None if a is None else int(a), spec, is_leaf=_is_none)
+
+
+def broadcast_axes(name: str, spec: AxisSpec, tree: Any, what: str) -> list[Any]:
+    """One axis (int or None) per leaf of `tree`, from the prefix `spec`."""
+    try:
+        full = jax.tree.broadcast(spec, tree, is_leaf=_is_none)
+    except ValueError as e:
+        raise ValueError(
+            f"batch_vmap {name} must be a pytree prefix of the {what}, but the "
+            f"structures do not match.\n  {name} = {spec!r}\n  {what} structure = "
+            f"{jax.tree.structure(tree)}\nJAX reported: {e}"
+        ) from None
+    return jax.tree.leaves(full, is_leaf=_is_none)
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(np.shape(x))
+
+
+def canonical_in_axis(axis: int | None, leaf: Any, path: str) -> int | None:
+    """Make a mapped input axis non-negative and check it is in range."""
+    if axis is None:
+        return None
+    if not _is_arraylike(leaf):
+        raise TypeError(
+            f"batch_vmap in_axes maps {path} along axis {axis}, but it is not an "
+            f"array: got a value of type {type(leaf).__name__}. Give it in_axes=None "
+            f"or pass an array."
+        )
+    ndim = len(shape_of(leaf))
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"batch_vmap in_axes maps {path} along axis {axis}, which is out of range "
+            f"for its shape {shape_of(leaf)} (rank {ndim}: valid axes are "
+            f"{-ndim}..{ndim - 1})."
+            if ndim
+            else f"batch_vmap in_axes maps {path} along axis {axis}, but it is a "
+            f"scalar (shape ()): give it in_axes=None or add a mapped axis."
+        )
+    return axis % ndim
+
+
+def canonical_out_axis(axis: int | None, rank: int, path: str) -> int | None:
+    """Make an output axis non-negative for an output of per-example rank `rank`."""
+    if axis is None:
+        return None
+    if not -(rank + 1) <= axis <= rank:
+        raise ValueError(
+            f"batch_vmap out_axes puts the mapped axis of output {path} at {axis}, "
+            f"which is out of range: each example's output has rank {rank}, so the "
+            f"mapped output has rank {rank + 1} and valid axes are "
+            f"{-(rank + 1)}..{rank}."
+        )
+    return axis % (rank + 1)
+
+
+def _is_arraylike(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))
+
+
+def mapped_size(
+    paths: Sequence[str],
+    leaves: Sequence[Any],
+    axes: Sequence[int | None],
+    axis_size: int | None,
+) -> int:
+    """The common length of every mapped axis (or `axis_size`), else a clear error."""
+    sizes = [
+        (p, shape_of(x)[a], a, shape_of(x))
+        for p, x, a in zip(paths, leaves, axes)
+        if a is not None
+    ]
+    if not sizes:
+        if axis_size is None:
+            raise ValueError(
+                "batch_vmap must have at least one non-None value in in_axes, or be "
+                "given axis_size: got no mapped argument and axis_size=None."
+            )
+        return axis_size
+    distinct = {s for _, s, _, _ in sizes}
+    if axis_size is not None:
+        distinct.add(axis_size)
+    if len(distinct) > 1:
+        lines = "\n".join(
+            f"  {p} of shape {shape} has size {s} along axis {a}"
+            for p, s, a, shape in sizes
+        )
+        extra = f"\n  axis_size={axis_size}" if axis_size is not None else ""
+        raise ValueError(
+            "batch_vmap got inconsistent sizes for the mapped axis; every mapped "
+            f"argument must have the same size along its mapped axis:\n{lines}{extra}"
+        )
+    return sizes[0][1]
+
+
+def check_positive_int(name: str, value: Any, *, allow_none: bool = True) -> int | None:
+    """`value` as a positive int (or None), else a TypeError / ValueError naming it."""
+    if value is None and allow_none:
+        return None
+    expected = "a positive int" + (" or None" if allow_none else "")
+    try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
+        index = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"batch_vmap {name} must be {expected}, but got {name}={value!r} of type "
+            f"{type(value).__name__}."
+        ) from None
+    if index <= 0:
+        raise ValueError(f"batch_vmap {name} must be {expected}, but got {name}={index}.")
+    return index
