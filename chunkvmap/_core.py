@@ -432,15 +432,6 @@ def _flatten_inputs(in_axes: Any, args: tuple, kwargs: dict) -> tuple:
     return leaves, paths, axes, treedef
 
 
-def _per_example(x: Any, axis: int | None) -> Any:
-    """The abstract value of one example of a leaf (the leaf itself when unmapped)."""
-    if axis is None:
-        return x
-    aval = jax.typeof(x)
-    shape = (*aval.shape[:axis], *aval.shape[axis + 1 :])
-    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
-
-
 def _batch_vmap_call(
     f, args, call_kwargs, *, in_axes, out_axes, axis_name, axis_size, batch_size,
     reduction, chunk_reduction,
@@ -482,7 +473,20 @@ def _batch_vmap_call(
         return out_leaves
 
     dyn_axes = [axes[i] for i in dyn]
-    out_avals = jax.eval_shape(f_flat, *[_per_example(leaves[i], axes[i]) for i in dyn])
+    no_mapped_arg = all(a is None for a in dyn_axes)
+    # Abstract evaluation under vmap (so collectives over axis_name resolve): it learns
+    # the output structure and fills JAX's trace cache for the real evaluation below.
+    mapped_avals = jax.eval_shape(
+        jax.vmap(
+            f_flat,
+            in_axes=tuple(dyn_axes),
+            out_axes=0,
+            axis_name=axis_name,
+            axis_size=size if no_mapped_arg else None,
+        ),
+        *[leaves[i] for i in dyn],
+    )
+    out_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in mapped_avals]
     (out_tree,) = out_box
     out_paths = [
         "out" + jax.tree_util.keystr(p)
@@ -496,7 +500,6 @@ def _batch_vmap_call(
             out_paths,
         )
     ]
-    no_mapped_arg = all(a is None for a in dyn_axes)
 
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
         vf = jax.vmap(

@@ -1,0 +1,14 @@
+"""Root conftest: names available to the doctests in `chunkvmap/`."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import chunkvmap
+
+
+@pytest.fixture(autouse=True)
+def _doctest_namespace(doctest_namespace):
+    doctest_namespace["jax"] = jax
+    doctest_namespace["jnp"] = jnp
+    doctest_namespace["chunkvmap"] = chunkvmap

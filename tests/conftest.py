@@ -1,0 +1,17 @@
+"""Make mistakes loud: several CPU devices, no implicit rank or dtype promotion."""
+
+import jax
+import pytest
+
+
+# Must run before JAX initialises its backends (collection happens before any test).
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+@pytest.fixture
+def rng():
+    import numpy as np
+
+    return np.random.default_rng(0)

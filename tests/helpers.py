@@ -1,0 +1,45 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def tree_allclose(actual: Any, expected: Any, *, rtol=1e-5, atol=1e-6) -> None:
+    """Assert equal structure, shapes and dtypes, then values to tolerance."""
+    ta, te = jax.tree.structure(actual), jax.tree.structure(expected)
+    assert ta == te, f"tree structure differs:\n  {ta}\n  {te}"
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        assert jnp.shape(a) == jnp.shape(e), (jnp.shape(a), jnp.shape(e))
+        assert jnp.result_type(a) == jnp.result_type(e), (a.dtype, e.dtype)
+        if jnp.issubdtype(jnp.result_type(a), jax.dtypes.prng_key):
+            a, e = jax.random.key_data(a), jax.random.key_data(e)
+        a, e = np.asarray(a), np.asarray(e)
+        if a.dtype == jnp.bfloat16:
+            a, e = a.astype(np.float32), e.astype(np.float32)
+            rtol, atol = max(rtol, 1e-2), max(atol, 1e-2)
+        if np.issubdtype(a.dtype, np.inexact):
+            np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+        else:
+            np.testing.assert_array_equal(a, e)
+
+
+def temp_bytes(f, *args) -> int:
+    """XLA's compiled estimate of the temporary memory of `jax.jit(f)(*args)`."""
+    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+class TraceCounter:
+    """Wraps a function and counts how often JAX traces (calls) it in Python."""
+
+    def __init__(self, f):
+        self.f = f
+        self.count = 0
+
+    def __call__(self, *args, **kwargs):
+        self.count += 1
+        return self.f(*args, **kwargs)

@@ -1,0 +1,238 @@
+"""batch_vmap against jax.vmap on the same inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from chunkvmap import batch_vmap
+
+from .helpers import TraceCounter, tree_allclose
+
+
+SIZES = [1, 7, 12, 64]  # one, prime, divisible, large
+
+
+def batch_sizes(n):
+    """{1, divisor, non-divisor, > N, None}, de-duplicated."""
+    divisor = next(d for d in (4, 3, 2, 1) if n % d == 0)
+    non_divisor = next((b for b in (5, 3, 2) if n % b and b < n), None)
+    return sorted({1, divisor, n + 3} | ({non_divisor} - {None})) + [None]
+
+
+def f_mlp(x, w):
+    return jnp.tanh(x @ w)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_vmap_over_sizes(n, rng):
+    x = jnp.asarray(rng.normal(size=(n, 3)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
+    expected = jax.vmap(f_mlp, (0, None))(x, w)
+    for b in batch_sizes(n):
+        actual = batch_vmap(f_mlp, (0, None), batch_size=b)(x, w)
+        tree_allclose(actual, expected)
+
+
+# in_axes / out_axes: {0, 1, -1, None, pytree prefix}
+IN_AXES_CASES = {
+    "0": (0, lambda x: x),
+    "1": (1, lambda x: jnp.moveaxis(x, 0, 1)),
+    "-1": (-1, lambda x: jnp.moveaxis(x, 0, -1)),
+}
+
+
+@pytest.mark.parametrize("axis_name", sorted(IN_AXES_CASES))
+@pytest.mark.parametrize("b", [1, 3, 5, None])
+def test_in_axes_ints(axis_name, b, rng):
+    axis, layout = IN_AXES_CASES[axis_name]
+    x = layout(jnp.asarray(rng.normal(size=(10, 4, 3)), jnp.float32))
+
+    def f(v):
+        return v.sum(0) * v[0]
+
+    expected = jax.vmap(f, in_axes=axis)(x)
+    tree_allclose(batch_vmap(f, in_axes=axis, batch_size=b)(x), expected)
+
+
+@pytest.mark.parametrize("out_axes", [0, 1, -1, 2, -3])
+@pytest.mark.parametrize("b", [1, 4, 7, 100])
+def test_out_axes_ints(out_axes, b, rng):
+    x = jnp.asarray(rng.normal(size=(11, 4, 3)), jnp.float32)
+
+    def f(v):
+        return v * 2.0
+
+    expected = jax.vmap(f, out_axes=out_axes)(x)
+    actual = batch_vmap(f, out_axes=out_axes, batch_size=b)(x)
+    tree_allclose(actual, expected)
+
+
+@pytest.mark.parametrize("b", [1, 3, 6, None])
+def test_pytree_prefix_axes(b, rng):
+    n = 6
+    params = {"w": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32), "scale": 2.0}
+    data = (
+        jnp.asarray(rng.normal(size=(n, 3)), jnp.float32),
+        {"bias": jnp.asarray(rng.normal(size=(2, n)), jnp.float32)},
+    )
+
+    def f(p, d):
+        x, extra = d
+        h = x @ p["w"] * p["scale"]
+        return {"h": h + extra["bias"], "norm": jnp.sum(h**2), "const": p["w"]}
+
+    in_axes = (None, (0, {"bias": 1}))
+    out_axes = {"h": 1, "norm": 0, "const": None}
+    expected = jax.vmap(f, in_axes, out_axes)(params, data)
+    actual = batch_vmap(f, in_axes, out_axes, batch_size=b)(params, data)
+    tree_allclose(actual, expected)
+
+
+@pytest.mark.parametrize("b", [2, 5, None])
+def test_none_in_axes_for_some_args_and_list_in_axes(b, rng):
+    x = jnp.asarray(rng.normal(size=(9, 2)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(2,)), jnp.float32)
+
+    def f(a, c, label):
+        assert label == "tag"  # non-array arguments pass through untouched
+        return a * c
+
+    expected = jax.vmap(f, [0, None, None])(x, y, "tag")
+    tree_allclose(batch_vmap(f, [0, None, None], batch_size=b)(x, y, "tag"), expected)
+
+
+@pytest.mark.parametrize("b", [1, 4, None])
+def test_keyword_arguments_mapped_over_leading_axis(b, rng):
+    x = jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)
+
+    def f(a, *, weight):
+        return (a * weight).sum()
+
+    expected = jax.vmap(f)(x, weight=w)
+    tree_allclose(batch_vmap(f, batch_size=b)(x, weight=w), expected)
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, None])
+def test_axis_size_without_mapped_inputs(b):
+    c = jnp.arange(3.0)
+
+    def f(v):
+        return v * 2.0
+
+    expected = jax.vmap(f, in_axes=None, axis_size=5)(c)
+    tree_allclose(batch_vmap(f, in_axes=None, axis_size=5, batch_size=b)(c), expected)
+
+
+def test_out_axes_none_for_unmapped_output(rng):
+    x = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+    c = jnp.arange(2.0)
+
+    def f(a):
+        return a + c, c * 3.0
+
+    expected = jax.vmap(f, out_axes=(0, None))(x)
+    tree_allclose(batch_vmap(f, out_axes=(0, None), batch_size=3)(x), expected)
+
+
+def test_out_axes_none_for_mapped_output_is_an_error(rng):
+    x = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+    with pytest.raises(ValueError, match="out_axes"):
+        batch_vmap(lambda a: a * 2.0, out_axes=None, batch_size=3)(x)
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8, jnp.bool_, jnp.complex64]
+)
+@pytest.mark.parametrize("b", [3, None])
+def test_dtypes_are_preserved(dtype, b):
+    x = (jnp.arange(7 * 2) % 5).reshape(7, 2).astype(dtype)
+
+    def f(v):
+        return v, v[::-1], jnp.stack([v[0], v[1]])
+
+    expected = jax.vmap(f)(x)
+    actual = batch_vmap(f, batch_size=b)(x)
+    tree_allclose(actual, expected)
+    assert all(a.dtype == dtype for a in jax.tree.leaves(actual))
+
+
+@pytest.mark.parametrize("b", [2, 3, None])
+def test_typed_prng_keys(b):
+    keys = jax.random.split(jax.random.key(0), 7)
+
+    def f(k):
+        k1, k2 = jax.random.split(k)
+        return jax.random.normal(k1, (2,)), k2
+
+    expected = jax.vmap(f)(keys)
+    actual = batch_vmap(f, batch_size=b)(keys)
+    tree_allclose(actual, expected)
+    assert jax.dtypes.issubdtype(actual[1].dtype, jax.dtypes.prng_key)
+
+
+@pytest.mark.parametrize("b", [1, 3, None])
+def test_zero_examples_like_vmap(b):
+    x = jnp.zeros((0, 3), jnp.float32)
+    expected = jax.vmap(lambda v: v.sum() * 2.0)(x)
+    actual = batch_vmap(lambda v: v.sum() * 2.0, batch_size=b)(x)
+    tree_allclose(actual, expected)
+    assert actual.shape == (0,)
+
+
+def test_numpy_and_python_inputs():
+    x = np.arange(10.0, dtype=np.float32).reshape(5, 2)
+    expected = jax.vmap(lambda v, s: v * s, (0, None))(x, 3.0)
+    tree_allclose(batch_vmap(lambda v, s: v * s, (0, None), batch_size=2)(x, 3.0), expected)
+
+
+@pytest.mark.parametrize("b", [3, 4, 100])
+def test_f_is_traced_once_per_call(b, rng):
+    x = jnp.asarray(rng.normal(size=(10, 3)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
+    counted = TraceCounter(f_mlp)
+    batch_vmap(counted, (0, None), batch_size=b)(x, w)
+    assert counted.count == 1
+    counted.count = 0
+    jax.jit(batch_vmap(counted, (0, None), batch_size=b))(x, w)
+    assert counted.count == 1
+
+
+def test_wraps_metadata():
+    def my_function(x):
+        """Doc."""
+        return x
+
+    wrapped = batch_vmap(my_function, batch_size=2)
+    assert wrapped.__name__ == "my_function"
+    assert wrapped.__doc__ == "Doc."
+
+
+def test_chunk_size_alias(rng):
+    x = jnp.asarray(rng.normal(size=(9, 2)), jnp.float32)
+    expected = jax.vmap(jnp.sum)(x)
+    tree_allclose(batch_vmap(jnp.sum, chunk_size=4)(x), expected)
+
+
+def test_chunk_reduction_without_reduction_post_processes_full_output(rng):
+    x = jnp.asarray(rng.normal(size=(9, 2)), jnp.float32)
+    actual = batch_vmap(jnp.sum, batch_size=4, chunk_reduction=lambda y: y.mean(0))(x)
+    tree_allclose(actual, jax.vmap(jnp.sum)(x).mean(0))
+
+
+def test_remainder_chunk_sees_only_real_examples():
+    """Every example is evaluated exactly once, and no padding reaches f."""
+    seen = []
+
+    def f(v):
+        jax.debug.callback(lambda val: seen.append(np.asarray(val).copy()), v)
+        return v
+
+    x = jnp.arange(10.0)
+    out = batch_vmap(f, batch_size=4)(x)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    assert sorted(np.concatenate([np.atleast_1d(s) for s in seen]).tolist()) == list(
+        range(10)
+    )

@@ -1,0 +1,162 @@
+"""Bad input gets an error naming the argument, what was expected and what arrived."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from chunkvmap import batch_map, batch_vmap
+
+
+X = jnp.ones((6, 3), jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "value, exc, match",
+    [
+        (0, ValueError, r"batch_size must be a positive int or None, but got batch_size=0"),
+        (-3, ValueError, r"batch_size=-3"),
+        (2.0, TypeError, r"batch_size=2.0 of type float"),
+        (True, TypeError, r"batch_size=True of type bool"),
+        ("4", TypeError, r"batch_size='4' of type str"),
+    ],
+)
+def test_bad_batch_size(value, exc, match):
+    with pytest.raises(exc, match=match):
+        batch_vmap(jnp.sum, batch_size=value)
+    with pytest.raises(exc, match=match):
+        batch_map(jnp.sum, X, value)
+
+
+def test_numpy_integer_batch_size_is_accepted():
+    out = batch_vmap(jnp.sum, batch_size=np.int64(4))(X)
+    np.testing.assert_allclose(out, X.sum(1))
+
+
+def test_unknown_keyword_is_named():
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'chunksize'"):
+        batch_vmap(jnp.sum, chunksize=2)
+
+
+def test_chunk_size_alias_conflicts_and_is_checked():
+    with pytest.raises(TypeError, match="both batch_size=2 and its alias chunk_size=3"):
+        batch_vmap(jnp.sum, batch_size=2, chunk_size=3)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        batch_vmap(jnp.sum, chunk_size=0)
+
+
+def test_non_callables():
+    with pytest.raises(TypeError, match="batch_vmap f must be a callable"):
+        batch_vmap(3)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="reduction must be a callable or None"):
+        batch_vmap(jnp.sum, reduction="sum")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="chunk_reduction must be a callable"):
+        batch_vmap(jnp.sum, chunk_reduction=None)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="batch_map fun must be a callable"):
+        batch_map(None, X)  # pyright: ignore[reportArgumentType]
+
+
+def test_mismatched_mapped_sizes_list_every_argument():
+    with pytest.raises(ValueError) as info:
+        batch_vmap(lambda a, b: a + b, batch_size=2)(X, {"y": jnp.ones((5, 3))})
+    message = str(info.value)
+    assert "inconsistent sizes for the mapped axis" in message
+    assert "args[0] of shape (6, 3) has size 6 along axis 0" in message
+    assert "args[1]['y'] of shape (5, 3) has size 5 along axis 0" in message
+
+
+def test_mismatched_keyword_size_is_named():
+    with pytest.raises(ValueError, match=r"kwargs\['w'\] of shape \(4,\) has size 4"):
+        batch_vmap(lambda a, w: a.sum() * w, batch_size=2)(X, w=jnp.ones(4))
+
+
+def test_axis_size_must_agree():
+    with pytest.raises(ValueError, match="axis_size=5"):
+        batch_vmap(jnp.sum, axis_size=5, batch_size=2)(X)
+
+
+def test_no_mapped_argument_needs_axis_size():
+    with pytest.raises(ValueError, match="at least one non-None value in in_axes"):
+        batch_vmap(jnp.sum, in_axes=None, batch_size=2)(X)
+
+
+def test_in_axes_of_wrong_type():
+    with pytest.raises(TypeError, match=r"in_axes must be an int, None, or a tuple"):
+        batch_vmap(jnp.sum, in_axes={"a": 0})
+    with pytest.raises(TypeError, match=r"containing 'x' \(str\)"):
+        batch_vmap(jnp.sum, in_axes=(0, "x"))
+    with pytest.raises(TypeError, match=r"containing 1.0 \(float\)"):
+        batch_vmap(jnp.sum, out_axes=1.0)
+    with pytest.raises(TypeError, match=r"in_axes=True of type bool"):
+        batch_vmap(jnp.sum, in_axes=True)
+
+
+def test_in_axes_not_matching_the_arguments():
+    with pytest.raises(ValueError, match=r"one entry per positional argument.*2 entries.*1"):
+        batch_vmap(jnp.sum, in_axes=(0, None), batch_size=2)(X)
+    with pytest.raises(ValueError, match=r"in_axes must be a pytree prefix"):
+        batch_vmap(lambda d: d["a"], in_axes=({"b": 0},), batch_size=2)({"a": X})
+
+
+def test_out_axes_not_matching_the_output():
+    with pytest.raises(ValueError, match=r"out_axes must be a pytree prefix"):
+        batch_vmap(lambda v: (v, v), out_axes=(0, 0, 0), batch_size=2)(X)
+
+
+def test_out_of_range_axes():
+    with pytest.raises(ValueError, match=r"args\[0\] along axis 2, which is out of range for its shape \(6, 3\)"):
+        batch_vmap(jnp.sum, in_axes=2, batch_size=2)(X)
+    with pytest.raises(ValueError, match=r"axis -3"):
+        batch_vmap(jnp.sum, in_axes=-3, batch_size=2)(X)
+    with pytest.raises(ValueError, match=r"is a scalar"):
+        batch_vmap(jnp.sum, batch_size=2)(jnp.float32(1.0))
+    with pytest.raises(ValueError, match=r"out_axes puts the mapped axis of output out at 2.*valid axes are -1..0"):
+        batch_vmap(lambda v: v.sum(), out_axes=2, batch_size=2)(X)
+
+
+def test_mapping_a_non_array():
+    with pytest.raises(TypeError, match=r"maps args\[1\] along axis 0, but it is not an array"):
+        batch_vmap(lambda a, s: a, batch_size=2)(X, "text")
+
+
+def test_axis_name_with_chunking_is_an_error():
+    with pytest.raises(ValueError, match="collectives over 'i' inside f would only see one chunk"):
+        batch_vmap(lambda v: jax.lax.psum(v, "i"), axis_name="i", batch_size=2)(X)
+    # Unchunked, it is plain vmap.
+    out = batch_vmap(lambda v: jax.lax.psum(v, "i"), axis_name="i", batch_size=6)(X)
+    np.testing.assert_allclose(out, jax.vmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")(X))
+
+
+def test_shard_and_mesh_validation():
+    with pytest.raises(TypeError, match="shard must be a bool"):
+        batch_vmap(jnp.sum, shard=1)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(NotImplementedError, match=r"shard=True\) is not implemented yet"):
+        batch_vmap(jnp.sum, shard=True)
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        batch_map(jnp.sum, X, shard=True)
+    mesh1 = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh2 = jax.make_mesh(
+        (4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    explicit = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with pytest.raises(ValueError, match="one-dimensional mesh, but got a mesh with 2 axes"):
+        batch_vmap(jnp.sum, shard=True, mesh=mesh2)
+    with pytest.raises(ValueError, match="type AxisType.Auto, but axis 'b' has type"):
+        batch_vmap(jnp.sum, shard=True, mesh=explicit)
+    with pytest.raises(ValueError, match="shard=False"):
+        batch_vmap(jnp.sum, mesh=mesh1)
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        batch_vmap(jnp.sum, shard=True, mesh="mesh")  # pyright: ignore[reportArgumentType]
+
+
+def test_batch_map_bad_inputs():
+    with pytest.raises(ValueError, match="strip_dim0=True .* needs batch_size=1, but got batch_size=2"):
+        batch_map(jnp.sum, X, 2, strip_dim0=True)
+    with pytest.raises(TypeError, match=r"xs\[1\] is not an array"):
+        batch_map(lambda c: c, (X, "a"), 2)
+    with pytest.raises(ValueError, match="no array leaves"):
+        batch_map(lambda c: c, {}, 2)
+    with pytest.raises(ValueError, match=r"xs\['b'\] of shape \(5,\) has size 5"):
+        batch_map(lambda c: c, {"a": X, "b": jnp.ones(5)}, 2)
+    with pytest.raises(ValueError, match=r"leading axis is the chunk's 4 examples, but output out\[0\] has shape \(3,\)"):
+        batch_map(lambda c: (c.sum(0), c), X, 4)
