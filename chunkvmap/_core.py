@@ -122,8 +122,12 @@ def _stacked(
     buffers, _ = lax.scan(body, buffers, jnp.arange(plan.num_full))
     if plan.rem:
         start = plan.num_full * batch
-        ys = chunk_fn(_take_static(leaves, axes, start, size), plan.rem)
-        buffers = write(buffers, ys, start)
+        chunk = _take_static(leaves, axes, start, size)
+        # Sequence the remainder after the loop, so that XLA cannot schedule the two
+        # concurrently (or, for a loop it unrolled, interleave them): one chunk's
+        # working set is live at a time.
+        buffers, chunk = lax.optimization_barrier((buffers, chunk))
+        buffers = write(buffers, chunk_fn(chunk, plan.rem), start)
     return buffers
 
 
@@ -149,8 +153,9 @@ def _reduced(
     num_scan = (size - tail) // batch
 
     def body(acc, i):
-        y = reduced_fn(_take(leaves, axes, i * batch, batch), batch)
-        return _fold(reduction, y, acc), None
+        # The barrier makes each chunk wait for the previous fold (see `_stacked`).
+        acc, chunk = lax.optimization_barrier((acc, _take(leaves, axes, i * batch, batch)))
+        return _fold(reduction, reduced_fn(chunk, batch), acc), None
 
     if num_scan:
         acc, _ = lax.scan(body, acc, jnp.arange(num_scan), reverse=True)

@@ -1,0 +1,68 @@
+"""batch_map: an already-vectorised function over chunks of the leading axis."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from chunkvmap import batch_map
+
+from .helpers import TraceCounter, tree_allclose
+
+
+def vec(tree):
+    x, y = tree["x"], tree["y"]
+    return {"sum": x.sum(axis=1) + y, "x2": x * 2.0}
+
+
+@pytest.mark.parametrize("n", [1, 7, 12, 40])
+@pytest.mark.parametrize("b", [1, 3, 4, 50, None])
+def test_matches_unchunked_call(n, b, rng):
+    xs = {
+        "x": jnp.asarray(rng.normal(size=(n, 3)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(n,)), jnp.float32),
+    }
+    tree_allclose(batch_map(vec, xs, b), vec(xs))
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_strip_dim0_hands_single_examples(n, rng):
+    x = jnp.asarray(rng.normal(size=(n, 3)), jnp.float32)
+    shapes = []
+
+    def per_example(v):
+        shapes.append(v.shape)
+        return jnp.outer(v, v)
+
+    out = batch_map(per_example, x, 1, strip_dim0=True)
+    tree_allclose(out, jax.vmap(per_example)(x))
+    assert all(s == (3,) for s in shapes)
+
+
+def test_strip_dim0_with_zero_examples():
+    x = jnp.zeros((0, 3), jnp.float32)
+    out = batch_map(lambda v: (v.sum(), v), x, 1, strip_dim0=True)
+    assert out[0].shape == (0,) and out[1].shape == (0, 3)
+
+
+def test_zero_examples():
+    x = jnp.zeros((0, 3), jnp.float32)
+    out = batch_map(lambda c: c * 2.0, x, 4)
+    assert out.shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int32, jnp.bool_, jnp.complex64])
+def test_dtypes(dtype):
+    x = (jnp.arange(9 * 2) % 3).reshape(9, 2).astype(dtype)
+    out = batch_map(lambda c: c[:, ::-1], x, 4)
+    tree_allclose(out, x[:, ::-1])
+    assert out.dtype == dtype
+
+
+def test_traced_once_per_chunk_shape(rng):
+    x = jnp.asarray(rng.normal(size=(10, 3)), jnp.float32)
+    counted = TraceCounter(lambda c: c * 2.0)
+    batch_map(counted, x, 4)  # full chunks of 4 and a remainder of 2
+    assert counted.count == 2
+    counted.count = 0
+    batch_map(counted, x, 5)  # no remainder
+    assert counted.count == 1
