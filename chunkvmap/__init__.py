@@ -7,7 +7,11 @@ them.
 
 import importlib.metadata
 
-from ._core import batch_map as batch_map, batch_vmap as batch_vmap, identity as identity
+from ._core import (
+    batch_map as batch_map,
+    batch_vmap as batch_vmap,
+    identity as identity,
+)
 
 
 try:

@@ -164,5 +164,7 @@ def check_positive_int(name: str, value: Any, *, allow_none: bool = True) -> int
             f"{type(value).__name__}."
         ) from None
     if index <= 0:
-        raise ValueError(f"batch_vmap {name} must be {expected}, but got {name}={index}.")
+        raise ValueError(
+            f"batch_vmap {name} must be {expected}, but got {name}={index}."
+        )
     return index

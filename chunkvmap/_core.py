@@ -9,12 +9,12 @@ The pieces are kept apart on purpose:
 * the loop (`_stacked`, `_reduced`): a `lax.scan` over chunk indices;
 * the remainder: evaluated once more as a smaller chunk;
 * output assembly: stacked outputs are written with `dynamic_update_slice` into one
-  preallocated buffer per output leaf, at the requested output axis (no concatenation, no
-  transpose, no second output-sized buffer); reduced outputs are folded in a carry.
+  preallocated buffer per output leaf, at the requested output axis (no concatenation,
+  no transpose, no second output-sized buffer); reduced outputs are folded in a carry.
 
 The user's function is wrapped in `jax.jit` once per call, so that abstract evaluation
-(to learn the output structure), the scan body and the remainder all reuse a single trace
-of it: JAX caches the traced function by the per-example argument types.
+(to learn the output structure), the scan body and the remainder all reuse a single
+trace of it: JAX caches the traced function by the per-example argument types.
 """
 
 from __future__ import annotations
@@ -71,14 +71,16 @@ def _make_plan(size: int, batch_size: int | None) -> _Plan:
 
 
 def _take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length: int):
-    """The chunk `[start, start + length)` of every mapped leaf (`start` may be traced)."""
+    """The chunk `[start, start + length)` of each mapped leaf (`start` traced)."""
     return [
         x if a is None else lax.dynamic_slice_in_dim(x, start, length, axis=a)
         for x, a in zip(leaves, axes)
     ]
 
 
-def _take_static(leaves: Sequence[Any], axes: Sequence[int | None], start: int, stop: int):
+def _take_static(
+    leaves: Sequence[Any], axes: Sequence[int | None], start: int, stop: int
+):
     return [
         x if a is None else lax.slice_in_dim(x, start, stop, axis=a)
         for x, a in zip(leaves, axes)
@@ -104,7 +106,11 @@ def _stacked(
     size, batch = plan.size, plan.batch
 
     def buffer(aval, axis):
-        shape = aval.shape if axis is None else (*aval.shape[:axis], size, *aval.shape[axis:])
+        shape = (
+            aval.shape
+            if axis is None
+            else (*aval.shape[:axis], size, *aval.shape[axis:])
+        )
         return lax.full(shape, 0, aval.dtype)
 
     def write(buffers, ys, start):
@@ -137,28 +143,43 @@ def _reduced(
     axes: Sequence[int | None],
     plan: _Plan,
     reduction: Callable[[Any, Any], Any],
+    summary_avals: Any,
 ) -> Any:
     """Fold the chunks' summaries with `reduction`, in order, without an identity.
 
-    The last chunk (the remainder, or the last full chunk when there is none) seeds the
-    accumulator; a reversed scan then folds `acc = reduction(chunk_i, acc)`, which by
-    associativity is `c_0 . c_1 . ... . c_last`: order is kept, so non-commutative
-    reductions work too, and no identity element is needed.
+    With a remainder, the remainder's summary seeds the accumulator and a reversed scan
+    folds `acc = reduction(c_i, acc)`, which by associativity is `c_0 . c_1 ... c_rem`:
+    order is kept (non-commutative reductions work) and no identity element is needed.
+    Without a remainder, a forward scan folds `acc = reduction(acc, c_i)` and the first
+    chunk's summary replaces the (never used) initial value, so the user's function
+    appears once in the program, not twice.
     """
     if plan.single:
         return reduced_fn(list(leaves), plan.size)
     size, batch = plan.size, plan.batch
-    tail = plan.rem or batch
-    acc = reduced_fn(_take_static(leaves, axes, size - tail, size), tail)
-    num_scan = (size - tail) // batch
 
-    def body(acc, i):
-        # The barrier makes each chunk wait for the previous fold (see `_stacked`).
-        acc, chunk = lax.optimization_barrier((acc, _take(leaves, axes, i * batch, batch)))
+    def chunk_at(acc, i):
+        # The barrier makes each chunk wait for the previous fold, so that XLA cannot
+        # overlap two chunks' working sets (see `_stacked`).
+        return lax.optimization_barrier((acc, _take(leaves, axes, i * batch, batch)))
+
+    if plan.rem == 0:
+
+        def body(acc, i):
+            acc, chunk = chunk_at(acc, i)
+            y = reduced_fn(chunk, batch)
+            return lax.cond(i == 0, lambda: y, lambda: _fold(reduction, acc, y)), None
+
+        init = jax.tree.map(lambda a: lax.full(a.shape, 0, a.dtype), summary_avals)
+        acc, _ = lax.scan(body, init, jnp.arange(plan.num_full))
+        return acc
+
+    def reverse_body(acc, i):
+        acc, chunk = chunk_at(acc, i)
         return _fold(reduction, reduced_fn(chunk, batch), acc), None
 
-    if num_scan:
-        acc, _ = lax.scan(body, acc, jnp.arange(num_scan), reverse=True)
+    acc = reduced_fn(_take_static(leaves, axes, size - plan.rem, size), plan.rem)
+    acc, _ = lax.scan(reverse_body, acc, jnp.arange(plan.num_full), reverse=True)
     return acc
 
 
@@ -181,7 +202,9 @@ def _check_callable(name: str, arg: str, value: Any, *, allow_none: bool) -> Non
         )
 
 
-def _resolve_batch_size(name: str, batch_size: Any, kwargs: dict[str, Any]) -> int | None:
+def _resolve_batch_size(
+    name: str, batch_size: Any, kwargs: dict[str, Any]
+) -> int | None:
     kwargs = dict(kwargs)
     if "chunk_size" in kwargs:
         chunk_size = kwargs.pop("chunk_size")
@@ -219,7 +242,7 @@ def _check_reduction(
     out_avals: Sequence[Any],
     out_axes: Sequence[int | None],
     lengths: Sequence[int],
-) -> None:
+) -> Any:
     """Check that `chunk_reduction` removes the mapped axis and `reduction` is a fold.
 
     `chunk_reduction` is evaluated abstractly on chunks of every length that will occur
@@ -252,8 +275,8 @@ def _check_reduction(
                 else " It must reduce over the mapped axis, e.g. lambda y: y.sum(0)."
             )
             raise ValueError(
-                f"{name} with a reduction needs a chunk_reduction whose output does not "
-                f"depend on the chunk length, but its output still has the mapped "
+                f"{name} with a reduction needs a chunk_reduction whose output does "
+                f"not depend on the chunk length, but its output still has the mapped "
                 f"axis: for a chunk of {lengths[0]} examples it returns "
                 f"{_aval_str(first)}, for {length} examples {_aval_str(other)}.{hint}"
             )
@@ -268,6 +291,7 @@ def _check_reduction(
             f"structure, shapes and dtypes (it is applied leaf by leaf), but on "
             f"{_aval_str(first)} it returns {_aval_str(folded)}."
         )
+    return first
 
 
 def _zero_examples(name: str) -> ValueError:
@@ -303,29 +327,32 @@ def batch_vmap(
     `jax.vmap(f, in_axes, out_axes)(*args)`, but maps `jax.vmap(f)` over chunks of `B`
     examples inside a `lax.scan`, so the working memory of `f` scales with `B`, not with
     the number of examples `N`. When `B` does not divide `N`, the `N % B` remaining
-    examples are evaluated once more as a smaller chunk, so the result is exact for every
-    `N`; when `B >= N` (or `B` is None) it is a single `jax.vmap` call. In pseudo-code::
+    examples are evaluated once more as a smaller chunk, so the result is exact for
+    every `N`; when `B >= N` (or `B` is None) it is a single `jax.vmap` call. As
+    pseudo-code::
 
-        chunks = [jax.vmap(f, in_axes, out_axes)(*args[i:i + B]) for i in range(0, N, B)]
+        vf = jax.vmap(f, in_axes, out_axes)
+        chunks = [vf(*args[i:i + B]) for i in range(0, N, B)]
         out = concatenate(chunks, axis=out_axes)
 
     The chunks are written straight into the output (one buffer, no concatenation), and
-    the inputs are sliced in place along their own mapped axes (no transposes or copies).
+    the inputs are sliced in place along their own mapped axes (no transpose, no copy).
     `f` is traced once per call: the scan body and the remainder reuse one trace.
 
-    With `reduction`, the chunk outputs are folded instead of stacked, so nothing of size
-    `N` is ever built: each chunk's output `y` is summarised by `chunk_reduction(y)`
-    (which must remove the mapped axis, e.g. `lambda y: y.sum(0)`) and the summaries are
-    combined in order with the associative `reduction` (e.g. `jnp.add`, `jnp.maximum`,
-    `jnp.matmul`): the result is `chunk_reduction(jax.vmap(f)(*args))` for reductions
-    compatible with it. No identity element is assumed. Without `reduction`,
-    `chunk_reduction` is applied once to the full output.
+    With `reduction`, the chunk outputs are folded instead of stacked, so nothing of
+    size `N` is ever built: each chunk's output pytree `y` is summarised by
+    `chunk_reduction(y)`, which must remove the mapped axis (e.g. `lambda y: y.sum(0)`),
+    and the summaries are combined in order, leaf by leaf, with the associative
+    `reduction` (e.g. `jnp.add`, `jnp.maximum`, `jnp.matmul`): the result is
+    `chunk_reduction(jax.vmap(f)(*args))` for reductions compatible with it. No identity
+    element is assumed. Without `reduction`, `chunk_reduction` is applied once to the
+    full output.
 
     Compared with `jax.lax.map(f, xs, batch_size=B)`: any `in_axes`/`out_axes` (not just
     axis 0 of every argument), keyword arguments, reductions that never materialise the
     `N` outputs, one trace of `f` instead of two, and no copy of the inputs or of the
-    output for the remainder. Compared with `optax.microbatching.micro_vmap`: `N` need not
-    be divisible by `B`, and any associative reduction is allowed.
+    output for the remainder. Compared with `optax.microbatching.micro_vmap`: `N` need
+    not be divisible by `B`, and any associative reduction is allowed.
 
     Where to put `grad`: `batch_vmap(jax.grad(loss))` (per-example gradients, chunked)
     keeps memory bounded by `B`; `jax.grad(lambda p: batch_vmap(...)(p, x).sum())` is
@@ -345,7 +372,8 @@ def batch_vmap(
       batch_size: examples per chunk: a positive int, or None for one `jax.vmap` call.
         `chunk_size` is accepted as an alias.
       reduction: None (stack the outputs, as `jax.vmap` does), or an associative binary
-        function folding two chunk summaries into one.
+        function folding two chunk summaries into one, applied to each leaf of the
+        summaries (`jax.tree.map(reduction, a, b)`).
       chunk_reduction: summarises one chunk's output along the mapped axis (with
         `reduction`), or post-processes the whole output (without it).
       shard: shard the mapped axis across the devices of `mesh` (not implemented yet:
@@ -386,7 +414,9 @@ def batch_vmap(
     batch_size = _resolve_batch_size(name, batch_size, kwargs)
     in_axes = _axes.check_axes_spec("in_axes", in_axes, top_level_tuple=True)
     out_axes = _axes.check_axes_spec("out_axes", out_axes, top_level_tuple=False)
-    axis_size = _axes.check_positive_int("axis_size", axis_size) if axis_size != 0 else 0
+    axis_size = (
+        _axes.check_positive_int("axis_size", axis_size) if axis_size != 0 else 0
+    )
     _check_callable(name, "reduction", reduction, allow_none=True)
     _check_callable(name, "chunk_reduction", chunk_reduction, allow_none=False)
     check_shard_args(name, shard, mesh)
@@ -438,8 +468,17 @@ def _flatten_inputs(in_axes: Any, args: tuple, kwargs: dict) -> tuple:
 
 
 def _batch_vmap_call(
-    f, args, call_kwargs, *, in_axes, out_axes, axis_name, axis_size, batch_size,
-    reduction, chunk_reduction,
+    f,
+    args,
+    call_kwargs,
+    *,
+    in_axes,
+    out_axes,
+    axis_name,
+    axis_size,
+    batch_size,
+    reduction,
+    chunk_reduction,
 ):
     name = "batch_vmap"
     leaves, paths, axes, treedef = _flatten_inputs(in_axes, args, call_kwargs)
@@ -448,9 +487,9 @@ def _batch_vmap_call(
 
     if reduction is None and batch_size is None:
         # Plain jax.vmap: nothing to chunk and nothing to fold.
-        out = jax.vmap(f, in_axes, out_axes, axis_name=axis_name, axis_size=axis_size or None)(
-            *args, **call_kwargs
-        )
+        out = jax.vmap(
+            f, in_axes, out_axes, axis_name=axis_name, axis_size=axis_size or None
+        )(*args, **call_kwargs)
         return out if chunk_reduction is identity else chunk_reduction(out)
     if reduction is not None and size == 0:
         raise _zero_examples(name)
@@ -464,7 +503,11 @@ def _batch_vmap_call(
     # Array leaves (and every mapped leaf) become arguments of one jitted function;
     # everything else (Python scalars, strings, objects with in_axes=None) is closed
     # over unchanged, exactly as jax.vmap hands it to f.
-    dyn = [i for i, (x, a) in enumerate(zip(leaves, axes)) if a is not None or isinstance(x, jax.Array)]
+    dyn = [
+        i
+        for i, (x, a) in enumerate(zip(leaves, axes))
+        if a is not None or isinstance(x, jax.Array)
+    ]
     out_box: list[Any] = []
 
     @jax.jit
@@ -495,12 +538,16 @@ def _batch_vmap_call(
     (out_tree,) = out_box
     out_paths = [
         "out" + jax.tree_util.keystr(p)
-        for p, _ in jax.tree_util.tree_flatten_with_path(out_tree.unflatten(out_avals))[0]
+        for p, _ in jax.tree_util.tree_flatten_with_path(out_tree.unflatten(out_avals))[
+            0
+        ]
     ]
     out_axes_flat = [
         _axes.canonical_out_axis(a, len(aval.shape), p)
         for a, aval, p in zip(
-            _axes.broadcast_axes("out_axes", out_axes, out_tree.unflatten(out_avals), "function's output"),
+            _axes.broadcast_axes(
+                "out_axes", out_axes, out_tree.unflatten(out_avals), "function's output"
+            ),
             out_avals,
             out_paths,
         )
@@ -522,12 +569,14 @@ def _batch_vmap_call(
         return out if chunk_reduction is identity else chunk_reduction(out)
 
     lengths = [plan.batch, plan.rem or plan.batch]
-    _check_reduction(name, reduction, chunk_reduction, out_tree, out_avals, out_axes_flat, lengths)
+    summary = _check_reduction(
+        name, reduction, chunk_reduction, out_tree, out_avals, out_axes_flat, lengths
+    )
 
     def reduced_fn(chunk_leaves: list[Any], length: int) -> Any:
         return chunk_reduction(out_tree.unflatten(chunk_fn(chunk_leaves, length)))
 
-    return _reduced(reduced_fn, leaves, axes, plan, reduction)
+    return _reduced(reduced_fn, leaves, axes, plan, reduction, summary)
 
 
 # --------------------------------------------------------------------------------------
@@ -557,14 +606,15 @@ def batch_map(
 
     with the chunks written into one preallocated output. No `jax.vmap` is added, which
     makes it cheaper to compile than `batch_vmap` and free of vmap-of-control-flow and
-    custom-derivative pitfalls. `fun` is traced at most twice: once for full chunks, once
-    for the remainder.
+    custom-derivative pitfalls. `fun` is traced at most twice: once for full chunks,
+    once for the remainder.
 
     With `strip_dim0=True` (which needs `batch_size=1`) `fun` receives single examples
     (the leading axis removed) and its outputs get the axis back, as in `lax.map`.
 
-    `reduction` / `chunk_reduction` work as in `batch_vmap`: `chunk_reduction` summarises
-    one chunk's output along axis 0, `reduction` folds the summaries in order.
+    `reduction` / `chunk_reduction` work as in `batch_vmap`: `chunk_reduction`
+    summarises one chunk's output along axis 0, `reduction` folds the summaries in
+    order.
 
     Args:
       fun: a vectorised function of one pytree argument.
@@ -637,7 +687,10 @@ def batch_map(
     def fun_flat(*chunk_leaves):
         chunk = jax.tree.unflatten(treedef, chunk_leaves)
         if strip_dim0:
-            out = jax.tree.map(lambda y: jnp.expand_dims(y, 0), fun(jax.tree.map(lambda a: a[0], chunk)))
+            out = jax.tree.map(
+                lambda y: jnp.expand_dims(y, 0),
+                fun(jax.tree.map(lambda a: a[0], chunk)),
+            )
         else:
             out = fun(chunk)
         out_leaves, out_tree = jax.tree.flatten(out)
@@ -664,7 +717,12 @@ def batch_map(
         return jax.tree.map(lambda a: jnp.zeros((0, *a.shape), a.dtype), out)
 
     probe = plan.batch if plan.batch else 0
-    chunk_avals = [jax.ShapeDtypeStruct((probe, *x.shape[1:]), x.dtype, weak_type=jax.typeof(x).weak_type) for x in leaves]
+    chunk_avals = [
+        jax.ShapeDtypeStruct(
+            (probe, *x.shape[1:]), x.dtype, weak_type=jax.typeof(x).weak_type
+        )
+        for x in leaves
+    ]
     out_chunk_avals = jax.eval_shape(fun_flat, *chunk_avals)
     (out_tree,) = out_box
     out_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in out_chunk_avals]
@@ -676,10 +734,11 @@ def batch_map(
         return out if chunk_reduction is identity else chunk_reduction(out)
 
     lengths = [plan.batch, plan.rem or plan.batch]
-    _check_reduction(name, reduction, chunk_reduction, out_tree, out_avals, out_axes, lengths)
+    summary = _check_reduction(
+        name, reduction, chunk_reduction, out_tree, out_avals, out_axes, lengths
+    )
 
     def reduced_fn(chunk_leaves: list[Any], length: int) -> Any:
         return chunk_reduction(out_tree.unflatten(chunk_fn(chunk_leaves, length)))
 
-    return _reduced(reduced_fn, leaves, axes, plan, reduction)
-
+    return _reduced(reduced_fn, leaves, axes, plan, reduction, summary)

@@ -50,4 +50,3 @@ def check_shard_args(name: str, shard: Any, mesh: Any) -> None:
             f"device mesh is planned. Use shard=False (the default), or shard the "
             f"inputs yourself with jax.device_put and a NamedSharding."
         )
-

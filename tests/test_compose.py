@@ -57,6 +57,7 @@ def test_grad_matches_vmap(setup, b, reduce):
         def loss(p, xs):
             return chunked(p, xs)
     else:
+
         def loss(p, xs):
             return jnp.sum(batch_vmap(model, (None, 0), batch_size=b)(p, xs) ** 2)
 
@@ -75,7 +76,9 @@ def test_check_grads(setup, b):
     def loss(p, xs):
         return jnp.sum(batch_vmap(model, (None, 0), batch_size=b)(p, xs))
 
-    check_grads(loss, (params, x64), order=2, modes=["fwd", "rev"], atol=5e-2, rtol=5e-2)
+    check_grads(
+        loss, (params, x64), order=2, modes=["fwd", "rev"], atol=5e-2, rtol=5e-2
+    )
 
 
 def test_vjp_and_jvp(setup):
@@ -89,7 +92,9 @@ def test_vjp_and_jvp(setup):
     tree_allclose(vjp_fn(ct), ref_vjp(ct), rtol=1e-4)
     tangents = (jax.tree.map(jnp.ones_like, params), jnp.ones_like(x))
     tree_allclose(
-        jax.jvp(fn, (params, x), tangents), jax.jvp(ref, (params, x), tangents), rtol=1e-4
+        jax.jvp(fn, (params, x), tangents),
+        jax.jvp(ref, (params, x), tangents),
+        rtol=1e-4,
     )
 
 
@@ -112,7 +117,9 @@ def test_vmap_of_batch_vmap(in_axes, rng):
     x_in = x if in_axes == 0 else jnp.moveaxis(x, 0, 1)
     tree_allclose(jax.vmap(inner, in_axes=in_axes)(x_in), ref(x_in))
     # and the reduced flavour
-    reduced = batch_vmap(f, batch_size=3, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0))
+    reduced = batch_vmap(
+        f, batch_size=3, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0)
+    )
     tree_allclose(
         jax.vmap(reduced, in_axes=in_axes)(x_in),
         jax.vmap(lambda v: jax.vmap(f)(v).sum(0), in_axes=in_axes)(x_in),
@@ -143,7 +150,9 @@ def test_checkpoint(setup):
     def ref(p):
         return jnp.sum(jax.vmap(model, (None, 0))(p, x))
 
-    tree_allclose(jax.grad(jax.checkpoint(loss))(params), jax.grad(ref)(params), rtol=1e-4)
+    tree_allclose(
+        jax.grad(jax.checkpoint(loss))(params), jax.grad(ref)(params), rtol=1e-4
+    )
 
 
 def test_closure_over_traced_values(setup):
@@ -172,6 +181,8 @@ def test_batch_map_composes(setup, b):
 
     tree_allclose(jax.jit(jax.grad(loss))(params), jax.grad(ref)(params), rtol=1e-4)
     tree_allclose(
-        jax.vmap(lambda s: batch_map(lambda c: vec(params, c) * s, x, b))(jnp.arange(3.0)),
+        jax.vmap(lambda s: batch_map(lambda c: vec(params, c) * s, x, b))(
+            jnp.arange(3.0)
+        ),
         jax.vmap(lambda s: vec(params, x) * s)(jnp.arange(3.0)),
     )

@@ -184,7 +184,9 @@ def test_zero_examples_like_vmap(b):
 def test_numpy_and_python_inputs():
     x = np.arange(10.0, dtype=np.float32).reshape(5, 2)
     expected = jax.vmap(lambda v, s: v * s, (0, None))(x, 3.0)
-    tree_allclose(batch_vmap(lambda v, s: v * s, (0, None), batch_size=2)(x, 3.0), expected)
+    tree_allclose(
+        batch_vmap(lambda v, s: v * s, (0, None), batch_size=2)(x, 3.0), expected
+    )
 
 
 @pytest.mark.parametrize("b", [3, 4, 100])

@@ -14,7 +14,11 @@ X = jnp.ones((6, 3), jnp.float32)
 @pytest.mark.parametrize(
     "value, exc, match",
     [
-        (0, ValueError, r"batch_size must be a positive int or None, but got batch_size=0"),
+        (
+            0,
+            ValueError,
+            r"batch_size must be a positive int or None, but got batch_size=0",
+        ),
         (-3, ValueError, r"batch_size=-3"),
         (2.0, TypeError, r"batch_size=2.0 of type float"),
         (True, TypeError, r"batch_size=True of type bool"),
@@ -34,7 +38,9 @@ def test_numpy_integer_batch_size_is_accepted():
 
 
 def test_unknown_keyword_is_named():
-    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'chunksize'"):
+    with pytest.raises(
+        TypeError, match=r"unexpected keyword argument\(s\) 'chunksize'"
+    ):
         batch_vmap(jnp.sum, chunksize=2)
 
 
@@ -92,7 +98,9 @@ def test_in_axes_of_wrong_type():
 
 
 def test_in_axes_not_matching_the_arguments():
-    with pytest.raises(ValueError, match=r"one entry per positional argument.*2 entries.*1"):
+    with pytest.raises(
+        ValueError, match=r"one entry per positional argument.*2 entries.*1"
+    ):
         batch_vmap(jnp.sum, in_axes=(0, None), batch_size=2)(X)
     with pytest.raises(ValueError, match=r"in_axes must be a pytree prefix"):
         batch_vmap(lambda d: d["a"], in_axes=({"b": 0},), batch_size=2)({"a": X})
@@ -104,33 +112,47 @@ def test_out_axes_not_matching_the_output():
 
 
 def test_out_of_range_axes():
-    with pytest.raises(ValueError, match=r"args\[0\] along axis 2, which is out of range for its shape \(6, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"args\[0\] along axis 2, which is out of range for its shape \(6, 3\)",
+    ):
         batch_vmap(jnp.sum, in_axes=2, batch_size=2)(X)
     with pytest.raises(ValueError, match=r"axis -3"):
         batch_vmap(jnp.sum, in_axes=-3, batch_size=2)(X)
     with pytest.raises(ValueError, match=r"is a scalar"):
         batch_vmap(jnp.sum, batch_size=2)(jnp.float32(1.0))
-    with pytest.raises(ValueError, match=r"out_axes puts the mapped axis of output out at 2.*valid axes are -1..0"):
+    with pytest.raises(
+        ValueError,
+        match=r"out_axes puts the mapped axis of output out at 2.*valid axes are -1..0",
+    ):
         batch_vmap(lambda v: v.sum(), out_axes=2, batch_size=2)(X)
 
 
 def test_mapping_a_non_array():
-    with pytest.raises(TypeError, match=r"maps args\[1\] along axis 0, but it is not an array"):
+    with pytest.raises(
+        TypeError, match=r"maps args\[1\] along axis 0, but it is not an array"
+    ):
         batch_vmap(lambda a, s: a, batch_size=2)(X, "text")
 
 
 def test_axis_name_with_chunking_is_an_error():
-    with pytest.raises(ValueError, match="collectives over 'i' inside f would only see one chunk"):
+    with pytest.raises(
+        ValueError, match="collectives over 'i' inside f would only see one chunk"
+    ):
         batch_vmap(lambda v: jax.lax.psum(v, "i"), axis_name="i", batch_size=2)(X)
     # Unchunked, it is plain vmap.
     out = batch_vmap(lambda v: jax.lax.psum(v, "i"), axis_name="i", batch_size=6)(X)
-    np.testing.assert_allclose(out, jax.vmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")(X))
+    np.testing.assert_allclose(
+        out, jax.vmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")(X)
+    )
 
 
 def test_shard_and_mesh_validation():
     with pytest.raises(TypeError, match="shard must be a bool"):
         batch_vmap(jnp.sum, shard=1)  # pyright: ignore[reportArgumentType]
-    with pytest.raises(NotImplementedError, match=r"shard=True\) is not implemented yet"):
+    with pytest.raises(
+        NotImplementedError, match=r"shard=True\) is not implemented yet"
+    ):
         batch_vmap(jnp.sum, shard=True)
     with pytest.raises(NotImplementedError, match="not implemented yet"):
         batch_map(jnp.sum, X, shard=True)
@@ -139,7 +161,9 @@ def test_shard_and_mesh_validation():
         (4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2
     )
     explicit = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,))
-    with pytest.raises(ValueError, match="one-dimensional mesh, but got a mesh with 2 axes"):
+    with pytest.raises(
+        ValueError, match="one-dimensional mesh, but got a mesh with 2 axes"
+    ):
         batch_vmap(jnp.sum, shard=True, mesh=mesh2)
     with pytest.raises(ValueError, match="type AxisType.Auto, but axis 'b' has type"):
         batch_vmap(jnp.sum, shard=True, mesh=explicit)
@@ -150,7 +174,9 @@ def test_shard_and_mesh_validation():
 
 
 def test_batch_map_bad_inputs():
-    with pytest.raises(ValueError, match="strip_dim0=True .* needs batch_size=1, but got batch_size=2"):
+    with pytest.raises(
+        ValueError, match="strip_dim0=True .* needs batch_size=1, but got batch_size=2"
+    ):
         batch_map(jnp.sum, X, 2, strip_dim0=True)
     with pytest.raises(TypeError, match=r"xs\[1\] is not an array"):
         batch_map(lambda c: c, (X, "a"), 2)
@@ -158,5 +184,8 @@ def test_batch_map_bad_inputs():
         batch_map(lambda c: c, {}, 2)
     with pytest.raises(ValueError, match=r"xs\['b'\] of shape \(5,\) has size 5"):
         batch_map(lambda c: c, {"a": X, "b": jnp.ones(5)}, 2)
-    with pytest.raises(ValueError, match=r"leading axis is the chunk's 4 examples, but output out\[0\] has shape \(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"chunk's 4 examples, but output out\[0\] has shape \(3,\)",
+    ):
         batch_map(lambda c: (c.sum(0), c), X, 4)

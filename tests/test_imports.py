@@ -21,7 +21,10 @@ print(",".join(loaded))
 def loaded_frameworks(module: str) -> list[str]:
     code = CHECK.format(module=module, frameworks=FRAMEWORKS)
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
         timeout=120,
     )
     return [m for m in out.stdout.strip().split(",") if m]

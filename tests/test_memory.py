@@ -31,7 +31,9 @@ def loss(params, x, y):
 def clipped_sum(grads, clip=1.0):
     def clip_one(g):
         norm = jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(g)))
-        return jax.tree.map(lambda leaf: leaf * jnp.minimum(1.0, clip / (norm + 1e-12)), g)
+        return jax.tree.map(
+            lambda leaf: leaf * jnp.minimum(1.0, clip / (norm + 1e-12)), g
+        )
 
     return jax.tree.map(lambda leaf: leaf.sum(0), jax.vmap(clip_one)(grads))
 
@@ -62,13 +64,18 @@ def test_inputs_are_not_copied():
     """A reduced map over 4 MiB of inputs needs far less than 4 MiB of temporaries."""
     x = jnp.ones((16384, 64), jnp.float32)  # 4 MiB
     fn = batch_vmap(
-        lambda v: jnp.sin(v).sum(), batch_size=16, reduction=jnp.add,
+        lambda v: jnp.sin(v).sum(),
+        batch_size=16,
+        reduction=jnp.add,
         chunk_reduction=lambda y: y.sum(0),
     )
     assert temp_bytes(fn, x) < x.nbytes // 16
     # Same along a non-leading mapped axis: no transpose copy either.
     fn1 = batch_vmap(
-        lambda v: jnp.sin(v).sum(), in_axes=1, batch_size=16, reduction=jnp.add,
+        lambda v: jnp.sin(v).sum(),
+        in_axes=1,
+        batch_size=16,
+        reduction=jnp.add,
         chunk_reduction=lambda y: y.sum(0),
     )
     assert temp_bytes(fn1, x.T) < x.nbytes // 16

@@ -86,7 +86,10 @@ def test_reduction_keeps_dtype(dtype):
     x = (jnp.arange(11 * 2) % 4).reshape(11, 2).astype(dtype)
     expected = jax.vmap(lambda v: v * v)(x).sum(0)
     actual = batch_vmap(
-        lambda v: v * v, batch_size=4, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0)
+        lambda v: v * v,
+        batch_size=4,
+        reduction=jnp.add,
+        chunk_reduction=lambda y: y.sum(0),
     )(x)
     tree_allclose(actual, expected)
     assert actual.dtype == dtype
@@ -148,7 +151,11 @@ def test_reduction_over_zero_examples_is_an_error():
 def test_batch_map_reductions(b):
     x = jnp.linspace(-1.0, 1.0, 22, dtype=jnp.float32).reshape(11, 2)
     actual = batch_map(
-        lambda c: jnp.exp(c), x, b, reduction=jnp.maximum, chunk_reduction=lambda y: y.max(0)
+        lambda c: jnp.exp(c),
+        x,
+        b,
+        reduction=jnp.maximum,
+        chunk_reduction=lambda y: y.max(0),
     )
     tree_allclose(actual, jnp.exp(x).max(0))
 
@@ -156,7 +163,9 @@ def test_batch_map_reductions(b):
 def test_reduction_is_traced_once_and_nothing_of_size_n_is_stacked():
     """The folded carry has the summary's shape; no (N, ...) array is produced."""
     x = jnp.ones((1000, 3), jnp.float32)
-    fn = batch_vmap(f, batch_size=10, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0))
+    fn = batch_vmap(
+        f, batch_size=10, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0)
+    )
     jaxpr = jax.make_jaxpr(fn)(x)
     shapes = {tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars}
     assert not any(1000 in s for s in shapes), shapes
