@@ -87,6 +87,16 @@ def _take_static(
     ]
 
 
+def _after(carry: Any, chunk: list[Any], axes: Sequence[int | None]):
+    """Make the chunk's mapped leaves wait for `carry` (an optimization barrier)."""
+    mapped = [k for k, a in enumerate(axes) if a is not None]
+    carry, values = lax.optimization_barrier((carry, [chunk[k] for k in mapped]))
+    chunk = list(chunk)
+    for k, v in zip(mapped, values):
+        chunk[k] = v
+    return carry, chunk
+
+
 # A chunk function maps (chunk leaves, chunk length) to the chunk's flat outputs, each
 # mapped along its canonical output axis (or unmapped where the axis is None).
 ChunkFn = Callable[[list[Any], int], list[Any]]
@@ -132,7 +142,7 @@ def _stacked(
         # Sequence the remainder after the loop, so that XLA cannot schedule the two
         # concurrently (or, for a loop it unrolled, interleave them): one chunk's
         # working set is live at a time.
-        buffers, chunk = lax.optimization_barrier((buffers, chunk))
+        buffers, chunk = _after(buffers, chunk, axes)
         buffers = write(buffers, chunk_fn(chunk, plan.rem), start)
     return buffers
 
@@ -161,7 +171,7 @@ def _reduced(
     def chunk_at(acc, i):
         # The barrier makes each chunk wait for the previous fold, so that XLA cannot
         # overlap two chunks' working sets (see `_stacked`).
-        return lax.optimization_barrier((acc, _take(leaves, axes, i * batch, batch)))
+        return _after(acc, _take(leaves, axes, i * batch, batch), axes)
 
     if plan.rem == 0:
 

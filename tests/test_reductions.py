@@ -169,3 +169,20 @@ def test_reduction_is_traced_once_and_nothing_of_size_n_is_stacked():
     jaxpr = jax.make_jaxpr(fn)(x)
     shapes = {tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars}
     assert not any(1000 in s for s in shapes), shapes
+
+
+def test_reduction_with_non_array_arguments():
+    x = jnp.arange(10.0, dtype=jnp.float32)
+
+    def g(v, label, scale):
+        assert label == "tag"
+        return v * scale
+
+    actual = batch_vmap(
+        g,
+        (0, None, None),
+        batch_size=3,
+        reduction=jnp.add,
+        chunk_reduction=lambda y: y.sum(0),
+    )(x, "tag", 2.0)
+    tree_allclose(actual, (x * 2.0).sum())
