@@ -42,7 +42,7 @@ def identity(x: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------
-# The chunk plan and slicing.
+# The chunk plan, slicing and the loop.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +51,9 @@ class _Plan:
     batch: int  # B, 1 <= B <= N (or B = N = 0)
 
     @property
-    def num_full(self) -> int:
-        return self.size // self.batch if self.batch else 0
+    def num_chunks(self) -> int:
+        """Loop iterations: ceil(N / B)."""
+        return -(-self.size // self.batch) if self.batch else 0
 
     @property
     def rem(self) -> int:
@@ -62,6 +63,12 @@ class _Plan:
     def single(self) -> bool:
         """Whether everything is one vmap call (no loop)."""
         return self.batch >= self.size
+
+    def start(self, i: Any) -> Any:
+        """First example of chunk `i`; the last chunk is the window `[N - B, N)`."""
+        if self.rem == 0:
+            return i * self.batch
+        return jnp.minimum(i * self.batch, self.size - self.batch)
 
 
 def _make_plan(size: int, batch_size: int | None) -> _Plan:
@@ -78,28 +85,23 @@ def _take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length:
     ]
 
 
-def _take_static(
-    leaves: Sequence[Any], axes: Sequence[int | None], start: int, stop: int
-):
-    return [
-        x if a is None else lax.slice_in_dim(x, start, stop, axis=a)
-        for x, a in zip(leaves, axes)
-    ]
-
-
-def _after(carry: Any, chunk: list[Any], axes: Sequence[int | None]):
-    """Make the chunk's mapped leaves wait for `carry` (an optimization barrier)."""
-    mapped = [k for k, a in enumerate(axes) if a is not None]
-    carry, values = lax.optimization_barrier((carry, [chunk[k] for k in mapped]))
-    chunk = list(chunk)
-    for k, v in zip(mapped, values):
-        chunk[k] = v
-    return carry, chunk
-
-
 # A chunk function maps (chunk leaves, chunk length) to the chunk's flat outputs, each
 # mapped along its canonical output axis (or unmapped where the axis is None).
 ChunkFn = Callable[[list[Any], int], list[Any]]
+
+
+def _checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
+    """`fn` under `jax.checkpoint` (with `remat` as the policy when it is callable).
+
+    Only the chunk index crosses the checkpoint; the inputs are closed over, so the
+    residuals saved for reverse mode are one scalar per chunk (plus what the policy
+    saves) instead of every chunk's activations. `prevent_cse=False` is safe inside a
+    scan, which already keeps XLA from merging the recomputation with the forward pass.
+    """
+    if remat is False:
+        return fn
+    policy = None if remat is True else remat
+    return jax.checkpoint(fn, prevent_cse=False, policy=policy)
 
 
 def _stacked(
@@ -107,95 +109,166 @@ def _stacked(
     leaves: Sequence[Any],
     axes: Sequence[int | None],
     plan: _Plan,
-    out_avals: Sequence[jax.ShapeDtypeStruct],
+    out_avals: Sequence[Any],
     out_axes: Sequence[int | None],
+    remat: Any,
 ) -> list[Any]:
-    """Run every chunk and write its outputs into preallocated output buffers."""
+    """Run every chunk and assemble the stacked outputs without a second output copy.
+
+    Two layouts, both with the user's function once in the program:
+
+    * `B` divides `N` and every mapped output axis is 0: the chunks are the `ys` of the
+      scan, shape `(N / B, B, ...)`, and reshaping them to `(N, ...)` is free. Reverse
+      mode then reads the output cotangent chunk by chunk as a loop input, so with
+      `remat` gradient memory does not grow with `N` at all.
+    * otherwise: one buffer per output leaf, preallocated with the mapped axis where
+      `out_axes` puts it, and each chunk written in place with `dynamic_update_slice`
+      (no concatenation, no transpose). When `B` does not divide `N`, the last chunk is
+      the window `[N - B, N)` of real examples, overlapping the previous chunk; it
+      rewrites the overlapping `B - N % B` outputs with the same values, and the
+      cotangents of overwritten entries are zero, so gradients count each example once.
+      No padding is ever evaluated. Reverse mode carries the output cotangent through
+      the loop, so gradients need one output-sized buffer more than forward evaluation.
+    """
     if plan.single:
         return chunk_fn(list(leaves), plan.size)
     size, batch = plan.size, plan.batch
 
-    def buffer(aval, axis):
-        shape = (
-            aval.shape
-            if axis is None
-            else (*aval.shape[:axis], size, *aval.shape[axis:])
-        )
+    @ft.partial(_checkpointed, remat=remat)
+    def evaluate(i):
+        return chunk_fn(_take(leaves, axes, plan.start(i), batch), batch)
+
+    def full(aval, length=None, axis=None):
+        shape = aval.shape
+        if axis is not None:
+            shape = (*shape[:axis], length, *shape[axis:])
         return lax.full(shape, 0, aval.dtype)
 
-    def write(buffers, ys, start):
+    mapped = [k for k, a in enumerate(out_axes) if a is not None]
+    unmapped = [k for k, a in enumerate(out_axes) if a is None]
+
+    if plan.rem == 0 and all(out_axes[k] == 0 for k in mapped):
+
+        def body(carry, i):
+            ys = evaluate(i)
+            return [ys[k] for k in unmapped], [ys[k] for k in mapped]
+
+        init = [full(out_avals[k]) for k in unmapped]
+        with jax.named_scope("chunkvmap"):
+            last, stacked = lax.scan(body, init, jnp.arange(plan.num_chunks))
+        outs: list[Any] = [None] * len(out_axes)
+        for k, y in zip(mapped, stacked):
+            outs[k] = y.reshape(size, *y.shape[2:])
+        for k, y in zip(unmapped, last):
+            outs[k] = y
+        return outs
+
+    def body(buffers, i):
+        ys = evaluate(i)
+        start = plan.start(i)
         return [
             y if axis is None else lax.dynamic_update_slice_in_dim(b, y, start, axis)
             for b, y, axis in zip(buffers, ys, out_axes)
-        ]
+        ], None
 
-    def body(buffers, i):
-        start = i * batch
-        ys = chunk_fn(_take(leaves, axes, start, batch), batch)
-        return write(buffers, ys, start), None
-
-    buffers = [buffer(aval, axis) for aval, axis in zip(out_avals, out_axes)]
-    buffers, _ = lax.scan(body, buffers, jnp.arange(plan.num_full))
-    if plan.rem:
-        start = plan.num_full * batch
-        chunk = _take_static(leaves, axes, start, size)
-        # Sequence the remainder after the loop, so that XLA cannot schedule the two
-        # concurrently (or, for a loop it unrolled, interleave them): one chunk's
-        # working set is live at a time.
-        buffers, chunk = _after(buffers, chunk, axes)
-        buffers = write(buffers, chunk_fn(chunk, plan.rem), start)
+    buffers = [full(aval, size, axis) for aval, axis in zip(out_avals, out_axes)]
+    with jax.named_scope("chunkvmap"):
+        buffers, _ = lax.scan(body, buffers, jnp.arange(plan.num_chunks))
     return buffers
 
 
 def _reduced(
-    reduced_fn: Callable[[list[Any], int], Any],
+    chunk_fn: ChunkFn,
+    chunk_reduction: Callable[[Any], Any],
+    out_tree: Any,
+    out_axes: Sequence[int | None],
     leaves: Sequence[Any],
     axes: Sequence[int | None],
     plan: _Plan,
     reduction: Callable[[Any, Any], Any],
     summary_avals: Any,
+    remat: Any,
 ) -> Any:
     """Fold the chunks' summaries with `reduction`, in order, without an identity.
 
-    With a remainder, the remainder's summary seeds the accumulator and a reversed scan
-    folds `acc = reduction(c_i, acc)`, which by associativity is `c_0 . c_1 ... c_rem`:
-    order is kept (non-commutative reductions work) and no identity element is needed.
-    Without a remainder, a forward scan folds `acc = reduction(acc, c_i)` and the first
-    chunk's summary replaces the (never used) initial value, so the user's function
-    appears once in the program, not twice.
+    A forward scan folds `acc = reduction(acc, s_i)`; the first chunk's summary replaces
+    the (never used) initial value, so no identity element is needed and order is kept
+    (non-commutative reductions work). When `B` does not divide `N`, the last chunk is
+    the window `[N - B, N)` as in `_stacked`, and only its last `N % B` outputs (the
+    examples no earlier chunk covered) are summarised. Either way the user's function
+    appears once in the program.
     """
+
+    def summarise(ys: list[Any]) -> Any:
+        return chunk_reduction(out_tree.unflatten(ys))
+
     if plan.single:
-        return reduced_fn(list(leaves), plan.size)
-    size, batch = plan.size, plan.batch
+        return summarise(chunk_fn(list(leaves), plan.size))
+    batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
 
-    def chunk_at(acc, i):
-        # The barrier makes each chunk wait for the previous fold, so that XLA cannot
-        # overlap two chunks' working sets (see `_stacked`).
-        return _after(acc, _take(leaves, axes, i * batch, batch), axes)
+    def tail(ys: list[Any]) -> list[Any]:
+        return [
+            y if a is None else lax.slice_in_dim(y, batch - rem, batch, axis=a)
+            for y, a in zip(ys, out_axes)
+        ]
 
-    if plan.rem == 0:
+    @ft.partial(_checkpointed, remat=remat)
+    def evaluate(i):
+        ys = chunk_fn(_take(leaves, axes, plan.start(i), batch), batch)
+        if rem == 0:
+            return summarise(ys)
+        return lax.cond(i == last, lambda: summarise(tail(ys)), lambda: summarise(ys))
 
-        def body(acc, i):
-            acc, chunk = chunk_at(acc, i)
-            y = reduced_fn(chunk, batch)
-            return lax.cond(i == 0, lambda: y, lambda: _fold(reduction, acc, y)), None
+    def body(acc, i):
+        s = evaluate(i)
+        return lax.cond(i == 0, lambda: s, lambda: _fold(reduction, acc, s)), None
 
-        init = jax.tree.map(lambda a: lax.full(a.shape, 0, a.dtype), summary_avals)
-        acc, _ = lax.scan(body, init, jnp.arange(plan.num_full))
-        return acc
-
-    def reverse_body(acc, i):
-        acc, chunk = chunk_at(acc, i)
-        return _fold(reduction, reduced_fn(chunk, batch), acc), None
-
-    acc = reduced_fn(_take_static(leaves, axes, size - plan.rem, size), plan.rem)
-    acc, _ = lax.scan(reverse_body, acc, jnp.arange(plan.num_full), reverse=True)
+    init = jax.tree.map(lambda a: lax.full(a.shape, 0, a.dtype), summary_avals)
+    with jax.named_scope("chunkvmap"):
+        acc, _ = lax.scan(body, init, jnp.arange(plan.num_chunks))
     return acc
 
 
 def _fold(reduction: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
     """`reduction` applied leaf by leaf to two summaries of the same structure."""
     return jax.tree.map(reduction, a, b)
+
+
+def _run(
+    name: str,
+    chunk_fn: ChunkFn,
+    leaves: Sequence[Any],
+    axes: Sequence[int | None],
+    plan: _Plan,
+    out_tree: Any,
+    out_avals: Sequence[Any],
+    out_axes: Sequence[int | None],
+    *,
+    reduction: Callable[[Any, Any], Any] | None,
+    chunk_reduction: Callable[[Any], Any],
+    remat: Any,
+) -> Any:
+    """Stack or fold the chunks, shared by `batch_vmap` and `batch_map`."""
+    if reduction is None:
+        flat = _stacked(chunk_fn, leaves, axes, plan, out_avals, out_axes, remat)
+        out = out_tree.unflatten(flat)
+        return out if chunk_reduction is identity else chunk_reduction(out)
+    lengths = [plan.batch, plan.rem or plan.batch]
+    summary = _check_reduction(
+        name, reduction, chunk_reduction, out_tree, out_avals, out_axes, lengths
+    )
+    return _reduced(
+        chunk_fn,
+        chunk_reduction,
+        out_tree,
+        out_axes,
+        leaves,
+        axes,
+        plan,
+        reduction,
+        summary,
+        remat,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -209,6 +282,15 @@ def _check_callable(name: str, arg: str, value: Any, *, allow_none: bool) -> Non
         raise TypeError(
             f"{name} {arg} must be a callable{' or None' if allow_none else ''}, but "
             f"got {arg}={value!r} of type {type(value).__name__}."
+        )
+
+
+def _check_remat(name: str, remat: Any) -> None:
+    if not (isinstance(remat, bool) or callable(remat)):
+        raise TypeError(
+            f"{name} remat must be True, False, or a jax.checkpoint policy (e.g. "
+            f"jax.checkpoint_policies.dots_saveable), but got remat={remat!r} of type "
+            f"{type(remat).__name__}."
         )
 
 
@@ -329,6 +411,7 @@ def batch_vmap(
     chunk_reduction: Callable[[Any], Any] = identity,
     shard: bool = False,
     mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
     **kwargs: Any,
 ) -> F:
     """Vectorise `f` like `jax.vmap`, evaluating the examples `batch_size` at a time.
@@ -429,6 +512,7 @@ def batch_vmap(
     )
     _check_callable(name, "reduction", reduction, allow_none=True)
     _check_callable(name, "chunk_reduction", chunk_reduction, allow_none=False)
+    _check_remat(name, remat)
     check_shard_args(name, shard, mesh)
 
     @ft.wraps(f)
@@ -444,6 +528,7 @@ def batch_vmap(
             batch_size=batch_size,
             reduction=reduction,
             chunk_reduction=chunk_reduction,
+            remat=remat,
         )
 
     return batched  # pyright: ignore[reportReturnType]
@@ -489,6 +574,7 @@ def _batch_vmap_call(
     batch_size,
     reduction,
     chunk_reduction,
+    remat,
 ):
     name = "batch_vmap"
     leaves, paths, axes, treedef = _flatten_inputs(in_axes, args, call_kwargs)
@@ -573,20 +659,19 @@ def _batch_vmap_call(
         )
         return vf(*[chunk_leaves[i] for i in dyn])
 
-    if reduction is None:
-        flat = _stacked(chunk_fn, leaves, axes, plan, out_avals, out_axes_flat)
-        out = out_tree.unflatten(flat)
-        return out if chunk_reduction is identity else chunk_reduction(out)
-
-    lengths = [plan.batch, plan.rem or plan.batch]
-    summary = _check_reduction(
-        name, reduction, chunk_reduction, out_tree, out_avals, out_axes_flat, lengths
+    return _run(
+        name,
+        chunk_fn,
+        leaves,
+        axes,
+        plan,
+        out_tree,
+        out_avals,
+        out_axes_flat,
+        reduction=reduction,
+        chunk_reduction=chunk_reduction,
+        remat=remat,
     )
-
-    def reduced_fn(chunk_leaves: list[Any], length: int) -> Any:
-        return chunk_reduction(out_tree.unflatten(chunk_fn(chunk_leaves, length)))
-
-    return _reduced(reduced_fn, leaves, axes, plan, reduction, summary)
 
 
 # --------------------------------------------------------------------------------------
@@ -604,6 +689,7 @@ def batch_map(
     strip_dim0: bool = False,
     shard: bool = False,
     mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
 ) -> Any:
     """Apply an already-vectorised `fun` to `xs` in chunks of `batch_size`.
 
@@ -672,6 +758,7 @@ def batch_map(
             f"{name} strip_dim0=True hands fun single examples, so it needs "
             f"batch_size=1, but got batch_size={batch_size}."
         )
+    _check_remat(name, remat)
     check_shard_args(name, shard, mesh)
 
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(xs)
@@ -738,17 +825,16 @@ def batch_map(
     out_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in out_chunk_avals]
     out_axes = [0] * len(out_avals)
 
-    if reduction is None:
-        flat = _stacked(chunk_fn, leaves, axes, plan, out_avals, out_axes)
-        out = out_tree.unflatten(flat)
-        return out if chunk_reduction is identity else chunk_reduction(out)
-
-    lengths = [plan.batch, plan.rem or plan.batch]
-    summary = _check_reduction(
-        name, reduction, chunk_reduction, out_tree, out_avals, out_axes, lengths
+    return _run(
+        name,
+        chunk_fn,
+        leaves,
+        axes,
+        plan,
+        out_tree,
+        out_avals,
+        out_axes,
+        reduction=reduction,
+        chunk_reduction=chunk_reduction,
+        remat=remat,
     )
-
-    def reduced_fn(chunk_leaves: list[Any], length: int) -> Any:
-        return chunk_reduction(out_tree.unflatten(chunk_fn(chunk_leaves, length)))
-
-    return _reduced(reduced_fn, leaves, axes, plan, reduction, summary)

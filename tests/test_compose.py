@@ -186,3 +186,71 @@ def test_batch_map_composes(setup, b):
         ),
         jax.vmap(lambda s: vec(params, x) * s)(jnp.arange(3.0)),
     )
+
+
+@pytest.mark.parametrize(
+    "remat", [True, False, jax.checkpoint_policies.dots_with_no_batch_dims_saveable]
+)
+@pytest.mark.parametrize("b", [3, 4])
+@pytest.mark.parametrize("reduce", [False, True])
+def test_remat_options_give_the_same_gradients(setup, remat, b, reduce):
+    params, x = setup  # 11 examples: b=3 leaves a remainder, b=4 too
+
+    def loss(p):
+        if reduce:
+            return batch_vmap(
+                model,
+                (None, 0),
+                batch_size=b,
+                remat=remat,
+                reduction=jnp.add,
+                chunk_reduction=lambda y: y.sum(0),
+            )(p, x)
+        return batch_vmap(model, (None, 0), batch_size=b, remat=remat)(p, x).sum()
+
+    def ref(p):
+        return jax.vmap(model, (None, 0))(p, x).sum()
+
+    tree_allclose(jax.grad(loss)(params), jax.grad(ref)(params), rtol=1e-4)
+
+
+def test_f_traced_once_under_grad_with_remainder(setup):
+    from .helpers import TraceCounter
+
+    params, x = setup
+    counted = TraceCounter(model)
+
+    def loss(p):
+        return batch_vmap(counted, (None, 0), batch_size=4)(p, x).sum()
+
+    jax.jit(jax.grad(loss))(params)
+    assert counted.count == 1
+    counted.count = 0
+    jax.grad(
+        lambda p: batch_vmap(
+            counted,
+            (None, 0),
+            batch_size=4,
+            reduction=jnp.add,
+            chunk_reduction=lambda y: y.sum(0),
+        )(p, x)
+    )(params)
+    assert counted.count == 1
+
+
+def test_grad_wrt_mapped_input_with_overlapping_last_window(rng):
+    """The last window recomputes examples; their gradient must be counted once."""
+    x = jnp.asarray(rng.normal(size=(10, 3)), jnp.float32)
+
+    def f(v):
+        return jnp.sin(v).sum() * v[0]
+
+    for b in (3, 4, 6):
+        g = jax.grad(lambda a: batch_vmap(f, batch_size=b)(a).sum())(x)
+        tree_allclose(g, jax.grad(lambda a: jax.vmap(f)(a).sum())(x))
+        g = jax.grad(
+            lambda a: batch_vmap(
+                f, batch_size=b, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0)
+            )(a)
+        )(x)
+        tree_allclose(g, jax.grad(lambda a: jax.vmap(f)(a).sum())(x))

@@ -223,18 +223,19 @@ def test_chunk_reduction_without_reduction_post_processes_full_output(rng):
     tree_allclose(actual, jax.vmap(jnp.sum)(x).mean(0))
 
 
-def test_remainder_chunk_sees_only_real_examples():
-    """Every example is evaluated exactly once, and no padding reaches f."""
+def test_remainder_window_sees_only_real_examples():
+    """No padding reaches f: the last chunk is the window [N - B, N) of real examples,
+    so 10 examples in chunks of 4 evaluate 0-3, 4-7, 6-9 (two recomputed)."""
     seen = []
 
     def f(v):
         jax.debug.callback(lambda val: seen.append(np.asarray(val).copy()), v)
-        return v
+        return v * 2.0
 
     x = jnp.arange(10.0)
     out = batch_vmap(f, batch_size=4)(x)
     jax.block_until_ready(out)
     jax.effects_barrier()
-    assert sorted(np.concatenate([np.atleast_1d(s) for s in seen]).tolist()) == list(
-        range(10)
-    )
+    values = sorted(np.concatenate([np.atleast_1d(s) for s in seen]).tolist())
+    assert values == [0, 1, 2, 3, 4, 5, 6, 6, 7, 7, 8, 9]
+    tree_allclose(out, x * 2.0)

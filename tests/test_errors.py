@@ -189,3 +189,12 @@ def test_batch_map_bad_inputs():
         match=r"chunk's 4 examples, but output out\[0\] has shape \(3,\)",
     ):
         batch_map(lambda c: (c.sum(0), c), X, 4)
+
+
+def test_bad_remat():
+    with pytest.raises(
+        TypeError, match="remat must be True, False, or a jax.checkpoint policy"
+    ):
+        batch_vmap(jnp.sum, remat="yes")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="remat=1 of type int"):
+        batch_map(jnp.sum, X, 2, remat=1)  # pyright: ignore[reportArgumentType]
