@@ -11,6 +11,7 @@ from ._core import (
     batch_map as batch_map,
     batch_vmap as batch_vmap,
     identity as identity,
+    last_batch_size as last_batch_size,
 )
 
 
@@ -19,4 +20,4 @@ try:
 except importlib.metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ["batch_map", "batch_vmap", "identity"]
+__all__ = ["batch_map", "batch_vmap", "identity", "last_batch_size"]

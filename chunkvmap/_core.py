@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools as ft
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _axes
+from . import _axes, _memory
 from ._sharding import check_shard_args
 
 
@@ -308,11 +309,128 @@ def _resolve_batch_size(
         if batch_size is None:
             batch_size = chunk_size
             if batch_size is not None:
-                return _axes.check_positive_int("chunk_size", batch_size)
+                return _check_batch_size(name, "chunk_size", batch_size)
     if kwargs:
         names = ", ".join(repr(k) for k in kwargs)
         raise TypeError(f"{name} got unexpected keyword argument(s) {names}.")
-    return _axes.check_positive_int("batch_size", batch_size)
+    return _check_batch_size(name, "batch_size", batch_size)
+
+
+def _check_batch_size(name: str, arg: str, value: Any) -> int | str | None:
+    if isinstance(value, str):
+        if value == "auto":
+            return value
+        raise TypeError(
+            f"{name} {arg} must be a positive int, None, or 'auto', but got "
+            f"{arg}={value!r} of type str."
+        )
+    return _axes.check_positive_int(arg, value)
+
+
+class _AutoBatch:
+    """`batch_size="auto"` state of one function: the budget and chosen sizes."""
+
+    def __init__(self, name: str, memory_limit: Any):
+        self.name = name
+        self.limit = (
+            None if memory_limit is None else _memory.parse_memory(name, memory_limit)
+        )
+        self.cache: dict[Any, int] = {}
+        self.last: int | None = None
+
+    def choose(self, key: Any, measure: Callable[[int], int], size: int) -> int:
+        limit = (
+            self.limit if self.limit is not None else _memory.default_limit(self.name)
+        )
+        key = (key, limit)
+        if key not in self.cache:
+            self.cache[key] = _memory.choose_batch_size(self.name, measure, size, limit)
+        self.last = self.cache[key]
+        _LAST_AUTO[0] = self.last
+        return self.last
+
+
+_AUTO_STATES: weakref.WeakKeyDictionary[Any, _AutoBatch] = weakref.WeakKeyDictionary()
+_LAST_AUTO: list[int | None] = [None]
+
+
+def _auto_state(name: str, fn: Any, memory_limit: Any) -> _AutoBatch:
+    state = _AUTO_STATES.get(fn)
+    if state is None or state.limit != (
+        None if memory_limit is None else _memory.parse_memory(name, memory_limit)
+    ):
+        state = _AutoBatch(name, memory_limit)
+        _AUTO_STATES[fn] = state
+    return state
+
+
+def last_batch_size(fn: Callable[..., Any] | None = None) -> int | None:
+    """The chunk size that `batch_size="auto"` chose most recently.
+
+    Args:
+      fn: a function returned by `batch_vmap(..., batch_size="auto")`, or the `fun`
+        given to `batch_map(fun, xs, "auto")`. None (the default) means the most recent
+        choice made by any call.
+
+    Returns:
+      The batch size chosen by the most recent call (of `fn`, when given), or None if
+      no such call has happened yet.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import batch_vmap, last_batch_size
+      >>> f = batch_vmap(jnp.sin, batch_size="auto", memory_limit="1MiB")
+      >>> y = f(jnp.ones((1000, 100)))
+      >>> 1 <= last_batch_size(f) <= 1000
+      True
+    """
+    if fn is None:
+        return _LAST_AUTO[0]
+    try:
+        state = _AUTO_STATES.get(fn)
+    except TypeError:  # not weak-referenceable, so never registered
+        state = None
+    return None if state is None else state.last
+
+
+def _measure_program(
+    name: str,
+    run: Callable[[list[Any], _Plan], Any],
+    leaves: Sequence[Any],
+    dyn: Sequence[int],
+    size: int,
+) -> Callable[[int], int]:
+    """`B -> compiled temp bytes` of the chunked program, on abstract inputs."""
+    abstract = []
+    for i in dyn:
+        aval = jax.typeof(leaves[i])
+        abstract.append(
+            jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+        )
+
+    def measure(batch: int) -> int:
+        plan = _make_plan(size, batch)
+
+        def program(*values):
+            full = list(leaves)
+            for i, v in zip(dyn, values):
+                full[i] = v
+            return run(full, plan)
+
+        return _memory.temp_bytes(name, program, abstract)
+
+    return measure
+
+
+def _check_memory_limit(name: str, batch_size: Any, memory_limit: Any) -> None:
+    if memory_limit is None:
+        return
+    if batch_size != "auto":
+        raise ValueError(
+            f"{name} memory_limit={memory_limit!r} is only used with "
+            f"batch_size='auto', but got batch_size={batch_size!r}."
+        )
+    _memory.parse_memory(name, memory_limit)
 
 
 def _aval_str(tree: Any) -> str:
@@ -406,12 +524,13 @@ def batch_vmap(
     axis_name: Any = None,
     axis_size: int | None = None,
     *,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     reduction: Callable[[Any, Any], Any] | None = None,
     chunk_reduction: Callable[[Any], Any] = identity,
     shard: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
     **kwargs: Any,
 ) -> F:
     """Vectorise `f` like `jax.vmap`, evaluating the examples `batch_size` at a time.
@@ -419,18 +538,19 @@ def batch_vmap(
     `batch_vmap(f, in_axes, out_axes, batch_size=B)(*args)` gives the same result as
     `jax.vmap(f, in_axes, out_axes)(*args)`, but maps `jax.vmap(f)` over chunks of `B`
     examples inside a `lax.scan`, so the working memory of `f` scales with `B`, not with
-    the number of examples `N`. When `B` does not divide `N`, the `N % B` remaining
-    examples are evaluated once more as a smaller chunk, so the result is exact for
-    every `N`; when `B >= N` (or `B` is None) it is a single `jax.vmap` call. As
-    pseudo-code::
+    the number of examples `N`. The result is exact for every `N`; when `B >= N` (or
+    `B` is None) it is a single `jax.vmap` call. As pseudo-code::
 
         vf = jax.vmap(f, in_axes, out_axes)
         chunks = [vf(*args[i:i + B]) for i in range(0, N, B)]
         out = concatenate(chunks, axis=out_axes)
 
-    The chunks are written straight into the output (one buffer, no concatenation), and
-    the inputs are sliced in place along their own mapped axes (no transpose, no copy).
-    `f` is traced once per call: the scan body and the remainder reuse one trace.
+    When `B` does not divide `N`, the last chunk is the window of the last `B` examples
+    (it overlaps the previous chunk, and its first `B - N % B` results are discarded):
+    `f` appears once in the compiled program and is traced once per call, and no padded
+    example is ever evaluated. The cost is at most `B - 1` recomputed examples. The
+    chunks are written straight into the output (no concatenation), and the inputs are
+    sliced in place along their own mapped axes (no transpose, no copy).
 
     With `reduction`, the chunk outputs are folded instead of stacked, so nothing of
     size `N` is ever built: each chunk's output pytree `y` is summarised by
@@ -447,9 +567,21 @@ def batch_vmap(
     output for the remainder. Compared with `optax.microbatching.micro_vmap`: `N` need
     not be divisible by `B`, and any associative reduction is allowed.
 
-    Where to put `grad`: `batch_vmap(jax.grad(loss))` (per-example gradients, chunked)
-    keeps memory bounded by `B`; `jax.grad(lambda p: batch_vmap(...)(p, x).sum())` is
-    exact too, but reverse mode saves the residuals of every chunk.
+    Reverse mode stays bounded too: with `remat=True` (the default) each chunk is
+    checkpointed, so `jax.grad` through `batch_vmap` saves one index per chunk instead
+    of every chunk's activations, and recomputes a chunk's forward pass during the backward
+    pass (about one extra forward evaluation in total). `remat=False` keeps the
+    residuals instead: faster, with memory growing with `N`. Where to put `grad`:
+    `batch_vmap(jax.grad(loss))` (per-example gradients, chunked) needs no remat at all
+    and is usually the better shape; `jax.grad(lambda p: batch_vmap(...)(p, x).sum())`
+    is the one that relies on remat.
+
+    `batch_size="auto"` picks the largest chunk whose temporary memory, by XLA's
+    compiled estimate for the actual argument shapes, fits `memory_limit`. It compiles
+    a few probe programs on the first call for each set of shapes and caches the
+    choice; `chunkvmap.last_batch_size(fn)` shows it, and the `chunkvmap` logger
+    reports it at INFO level. The budget covers the evaluation as called: under
+    `jax.grad`, the backward pass adds its own working set.
 
     Args:
       f: the function to vectorise; it receives single examples, as with `jax.vmap`.
@@ -462,8 +594,9 @@ def batch_vmap(
       axis_name: a name for the mapped axis, for collectives inside `f`. Collectives
         would only see one chunk, so it is an error when the evaluation is chunked.
       axis_size: the mapped length, needed when no argument is mapped.
-      batch_size: examples per chunk: a positive int, or None for one `jax.vmap` call.
-        `chunk_size` is accepted as an alias.
+      batch_size: examples per chunk: a positive int, None for one `jax.vmap` call, or
+        `"auto"` to choose it from `memory_limit`. `chunk_size` is accepted as an
+        alias.
       reduction: None (stack the outputs, as `jax.vmap` does), or an associative binary
         function folding two chunk summaries into one, applied to each leaf of the
         summaries (`jax.tree.map(reduction, a, b)`).
@@ -473,6 +606,12 @@ def batch_vmap(
         `True` raises `NotImplementedError`).
       mesh: a one-dimensional `jax.sharding.Mesh` with an `AxisType.Auto` axis, used
         with `shard=True`.
+      remat: checkpoint each chunk for reverse mode: True (the default; save nothing,
+        recompute the chunk), False (save every chunk's residuals), or a
+        `jax.checkpoint` policy such as `jax.checkpoint_policies.dots_saveable`.
+      memory_limit: the budget of temporary memory for `batch_size="auto"`: bytes, or
+        a string such as `"2GiB"` or `"512MB"`. None means half of the device's
+        memory where the backend reports it (it is required on CPU).
       **kwargs: only `chunk_size`, the alias of `batch_size`.
 
     Returns:
@@ -484,7 +623,8 @@ def batch_vmap(
         keyword argument.
       ValueError: (when the returned function is called) for mapped arguments of
         different sizes, axes out of range, specs that do not match the arguments, a
-        `chunk_reduction` that keeps the mapped axis, or a reduction over zero examples.
+        `chunk_reduction` that keeps the mapped axis, a reduction over zero examples,
+        or a `memory_limit` too small for one example.
       NotImplementedError: for `shard=True`.
 
     Examples:
@@ -513,7 +653,9 @@ def batch_vmap(
     _check_callable(name, "reduction", reduction, allow_none=True)
     _check_callable(name, "chunk_reduction", chunk_reduction, allow_none=False)
     _check_remat(name, remat)
+    _check_memory_limit(name, batch_size, memory_limit)
     check_shard_args(name, shard, mesh)
+    auto = _AutoBatch(name, memory_limit) if batch_size == "auto" else None
 
     @ft.wraps(f)
     def batched(*args: Any, **call_kwargs: Any) -> Any:
@@ -529,8 +671,11 @@ def batch_vmap(
             reduction=reduction,
             chunk_reduction=chunk_reduction,
             remat=remat,
+            auto=auto,
         )
 
+    if auto is not None:
+        _AUTO_STATES[batched] = auto
     return batched  # pyright: ignore[reportReturnType]
 
 
@@ -575,11 +720,11 @@ def _batch_vmap_call(
     reduction,
     chunk_reduction,
     remat,
+    auto,
 ):
     name = "batch_vmap"
     leaves, paths, axes, treedef = _flatten_inputs(in_axes, args, call_kwargs)
     size = _axes.mapped_size(paths, leaves, axes, axis_size or None)
-    plan = _make_plan(size, batch_size)
 
     if reduction is None and batch_size is None:
         # Plain jax.vmap: nothing to chunk and nothing to fold.
@@ -589,12 +734,6 @@ def _batch_vmap_call(
         return out if chunk_reduction is identity else chunk_reduction(out)
     if reduction is not None and size == 0:
         raise _zero_examples(name)
-    if axis_name is not None and not plan.single:
-        raise ValueError(
-            f"{name} got axis_name={axis_name!r} with batch_size={batch_size} < "
-            f"{size} examples: collectives over {axis_name!r} inside f would only see "
-            f"one chunk of examples. Use batch_size=None (or >= {size}) with axis_name."
-        )
 
     # Array leaves (and every mapped leaf) become arguments of one jitted function;
     # everything else (Python scalars, strings, objects with in_axes=None) is closed
@@ -659,19 +798,33 @@ def _batch_vmap_call(
         )
         return vf(*[chunk_leaves[i] for i in dyn])
 
-    return _run(
-        name,
-        chunk_fn,
-        leaves,
-        axes,
-        plan,
-        out_tree,
-        out_avals,
-        out_axes_flat,
-        reduction=reduction,
-        chunk_reduction=chunk_reduction,
-        remat=remat,
-    )
+    def run(run_leaves: list[Any], plan: _Plan) -> Any:
+        return _run(
+            name,
+            chunk_fn,
+            run_leaves,
+            axes,
+            plan,
+            out_tree,
+            out_avals,
+            out_axes_flat,
+            reduction=reduction,
+            chunk_reduction=chunk_reduction,
+            remat=remat,
+        )
+
+    if auto is not None:
+        key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
+        measure = _measure_program(name, run, leaves, dyn, size)
+        batch_size = auto.choose(key, measure, size)
+    plan = _make_plan(size, batch_size)
+    if axis_name is not None and not plan.single:
+        raise ValueError(
+            f"{name} got axis_name={axis_name!r} with batch_size={batch_size} < "
+            f"{size} examples: collectives over {axis_name!r} inside f would only see "
+            f"one chunk of examples. Use batch_size=None (or >= {size}) with axis_name."
+        )
+    return run(list(leaves), plan)
 
 
 # --------------------------------------------------------------------------------------
@@ -682,7 +835,7 @@ def batch_map(
     fun: Callable[[Any], Any],
     xs: Any,
     /,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     *,
     reduction: Callable[[Any, Any], Any] | None = None,
     chunk_reduction: Callable[[Any], Any] = identity,
@@ -690,6 +843,7 @@ def batch_map(
     shard: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
 ) -> Any:
     """Apply an already-vectorised `fun` to `xs` in chunks of `batch_size`.
 
@@ -702,8 +856,9 @@ def batch_map(
 
     with the chunks written into one preallocated output. No `jax.vmap` is added, which
     makes it cheaper to compile than `batch_vmap` and free of vmap-of-control-flow and
-    custom-derivative pitfalls. `fun` is traced at most twice: once for full chunks,
-    once for the remainder.
+    custom-derivative pitfalls. As in `batch_vmap`, the remainder is handled by a last
+    window of `batch_size` real examples, so `fun` always sees chunks of one size and is
+    traced once; `remat` and `batch_size="auto"` / `memory_limit` work as there.
 
     With `strip_dim0=True` (which needs `batch_size=1`) `fun` receives single examples
     (the leading axis removed) and its outputs get the axis back, as in `lax.map`.
@@ -715,13 +870,16 @@ def batch_map(
     Args:
       fun: a vectorised function of one pytree argument.
       xs: a pytree of arrays sharing their leading length `N`.
-      batch_size: examples per chunk (positive int), or None for a single call.
+      batch_size: examples per chunk (positive int), None for a single call, or
+        `"auto"` to choose it from `memory_limit`.
       reduction: None, or an associative binary function folding chunk summaries.
       chunk_reduction: summarises a chunk's output (with `reduction`), or
         post-processes the whole output (without it).
       strip_dim0: hand `fun` single examples; requires `batch_size=1`.
       shard: shard across the devices of `mesh` (not implemented yet).
       mesh: a one-dimensional `jax.sharding.Mesh`, with `shard=True`.
+      remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
+      memory_limit: the budget for `batch_size="auto"` (see `batch_vmap`).
 
     Returns:
       `fun`'s outputs for all `N` examples, stacked along axis 0, or the reduced value.
@@ -746,7 +904,8 @@ def batch_map(
     """
     name = "batch_map"
     _check_callable(name, "fun", fun, allow_none=False)
-    batch_size = _axes.check_positive_int("batch_size", batch_size)
+    batch_size = _check_batch_size(name, "batch_size", batch_size)
+    _check_memory_limit(name, batch_size, memory_limit)
     _check_callable(name, "reduction", reduction, allow_none=True)
     _check_callable(name, "chunk_reduction", chunk_reduction, allow_none=False)
     if not isinstance(strip_dim0, bool):
@@ -775,7 +934,6 @@ def batch_map(
         raise ValueError(f"{name} xs has no array leaves to map over: got xs={xs!r}.")
     axes = [_axes.canonical_in_axis(0, x, p) for x, p in zip(leaves, paths)]
     size = _axes.mapped_size(paths, leaves, axes, None)
-    plan = _make_plan(size, batch_size)
     if reduction is not None and size == 0:
         raise _zero_examples(name)
     out_box: list[Any] = []
@@ -813,7 +971,10 @@ def batch_map(
         out = jax.eval_shape(lambda *ls: fun(jax.tree.unflatten(treedef, ls)), *example)
         return jax.tree.map(lambda a: jnp.zeros((0, *a.shape), a.dtype), out)
 
-    probe = plan.batch if plan.batch else 0
+    if batch_size == "auto":
+        probe = min(size, 1)  # the first size the search measures
+    else:
+        probe = _make_plan(size, batch_size).batch
     chunk_avals = [
         jax.ShapeDtypeStruct(
             (probe, *x.shape[1:]), x.dtype, weak_type=jax.typeof(x).weak_type
@@ -825,16 +986,24 @@ def batch_map(
     out_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in out_chunk_avals]
     out_axes = [0] * len(out_avals)
 
-    return _run(
-        name,
-        chunk_fn,
-        leaves,
-        axes,
-        plan,
-        out_tree,
-        out_avals,
-        out_axes,
-        reduction=reduction,
-        chunk_reduction=chunk_reduction,
-        remat=remat,
-    )
+    def run(run_leaves: list[Any], plan: _Plan) -> Any:
+        return _run(
+            name,
+            chunk_fn,
+            run_leaves,
+            axes,
+            plan,
+            out_tree,
+            out_avals,
+            out_axes,
+            reduction=reduction,
+            chunk_reduction=chunk_reduction,
+            remat=remat,
+        )
+
+    if batch_size == "auto":
+        auto = _auto_state(name, fun, memory_limit)
+        key = (treedef, tuple(jax.typeof(x) for x in leaves))
+        measure = _measure_program(name, run, leaves, range(len(leaves)), size)
+        batch_size = auto.choose(key, measure, size)
+    return run(list(leaves), _make_plan(size, batch_size))

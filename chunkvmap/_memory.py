@@ -1,0 +1,166 @@
+"""`batch_size="auto"`: the largest chunk whose compiled temporary memory fits a budget.
+
+The estimate is XLA's own: `jax.jit(program).lower(...).compile().memory_analysis()`
+of the very program that will run, for the actual argument shapes. Temporary memory
+is close to affine in the chunk size (a fixed part plus a per-example part), so two
+probes (one example, then a few) give a first guess, which is then checked by compiling
+it and corrected until it fits; one step up is tried when the guess left room.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+
+logger = logging.getLogger("chunkvmap")
+
+DEFAULT_DEVICE_FRACTION = 0.5
+_MAX_PROBES = 8
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_memory(name: str, value: Any) -> int:
+    """Bytes from an int/float or a string such as `"2GiB"`, `"512 MB"`, `"1e9"`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(
+            f"{name} memory_limit must be a number of bytes or a string such as "
+            f"'2GiB' or '512MB', but got memory_limit={value!r} of type "
+            f"{type(value).__name__}."
+        )
+    if isinstance(value, str):
+        match = _PATTERN.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            try:
+                number = float(value)
+            except ValueError:
+                raise ValueError(
+                    f"{name} memory_limit={value!r} is not a memory size: expected a "
+                    f"number followed by one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB "
+                    f"(e.g. '2GiB')."
+                ) from None
+        else:
+            number = float(match.group(1)) * _UNITS[unit]
+    else:
+        number = float(value)
+    if not number > 0 or number != number or number == float("inf"):
+        raise ValueError(
+            f"{name} memory_limit must be a positive, finite number of bytes, but got "
+            f"memory_limit={value!r}."
+        )
+    return int(number)
+
+
+def default_limit(name: str) -> int:
+    """A fraction of the default device's memory, where the backend reports it."""
+    device = jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        stats = None
+    limit = (stats or {}).get("bytes_limit")
+    if not limit:
+        raise ValueError(
+            f"{name} batch_size='auto' needs a memory budget, and the "
+            f"{device.platform} backend does not report its device memory "
+            f"(device.memory_stats() has no 'bytes_limit'). Pass memory_limit=..., "
+            f"e.g. memory_limit='2GiB'."
+        )
+    return int(limit * DEFAULT_DEVICE_FRACTION)
+
+
+def temp_bytes(name: str, program: Callable[..., Any], abstract_args: list[Any]) -> int:
+    """XLA's compiled temporary memory of `jax.jit(program)(*abstract_args)`."""
+    try:
+        compiled = jax.jit(program).lower(*abstract_args).compile()
+    except jax.errors.UnexpectedTracerError as e:
+        raise ValueError(
+            f"{name} batch_size='auto' compiles the chunked program on its own to "
+            f"measure it, which fails when the function closes over a traced value "
+            f"(from an enclosing jit, grad or vmap). Pass that value as an argument "
+            f"(with in_axes=None) or give an explicit batch_size. JAX reported: {e}"
+        ) from None
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        raise ValueError(
+            f"{name} batch_size='auto' needs XLA's memory analysis, which the "
+            f"{jax.default_backend()} backend does not provide; pass an explicit "
+            f"batch_size."
+        )
+    return int(analysis.temp_size_in_bytes)
+
+
+def choose_batch_size(
+    name: str, measure: Callable[[int], int], size: int, limit: int
+) -> int:
+    """The largest batch size `B <= size` with `measure(B) <= limit` (by the estimate).
+
+    `measure(B)` is the compiled temporary memory with chunks of `B`. A budget that does
+    not fit one example is an error.
+    """
+    if size <= 1:
+        return max(size, 1)
+    seen: dict[int, int] = {}
+
+    def probe(b: int) -> int:
+        if b not in seen:
+            seen[b] = measure(b)
+        return seen[b]
+
+    one = probe(1)
+    if one > limit:
+        raise ValueError(
+            f"{name} batch_size='auto' cannot fit even one example in "
+            f"memory_limit={limit} bytes: by XLA's compiled estimate a chunk of one "
+            f"example needs {one} bytes of temporary memory. Raise memory_limit, or "
+            f"reduce the per-example cost."
+        )
+    second = min(size, 16)
+    best = second if probe(second) <= limit else 1
+    slope = (seen[second] - one) / (second - 1)
+    if slope <= 0:
+        guess = size
+    else:
+        guess = max(1, min(size, 1 + int((limit - one) / slope)))
+    while len(seen) < _MAX_PROBES and guess > best and guess not in seen:
+        used = probe(guess)
+        if used <= limit:
+            best = guess
+            if guess == size or used >= 0.95 * limit:
+                break
+            local = (used - one) / (guess - 1)
+            step = int((limit - used) / local) if local > 0 else size
+            guess = min(size, guess + max(1, step))
+        else:
+            # Interpolate between the largest size that fits and this one.
+            fits = seen[best]
+            local = (used - fits) / (guess - best)
+            guess = min(guess - 1, best + int((limit - fits) / local))
+    logger.info(
+        "%s batch_size='auto': chose %d of %d examples for a budget of %d bytes "
+        "(probes: %s)",
+        name,
+        best,
+        size,
+        limit,
+        dict(sorted(seen.items())),
+    )
+    return best

@@ -1,0 +1,170 @@
+"""batch_size="auto": the largest chunk whose compiled temp memory fits a budget."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import chunkvmap
+from chunkvmap import _memory, batch_map, batch_vmap, last_batch_size
+
+from .helpers import temp_bytes, tree_allclose
+
+
+def init_mlp(key, sizes=(32, 256, 256, 10)):
+    params = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        key, k = jax.random.split(key)
+        params.append((jax.random.normal(k, (a, b)) / a**0.5, jnp.zeros(b)))
+    return params
+
+
+def mlp(params, x):
+    for w, b in params[:-1]:
+        x = jnp.tanh(x @ w + b)
+    w, b = params[-1]
+    return x @ w + b
+
+
+PARAMS = init_mlp(jax.random.key(0))
+X = jnp.linspace(-1.0, 1.0, 2000 * 32, dtype=jnp.float32).reshape(2000, 32)
+
+
+@pytest.mark.parametrize("limit", ["256KiB", "1MiB", 3_000_000])
+def test_chosen_size_fits_the_budget_by_the_same_estimate(limit):
+    fn = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit=limit)
+    tree_allclose(fn(PARAMS, X), jax.vmap(mlp, (None, 0))(PARAMS, X), rtol=1e-5)
+    chosen = last_batch_size(fn)
+    assert chosen is not None and 1 <= chosen <= X.shape[0]
+    budget = _memory.parse_memory("test", limit)
+    used = temp_bytes(batch_vmap(mlp, (None, 0), batch_size=chosen), PARAMS, X)
+    assert used <= budget
+    # Not needlessly small: a much larger chunk would not have fitted.
+    if chosen < X.shape[0]:
+        bigger = min(X.shape[0], 2 * chosen)
+        assert (
+            temp_bytes(batch_vmap(mlp, (None, 0), batch_size=bigger), PARAMS, X)
+            > budget
+        )
+
+
+def test_generous_budget_picks_everything():
+    fn = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit="1GiB")
+    fn(PARAMS, X)
+    assert last_batch_size(fn) == X.shape[0]
+    assert last_batch_size() == X.shape[0]
+
+
+def test_budget_too_small_for_one_example():
+    fn = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit=64)
+    with pytest.raises(
+        ValueError, match="cannot fit even one example in memory_limit=64"
+    ):
+        fn(PARAMS, X)
+
+
+def test_choice_is_cached_per_shapes(monkeypatch):
+    calls = []
+    original = _memory.temp_bytes
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_memory, "temp_bytes", counting)
+    fn = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit="1MiB")
+    fn(PARAMS, X)
+    probes = len(calls)
+    assert 2 <= probes <= _memory._MAX_PROBES
+    fn(PARAMS, X + 1.0)  # same shapes: no new probes
+    assert len(calls) == probes
+    fn(PARAMS, X[:1000])  # new shapes: probes again
+    assert len(calls) > probes
+
+
+def test_auto_under_jit_grad_and_with_reduction():
+    def loss(p):
+        fn = batch_vmap(
+            mlp,
+            (None, 0),
+            batch_size="auto",
+            memory_limit="512KiB",
+            reduction=jnp.add,
+            chunk_reduction=lambda y: (y**2).sum(0),
+        )
+        return fn(p, X).sum()
+
+    def ref(p):
+        return (jax.vmap(mlp, (None, 0))(p, X) ** 2).sum()
+
+    tree_allclose(
+        jax.jit(jax.grad(loss))(PARAMS), jax.grad(ref)(PARAMS), rtol=1e-4, atol=2e-4
+    )
+    assert 1 <= last_batch_size() < X.shape[0]
+
+
+def test_batch_map_auto():
+    def fun(chunk):
+        return jnp.tanh(chunk @ PARAMS[1][0][:32, :])
+
+    out = batch_map(fun, X, "auto", memory_limit="300KiB")
+    tree_allclose(out, fun(X), rtol=1e-5)
+    assert 1 <= last_batch_size(fun) <= X.shape[0]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2GiB", 2 * 2**30),
+        ("512 MB", 512 * 10**6),
+        ("1.5kib", 1536),
+        ("100", 100),
+        ("1e6", 10**6),
+        (4096, 4096),
+        (2.5e3, 2500),
+    ],
+)
+def test_parse_memory(text, expected):
+    assert _memory.parse_memory("test", text) == expected
+
+
+@pytest.mark.parametrize(
+    "value, exc, match",
+    [
+        ("lots", ValueError, "is not a memory size"),
+        ("2 GiBs", ValueError, "is not a memory size"),
+        (0, ValueError, "positive, finite"),
+        (-5, ValueError, "positive, finite"),
+        (True, TypeError, "of type bool"),
+        ([1], TypeError, "of type list"),
+    ],
+)
+def test_bad_memory_limit(value, exc, match):
+    with pytest.raises(exc, match=match):
+        batch_vmap(mlp, batch_size="auto", memory_limit=value)
+
+
+def test_memory_limit_needs_auto_and_auto_needs_a_limit_on_cpu():
+    with pytest.raises(ValueError, match="only used with batch_size='auto'"):
+        batch_vmap(mlp, batch_size=4, memory_limit="1GiB")
+    with pytest.raises(TypeError, match="positive int, None, or 'auto'"):
+        batch_vmap(mlp, batch_size="automatic")
+    fn = batch_vmap(mlp, (None, 0), batch_size="auto")
+    with pytest.raises(ValueError, match="does not report its device memory"):
+        fn(PARAMS, X)
+
+
+def test_default_limit_is_a_fraction_of_device_memory(monkeypatch):
+    fake = types.SimpleNamespace(
+        platform="gpu", memory_stats=lambda: {"bytes_limit": 8 * 2**30}
+    )
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: [fake])
+    assert _memory.default_limit("batch_vmap") == int(
+        8 * 2**30 * _memory.DEFAULT_DEVICE_FRACTION
+    )
+
+
+def test_last_batch_size_of_unknown_function_is_none():
+    assert last_batch_size(lambda x: x) is None
+    assert chunkvmap.last_batch_size(batch_vmap(mlp, batch_size=3)) is None
