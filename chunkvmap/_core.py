@@ -569,8 +569,8 @@ def batch_vmap(
 
     Reverse mode stays bounded too: with `remat=True` (the default) each chunk is
     checkpointed, so `jax.grad` through `batch_vmap` saves one index per chunk instead
-    of every chunk's activations, and recomputes a chunk's forward pass during the backward
-    pass (about one extra forward evaluation in total). `remat=False` keeps the
+    of every chunk's activations, and recomputes a chunk's forward pass during the
+    backward pass (about one extra forward evaluation in total). `remat=False` keeps the
     residuals instead: faster, with memory growing with `N`. Where to put `grad`:
     `batch_vmap(jax.grad(loss))` (per-example gradients, chunked) needs no remat at all
     and is usually the better shape; `jax.grad(lambda p: batch_vmap(...)(p, x).sum())`
