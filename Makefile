@@ -22,7 +22,9 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest
 
 bench: $(VENV)/.installed
-	$(BIN)/python benchmarks/bench_core.py
+	mkdir -p benchmarks/results
+	$(BIN)/python benchmarks/bench_core.py --out benchmarks/results/core.md
+	$(BIN)/python benchmarks/bench_memory.py --out benchmarks/results/memory.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -138,22 +138,33 @@ def main():
     parser.add_argument("--layers", type=int, nargs="+", default=[64, 256, 256, 10])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tasks", nargs="+", default=["clipped_sum", "per_example"])
+    parser.add_argument("--out", help="also write the tables to this markdown file")
     args = parser.parse_args()
+    lines: list[str] = []
 
-    print(
-        f"# chunkvmap core benchmark\n\njax {jax.__version__}, backend "
-        f"{jax.default_backend()} ({jax.devices()[0].device_kind}), "
-        f"{platform.processor() or platform.machine()}, MLP {args.layers}\n"
+    def emit(line=""):
+        lines.append(line)
+        print(line, flush=True)
+
+    emit("# chunkvmap core benchmark")
+    emit()
+    emit(
+        f"jax {jax.__version__}, backend {jax.default_backend()} "
+        f"({jax.devices()[0].device_kind}), {platform.machine()}, MLP {args.layers}. "
+        "Ratios are against `lax.map(batch_size=B)` in the same run; `optax."
+        "micro_vmap` needs N divisible by B and is skipped otherwise."
     )
     params = init_mlp(jax.random.key(0), args.layers)
     rng = np.random.default_rng(0)
     for task in args.tasks:
-        print(f"\n## {task}\n")
-        print(
+        emit()
+        emit(f"## {task}")
+        emit()
+        emit(
             "| N | B | method | temp MiB | temp / lax.map | compile s "
             "| compile / lax.map | run ms | run / lax.map | max rel err vs vmap |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        emit("|---|---|---|---|---|---|---|---|---|---|")
         for n in args.sizes:
             x = jnp.asarray(rng.normal(size=(n, args.layers[0])), jnp.float32)
             y = jnp.asarray(rng.integers(0, args.layers[-1], size=(n,)), jnp.int32)
@@ -166,14 +177,16 @@ def main():
                 ref = rows["jax.vmap"][0]
                 base = rows["lax.map"]
                 for name, (res, temp, comp, run) in rows.items():
-                    print(
+                    emit(
                         f"| {n} | {b} | {name} | {temp / 2**20:.2f} | "
                         f"{temp / max(base[1], 1):.3f} | {comp:.2f} | "
                         f"{comp / base[2]:.2f} | {run * 1e3:.2f} | "
                         f"{run / base[3]:.2f} | "
-                        f"{max_rel_err(res, ref):.1e} |",
-                        flush=True,
+                        f"{max_rel_err(res, ref):.1e} |"
                     )
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
