@@ -355,10 +355,13 @@ _LAST_AUTO: list[int | None] = [None]
 
 
 def _auto_state(name: str, fn: Any, memory_limit: Any) -> _AutoBatch:
-    state = _AUTO_STATES.get(fn)
-    if state is None or state.limit != (
-        None if memory_limit is None else _memory.parse_memory(name, memory_limit)
-    ):
+    """The auto state registered for `fn` (batch_map's `fun`), made on first use."""
+    limit = None if memory_limit is None else _memory.parse_memory(name, memory_limit)
+    try:
+        state = _AUTO_STATES.get(fn)
+    except TypeError:  # not weak-referenceable: no cache across calls
+        return _AutoBatch(name, memory_limit)
+    if state is None or state.limit != limit:
         state = _AutoBatch(name, memory_limit)
         _AUTO_STATES[fn] = state
     return state

@@ -168,3 +168,9 @@ def test_default_limit_is_a_fraction_of_device_memory(monkeypatch):
 def test_last_batch_size_of_unknown_function_is_none():
     assert last_batch_size(lambda x: x) is None
     assert chunkvmap.last_batch_size(batch_vmap(mlp, batch_size=3)) is None
+
+
+def test_batch_map_auto_with_a_builtin_function():
+    out = batch_map(jnp.sin, X, "auto", memory_limit="1MiB")
+    tree_allclose(out, jnp.sin(X))
+    assert last_batch_size() is not None
