@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import cold_compile_seconds, init_mlp, mlp, run_seconds
 
 from chunkvmap import batch_vmap
 
@@ -32,23 +31,8 @@ except ImportError:  # optax is optional for this script
     optax_mb = None
 
 
-def init_mlp(key, sizes):
-    params = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
-        key, k = jax.random.split(key)
-        params.append((jax.random.normal(k, (a, b)) / a**0.5, jnp.zeros(b)))
-    return params
-
-
-def mlp(params, x):
-    for w, b in params[:-1]:
-        x = jax.nn.relu(x @ w + b)
-    w, b = params[-1]
-    return x @ w + b
-
-
 def loss(params, x, y):
-    return -jax.nn.log_softmax(mlp(params, x))[y]
+    return -jax.nn.log_softmax(mlp(params, x, jax.nn.relu))[y]
 
 
 grad = jax.grad(loss)
@@ -105,22 +89,11 @@ def methods(task: str, batch: int):
 
 
 def measure(fn, args, repeats, compiles=3):
-    compile_times = []
-    for _ in range(compiles):
-        jax.clear_caches()  # every method starts cold, each time
-        t0 = time.perf_counter()
-        compiled = jax.jit(lambda *a: fn(*a)).lower(*args).compile()
-        compile_times.append(time.perf_counter() - t0)
-    compile_s = statistics.median(compile_times)
+    compile_s = cold_compile_seconds(fn, args, compiles)
+    compiled = jax.jit(fn).lower(*args).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     result = jax.block_until_ready(compiled(*args))
-    jax.block_until_ready(compiled(*args))  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return result, temp, compile_s, statistics.median(times)
+    return result, temp, compile_s, run_seconds(compiled, args, repeats)
 
 
 def max_rel_err(a, b):

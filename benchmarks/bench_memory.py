@@ -19,28 +19,12 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from _common import cold_compile_seconds, init_mlp, mlp, run_seconds
 
 from chunkvmap import batch_map, batch_vmap
-
-
-def init_mlp(key, sizes):
-    params = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
-        key, k = jax.random.split(key)
-        params.append((jax.random.normal(k, (a, b)) / a**0.5, jnp.zeros(b)))
-    return params
-
-
-def mlp(params, x):
-    for w, b in params[:-1]:
-        x = jnp.tanh(x @ w + b)
-    w, b = params[-1]
-    return x @ w + b
 
 
 def forward_methods(batch):
@@ -63,27 +47,6 @@ def grad_of_sum(forward):
 
 def compiled(fn, *args):
     return jax.jit(fn).lower(*args).compile()
-
-
-def cold_compile_seconds(fn, args, repeats):
-    times = []
-    for _ in range(repeats):
-        jax.clear_caches()
-        t0 = time.perf_counter()
-        jax.jit(lambda *a: fn(*a)).lower(*args).compile()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def run_seconds(exe, args, repeats):
-    jax.block_until_ready(exe(*args))
-    jax.block_until_ready(exe(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(exe(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main():

@@ -235,41 +235,72 @@ def _fold(reduction: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
     return jax.tree.map(reduction, a, b)
 
 
-def _run(
-    name: str,
-    chunk_fn: ChunkFn,
-    leaves: Sequence[Any],
-    axes: Sequence[int | None],
-    plan: _Plan,
-    out_tree: Any,
-    out_avals: Sequence[Any],
-    out_axes: Sequence[int | None],
-    *,
-    reduction: Callable[[Any, Any], Any] | None,
-    chunk_reduction: Callable[[Any], Any],
-    remat: Any,
-) -> Any:
-    """Stack or fold the chunks, shared by `batch_vmap` and `batch_map`."""
-    if reduction is None:
-        flat = _stacked(chunk_fn, leaves, axes, plan, out_avals, out_axes, remat)
-        out = out_tree.unflatten(flat)
-        return out if chunk_reduction is identity else chunk_reduction(out)
-    lengths = [plan.batch, plan.rem or plan.batch]
-    summary = _check_reduction(
-        name, reduction, chunk_reduction, out_tree, out_avals, out_axes, lengths
-    )
-    return _reduced(
-        chunk_fn,
-        chunk_reduction,
-        out_tree,
-        out_axes,
-        leaves,
-        axes,
-        plan,
-        reduction,
-        summary,
-        remat,
-    )
+@dataclasses.dataclass(frozen=True)
+class _Chunked:
+    """Everything about one chunked evaluation except the inputs and the plan."""
+
+    name: str
+    chunk_fn: ChunkFn
+    axes: Sequence[int | None]
+    out_tree: Any
+    out_avals: Sequence[Any]
+    out_axes: Sequence[int | None]
+    reduction: Callable[[Any, Any], Any] | None
+    chunk_reduction: Callable[[Any], Any]
+    remat: Any
+
+    def __call__(self, leaves: Sequence[Any], plan: _Plan) -> Any:
+        """Stack or fold the chunks of `leaves` according to `plan`."""
+        if self.reduction is None:
+            flat = _stacked(
+                self.chunk_fn,
+                leaves,
+                self.axes,
+                plan,
+                self.out_avals,
+                self.out_axes,
+                self.remat,
+            )
+            out = self.out_tree.unflatten(flat)
+            return (
+                out if self.chunk_reduction is identity else self.chunk_reduction(out)
+            )
+        summary = _check_reduction(
+            self.name,
+            self.reduction,
+            self.chunk_reduction,
+            self.out_tree,
+            self.out_avals,
+            self.out_axes,
+            [plan.batch, plan.rem or plan.batch],
+        )
+        return _reduced(
+            self.chunk_fn,
+            self.chunk_reduction,
+            self.out_tree,
+            self.out_axes,
+            leaves,
+            self.axes,
+            plan,
+            self.reduction,
+            summary,
+            self.remat,
+        )
+
+    def plan(
+        self,
+        batch_size: Any,
+        auto: _AutoBatch | None,
+        leaves: Sequence[Any],
+        dyn: Sequence[int],
+        size: int,
+        key: Any,
+    ) -> _Plan:
+        """The plan for `batch_size`, choosing it first when it is "auto"."""
+        if auto is not None:
+            measure = _measure_program(self.name, self, leaves, dyn, size)
+            batch_size = auto.choose(key, measure, size)
+        return _make_plan(size, batch_size)
 
 
 # --------------------------------------------------------------------------------------
@@ -297,7 +328,7 @@ def _check_remat(name: str, remat: Any) -> None:
 
 def _resolve_batch_size(
     name: str, batch_size: Any, kwargs: dict[str, Any]
-) -> int | None:
+) -> int | str | None:
     kwargs = dict(kwargs)
     if "chunk_size" in kwargs:
         chunk_size = kwargs.pop("chunk_size")
@@ -801,29 +832,22 @@ def _batch_vmap_call(
         )
         return vf(*[chunk_leaves[i] for i in dyn])
 
-    def run(run_leaves: list[Any], plan: _Plan) -> Any:
-        return _run(
-            name,
-            chunk_fn,
-            run_leaves,
-            axes,
-            plan,
-            out_tree,
-            out_avals,
-            out_axes_flat,
-            reduction=reduction,
-            chunk_reduction=chunk_reduction,
-            remat=remat,
-        )
-
-    if auto is not None:
-        key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
-        measure = _measure_program(name, run, leaves, dyn, size)
-        batch_size = auto.choose(key, measure, size)
-    plan = _make_plan(size, batch_size)
+    run = _Chunked(
+        name,
+        chunk_fn,
+        axes,
+        out_tree,
+        out_avals,
+        out_axes_flat,
+        reduction,
+        chunk_reduction,
+        remat,
+    )
+    key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
+    plan = run.plan(batch_size, auto, leaves, dyn, size, key)
     if axis_name is not None and not plan.single:
         raise ValueError(
-            f"{name} got axis_name={axis_name!r} with batch_size={batch_size} < "
+            f"{name} got axis_name={axis_name!r} with batch_size={plan.batch} < "
             f"{size} examples: collectives over {axis_name!r} inside f would only see "
             f"one chunk of examples. Use batch_size=None (or >= {size}) with axis_name."
         )
@@ -989,24 +1013,18 @@ def batch_map(
     out_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in out_chunk_avals]
     out_axes = [0] * len(out_avals)
 
-    def run(run_leaves: list[Any], plan: _Plan) -> Any:
-        return _run(
-            name,
-            chunk_fn,
-            run_leaves,
-            axes,
-            plan,
-            out_tree,
-            out_avals,
-            out_axes,
-            reduction=reduction,
-            chunk_reduction=chunk_reduction,
-            remat=remat,
-        )
-
-    if batch_size == "auto":
-        auto = _auto_state(name, fun, memory_limit)
-        key = (treedef, tuple(jax.typeof(x) for x in leaves))
-        measure = _measure_program(name, run, leaves, range(len(leaves)), size)
-        batch_size = auto.choose(key, measure, size)
-    return run(list(leaves), _make_plan(size, batch_size))
+    run = _Chunked(
+        name,
+        chunk_fn,
+        axes,
+        out_tree,
+        out_avals,
+        out_axes,
+        reduction,
+        chunk_reduction,
+        remat,
+    )
+    auto = _auto_state(name, fun, memory_limit) if batch_size == "auto" else None
+    key = (treedef, tuple(jax.typeof(x) for x in leaves))
+    plan = run.plan(batch_size, auto, leaves, range(len(leaves)), size, key)
+    return run(list(leaves), plan)

@@ -43,3 +43,20 @@ class TraceCounter:
     def __call__(self, *args, **kwargs):
         self.count += 1
         return self.f(*args, **kwargs)
+
+
+def init_mlp(key, sizes):
+    """Parameters of an MLP with layer widths `sizes`: a list of (w, b) pairs."""
+    params = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        key, k = jax.random.split(key)
+        params.append((jax.random.normal(k, (a, b)) / a**0.5, jnp.zeros(b)))
+    return params
+
+
+def mlp(params, x, activation=jnp.tanh):
+    """The MLP's output for one example `x`."""
+    for w, b in params[:-1]:
+        x = activation(x @ w + b)
+    w, b = params[-1]
+    return x @ w + b

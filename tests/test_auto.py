@@ -9,25 +9,10 @@ import pytest
 import chunkvmap
 from chunkvmap import _memory, batch_map, batch_vmap, last_batch_size
 
-from .helpers import temp_bytes, tree_allclose
+from .helpers import init_mlp, mlp, temp_bytes, tree_allclose
 
 
-def init_mlp(key, sizes=(32, 256, 256, 10)):
-    params = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
-        key, k = jax.random.split(key)
-        params.append((jax.random.normal(k, (a, b)) / a**0.5, jnp.zeros(b)))
-    return params
-
-
-def mlp(params, x):
-    for w, b in params[:-1]:
-        x = jnp.tanh(x @ w + b)
-    w, b = params[-1]
-    return x @ w + b
-
-
-PARAMS = init_mlp(jax.random.key(0))
+PARAMS = init_mlp(jax.random.key(0), (32, 256, 256, 10))
 X = jnp.linspace(-1.0, 1.0, 2000 * 32, dtype=jnp.float32).reshape(2000, 32)
 
 

@@ -6,26 +6,15 @@ import pytest
 
 from chunkvmap import batch_map, batch_vmap
 
-from .helpers import temp_bytes
+from .helpers import init_mlp, mlp, temp_bytes
 
 
-def init_mlp(key, sizes=(32, 128, 128, 10)):
-    params = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
-        key, k = jax.random.split(key)
-        params.append((jax.random.normal(k, (a, b)) / a**0.5, jnp.zeros(b)))
-    return params
-
-
-def mlp(params, x):
-    for w, b in params[:-1]:
-        x = jax.nn.relu(x @ w + b)
-    w, b = params[-1]
-    return x @ w + b
+def relu_mlp(params, x):
+    return mlp(params, x, activation=jax.nn.relu)
 
 
 def loss(params, x, y):
-    return -jax.nn.log_softmax(mlp(params, x))[y]
+    return -jax.nn.log_softmax(relu_mlp(params, x))[y]
 
 
 def clipped_sum(grads, clip=1.0):
@@ -44,7 +33,7 @@ def data(n):
 
 @pytest.mark.parametrize("batch_size", [16, 64])
 def test_reduced_per_example_grads_are_flat_in_n(batch_size):
-    params = init_mlp(jax.random.key(0))
+    params = init_mlp(jax.random.key(0), (32, 128, 128, 10))
     fn = batch_vmap(
         jax.grad(loss),
         (None, 0, 0),
@@ -102,17 +91,10 @@ def test_stacked_output_has_no_second_output_sized_buffer(n):
 # Reverse mode: remat keeps gradient memory set by batch_size, not by N.
 
 
-def tanh_mlp(params, x):
-    for w, b in params[:-1]:
-        x = jnp.tanh(x @ w + b)
-    w, b = params[-1]
-    return x @ w + b
-
-
 def grad_of_chunked_sum(remat, batch_size=32):
     def g(params, x):
         def total(p):
-            fn = batch_vmap(tanh_mlp, (None, 0), batch_size=batch_size, remat=remat)
+            fn = batch_vmap(mlp, (None, 0), batch_size=batch_size, remat=remat)
             return fn(p, x).sum()
 
         return jax.grad(total)(params)
