@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _axes, _memory
+from . import _axes, _memory, _sharding
 from ._sharding import check_shard_args
 
 
@@ -252,19 +252,27 @@ class _Chunked:
     def __call__(self, leaves: Sequence[Any], plan: _Plan) -> Any:
         """Stack or fold the chunks of `leaves` according to `plan`."""
         if self.reduction is None:
-            flat = _stacked(
-                self.chunk_fn,
-                leaves,
-                self.axes,
-                plan,
-                self.out_avals,
-                self.out_axes,
-                self.remat,
-            )
-            out = self.out_tree.unflatten(flat)
-            return (
-                out if self.chunk_reduction is identity else self.chunk_reduction(out)
-            )
+            return self.finish(self.stacked_flat(leaves, plan))
+        return self.summary(leaves, plan)
+
+    def finish(self, flat: list[Any]) -> Any:
+        """The user's output from the flat stacked outputs."""
+        out = self.out_tree.unflatten(flat)
+        return out if self.chunk_reduction is identity else self.chunk_reduction(out)
+
+    def stacked_flat(self, leaves: Sequence[Any], plan: _Plan) -> list[Any]:
+        return _stacked(
+            self.chunk_fn,
+            leaves,
+            self.axes,
+            plan,
+            self.out_avals,
+            self.out_axes,
+            self.remat,
+        )
+
+    def summary(self, leaves: Sequence[Any], plan: _Plan) -> Any:
+        assert self.reduction is not None
         summary = _check_reduction(
             self.name,
             self.reduction,
@@ -286,6 +294,44 @@ class _Chunked:
             summary,
             self.remat,
         )
+
+    def sharded(
+        self,
+        mesh: Any,
+        paths: Sequence[str],
+        leaves: Sequence[Any],
+        dyn: Sequence[int],
+        size: int,
+        batch_size: Any,
+    ) -> Any:
+        """The evaluation split over the devices of `mesh` (see `_sharding`)."""
+        if batch_size == "auto":
+            raise ValueError(
+                f"{self.name} batch_size='auto' is not supported with shard=True yet: "
+                f"pass an int batch_size (it bounds each device's chunks)."
+            )
+        mesh = _sharding.resolve_mesh(self.name, mesh)
+        leaves = _sharding.place_inputs(self.name, mesh, paths, list(leaves), self.axes)
+        reduced = self.reduction is not None
+
+        def local(local_leaves: list[Any], n: int) -> Any:
+            plan = _make_plan(n, batch_size)
+            if reduced:
+                return self.summary(local_leaves, plan)
+            return self.stacked_flat(local_leaves, plan)
+
+        result = _sharding.evaluate(
+            mesh,
+            leaves,
+            self.axes,
+            dyn,
+            size,
+            local,
+            reduced=reduced,
+            out_axes=self.out_axes,
+            fold=ft.partial(_fold, self.reduction),
+        )
+        return result if reduced else self.finish(result)
 
     def plan(
         self,
@@ -706,6 +752,8 @@ def batch_vmap(
             chunk_reduction=chunk_reduction,
             remat=remat,
             auto=auto,
+            shard=shard,
+            mesh=mesh,
         )
 
     if auto is not None:
@@ -755,12 +803,14 @@ def _batch_vmap_call(
     chunk_reduction,
     remat,
     auto,
+    shard,
+    mesh,
 ):
     name = "batch_vmap"
     leaves, paths, axes, treedef = _flatten_inputs(in_axes, args, call_kwargs)
     size = _axes.mapped_size(paths, leaves, axes, axis_size or None)
 
-    if reduction is None and batch_size is None:
+    if reduction is None and batch_size is None and not shard:
         # Plain jax.vmap: nothing to chunk and nothing to fold.
         out = jax.vmap(
             f, in_axes, out_axes, axis_name=axis_name, axis_size=axis_size or None
@@ -843,6 +893,13 @@ def _batch_vmap_call(
         chunk_reduction,
         remat,
     )
+    if shard and size:
+        if axis_name is not None:
+            raise ValueError(
+                f"{name} got axis_name={axis_name!r} with shard=True: collectives "
+                f"over {axis_name!r} inside f would only see one device's chunk."
+            )
+        return run.sharded(mesh, paths, leaves, dyn, size, batch_size)
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
     plan = run.plan(batch_size, auto, leaves, dyn, size, key)
     if axis_name is not None and not plan.single:
@@ -1024,6 +1081,8 @@ def batch_map(
         chunk_reduction,
         remat,
     )
+    if shard and size:
+        return run.sharded(mesh, paths, leaves, range(len(leaves)), size, batch_size)
     auto = _auto_state(name, fun, memory_limit) if batch_size == "auto" else None
     key = (treedef, tuple(jax.typeof(x) for x in leaves))
     plan = run.plan(batch_size, auto, leaves, range(len(leaves)), size, key)

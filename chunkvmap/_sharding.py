@@ -1,16 +1,37 @@
-"""`shard=` / `mesh=` validation.
+"""`shard=True`: the mapped axis split over the devices of a 1-D mesh.
 
-The sharded evaluation itself (splitting the mapped axis over the devices of a 1-D mesh,
-per-device chunking, the global remainder) is not built yet; until it is, `shard=True`
-raises `NotImplementedError` after the arguments have been checked, and never falls back
-to an unsharded evaluation silently.
+Layout of one sharded evaluation of N examples on a mesh of D devices:
+
+* the divisible prefix (N - N % D examples) is split evenly: device k gets the
+  examples `[k L, (k + 1) L)` with `L = N // D`, and runs the ordinary chunked loop over
+  them (its own chunks of `batch_size`, its own local remainder window);
+* the global remainder (the last N % D < D examples) is evaluated once overall, by
+  device 0 (a `lax.cond` on the device index), not redundantly by every device;
+* stacked outputs of the prefix stay sharded along the mapped axis (no all-gather when
+  D divides N); with a global remainder the assembled output is replicated;
+* reduced outputs: each device folds its own chunks, then the D summaries (and the
+  remainder's) are folded in device order, so non-commutative reductions still see the
+  examples in order.
+
+Only JAX's own machinery is used: `jax.shard_map` over the mesh, `lax.axis_index`, and
+sharding constraints. The same code runs multi-host under `jax.distributed` (one
+process per host), since a mesh over `jax.devices()` spans every process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from jax.sharding import AxisType, Mesh
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+
+AXIS_NAME = "chunkvmap"
+_DEFAULT_MESHES: dict[tuple[Any, ...], Mesh] = {}
 
 
 def check_shard_args(name: str, shard: Any, mesh: Any) -> None:
@@ -20,33 +41,211 @@ def check_shard_args(name: str, shard: Any, mesh: Any) -> None:
             f"{name} shard must be a bool, but got shard={shard!r} of type "
             f"{type(shard).__name__}."
         )
-    if mesh is not None:
-        if not isinstance(mesh, Mesh):
-            raise TypeError(
-                f"{name} mesh must be a jax.sharding.Mesh or None, but got "
-                f"mesh={mesh!r} of type {type(mesh).__name__}."
-            )
-        if len(mesh.axis_names) != 1:
-            raise ValueError(
-                f"{name} needs a one-dimensional mesh, but got a mesh with "
-                f"{len(mesh.axis_names)} axes {mesh.axis_names} (shape "
-                f"{dict(mesh.shape)}). Build one with jax.make_mesh((n,), ('batch',), "
-                f"axis_types=(jax.sharding.AxisType.Auto,))."
-            )
-        (axis_type,) = mesh.axis_types
-        if axis_type != AxisType.Auto:
-            raise ValueError(
-                f"{name} needs a mesh whose axis has type AxisType.Auto, but axis "
-                f"{mesh.axis_names[0]!r} has type {axis_type}."
-            )
-        if not shard:
-            raise ValueError(
-                f"{name} got mesh={mesh!r} with shard=False: the mesh is only used "
-                f"to shard the mapped axis. Pass shard=True, or drop mesh."
-            )
-    if shard:
-        raise NotImplementedError(
-            f"{name}(shard=True) is not implemented yet: sharded chunking over a "
-            f"device mesh is planned. Use shard=False (the default), or shard the "
-            f"inputs yourself with jax.device_put and a NamedSharding."
+    if mesh is None:
+        return
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{name} mesh must be a jax.sharding.Mesh or None, but got "
+            f"mesh={mesh!r} of type {type(mesh).__name__}."
         )
+    if len(mesh.axis_names) != 1:
+        raise ValueError(
+            f"{name} needs a one-dimensional mesh, but got a mesh with "
+            f"{len(mesh.axis_names)} axes {mesh.axis_names} (shape "
+            f"{dict(mesh.shape)}). Build one with jax.make_mesh((n,), ('batch',), "
+            f"axis_types=(jax.sharding.AxisType.Auto,))."
+        )
+    (axis_type,) = mesh.axis_types
+    if axis_type != AxisType.Auto:
+        raise ValueError(
+            f"{name} needs a mesh whose axis has type AxisType.Auto, but axis "
+            f"{mesh.axis_names[0]!r} has type {axis_type}. Build the mesh with "
+            f"axis_types=(jax.sharding.AxisType.Auto,)."
+        )
+    if not shard:
+        raise ValueError(
+            f"{name} got mesh={mesh!r} with shard=False: the mesh is only used "
+            f"to shard the mapped axis. Pass shard=True, or drop mesh."
+        )
+
+
+def default_mesh() -> Mesh:
+    """A 1-D `Auto` mesh over all devices (every process's), built once."""
+    devices = tuple(jax.devices())
+    mesh = _DEFAULT_MESHES.get(devices)
+    if mesh is None:
+        mesh = Mesh(np.array(devices), (AXIS_NAME,), axis_types=(AxisType.Auto,))
+        _DEFAULT_MESHES[devices] = mesh
+    return mesh
+
+
+def resolve_mesh(name: str, mesh: Mesh | None) -> Mesh:
+    """The mesh to shard over: `mesh`, else the ambient one, else all devices.
+
+    An ambient mesh (`jax.set_mesh`) must be the mesh used, since `shard_map` inside
+    it must match it: a 1-D `Auto` ambient mesh is used when `mesh` is None; any other
+    ambient mesh is an error that says what to do.
+    """
+    ambient = jax.sharding.get_abstract_mesh()
+    if ambient.empty:
+        return default_mesh() if mesh is None else mesh
+    if mesh is not None:
+        if mesh.abstract_mesh == ambient:
+            return mesh
+        raise ValueError(
+            f"{name}(shard=True) was called under jax.set_mesh({ambient}), which "
+            f"differs from mesh={mesh}. Call it outside jax.set_mesh, or set that "
+            f"mesh as the ambient one."
+        )
+    concrete = jax.sharding.get_mesh()
+    if (
+        isinstance(concrete, Mesh)
+        and len(concrete.axis_names) == 1
+        and concrete.axis_types[0] == AxisType.Auto
+    ):
+        return concrete
+    raise ValueError(
+        f"{name}(shard=True) was called under jax.set_mesh({ambient}); chunkvmap "
+        f"shards over a one-dimensional mesh whose axis has type AxisType.Auto. Call "
+        f"it outside jax.set_mesh, or set a 1-D Auto mesh (and pass it as mesh=)."
+    )
+
+
+def place_inputs(
+    name: str, mesh: Mesh, paths: Sequence[str], leaves: list[Any], axes: Sequence[Any]
+) -> list[Any]:
+    """Check (and, for concrete arrays, place) the inputs on the mesh.
+
+    Arrays typed with an `Explicit` sharding are an error (reshard them to an Auto
+    layout first). Concrete arrays committed to other devices are moved onto the mesh
+    with the layout the evaluation needs; arrays already laid out on the mesh are used
+    as they are. Traced inputs are placed by the enclosing `jit`.
+    """
+    mesh_devices = set(mesh.devices.flat)
+    placed = list(leaves)
+    for k, (path, x, axis) in enumerate(zip(paths, leaves, axes)):
+        if not isinstance(x, jax.Array):
+            continue
+        abstract_mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        types = getattr(abstract_mesh, "axis_types", ())
+        if any(t == AxisType.Explicit for t in types):
+            raise ValueError(
+                f"{name}(shard=True) got {path} with an Explicit sharding "
+                f"({jax.typeof(x).str_short()}), but chunkvmap shards over an Auto "
+                f"mesh. Make the input Auto-typed first: inside `with "
+                f"jax.set_mesh(explicit_mesh)`, x = jax.sharding.reshard(x, P()), then "
+                f"call chunkvmap outside that block (or build the input on an Auto "
+                f"mesh)."
+            )
+        if isinstance(x, jax.core.Tracer):
+            continue
+        if x.sharding.device_set != mesh_devices:
+            size = np.shape(x)[axis] if axis is not None else 0
+            spec = _spec(axis, mesh.axis_names[0]) if size % mesh.size == 0 else P()
+            placed[k] = jax.device_put(x, NamedSharding(mesh, spec))
+    return placed
+
+
+def _spec(axis: int | None, name: str) -> P:
+    return P() if axis is None else P(*([None] * axis), name)
+
+
+def evaluate(
+    mesh: Mesh,
+    leaves: Sequence[Any],
+    axes: Sequence[int | None],
+    dyn: Sequence[int],
+    size: int,
+    local: Callable[[list[Any], int], Any],
+    *,
+    reduced: bool,
+    out_axes: Sequence[int | None],
+    fold: Callable[[Any, Any], Any],
+) -> Any:
+    """Evaluate `local` over the mesh as described in the module docstring.
+
+    `local(leaves, n)` runs the chunked loop over leaves whose mapped length is `n` and
+    returns the flat stacked outputs (mapped along `out_axes`) or, when `reduced`, the
+    summary pytree.
+    """
+    name = mesh.axis_names[0]
+    num_devices = mesh.size
+    rem = size % num_devices
+    prefix = size - rem
+    per_device = prefix // num_devices
+    dyn_axes = [axes[i] for i in dyn]
+
+    def with_values(values):
+        full = list(leaves)
+        for i, v in zip(dyn, values):
+            full[i] = v
+        return full
+
+    def stack1(tree):  # a leading axis of one, to be concatenated over devices
+        return jax.tree.map(lambda y: jnp.expand_dims(y, 0), tree)
+
+    def body(prefix_values, rem_values):
+        outs = {}
+        if per_device:
+            result = local(with_values(prefix_values), per_device)
+            outs["local"] = stack1(result) if reduced else result
+        if rem:
+            rem_leaves = with_values(rem_values)
+            shapes = jax.eval_shape(lambda: local(rem_leaves, rem))
+            on_first = lax.axis_index(name) == 0
+            result = lax.cond(
+                on_first,
+                lambda: local(rem_leaves, rem),
+                lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+            )
+            outs["rem"] = stack1(result)
+        return outs
+
+    def run(*values):
+        prefix_values = [
+            v if a is None or not rem else lax.slice_in_dim(v, 0, prefix, axis=a)
+            for v, a in zip(values, dyn_axes)
+        ]
+        rem_values = [
+            v if a is None else lax.slice_in_dim(v, prefix, size, axis=a)
+            for v, a in zip(values, dyn_axes)
+        ]
+        out_specs: dict[str, Any] = {}
+        if per_device:
+            out_specs["local"] = (
+                P(name) if reduced else [_spec(a, name) for a in out_axes]
+            )
+        if rem:
+            out_specs["rem"] = P(name)
+        outs = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=([_spec(a, name) for a in dyn_axes], [P()] * len(dyn)),
+            out_specs=out_specs,
+            check_vma=False,
+        )(prefix_values, rem_values)
+        replicated = NamedSharding(mesh, P())
+        if reduced:
+            summaries = outs.get("local")
+            acc = None
+            if summaries is not None:
+                acc = jax.tree.map(lambda s: s[0], summaries)
+                if num_devices > 1:
+                    rest = jax.tree.map(lambda s: s[1:], summaries)
+                    acc, _ = lax.scan(lambda a, s: (fold(a, s), None), acc, rest)
+            if rem:
+                tail = jax.tree.map(lambda s: s[0], outs["rem"])
+                acc = tail if acc is None else fold(acc, tail)
+            return lax.with_sharding_constraint(acc, replicated)
+        if not rem:
+            return outs["local"]
+        tail = [y[0] for y in outs["rem"]]
+        if not per_device:
+            return lax.with_sharding_constraint(tail, replicated)
+        assembled = [
+            y if a is None else jnp.concatenate([y, t], axis=a)
+            for y, t, a in zip(outs["local"], tail, out_axes)
+        ]
+        return lax.with_sharding_constraint(assembled, replicated)
+
+    return jax.jit(run)(*[leaves[i] for i in dyn])

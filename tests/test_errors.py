@@ -150,12 +150,6 @@ def test_axis_name_with_chunking_is_an_error():
 def test_shard_and_mesh_validation():
     with pytest.raises(TypeError, match="shard must be a bool"):
         batch_vmap(jnp.sum, shard=1)  # pyright: ignore[reportArgumentType]
-    with pytest.raises(
-        NotImplementedError, match=r"shard=True\) is not implemented yet"
-    ):
-        batch_vmap(jnp.sum, shard=True)
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        batch_map(jnp.sum, X, shard=True)
     mesh1 = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
     mesh2 = jax.make_mesh(
         (4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2

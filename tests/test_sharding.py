@@ -1,0 +1,288 @@
+"""shard=True on 8 simulated CPU devices, against jax.vmap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from chunkvmap import batch_map, batch_vmap
+
+from .helpers import temp_bytes, tree_allclose
+
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs 8 devices (jax_num_cpu_devices=8)"
+)
+
+MESH = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+
+
+def f(params, x):
+    return jnp.tanh(x @ params["w"] + params["b"])
+
+
+PARAMS = {
+    "w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(3, 2),
+    "b": jnp.array([0.1, -0.2], jnp.float32),
+}
+
+
+def data(n):
+    return jnp.linspace(-2.0, 2.0, n * 3, dtype=jnp.float32).reshape(n, 3)
+
+
+def sum0(y):
+    return y.sum(0)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 13, 35, 64])
+@pytest.mark.parametrize("b", [None, 1, 3, 4, 100])
+def test_matches_vmap_under_jit_and_grad(n, b):
+    x = data(n)
+    ref = jax.vmap(f, (None, 0))(PARAMS, x)
+    stacked = batch_vmap(f, (None, 0), batch_size=b, shard=True, mesh=MESH)
+    reduced = batch_vmap(
+        f,
+        (None, 0),
+        batch_size=b,
+        shard=True,
+        mesh=MESH,
+        reduction=jnp.add,
+        chunk_reduction=sum0,
+    )
+    out = jax.jit(stacked)(PARAMS, x)
+    tree_allclose(out, ref)
+    tree_allclose(jax.jit(reduced)(PARAMS, x), ref.sum(0), rtol=1e-5, atol=1e-5)
+
+    # Gradients w.r.t. replicated inputs equal the unsharded ones (not D times them),
+    # and w.r.t. the sharded input too.
+    def loss_ref(p, xs):
+        return (jax.vmap(f, (None, 0))(p, xs) ** 2).sum()
+
+    def loss(p, xs):
+        return (stacked(p, xs) ** 2).sum()
+
+    expected = jax.grad(loss_ref, argnums=(0, 1))(PARAMS, x)
+    tree_allclose(
+        jax.jit(jax.grad(loss, argnums=(0, 1)))(PARAMS, x), expected, atol=1e-5
+    )
+    tree_allclose(
+        jax.grad(lambda p, xs: reduced(p, xs).sum(), argnums=(0, 1))(PARAMS, x),
+        jax.grad(lambda p, xs: jax.vmap(f, (None, 0))(p, xs).sum(), argnums=(0, 1))(
+            PARAMS, x
+        ),
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("n", [16, 64])
+def test_divisible_output_stays_sharded(n):
+    out = batch_vmap(f, (None, 0), batch_size=3, shard=True, mesh=MESH)(PARAMS, data(n))
+    assert out.sharding.is_equivalent_to(NamedSharding(MESH, P("d")), out.ndim)
+
+
+@pytest.mark.parametrize("n", [3, 13])
+def test_output_with_a_global_remainder_is_replicated(n):
+    out = batch_vmap(f, (None, 0), batch_size=3, shard=True, mesh=MESH)(PARAMS, data(n))
+    assert out.sharding.is_fully_replicated
+    red = batch_vmap(
+        f,
+        (None, 0),
+        batch_size=3,
+        shard=True,
+        mesh=MESH,
+        reduction=jnp.add,
+        chunk_reduction=sum0,
+    )(PARAMS, data(n))
+    assert red.sharding.is_fully_replicated
+
+
+def test_out_axes_and_in_axes_other_than_zero():
+    x = data(24).T  # mapped axis 1
+    fn = batch_vmap(
+        lambda v: jnp.outer(v, v),
+        in_axes=1,
+        out_axes=2,
+        batch_size=2,
+        shard=True,
+        mesh=MESH,
+    )
+    tree_allclose(fn(x), jax.vmap(lambda v: jnp.outer(v, v), 1, 2)(x))
+    x = data(27).T  # with a global remainder
+    tree_allclose(fn(x), jax.vmap(lambda v: jnp.outer(v, v), 1, 2)(x))
+
+
+def window_counts(length, b):
+    """How often each of `length` examples is evaluated by chunks of `b` whose last
+    chunk is the window of the last `b` examples."""
+    counts = np.zeros(length, int)
+    if length:
+        b = min(b, length)
+        for i in range(-(-length // b)):
+            start = min(i * b, length - b)
+            counts[start : start + b] += 1
+    return counts
+
+
+@pytest.mark.parametrize("n, b", [(64, 3), (35, 2), (13, 4), (5, 2)])
+def test_work_is_split_and_the_global_remainder_runs_once(n, b):
+    """Each example's evaluation is recorded by a host callback. Every device runs its
+    own chunks (local windows recompute at most b-1 of its examples) and the global
+    remainder is evaluated by one device, not once per device."""
+    seen = []
+
+    def g(v):
+        jax.debug.callback(lambda i: seen.append(int(i)), v[0])
+        return v * 2.0
+
+    x = jnp.stack([jnp.arange(n, dtype=jnp.float32)] * 2, axis=1)
+    out = batch_vmap(g, batch_size=b, shard=True, mesh=MESH)(x)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    tree_allclose(out, x * 2.0)
+    counts = np.bincount(np.array(seen), minlength=n)
+    per_device, rem = divmod(n, 8)
+    prefix = n - rem
+    # The prefix: each device covers its own slice with its own chunk windows.
+    assert np.array_equal(counts[:prefix], np.tile(window_counts(per_device, b), 8))
+    # The global remainder: on one device only (chunked with the same windows).
+    assert np.array_equal(counts[prefix:], window_counts(rem, b)), counts
+    assert counts.sum() < 2 * n  # nowhere near 8x: the work is split
+
+
+def test_non_commutative_reduction_keeps_order_across_devices():
+    n = 21
+    t = jnp.linspace(0.1, 1.0, n, dtype=jnp.float32)
+
+    def mat(a):
+        return jnp.array([[jnp.cos(a), a], [jnp.sin(a), 1.0]])
+
+    out = batch_vmap(
+        mat,
+        batch_size=2,
+        shard=True,
+        mesh=MESH,
+        reduction=jnp.matmul,
+        chunk_reduction=lambda ms: jax.lax.associative_scan(jnp.matmul, ms)[-1],
+    )(t)
+    ref = jax.lax.associative_scan(jnp.matmul, jax.vmap(mat)(t))[-1]
+    tree_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [16, 19])
+def test_batch_map_sharded(n):
+    x = data(n)
+    vec = jax.vmap(f, (None, 0))
+    tree_allclose(
+        batch_map(lambda c: vec(PARAMS, c), x, 2, shard=True, mesh=MESH), vec(PARAMS, x)
+    )
+    tree_allclose(
+        batch_map(
+            lambda c: vec(PARAMS, c),
+            x,
+            3,
+            shard=True,
+            mesh=MESH,
+            reduction=jnp.add,
+            chunk_reduction=sum0,
+        ),
+        vec(PARAMS, x).sum(0),
+        atol=1e-5,
+    )
+
+
+def test_default_mesh_spans_all_devices_and_is_built_once():
+    from chunkvmap import _sharding
+
+    out = batch_vmap(f, (None, 0), batch_size=2, shard=True)(PARAMS, data(16))
+    assert out.sharding.mesh.size == jax.device_count()
+    assert _sharding.default_mesh() is _sharding.default_mesh()
+
+
+def test_remat_and_reduction_under_grad_with_sharding():
+    x = data(37)
+
+    def loss(p, remat):
+        return batch_vmap(
+            f,
+            (None, 0),
+            batch_size=2,
+            shard=True,
+            mesh=MESH,
+            remat=remat,
+            reduction=jnp.add,
+            chunk_reduction=lambda y: (y**2).sum(0),
+        )(p, x).sum()
+
+    ref = jax.grad(lambda p: (jax.vmap(f, (None, 0))(p, x) ** 2).sum())(PARAMS)
+    tree_allclose(jax.grad(lambda p: loss(p, True))(PARAMS), ref, atol=1e-5)
+    tree_allclose(jax.grad(lambda p: loss(p, False))(PARAMS), ref, atol=1e-5)
+
+
+def test_per_device_memory_is_set_by_batch_size():
+    """Compiled per-device temp memory of a reduced sharded map does not grow with N."""
+
+    def big(v):
+        h = jnp.tanh(jnp.outer(v, v))  # 64 x 64 per example
+        return h.sum()
+
+    def fn(x):
+        return batch_vmap(
+            big,
+            batch_size=4,
+            shard=True,
+            mesh=MESH,
+            reduction=jnp.add,
+            chunk_reduction=sum0,
+        )(x)
+
+    small = temp_bytes(fn, jnp.ones((8 * 16, 64), jnp.float32))
+    large = temp_bytes(fn, jnp.ones((8 * 256, 64), jnp.float32))
+    assert large <= 1.05 * small + 4096, (small, large)
+
+
+# --------------------------------------------------------------------------------------
+# Inputs already sharded, on other meshes, Explicit-typed, and ambient meshes.
+
+
+def test_input_already_sharded_on_the_mesh_is_used_as_is():
+    x = jax.device_put(data(16), NamedSharding(MESH, P("d")))
+    out = batch_vmap(f, (None, 0), batch_size=1, shard=True, mesh=MESH)(PARAMS, x)
+    assert out.sharding.is_equivalent_to(x.sharding, 2)
+
+
+def test_input_on_another_mesh_is_moved_onto_the_mesh():
+    mesh4 = jax.sharding.Mesh(
+        np.array(jax.devices()[:4]), ("e",), axis_types=(AxisType.Auto,)
+    )
+    x = jax.device_put(data(16), NamedSharding(mesh4, P("e")))
+    out = batch_vmap(f, (None, 0), batch_size=1, shard=True, mesh=MESH)(PARAMS, x)
+    tree_allclose(out, jax.vmap(f, (None, 0))(PARAMS, data(16)))
+    one = jax.device_put(data(13), jax.devices()[5])
+    out = batch_vmap(f, (None, 0), batch_size=1, shard=True, mesh=mesh4)(PARAMS, one)
+    tree_allclose(out, jax.vmap(f, (None, 0))(PARAMS, data(13)))
+
+
+def test_explicit_inputs_and_ambient_meshes():
+    explicit = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    xe = jax.device_put(data(16), NamedSharding(explicit, P("d")))
+    fn = batch_vmap(f, (None, 0), batch_size=1, shard=True, mesh=MESH)
+    with pytest.raises(ValueError, match="Explicit sharding .* jax.sharding.reshard"):
+        fn(PARAMS, xe)
+    with jax.set_mesh(explicit):
+        with pytest.raises(ValueError, match="called under jax.set_mesh"):
+            fn(PARAMS, data(16))
+        with pytest.raises(ValueError, match="1-D Auto mesh"):
+            batch_vmap(f, (None, 0), batch_size=1, shard=True)(PARAMS, data(16))
+    # An ambient 1-D Auto mesh is used when no mesh is passed.
+    with jax.set_mesh(MESH):
+        out = batch_vmap(f, (None, 0), batch_size=1, shard=True)(PARAMS, data(16))
+        assert out.sharding.mesh.axis_names == ("d",)
+
+
+def test_auto_batch_size_with_shard_is_a_clear_error():
+    with pytest.raises(ValueError, match="not supported with shard=True"):
+        batch_vmap(
+            f, (None, 0), batch_size="auto", memory_limit="1MiB", shard=True, mesh=MESH
+        )(PARAMS, data(16))
