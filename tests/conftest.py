@@ -15,3 +15,7 @@ def rng():
     import numpy as np
 
     return np.random.default_rng(0)
+
+
+# A script run in subprocesses by test_multihost.py; importing it would join a cluster.
+collect_ignore = ["multihost_worker.py"]

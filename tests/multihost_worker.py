@@ -1,0 +1,70 @@
+"""One process of the multi-host test (run by tests/test_multihost.py, not by pytest).
+
+Usage: python multihost_worker.py COORDINATOR_PORT PROCESS_ID NUM_PROCESSES
+Each process owns 2 CPU devices; together they form one global mesh.
+"""
+
+import sys
+
+import jax
+
+
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+port, process_id, num_processes = (int(a) for a in sys.argv[1:4])
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=num_processes,
+    process_id=process_id,
+    initialization_timeout=30,
+)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from chunkvmap import batch_vmap  # noqa: E402
+
+
+def f(params, x):
+    return jnp.tanh(x @ params["w"]) + params["b"]
+
+
+params = {
+    "w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(3, 2),
+    "b": jnp.array([0.5, -0.5], jnp.float32),
+}
+assert jax.device_count() == 2 * num_processes, jax.devices()
+assert jax.local_device_count() == 2
+
+failures = []
+for n in (13, 16):  # with a global remainder (13 % 4 = 1), and divisible
+    x = jnp.linspace(-2.0, 2.0, n * 3, dtype=jnp.float32).reshape(n, 3)
+    expected = np.asarray(jax.vmap(f, (None, 0))(params, x))  # single-process answer
+    out = batch_vmap(f, (None, 0), batch_size=2, shard=True)(params, x)
+    for shard in out.addressable_shards:  # replicated or sharded: check what we hold
+        np.testing.assert_allclose(np.asarray(shard.data), expected[shard.index], 1e-5)
+    if n % 4:
+        assert out.sharding.is_fully_replicated
+    total = batch_vmap(
+        f,
+        (None, 0),
+        batch_size=2,
+        shard=True,
+        reduction=jnp.add,
+        chunk_reduction=lambda y: y.sum(0),
+    )(params, x)
+    np.testing.assert_allclose(
+        np.asarray(total.addressable_data(0)), expected.sum(0), rtol=1e-5, atol=1e-5
+    )
+    grad = jax.grad(
+        lambda p: batch_vmap(f, (None, 0), batch_size=3, shard=True)(p, x).sum()
+    )(params)
+    grad_ref = jax.grad(lambda p: jax.vmap(f, (None, 0))(p, x).sum())(params)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_ref)):
+        np.testing.assert_allclose(
+            np.asarray(a.addressable_data(0)), np.asarray(b), rtol=1e-5, atol=1e-5
+        )
+
+print(f"process {process_id}: OK", flush=True)
+jax.distributed.shutdown()
