@@ -50,6 +50,9 @@ def identity(x: Any) -> Any:
 class _Plan:
     size: int  # N, the mapped length
     batch: int  # B, 1 <= B <= N (or B = N = 0)
+    # Where the N examples start in the leaves' mapped axes (may be traced): a device
+    # of a sharded evaluation reads its examples in place from whole inputs.
+    offset: Any = 0
 
     @property
     def num_chunks(self) -> int:
@@ -71,11 +74,21 @@ class _Plan:
             return i * self.batch
         return jnp.minimum(i * self.batch, self.size - self.batch)
 
+    def chunk(self, leaves: Sequence[Any], axes: Sequence[int | None], i: Any):
+        """The inputs of chunk `i` (read at `offset + start(i)`)."""
+        return _take(leaves, axes, self.offset + self.start(i), self.batch)
 
-def _make_plan(size: int, batch_size: int | None) -> _Plan:
+    def whole(self, leaves: Sequence[Any], axes: Sequence[int | None]) -> list[Any]:
+        """The leaves restricted to the plan's N examples (one chunk, no loop)."""
+        if isinstance(self.offset, int) and self.offset == 0:
+            return list(leaves)
+        return _take(leaves, axes, self.offset, self.size)
+
+
+def _make_plan(size: int, batch_size: Any, offset: Any = 0) -> _Plan:
     if batch_size is None or batch_size >= size:
-        return _Plan(size, size)
-    return _Plan(size, batch_size)
+        return _Plan(size, size, offset)
+    return _Plan(size, batch_size, offset)
 
 
 def _take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length: int):
@@ -132,12 +145,12 @@ def _stacked(
       the loop, so gradients need one output-sized buffer more than forward evaluation.
     """
     if plan.single:
-        return chunk_fn(list(leaves), plan.size)
+        return chunk_fn(plan.whole(leaves, axes), plan.size)
     size, batch = plan.size, plan.batch
 
     @ft.partial(_checkpointed, remat=remat)
     def evaluate(i):
-        return chunk_fn(_take(leaves, axes, plan.start(i), batch), batch)
+        return chunk_fn(plan.chunk(leaves, axes, i), batch)
 
     def full(aval, length=None, axis=None):
         shape = aval.shape
@@ -204,7 +217,7 @@ def _reduced(
         return chunk_reduction(out_tree.unflatten(ys))
 
     if plan.single:
-        return summarise(chunk_fn(list(leaves), plan.size))
+        return summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
     batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
 
     def tail(ys: list[Any]) -> list[Any]:
@@ -215,7 +228,7 @@ def _reduced(
 
     @ft.partial(_checkpointed, remat=remat)
     def evaluate(i):
-        ys = chunk_fn(_take(leaves, axes, plan.start(i), batch), batch)
+        ys = chunk_fn(plan.chunk(leaves, axes, i), batch)
         if rem == 0:
             return summarise(ys)
         return lax.cond(i == last, lambda: summarise(tail(ys)), lambda: summarise(ys))
@@ -314,8 +327,8 @@ class _Chunked:
         leaves = _sharding.place_inputs(self.name, mesh, paths, list(leaves), self.axes)
         reduced = self.reduction is not None
 
-        def local(local_leaves: list[Any], n: int) -> Any:
-            plan = _make_plan(n, batch_size)
+        def local(local_leaves: list[Any], n: int, offset: Any = 0) -> Any:
+            plan = _make_plan(n, batch_size, offset)
             if reduced:
                 return self.summary(local_leaves, plan)
             return self.stacked_flat(local_leaves, plan)

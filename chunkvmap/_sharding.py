@@ -156,7 +156,7 @@ def evaluate(
     axes: Sequence[int | None],
     dyn: Sequence[int],
     size: int,
-    local: Callable[[list[Any], int], Any],
+    local: Callable[..., Any],
     *,
     reduced: bool,
     out_axes: Sequence[int | None],
@@ -164,9 +164,9 @@ def evaluate(
 ) -> Any:
     """Evaluate `local` over the mesh as described in the module docstring.
 
-    `local(leaves, n)` runs the chunked loop over leaves whose mapped length is `n` and
-    returns the flat stacked outputs (mapped along `out_axes`) or, when `reduced`, the
-    summary pytree.
+    `local(leaves, n, offset=0)` runs the chunked loop over the `n` examples starting at
+    `offset` along the leaves' mapped axes and returns the flat stacked outputs (mapped
+    along `out_axes`) or, when `reduced`, the summary pytree.
     """
     name = mesh.axis_names[0]
     num_devices = mesh.size
@@ -184,13 +184,25 @@ def evaluate(
     def stack1(tree):  # a leading axis of one, to be concatenated over devices
         return jax.tree.map(lambda y: jnp.expand_dims(y, 0), tree)
 
-    def body(prefix_values, rem_values):
+    def body(values):
         outs = {}
         if per_device:
-            result = local(with_values(prefix_values), per_device)
+            if rem:
+                # Inputs arrive whole (N does not split evenly, so they are
+                # replicated anyway): each device reads its own examples in place,
+                # without a per-device copy of its slice.
+                start = lax.axis_index(name) * per_device
+                result = local(with_values(values), per_device, start)
+            else:
+                result = local(with_values(values), per_device)
             outs["local"] = stack1(result) if reduced else result
         if rem:
-            rem_leaves = with_values(rem_values)
+            rem_leaves = with_values(
+                [
+                    v if a is None else lax.slice_in_dim(v, prefix, size, axis=a)
+                    for v, a in zip(values, dyn_axes)
+                ]
+            )
             shapes = jax.eval_shape(lambda: local(rem_leaves, rem))
             on_first = lax.axis_index(name) == 0
             result = lax.cond(
@@ -202,14 +214,6 @@ def evaluate(
         return outs
 
     def run(*values):
-        prefix_values = [
-            v if a is None or not rem else lax.slice_in_dim(v, 0, prefix, axis=a)
-            for v, a in zip(values, dyn_axes)
-        ]
-        rem_values = [
-            v if a is None else lax.slice_in_dim(v, prefix, size, axis=a)
-            for v, a in zip(values, dyn_axes)
-        ]
         out_specs: dict[str, Any] = {}
         if per_device:
             out_specs["local"] = (
@@ -217,13 +221,10 @@ def evaluate(
             )
         if rem:
             out_specs["rem"] = P(name)
+        in_specs = [P() if rem else _spec(a, name) for a in dyn_axes]
         outs = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=([_spec(a, name) for a in dyn_axes], [P()] * len(dyn)),
-            out_specs=out_specs,
-            check_vma=False,
-        )(prefix_values, rem_values)
+            body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False
+        )(list(values))
         replicated = NamedSharding(mesh, P())
         if reduced:
             summaries = outs.get("local")

@@ -237,9 +237,19 @@ def test_per_device_memory_is_set_by_batch_size():
             chunk_reduction=sum0,
         )(x)
 
-    small = temp_bytes(fn, jnp.ones((8 * 16, 64), jnp.float32))
-    large = temp_bytes(fn, jnp.ones((8 * 256, 64), jnp.float32))
-    assert large <= 1.05 * small + 4096, (small, large)
+    for extra in (0, 3):  # divisible, and with a global remainder
+        small = temp_bytes(fn, jnp.ones((8 * 16 + extra, 64), jnp.float32))
+        large = temp_bytes(fn, jnp.ones((8 * 256 + extra, 64), jnp.float32))
+        assert large <= 1.05 * small + 4096, (extra, small, large)
+
+
+def test_divisible_stacked_output_needs_no_all_gather():
+    def g(v):
+        return jnp.tanh(jnp.outer(v, v)).mean(0)
+
+    fn = batch_vmap(g, batch_size=4, shard=True, mesh=MESH)
+    hlo = jax.jit(fn).lower(jnp.ones((8 * 32, 64), jnp.float32)).compile().as_text()
+    assert "all-gather" not in hlo
 
 
 # --------------------------------------------------------------------------------------
