@@ -25,6 +25,7 @@ bench: $(VENV)/.installed
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/bench_core.py --out benchmarks/results/core.md
 	$(BIN)/python benchmarks/bench_memory.py --out benchmarks/results/memory.md
+	$(BIN)/python benchmarks/bench_sharding.py --out benchmarks/results/sharding.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

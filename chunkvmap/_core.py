@@ -695,10 +695,18 @@ def batch_vmap(
         summaries (`jax.tree.map(reduction, a, b)`).
       chunk_reduction: summarises one chunk's output along the mapped axis (with
         `reduction`), or post-processes the whole output (without it).
-      shard: shard the mapped axis across the devices of `mesh` (not implemented yet:
-        `True` raises `NotImplementedError`).
-      mesh: a one-dimensional `jax.sharding.Mesh` with an `AxisType.Auto` axis, used
-        with `shard=True`.
+      shard: spread the examples over the devices of `mesh` first: the divisible
+        prefix (N - N % D for D devices) is split evenly, each device runs its own
+        chunks of `batch_size` (and its own remainder window), and the global
+        remainder (N % D examples) is evaluated once, by one device. Stacked outputs
+        stay sharded along the mapped axis when D divides N, and come back replicated
+        otherwise; reductions fold the per-device results in device order. Runs
+        multi-host under `jax.distributed` unchanged.
+      mesh: a one-dimensional `jax.sharding.Mesh` whose axis has type
+        `AxisType.Auto`, used with `shard=True`. None means the ambient mesh of
+        `jax.set_mesh` if it is such a mesh, else one mesh over all devices (built
+        once). Concrete inputs committed to other devices are moved onto the mesh;
+        inputs typed with an `Explicit` sharding are an error.
       remat: checkpoint each chunk for reverse mode: True (the default; save nothing,
         recompute the chunk), False (save every chunk's residuals), or a
         `jax.checkpoint` policy such as `jax.checkpoint_policies.dots_saveable`.
@@ -718,7 +726,6 @@ def batch_vmap(
         different sizes, axes out of range, specs that do not match the arguments, a
         `chunk_reduction` that keeps the mapped axis, a reduction over zero examples,
         or a `memory_limit` too small for one example.
-      NotImplementedError: for `shard=True`.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -973,8 +980,8 @@ def batch_map(
       chunk_reduction: summarises a chunk's output (with `reduction`), or
         post-processes the whole output (without it).
       strip_dim0: hand `fun` single examples; requires `batch_size=1`.
-      shard: shard across the devices of `mesh` (not implemented yet).
-      mesh: a one-dimensional `jax.sharding.Mesh`, with `shard=True`.
+      shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
+      mesh: a one-dimensional `Auto` `jax.sharding.Mesh`, with `shard=True`.
       remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
       memory_limit: the budget for `batch_size="auto"` (see `batch_vmap`).
 
@@ -987,7 +994,6 @@ def batch_map(
       ValueError: for leaves of different leading lengths, scalar leaves, `strip_dim0`
         without `batch_size=1`, outputs without the chunk's leading axis, a
         `chunk_reduction` that keeps the mapped axis, or a reduction over zero examples.
-      NotImplementedError: for `shard=True`.
 
     Examples:
       >>> import jax.numpy as jnp
