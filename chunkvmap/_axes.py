@@ -29,18 +29,20 @@ def _is_axis(x: Any) -> bool:
     )
 
 
-def check_axes_spec(name: str, spec: AxisSpec, *, top_level_tuple: bool) -> AxisSpec:
+def check_axes_spec(
+    name: str, spec: AxisSpec, *, top_level_tuple: bool, transform: str = "batch_vmap"
+) -> AxisSpec:
     """Static checks of an axis spec, done when `batch_vmap` is called.
 
-    Mirrors `jax.vmap`: a list at the top level is read as a tuple; `in_axes` must be an
-    int, None, or a tuple (one entry per positional argument); every leaf is an int or
-    None.
+    Mirrors `jax.vmap`: for `in_axes` (`top_level_tuple=True`) a list at the top level
+    is read as a tuple, and the spec must be an int, None, or a tuple (one entry per
+    positional argument); every leaf is an int or None.
     """
-    if isinstance(spec, list):
+    if top_level_tuple and isinstance(spec, list):
         spec = tuple(spec)
     if top_level_tuple and not (_is_axis(spec) or isinstance(spec, tuple)):
         raise TypeError(
-            f"batch_vmap {name} must be an int, None, or a tuple of entries "
+            f"{transform} {name} must be an int, None, or a tuple of entries "
             f"corresponding to the positional arguments passed to the function, "
             f"but got {name}={spec!r} of type {type(spec).__name__}."
         )
@@ -48,50 +50,66 @@ def check_axes_spec(name: str, spec: AxisSpec, *, top_level_tuple: bool) -> Axis
     bad = [leaf for leaf in leaves if not _is_axis(leaf)]
     if bad:
         raise TypeError(
-            f"batch_vmap {name} must be an int, None, or a pytree prefix whose leaves "
-            f"are ints or None, but got {name}={spec!r} containing "
+            f"{transform} {name} must be an int, None, or a pytree prefix whose "
+            f"leaves are ints or None, but got {name}={spec!r} containing "
             + ", ".join(f"{b!r} ({type(b).__name__})" for b in bad)
             + "."
         )
     return jax.tree.map(lambda a: None if a is None else int(a), spec, is_leaf=_is_none)
 
 
-def broadcast_axes(name: str, spec: AxisSpec, tree: Any, what: str) -> list[Any]:
-    """One axis (int or None) per leaf of `tree`, from the prefix `spec`."""
+def broadcast_axes(
+    name: str, spec: AxisSpec, tree: Any, what: str, transform: str = "batch_vmap"
+) -> list[Any]:
+    """One axis (int or None) per leaf of `tree`, from the prefix `spec`.
+
+    A None in `spec` is an axis (not mapped); a None in `tree` is an empty subtree with
+    no leaves, as everywhere in JAX.
+    """
+    prefix = jax.tree.structure(spec, is_leaf=_is_none)
     try:
-        full = jax.tree.broadcast(spec, tree, is_leaf=_is_none)
+        subtrees = prefix.flatten_up_to(tree)
     except ValueError as e:
         raise ValueError(
-            f"batch_vmap {name} must be a pytree prefix of the {what}, but the "
+            f"{transform} {name} must be a pytree prefix of the {what}, but the "
             f"structures do not match.\n  {name} = {spec!r}\n  {what} structure = "
             f"{jax.tree.structure(tree)}\nJAX reported: {e}"
         ) from None
-    return jax.tree.leaves(full, is_leaf=_is_none)
+    axes = jax.tree.leaves(spec, is_leaf=_is_none)
+    return [a for a, sub in zip(axes, subtrees) for _ in jax.tree.leaves(sub)]
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
     return tuple(np.shape(x))
 
 
-def canonical_in_axis(axis: int | None, leaf: Any, path: str) -> int | None:
+def canonical_in_axis(
+    axis: int | None,
+    leaf: Any,
+    path: str,
+    transform: str = "batch_vmap",
+    arg: str = "in_axes",
+) -> int | None:
     """Make a mapped input axis non-negative and check it is in range."""
     if axis is None:
         return None
     if not _is_arraylike(leaf):
         raise TypeError(
-            f"batch_vmap in_axes maps {path} along axis {axis}, but it is not an "
+            f"{transform} {arg} maps {path} along axis {axis}, but it is not an "
             f"array: got a value of type {type(leaf).__name__}. Give it in_axes=None "
             f"or pass an array."
         )
     ndim = len(shape_of(leaf))
+    if not ndim:
+        raise ValueError(
+            f"{transform} {arg} maps {path} along axis {axis}, but it is a scalar "
+            f"(shape ()): give it in_axes=None or add a mapped axis."
+        )
     if not -ndim <= axis < ndim:
         raise ValueError(
-            f"batch_vmap in_axes maps {path} along axis {axis}, which is out of range "
+            f"{transform} {arg} maps {path} along axis {axis}, which is out of range "
             f"for its shape {shape_of(leaf)} (rank {ndim}: valid axes are "
             f"{-ndim}..{ndim - 1})."
-            if ndim
-            else f"batch_vmap in_axes maps {path} along axis {axis}, but it is a "
-            f"scalar (shape ()): give it in_axes=None or add a mapped axis."
         )
     return axis % ndim
 
@@ -119,6 +137,7 @@ def mapped_size(
     leaves: Sequence[Any],
     axes: Sequence[int | None],
     axis_size: int | None,
+    transform: str = "batch_vmap",
 ) -> int:
     """The common length of every mapped axis (or `axis_size`), else a clear error."""
     sizes = [
@@ -129,7 +148,7 @@ def mapped_size(
     if not sizes:
         if axis_size is None:
             raise ValueError(
-                "batch_vmap must have at least one non-None value in in_axes, or be "
+                f"{transform} must have at least one non-None value in in_axes, or be "
                 "given axis_size: got no mapped argument and axis_size=None."
             )
         return axis_size
@@ -143,28 +162,36 @@ def mapped_size(
         )
         extra = f"\n  axis_size={axis_size}" if axis_size is not None else ""
         raise ValueError(
-            "batch_vmap got inconsistent sizes for the mapped axis; every mapped "
+            f"{transform} got inconsistent sizes for the mapped axis; every mapped "
             f"argument must have the same size along its mapped axis:\n{lines}{extra}"
         )
     return sizes[0][1]
 
 
-def check_positive_int(name: str, value: Any, *, allow_none: bool = True) -> int | None:
+def check_positive_int(
+    name: str,
+    value: Any,
+    *,
+    allow_none: bool = True,
+    allow_zero: bool = False,
+    transform: str = "batch_vmap",
+) -> int | None:
     """`value` as a positive int (or None), else a TypeError / ValueError naming it."""
     if value is None and allow_none:
         return None
-    expected = "a positive int" + (" or None" if allow_none else "")
+    kind = "a non-negative int" if allow_zero else "a positive int"
+    expected = kind + (" or None" if allow_none else "")
     try:
         if isinstance(value, (bool, np.bool_)):
             raise TypeError
         index = operator.index(value)
     except TypeError:
         raise TypeError(
-            f"batch_vmap {name} must be {expected}, but got {name}={value!r} of type "
-            f"{type(value).__name__}."
+            f"{transform} {name} must be {expected}, but got {name}={value!r} of "
+            f"type {type(value).__name__}."
         ) from None
-    if index <= 0:
+    if index < 0 or (index == 0 and not allow_zero):
         raise ValueError(
-            f"batch_vmap {name} must be {expected}, but got {name}={index}."
+            f"{transform} {name} must be {expected}, but got {name}={index}."
         )
     return index

@@ -99,6 +99,33 @@ def _take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length:
     ]
 
 
+def zeros(shape: Sequence[int], aval: Any) -> Any:
+    """Zeros of `shape` with `aval`'s dtype, weakly typed when `aval` is."""
+    if getattr(aval, "weak_type", False):
+        # A Python scalar keeps the weak type (weak types have the default width).
+        return lax.full(shape, np.zeros((), aval.dtype).item())
+    return lax.full(shape, 0, aval.dtype)
+
+
+def _drop_leading(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape[1:], aval.dtype, weak_type=aval.weak_type)
+
+
+def _static_key(leaves: Sequence[Any], dyn: Sequence[int]) -> tuple[Any, ...]:
+    """A cache key for the non-array arguments (their value when hashable)."""
+    dynamic = set(dyn)
+    key = []
+    for i, x in enumerate(leaves):
+        if i in dynamic:
+            continue
+        try:
+            hash(x)
+            key.append((type(x), x))
+        except TypeError:
+            key.append((type(x), id(x)))
+    return tuple(key)
+
+
 # A chunk function maps (chunk leaves, chunk length) to the chunk's flat outputs, each
 # mapped along its canonical output axis (or unmapped where the axis is None).
 ChunkFn = Callable[[list[Any], int], list[Any]]
@@ -156,7 +183,7 @@ def _stacked(
         shape = aval.shape
         if axis is not None:
             shape = (*shape[:axis], length, *shape[axis:])
-        return lax.full(shape, 0, aval.dtype)
+        return zeros(shape, aval)
 
     mapped = [k for k, a in enumerate(out_axes) if a is not None]
     unmapped = [k for k, a in enumerate(out_axes) if a is None]
@@ -237,7 +264,7 @@ def _reduced(
         s = evaluate(i)
         return lax.cond(i == 0, lambda: s, lambda: _fold(reduction, acc, s)), None
 
-    init = jax.tree.map(lambda a: lax.full(a.shape, 0, a.dtype), summary_avals)
+    init = jax.tree.map(lambda a: zeros(a.shape, a), summary_avals)
     with jax.named_scope("chunkvmap"):
         acc, _ = lax.scan(body, init, jnp.arange(plan.num_chunks))
     return acc
@@ -340,6 +367,7 @@ class _Chunked:
             dyn,
             size,
             local,
+            zeros=zeros,
             reduced=reduced,
             out_axes=self.out_axes,
             fold=ft.partial(_fold, self.reduction),
@@ -414,7 +442,7 @@ def _check_batch_size(name: str, arg: str, value: Any) -> int | str | None:
             f"{name} {arg} must be a positive int, None, or 'auto', but got "
             f"{arg}={value!r} of type str."
         )
-    return _axes.check_positive_int(arg, value)
+    return _axes.check_positive_int(arg, value, transform=name)
 
 
 class _AutoBatch:
@@ -651,8 +679,10 @@ def batch_vmap(
     and the summaries are combined in order, leaf by leaf, with the associative
     `reduction` (e.g. `jnp.add`, `jnp.maximum`, `jnp.matmul`): the result is
     `chunk_reduction(jax.vmap(f)(*args))` for reductions compatible with it. No identity
-    element is assumed. Without `reduction`, `chunk_reduction` is applied once to the
-    full output.
+    element is assumed. `chunk_reduction` receives each chunk's outputs exactly as
+    `jax.vmap` returns them for that chunk, so outputs with `out_axes=None` appear once
+    per chunk: summarise only the mapped ones, or the result depends on `B`. Without
+    `reduction`, `chunk_reduction` is applied once to the full output.
 
     Compared with `jax.lax.map(f, xs, batch_size=B)`: any `in_axes`/`out_axes` (not just
     axis 0 of every argument), keyword arguments, reductions that never materialise the
@@ -674,7 +704,8 @@ def batch_vmap(
     a few probe programs on the first call for each set of shapes and caches the
     choice; `chunkvmap.last_batch_size(fn)` shows it, and the `chunkvmap` logger
     reports it at INFO level. The budget covers the evaluation as called: under
-    `jax.grad`, the backward pass adds its own working set.
+    `jax.grad` the backward pass adds its own working set, and under an outer
+    `jax.vmap` the choice is made for one outer example.
 
     Args:
       f: the function to vectorise; it receives single examples, as with `jax.vmap`.
@@ -747,9 +778,7 @@ def batch_vmap(
     batch_size = _resolve_batch_size(name, batch_size, kwargs)
     in_axes = _axes.check_axes_spec("in_axes", in_axes, top_level_tuple=True)
     out_axes = _axes.check_axes_spec("out_axes", out_axes, top_level_tuple=False)
-    axis_size = (
-        _axes.check_positive_int("axis_size", axis_size) if axis_size != 0 else 0
-    )
+    axis_size = _axes.check_positive_int("axis_size", axis_size, allow_zero=True)
     _check_callable(name, "reduction", reduction, allow_none=True)
     _check_callable(name, "chunk_reduction", chunk_reduction, allow_none=False)
     _check_remat(name, remat)
@@ -828,13 +857,13 @@ def _batch_vmap_call(
 ):
     name = "batch_vmap"
     leaves, paths, axes, treedef = _flatten_inputs(in_axes, args, call_kwargs)
-    size = _axes.mapped_size(paths, leaves, axes, axis_size or None)
+    size = _axes.mapped_size(paths, leaves, axes, axis_size)
 
     if reduction is None and batch_size is None and not shard:
         # Plain jax.vmap: nothing to chunk and nothing to fold.
-        out = jax.vmap(
-            f, in_axes, out_axes, axis_name=axis_name, axis_size=axis_size or None
-        )(*args, **call_kwargs)
+        out = jax.vmap(f, in_axes, out_axes, axis_name=axis_name, axis_size=axis_size)(
+            *args, **call_kwargs
+        )
         return out if chunk_reduction is identity else chunk_reduction(out)
     if reduction is not None and size == 0:
         raise _zero_examples(name)
@@ -873,7 +902,7 @@ def _batch_vmap_call(
         ),
         *[leaves[i] for i in dyn],
     )
-    out_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in mapped_avals]
+    out_avals = [_drop_leading(a) for a in mapped_avals]
     (out_tree,) = out_box
     out_paths = [
         "out" + jax.tree_util.keystr(p)
@@ -921,6 +950,7 @@ def _batch_vmap_call(
             )
         return run.sharded(mesh, paths, leaves, dyn, size, batch_size)
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
+    key += (_static_key(leaves, dyn),)
     plan = run.plan(batch_size, auto, leaves, dyn, size, key)
     if axis_name is not None and not plan.single:
         raise ValueError(
@@ -1035,8 +1065,11 @@ def batch_map(
         leaves.append(x if isinstance(x, jax.Array) else jnp.asarray(x))
     if not leaves:
         raise ValueError(f"{name} xs has no array leaves to map over: got xs={xs!r}.")
-    axes = [_axes.canonical_in_axis(0, x, p) for x, p in zip(leaves, paths)]
-    size = _axes.mapped_size(paths, leaves, axes, None)
+    axes = [
+        _axes.canonical_in_axis(0, x, p, transform=name, arg="xs")
+        for x, p in zip(leaves, paths)
+    ]
+    size = _axes.mapped_size(paths, leaves, axes, None, transform=name)
     if reduction is not None and size == 0:
         raise _zero_examples(name)
     out_box: list[Any] = []
@@ -1072,7 +1105,8 @@ def batch_map(
     if strip_dim0 and size == 0:
         example = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in leaves]
         out = jax.eval_shape(lambda *ls: fun(jax.tree.unflatten(treedef, ls)), *example)
-        return jax.tree.map(lambda a: jnp.zeros((0, *a.shape), a.dtype), out)
+        out = jax.tree.map(lambda a: zeros((0, *a.shape), a), out)
+        return out if chunk_reduction is identity else chunk_reduction(out)
 
     if batch_size == "auto":
         probe = min(size, 1)  # the first size the search measures
@@ -1086,7 +1120,7 @@ def batch_map(
     ]
     out_chunk_avals = jax.eval_shape(fun_flat, *chunk_avals)
     (out_tree,) = out_box
-    out_avals = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in out_chunk_avals]
+    out_avals = [_drop_leading(a) for a in out_chunk_avals]
     out_axes = [0] * len(out_avals)
 
     run = _Chunked(
@@ -1104,5 +1138,6 @@ def batch_map(
         return run.sharded(mesh, paths, leaves, range(len(leaves)), size, batch_size)
     auto = _auto_state(name, fun, memory_limit) if batch_size == "auto" else None
     key = (treedef, tuple(jax.typeof(x) for x in leaves))
+    key += (id(reduction), id(chunk_reduction), remat, strip_dim0)
     plan = run.plan(batch_size, auto, leaves, range(len(leaves)), size, key)
     return run(list(leaves), plan)

@@ -158,6 +158,7 @@ def evaluate(
     size: int,
     local: Callable[..., Any],
     *,
+    zeros: Callable[[Any, Any], Any],
     reduced: bool,
     out_axes: Sequence[int | None],
     fold: Callable[[Any, Any], Any],
@@ -208,7 +209,7 @@ def evaluate(
             result = lax.cond(
                 on_first,
                 lambda: local(rem_leaves, rem),
-                lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                lambda: jax.tree.map(lambda s: zeros(s.shape, s), shapes),
             )
             outs["rem"] = stack1(result)
         return outs

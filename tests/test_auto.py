@@ -159,3 +159,20 @@ def test_batch_map_auto_with_a_builtin_function():
     out = batch_map(jnp.sin, X, "auto", memory_limit="1MiB")
     tree_allclose(out, jnp.sin(X))
     assert last_batch_size() is not None
+
+
+def test_auto_cache_accounts_for_static_arguments():
+    x = jnp.ones((256, 64), jnp.float32)
+
+    def g(a, n):
+        big = jnp.ones((n, 64)) * a[None, :]
+        return jnp.sort((big @ big.T).ravel())[::7].sum()
+
+    fn = batch_vmap(g, (0, None), batch_size="auto", memory_limit="4MiB")
+    fn(x, 4)
+    small_n = last_batch_size(fn)
+    fn(x, 256)
+    large_n = last_batch_size(fn)
+    assert large_n < small_n
+    used = temp_bytes(lambda a: batch_vmap(g, (0, None), batch_size=large_n)(a, 256), x)
+    assert used <= 4 * 2**20

@@ -66,3 +66,14 @@ def test_traced_once_even_with_a_remainder(rng):
     counted.count = 0
     batch_map(counted, x, 5, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0))
     assert counted.count == 1
+
+
+def test_strip_dim0_zero_examples_applies_chunk_reduction():
+    out = batch_map(
+        lambda e: e.sum(),
+        jnp.zeros((0, 3)),
+        1,
+        strip_dim0=True,
+        chunk_reduction=lambda y: y.shape,
+    )
+    assert out == (0,)

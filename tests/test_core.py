@@ -239,3 +239,78 @@ def test_remainder_window_sees_only_real_examples():
     values = sorted(np.concatenate([np.atleast_1d(s) for s in seen]).tolist())
     assert values == [0, 1, 2, 3, 4, 5, 6, 6, 7, 7, 8, 9]
     tree_allclose(out, x * 2.0)
+
+
+# Regressions found in review.
+
+
+@pytest.mark.parametrize("b", [2, None])
+def test_none_arguments_do_not_shift_in_axes(b):
+    x = jnp.arange(10.0).reshape(5, 2)
+    y = jnp.arange(15.0).reshape(3, 5)
+
+    def f(a, nothing, c):
+        assert nothing is None
+        return a.sum() + c.sum()
+
+    tree_allclose(
+        batch_vmap(f, (0, None, 1), batch_size=b)(x, None, y),
+        jax.vmap(f, (0, None, 1))(x, None, y),
+    )
+
+    def f2(nothing, a, c):
+        return f(a, nothing, c)
+
+    tree_allclose(
+        batch_vmap(f2, (None, 0, 1), batch_size=b)(None, x, y),
+        jax.vmap(f2, (None, 0, 1))(None, x, y),
+    )
+
+    def g(c, nothing, *, a):
+        return a.sum() + c.sum()
+
+    tree_allclose(
+        batch_vmap(g, (1, None), batch_size=b)(y, None, a=x),
+        jax.vmap(g, (1, None))(y, None, a=x),
+    )
+
+
+@pytest.mark.parametrize("b", [2, None])
+def test_outputs_containing_none_and_list_out_axes(b):
+    x = jnp.arange(10.0).reshape(5, 2)
+    for g, out_axes in [
+        (lambda a: (None, a, a.sum()), (None, 1, 0)),
+        (lambda a: (None, a, a), (None, 0, 1)),
+        (lambda a: {"a": None, "b": a, "c": a.sum()}, {"a": None, "b": 1, "c": 0}),
+        (lambda a: [a, a.sum()], [1, 0]),
+    ]:
+        tree_allclose(
+            batch_vmap(g, 0, out_axes, batch_size=b)(x), jax.vmap(g, 0, out_axes)(x)
+        )
+    with pytest.raises(ValueError, match="out_axes (must be a pytree|specification)"):
+        batch_vmap(lambda a: (a, a.sum()), 0, [1, 0], batch_size=b)(x)
+
+
+@pytest.mark.parametrize("b", [1, 5, 8, None])
+def test_weak_types_are_kept(b):
+    """Weak types survive when the chunks are stacked as scan outputs (B divides N) or
+    when there is one chunk. (With a remainder window the output is assembled with
+    dynamic_update_slice, which JAX types strongly: the dtype is kept, the weak type
+    is not.)"""
+    x = jnp.arange(10.0).reshape(5, 2)
+    for g in (lambda v, s: s, lambda v, s: 1.0, lambda v, s: v.sum()):
+        ref = jax.vmap(g, (0, None))(x, 2.0)
+        out = batch_vmap(g, (0, None), batch_size=b)(x, 2.0)
+        assert jax.typeof(out).weak_type == jax.typeof(ref).weak_type
+        assert out.dtype == ref.dtype
+    # A weak result promotes like jax.vmap's would.
+    ref = jax.vmap(lambda v, s: s, (0, None))(x, 2.0) + jnp.ones(5, jnp.bfloat16)
+    out = batch_vmap(lambda v, s: s, (0, None), batch_size=b)(x, 2.0)
+    assert (out + jnp.ones(5, jnp.bfloat16)).dtype == ref.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("b", [2, None])
+def test_axis_size_zero(b):
+    c = jnp.ones(2)
+    out = batch_vmap(lambda v: v * 2.0, in_axes=None, axis_size=0, batch_size=b)(c)
+    tree_allclose(out, jax.vmap(lambda v: v * 2.0, in_axes=None, axis_size=0)(c))

@@ -192,3 +192,28 @@ def test_bad_remat():
         batch_vmap(jnp.sum, remat="yes")  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="remat=1 of type int"):
         batch_map(jnp.sum, X, 2, remat=1)  # pyright: ignore[reportArgumentType]
+
+
+def test_bad_axis_size():
+    with pytest.raises(TypeError, match="axis_size=False of type bool"):
+        batch_vmap(jnp.sum, axis_size=False)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="axis_size=0.0 of type float"):
+        batch_vmap(jnp.sum, axis_size=0.0)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(
+        ValueError, match="non-negative int or None, but got axis_size=-1"
+    ):
+        batch_vmap(jnp.sum, axis_size=-1)
+
+
+def test_batch_map_errors_name_batch_map():
+    with pytest.raises(
+        ValueError, match="^batch_map batch_size must be a positive int"
+    ):
+        batch_map(jnp.sum, X, 0)
+    with pytest.raises(ValueError, match="^batch_map got inconsistent sizes"):
+        batch_map(lambda c: c, {"a": X, "b": jnp.ones(5)}, 2)
+    with pytest.raises(
+        ValueError,
+        match=r"^batch_map xs maps xs\['a'\] along axis 0, but it is a scalar",
+    ):
+        batch_map(lambda c: c, {"a": jnp.float32(1.0)}, 2)
