@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e ".[tests,bench]"
+	$(BIN)/python -m pip install --quiet -e ".[tests,bench,equinox,notebooks]"
 	touch $@
 
 demo: $(VENV)/.installed

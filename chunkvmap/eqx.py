@@ -1,0 +1,325 @@
+"""Equinox adapter: `filter_batch_vmap`, a chunked drop-in for `eqx.filter_vmap`.
+
+Equinox modules mix arrays with non-array leaves (activation functions, static
+fields), which plain chunked maps cannot slice. `filter_batch_vmap` follows
+`eqx.filter_vmap`'s conventions — `in_axes`/`out_axes` are pytree prefixes whose leaves
+are ints, None, or callables such as `eqx.if_array(0)`; a dict keyed by parameter name;
+non-array leaves pass through; non-array outputs come back unbatched — and hands the
+array leaves, with one axis each, to `chunkvmap.batch_vmap`.
+"""
+
+from __future__ import annotations
+
+import functools as ft
+import inspect
+from collections.abc import Callable, Hashable
+from typing import Any, overload
+
+
+try:
+    import equinox as eqx
+except ImportError as e:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        "chunkvmap.eqx needs Equinox: install it with `pip install chunkvmap[equinox]` "
+        "(or `pip install equinox`)."
+    ) from e
+import jax
+import jax.numpy as jnp
+
+from ._core import batch_vmap, identity
+
+
+_SENTINEL = object()
+_NAME = "filter_batch_vmap"
+
+
+class _Static:
+    """A pytree node with no leaves that carries a Python value in its treedef."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and _same(self.value, other.value)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+jax.tree_util.register_pytree_node(
+    _Static, lambda s: ((), s.value), lambda value, _: _Static(value)
+)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _check_spec(name: str, spec: Any) -> None:
+    for leaf in jax.tree.leaves(spec, is_leaf=_is_none):
+        ok = leaf is None or callable(leaf)
+        ok = ok or (isinstance(leaf, int) and not isinstance(leaf, bool))
+        if not ok:
+            raise TypeError(
+                f"{_NAME} {name} must be a pytree prefix whose leaves are ints, None, "
+                f"or callables such as eqx.if_array(0), but got {name}={spec!r} "
+                f"containing {leaf!r} of type {type(leaf).__name__}."
+            )
+
+
+def _named_in_axes(fun: Callable[..., Any], in_axes: Any, args: tuple) -> Any:
+    """A dict `in_axes` keyed by parameter name, as a tuple over the positional args."""
+    if not isinstance(in_axes, dict):
+        return in_axes
+    remaining = dict(in_axes)
+    names = list(inspect.signature(fun).parameters)
+    axes = tuple(remaining.pop(n, eqx.if_array(0)) for n, _ in zip(names, args))
+    if remaining:
+        raise ValueError(
+            f"{_NAME} in_axes names {sorted(remaining)}, which are not among the "
+            f"parameters {names[: len(args)]} that received positional arguments."
+        )
+    return axes
+
+
+def _resolve(tree: Any, spec: Any, what: str) -> Any:
+    """Per-leaf axes (int or None) for `tree`, from a prefix whose leaves may be
+    callables; an integer axis for a non-array leaf is an error."""
+
+    def one(axis_spec, sub, path):
+        def leaf_axis(p, leaf):
+            axis = axis_spec(leaf) if callable(axis_spec) else axis_spec
+            if axis is not None and not eqx.is_array(leaf):
+                raise ValueError(
+                    f"{_NAME} {what} gives {jax.tree_util.keystr(path + p)} (a "
+                    f"{type(leaf).__name__}, not an array) the axis {axis}; only "
+                    f"arrays can be mapped. Use eqx.if_array({axis}) or None for it."
+                )
+            return axis
+
+        return jax.tree_util.tree_map_with_path(leaf_axis, sub)
+
+    prefix = jax.tree.structure(spec, is_leaf=_is_none)
+    try:
+        subtrees = prefix.flatten_up_to(tree)
+    except ValueError as e:
+        raise ValueError(
+            f"{_NAME} {what} must be a pytree prefix of the "
+            f"{'arguments' if what == 'in_axes' else 'output'}, but the structures do "
+            f"not match: {what}={spec!r}. JAX reported: {e}"
+        ) from None
+    paths = [
+        p for p, _ in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_none)[0]
+    ]
+    leaves = jax.tree.leaves(spec, is_leaf=_is_none)
+    resolved = [one(a, sub, p) for a, sub, p in zip(leaves, subtrees, paths)]
+    return prefix.unflatten(resolved)
+
+
+def _mapped_mask(axes: Any) -> Any:
+    return jax.tree.map(lambda a: a is not None, axes, is_leaf=_is_none)
+
+
+def _move(tree: Any, axes: Any) -> Any:
+    """Move the leading (mapped) axis of each leaf of `tree` to its `axes` entry."""
+    flat_axes = [a for a in jax.tree.leaves(axes, is_leaf=_is_none) if a is not None]
+    leaves, treedef = jax.tree.flatten(tree)
+    moved = [
+        x if a == 0 else jnp.moveaxis(x, 0, a % x.ndim)
+        for x, a in zip(leaves, flat_axes)
+    ]
+    return treedef.unflatten(moved)
+
+
+@overload
+def filter_batch_vmap(
+    *,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
+    batch_size: int | str | None = None,
+    reduction: Callable[[Any, Any], Any] | None = None,
+    chunk_reduction: Callable[[Any], Any] = identity,
+    shard: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+
+
+@overload
+def filter_batch_vmap(
+    fun: Callable[..., Any],
+    *,
+    in_axes: Any = ...,
+    out_axes: Any = ...,
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
+    batch_size: int | str | None = None,
+    reduction: Callable[[Any, Any], Any] | None = None,
+    chunk_reduction: Callable[[Any], Any] = identity,
+    shard: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
+) -> Callable[..., Any]: ...
+
+
+def filter_batch_vmap(
+    fun: Any = _SENTINEL,
+    *,
+    in_axes: Any = eqx.if_array(0),
+    out_axes: Any = eqx.if_array(0),
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
+    # chunkvmap specific
+    batch_size: int | str | None = None,
+    reduction: Callable[[Any, Any], Any] | None = None,
+    chunk_reduction: Callable[[Any], Any] = identity,
+    shard: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
+) -> Any:
+    """`eqx.filter_vmap`, evaluated `batch_size` examples at a time.
+
+    Same calling conventions as `eqx.filter_vmap`: `in_axes` is a pytree prefix of the
+    positional arguments (or a dict keyed by parameter name) whose leaves are ints,
+    None, or callables of a leaf such as `eqx.if_array(0)`; non-array leaves are passed
+    through unchanged; `out_axes` likewise for the output, and outputs whose axis
+    resolves to None (non-arrays, with the default) come back unbatched. Usable as a
+    decorator, with or without arguments. The chunking options are those of
+    `chunkvmap.batch_vmap` (`batch_size`, `reduction`, `chunk_reduction`, `shard`,
+    `mesh`, `remat`, `memory_limit`); `reduction` and `chunk_reduction` see the
+    function's output with its mapped arrays at their `out_axes`.
+
+    Args:
+      fun: the function to vectorise (positional arguments only, as in Equinox).
+      in_axes: where each input is mapped (`eqx.if_array(0)` by default).
+      out_axes: where each output's mapped axis goes (`eqx.if_array(0)` by default).
+      axis_name: a name for collectives inside `fun` (unchunked evaluation only).
+      axis_size: the mapped length when no input is mapped.
+      batch_size: examples per chunk, None for a single call, or "auto".
+      reduction: fold chunk summaries instead of stacking (see `batch_vmap`).
+      chunk_reduction: summarises one chunk's output (see `batch_vmap`).
+      shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
+      mesh: a one-dimensional `Auto` mesh, with `shard=True`.
+      remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
+      memory_limit: the budget for `batch_size="auto"`.
+
+    Returns:
+      The vectorised function (or, without `fun`, a decorator).
+
+    Examples:
+      >>> import equinox as eqx, jax, jax.numpy as jnp
+      >>> from chunkvmap.eqx import filter_batch_vmap
+      >>> keys = jax.random.split(jax.random.key(0), 7)
+      >>> models = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 2, key=k))(keys)
+      >>> out = filter_batch_vmap(lambda m, x: m(x), in_axes=(eqx.if_array(0), None),
+      ...                         batch_size=3)(models, jnp.ones(3))
+      >>> out.shape
+      (7, 2)
+    """
+    if fun is _SENTINEL:
+        return ft.partial(
+            filter_batch_vmap,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            axis_name=axis_name,
+            axis_size=axis_size,
+            batch_size=batch_size,
+            reduction=reduction,
+            chunk_reduction=chunk_reduction,
+            shard=shard,
+            mesh=mesh,
+            remat=remat,
+            memory_limit=memory_limit,
+        )
+    if not callable(fun):
+        raise TypeError(
+            f"{_NAME} fun must be a callable, but got {fun!r} of type "
+            f"{type(fun).__name__}."
+        )
+    if not isinstance(in_axes, dict):
+        _check_spec("in_axes", in_axes)
+    else:
+        _check_spec("in_axes", tuple(in_axes.values()))
+    _check_spec("out_axes", out_axes)
+    options = dict(
+        axis_name=axis_name,
+        axis_size=axis_size,
+        batch_size=batch_size,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        memory_limit=memory_limit,
+    )
+    # Validate the chunking options now (batch_vmap raises on bad ones).
+    batch_vmap(fun, reduction=reduction, chunk_reduction=chunk_reduction, **options)
+    cache: dict[Any, Callable[..., Any]] = {}
+
+    def user_output(triple: Any) -> Any:
+        mapped, unmapped_arrays, static = triple
+        unmapped_static, axes = static.value
+        return eqx.combine(_move(mapped, axes), unmapped_arrays, unmapped_static)
+
+    @ft.wraps(fun)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(
+                f"{_NAME}: keyword arguments cannot be used with functions wrapped by "
+                f"{_NAME} (as with eqx.filter_vmap); got {sorted(kwargs)}."
+            )
+        axes = _resolve(args, _named_in_axes(fun, in_axes, args), "in_axes")
+        dynamic, static = eqx.partition(args, eqx.is_array)
+
+        def inner(dyn: Any) -> Any:
+            out = fun(*eqx.combine(dyn, static))
+            out_ax = _resolve(out, out_axes, "out_axes")
+            mapped, unmapped = eqx.partition(out, _mapped_mask(out_ax))
+            unmapped_arrays, unmapped_static = eqx.partition(unmapped, eqx.is_array)
+            return mapped, unmapped_arrays, _Static((unmapped_static, out_ax))
+
+        dyn_axes = jax.tree.map(
+            lambda a, x: a if eqx.is_array(x) else None, axes, args, is_leaf=_is_none
+        )
+        key = (
+            jax.tree.structure(dyn_axes, is_leaf=_is_none),
+            tuple(jax.tree.leaves(dyn_axes, is_leaf=_is_none)),
+        )
+        batched = cache.get(key)
+        if batched is None:
+            if reduction is None:
+                core_reduce = identity
+            else:
+
+                def core_reduce(triple):
+                    return chunk_reduction(user_output(triple))
+
+            batched = batch_vmap(
+                inner,
+                in_axes=(dyn_axes,),
+                out_axes=(0, None, None),
+                reduction=reduction,
+                chunk_reduction=core_reduce,
+                **options,
+            )
+            cache[key] = batched
+        result = batched(dynamic)
+        if reduction is not None:
+            return result
+        out = user_output(result)
+        return out if chunk_reduction is identity else chunk_reduction(out)
+
+    return wrapper
+
+
+__all__ = ["filter_batch_vmap"]

@@ -1,0 +1,181 @@
+"""chunkvmap.eqx.filter_batch_vmap against eqx.filter_vmap on the same inputs."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+
+eqx = pytest.importorskip("equinox")
+
+from chunkvmap.eqx import filter_batch_vmap  # noqa: E402
+
+from .helpers import tree_allclose  # noqa: E402
+
+
+def make_model(key):
+    return eqx.nn.MLP(3, 2, 8, 2, key=key)
+
+
+KEYS = jax.random.split(jax.random.key(0), 7)
+MODELS = eqx.filter_vmap(make_model)(KEYS)
+X = jnp.linspace(-1.0, 1.0, 30, dtype=jnp.float32).reshape(10, 3)
+
+
+def arrays(tree):
+    return eqx.filter(tree, eqx.is_array)
+
+
+def apply(m, x):
+    return m(x)
+
+
+@pytest.mark.parametrize("b", [1, 3, 7, 20, None])
+def test_ensemble_forward(b):
+    in_axes = (eqx.if_array(0), None)
+    ref = eqx.filter_vmap(apply, in_axes=in_axes)(MODELS, X[0])
+    out = filter_batch_vmap(apply, in_axes=in_axes, batch_size=b)(MODELS, X[0])
+    tree_allclose(out, ref)
+
+
+@pytest.mark.parametrize("b", [2, 3])
+def test_building_an_ensemble_in_chunks(b):
+    built = filter_batch_vmap(make_model, batch_size=b)(KEYS)
+    assert jax.tree.structure(built) == jax.tree.structure(MODELS)
+    tree_allclose(arrays(built), arrays(MODELS))
+    assert built.activation is MODELS.activation  # non-array leaves pass through
+
+
+@pytest.mark.parametrize("b", [3, 4])
+def test_shared_model_under_filter_jit_and_filter_grad(b):
+    model = make_model(jax.random.key(1))
+
+    @eqx.filter_jit
+    def loss(m, xs):
+        preds = filter_batch_vmap(apply, in_axes=(None, 0), batch_size=b)(m, xs)
+        return (preds**2).sum()
+
+    @eqx.filter_jit
+    def loss_ref(m, xs):
+        return (eqx.filter_vmap(apply, in_axes=(None, 0))(m, xs) ** 2).sum()
+
+    tree_allclose(loss(model, X), loss_ref(model, X), rtol=1e-5)
+    tree_allclose(
+        eqx.filter_grad(loss)(model, X),
+        eqx.filter_grad(loss_ref)(model, X),
+        rtol=1e-4,
+        atol=1e-6,
+    )
+
+
+def per_example_grad(m, x):
+    return eqx.filter_grad(lambda mm: (mm(x) ** 2).sum())(m)
+
+
+def sum_over_examples(grads):
+    return jax.tree.map(lambda g: g.sum(0), grads)
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_per_example_gradients_summed_with_a_reduction(shard):
+    if shard and jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    model = make_model(jax.random.key(2))
+    xs = jnp.linspace(-1.0, 1.0, 13 * 3, dtype=jnp.float32).reshape(13, 3)
+    ref = eqx.filter_vmap(per_example_grad, in_axes=(None, 0))(model, xs)
+    summed = filter_batch_vmap(
+        per_example_grad,
+        in_axes=(None, 0),
+        batch_size=2,
+        shard=shard,
+        reduction=jnp.add,
+        chunk_reduction=lambda g: sum_over_examples(arrays(g)),
+    )(model, xs)
+    tree_allclose(summed, sum_over_examples(arrays(ref)), rtol=1e-4, atol=1e-6)
+    # And stacked, unreduced.
+    stacked = filter_batch_vmap(per_example_grad, in_axes=(None, 0), batch_size=4)(
+        model, xs
+    )
+    tree_allclose(arrays(stacked), arrays(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_state_batchnorm_inference_mode():
+    bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
+        3, axis_name="batch", mode="batch"
+    )
+    bn = eqx.nn.inference_mode(bn)
+
+    def f(x, st):
+        return bn(x, st)
+
+    ref = eqx.filter_vmap(f, in_axes=(0, None), out_axes=(0, None))(X, state)
+    out = filter_batch_vmap(f, in_axes=(0, None), out_axes=(0, None), batch_size=3)(
+        X, state
+    )
+    tree_allclose(arrays(out), arrays(ref))
+
+
+def test_dropout_with_per_example_keys():
+    dropout = eqx.nn.Dropout(0.5)
+    keys = jax.random.split(jax.random.key(3), 10)
+
+    def f(x, k):
+        return dropout(x, key=k)
+
+    ref = eqx.filter_vmap(f)(X, keys)
+    tree_allclose(filter_batch_vmap(f, batch_size=3)(X, keys), ref)
+
+
+def test_axis_size_with_no_mapped_input():
+    def f(x):
+        return x * 2.0
+
+    ref = eqx.filter_vmap(f, in_axes=None, axis_size=5)(X[0])
+    tree_allclose(
+        filter_batch_vmap(f, in_axes=None, axis_size=5, batch_size=2)(X[0]), ref
+    )
+
+
+def test_dict_in_axes_decorator_and_out_axes():
+    @filter_batch_vmap(in_axes=dict(m=None, x=1), out_axes=1, batch_size=4)
+    def f(m, x):
+        return jnp.stack([m(x), m(x) * 2.0])
+
+    model = make_model(jax.random.key(4))
+    ref = eqx.filter_vmap(
+        lambda m, x: jnp.stack([m(x), m(x) * 2.0]),
+        in_axes=dict(m=None, x=1),
+        out_axes=1,
+    )(model, X.T)
+    tree_allclose(f(model, X.T), ref)
+    assert f.__name__ == "f"
+
+
+def test_bad_specs():
+    model = make_model(jax.random.key(5))
+    with pytest.raises(ValueError, match=r"in_axes must be a pytree prefix"):
+        filter_batch_vmap(apply, in_axes=(None, 0, 0), batch_size=2)(model, X)
+    with pytest.raises(ValueError, match=r"not an array\) the axis 0"):
+        filter_batch_vmap(apply, in_axes=(0, 0), batch_size=2)(MODELS, X[:7])
+    with pytest.raises(TypeError, match=r"containing 'x' of type str"):
+        filter_batch_vmap(apply, in_axes=("x", 0))
+    with pytest.raises(ValueError, match=r"names \['y'\]"):
+        filter_batch_vmap(apply, in_axes=dict(y=0), batch_size=2)(model, X)
+    with pytest.raises(TypeError, match="keyword arguments"):
+        filter_batch_vmap(apply, batch_size=2)(model, x=X)
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        filter_batch_vmap(apply, batch_size=0)
+
+
+def test_import_error_names_the_extra():
+    code = (
+        "import sys; sys.modules['equinox'] = None\n"
+        "try:\n    import chunkvmap.eqx\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert "pip install chunkvmap[equinox]" in out.stdout, out.stdout + out.stderr
