@@ -96,7 +96,8 @@ def _resolve(tree: Any, spec: Any, what: str) -> Any:
     def one(axis_spec, sub, path):
         def leaf_axis(p, leaf):
             axis = axis_spec(leaf) if callable(axis_spec) else axis_spec
-            if axis is not None and not eqx.is_array(leaf):
+            arraylike = eqx.is_array_like if what == "out_axes" else eqx.is_array
+            if axis is not None and not arraylike(leaf):
                 raise ValueError(
                     f"{_NAME} {what} gives {jax.tree_util.keystr(path + p)} (a "
                     f"{type(leaf).__name__}, not an array) the axis {axis}; only "
@@ -131,10 +132,14 @@ def _move(tree: Any, axes: Any) -> Any:
     """Move the leading (mapped) axis of each leaf of `tree` to its `axes` entry."""
     flat_axes = [a for a in jax.tree.leaves(axes, is_leaf=_is_none) if a is not None]
     leaves, treedef = jax.tree.flatten(tree)
-    moved = [
-        x if a == 0 else jnp.moveaxis(x, 0, a % x.ndim)
-        for x, a in zip(leaves, flat_axes)
-    ]
+    moved = []
+    for x, a in zip(leaves, flat_axes):
+        if not -x.ndim <= a < x.ndim:
+            raise ValueError(
+                f"{_NAME} out_axes={a} is out of range for a mapped output of rank "
+                f"{x.ndim} (shape {x.shape}): valid axes are {-x.ndim}..{x.ndim - 1}."
+            )
+        moved.append(x if a % x.ndim == 0 else jnp.moveaxis(x, 0, a))
     return treedef.unflatten(moved)
 
 
@@ -253,73 +258,150 @@ def filter_batch_vmap(
     else:
         _check_spec("in_axes", tuple(in_axes.values()))
     _check_spec("out_axes", out_axes)
-    options = dict(
-        axis_name=axis_name,
-        axis_size=axis_size,
-        batch_size=batch_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
+    options = (
+        ("axis_name", axis_name),
+        ("axis_size", axis_size),
+        ("batch_size", batch_size),
+        ("reduction", reduction),
+        ("chunk_reduction", chunk_reduction),
+        ("shard", shard),
+        ("mesh", mesh),
+        ("remat", remat),
+        ("memory_limit", memory_limit),
     )
-    # Validate the chunking options now (batch_vmap raises on bad ones).
-    batch_vmap(fun, reduction=reduction, chunk_reduction=chunk_reduction, **options)
-    cache: dict[Any, Callable[..., Any]] = {}
+    batch_vmap(fun, **dict(options))  # validates the chunking options now
+    wrapper = _BatchVmapWrapper(fun, in_axes, out_axes, options)
+    return eqx.module_update_wrapper(wrapper)
 
-    def user_output(triple: Any) -> Any:
-        mapped, unmapped_arrays, static = triple
-        unmapped_static, axes = static.value
-        return eqx.combine(_move(mapped, axes), unmapped_arrays, unmapped_static)
 
-    @ft.wraps(fun)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            raise TypeError(
-                f"{_NAME}: keyword arguments cannot be used with functions wrapped by "
-                f"{_NAME} (as with eqx.filter_vmap); got {sorted(kwargs)}."
-            )
-        axes = _resolve(args, _named_in_axes(fun, in_axes, args), "in_axes")
-        dynamic, static = eqx.partition(args, eqx.is_array)
+def _user_output(triple: Any) -> Any:
+    mapped, unmapped_arrays, static = triple
+    unmapped_static, axes = static.value
+    return eqx.combine(_move(mapped, axes), unmapped_arrays, unmapped_static)
 
-        def inner(dyn: Any) -> Any:
-            out = fun(*eqx.combine(dyn, static))
-            out_ax = _resolve(out, out_axes, "out_axes")
-            mapped, unmapped = eqx.partition(out, _mapped_mask(out_ax))
-            unmapped_arrays, unmapped_static = eqx.partition(unmapped, eqx.is_array)
-            return mapped, unmapped_arrays, _Static((unmapped_static, out_ax))
 
-        dyn_axes = jax.tree.map(
-            lambda a, x: a if eqx.is_array(x) else None, axes, args, is_leaf=_is_none
+def _inner(fun_parts: Any, dyn: Any, static: Any, out_axes: Any) -> Any:
+    """The per-example function handed to `batch_vmap`: every varying value (the
+    function's own arrays and non-array parts, the mapped and unmapped array arguments,
+    the non-array arguments) is an argument, so one `batch_vmap` serves every call."""
+    rebuild, fun_dyn = fun_parts
+    fun = eqx.combine(fun_dyn, rebuild.static)
+    out = fun(*eqx.combine(dyn, static))
+    out_ax = _resolve(out, out_axes, "out_axes")
+    out = jax.tree.map(
+        lambda leaf, a: jnp.asarray(leaf) if a is not None else leaf, out, out_ax
+    )
+    mapped, unmapped = eqx.partition(out, _mapped_mask(out_ax))
+    unmapped_arrays, unmapped_static = eqx.partition(unmapped, eqx.is_array)
+    return mapped, unmapped_arrays, _Static((unmapped_static, out_ax))
+
+
+_BATCHED: dict[Any, Callable[..., Any]] = {}
+
+
+def _batched(options: tuple, out_axes: Any, dyn_axes: Any) -> Callable[..., Any]:
+    """One `batch_vmap` per (options, out_axes, axis layout), so that the
+    `batch_size="auto"` choice is cached across calls."""
+    opts = dict(options)
+    reduction, chunk_reduction = opts.pop("reduction"), opts.pop("chunk_reduction")
+    if reduction is None:
+        core_reduce = identity
+    else:
+
+        def core_reduce(triple):
+            return chunk_reduction(_user_output(triple))
+
+    def build():
+        return batch_vmap(
+            ft.partial(_inner, out_axes=out_axes),
+            in_axes=(None, dyn_axes, None),
+            out_axes=(0, None, None),
+            reduction=reduction,
+            chunk_reduction=core_reduce,
+            **opts,
         )
+
+    try:
         key = (
+            options,
+            jax.tree.structure(out_axes, is_leaf=_is_none),
+            tuple(jax.tree.leaves(out_axes, is_leaf=_is_none)),
             jax.tree.structure(dyn_axes, is_leaf=_is_none),
             tuple(jax.tree.leaves(dyn_axes, is_leaf=_is_none)),
         )
-        batched = cache.get(key)
-        if batched is None:
-            if reduction is None:
-                core_reduce = identity
-            else:
+        hash(key)
+    except TypeError:  # an unhashable option: no caching
+        return build()
+    if key not in _BATCHED:
+        _BATCHED[key] = build()
+    return _BATCHED[key]
 
-                def core_reduce(triple):
-                    return chunk_reduction(user_output(triple))
 
-            batched = batch_vmap(
-                inner,
-                in_axes=(dyn_axes,),
-                out_axes=(0, None, None),
-                reduction=reduction,
-                chunk_reduction=core_reduce,
-                **options,
+class _BatchVmapWrapper(eqx.Module):
+    """The function returned by `filter_batch_vmap`: a Module (like Equinox's own
+    wrapper) so that a wrapped model's arrays stay leaves of the wrapper."""
+
+    _fun: Callable[..., Any]
+    _in_axes: Any
+    _out_axes: Any
+    _options: tuple = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self._fun
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise RuntimeError(
+                f"keyword arguments cannot be used with functions wrapped with "
+                f"{_NAME} (as with eqx.filter_vmap); got {sorted(kwargs)}."
             )
-            cache[key] = batched
-        result = batched(dynamic)
-        if reduction is not None:
+        opts = dict(self._options)
+        axes = _resolve(args, _named_in_axes(self._fun, self._in_axes, args), "in_axes")
+        dynamic, static = eqx.partition(args, eqx.is_array)
+        dyn_axes = jax.tree.map(
+            lambda a, x: a if eqx.is_array(x) else None, axes, args, is_leaf=_is_none
+        )
+        fun_dyn, fun_static = eqx.partition(self._fun, eqx.is_array)
+        fun = _Rebuild(fun_static)
+        if opts["axis_size"] is None and not any(
+            a is not None for a in jax.tree.leaves(dyn_axes, is_leaf=_is_none)
+        ):
+            # Nothing is mapped: call once, as eqx.filter_vmap does, and insist that no
+            # output would need a batch axis.
+            triple = _inner((fun, fun_dyn), dynamic, static, self._out_axes)
+            if jax.tree.leaves(triple[0]):
+                raise ValueError(
+                    f"{_NAME} cannot resolve the batch dimension: no input is mapped "
+                    f"and axis_size is None, but some outputs have a non-None "
+                    f"out_axes. Map an input or give axis_size."
+                )
+            return _user_output(triple)
+        batched = _batched(self._options, self._out_axes, dyn_axes)
+        result = batched((fun, fun_dyn), dynamic, static)
+        if opts["reduction"] is not None:
             return result
-        out = user_output(result)
+        out = _user_output(result)
+        chunk_reduction = opts["chunk_reduction"]
         return out if chunk_reduction is identity else chunk_reduction(out)
 
-    return wrapper
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        if instance is None:
+            return self
+        return jax.tree_util.Partial(self, instance)
+
+
+class _Rebuild:
+    """Calls the wrapped function rebuilt from its array and non-array parts."""
+
+    def __init__(self, static: Any):
+        self.static = static
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Rebuild) and _same(self.static, other.static)
+
+    def __hash__(self) -> int:
+        return 0
 
 
 __all__ = ["filter_batch_vmap"]

@@ -163,7 +163,7 @@ def test_bad_specs():
         filter_batch_vmap(apply, in_axes=("x", 0))
     with pytest.raises(ValueError, match=r"names \['y'\]"):
         filter_batch_vmap(apply, in_axes=dict(y=0), batch_size=2)(model, X)
-    with pytest.raises(TypeError, match="keyword arguments"):
+    with pytest.raises(RuntimeError, match="keyword arguments"):
         filter_batch_vmap(apply, batch_size=2)(model, x=X)
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         filter_batch_vmap(apply, batch_size=0)
@@ -179,3 +179,51 @@ def test_import_error_names_the_extra():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )
     assert "pip install chunkvmap[equinox]" in out.stdout, out.stdout + out.stderr
+
+
+# Regressions found in review.
+
+
+def test_non_array_arguments_may_change_between_calls():
+    x = jnp.arange(5.0)
+    g = filter_batch_vmap(lambda v, s: v * s, batch_size=2)
+    tree_allclose(g(x, 2.0), x * 2.0)
+    tree_allclose(g(x, 3.0), x * 3.0)
+    dropout = eqx.nn.Dropout(0.5)
+    keys = jax.random.split(jax.random.key(0), 4)
+    ones = jnp.ones((4, 3))
+    apply_dropout = filter_batch_vmap(
+        lambda m, v, k: m(v, key=k), in_axes=(None, 0, 0), batch_size=3
+    )
+    ref = eqx.filter_vmap(lambda m, v, k: m(v, key=k), in_axes=(None, 0, 0))
+    tree_allclose(apply_dropout(dropout, ones, keys), ref(dropout, ones, keys))
+    inference = eqx.nn.inference_mode(dropout)
+    tree_allclose(apply_dropout(inference, ones, keys), ones)
+
+
+def test_nothing_mapped_calls_once_like_eqx():
+    x = jnp.arange(5.0)
+    tree_allclose(
+        filter_batch_vmap(lambda a: a + 1, in_axes=None, out_axes=None)(x), x + 1
+    )
+    assert filter_batch_vmap(lambda: "hi")() == "hi"
+    with pytest.raises(ValueError, match="cannot resolve the batch dimension"):
+        filter_batch_vmap(lambda a: a + 1, in_axes=None)(x)
+
+
+def test_out_axes_range_and_python_scalar_outputs():
+    with pytest.raises(ValueError, match="out_axes=3 is out of range"):
+        filter_batch_vmap(lambda v: jnp.outer(v, jnp.ones(3)), out_axes=3)(X)
+    ref = eqx.filter_vmap(lambda v: 1.0, out_axes=0)(jnp.arange(3.0))
+    tree_allclose(
+        filter_batch_vmap(lambda v: 1.0, out_axes=0, batch_size=2)(jnp.arange(3.0)), ref
+    )
+
+
+def test_wrapper_is_a_module_whose_arrays_get_gradients():
+    model = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+    wrapped = filter_batch_vmap(model, batch_size=3)
+    assert len(jax.tree.leaves(wrapped)) == len(jax.tree.leaves(eqx.filter_vmap(model)))
+    grads = eqx.filter_grad(lambda w, v: w(v).sum())(wrapped, X)
+    ref = eqx.filter_grad(lambda w, v: w(v).sum())(eqx.filter_vmap(model), X)
+    tree_allclose(arrays(grads._fun), arrays(ref._fun), rtol=1e-5)
