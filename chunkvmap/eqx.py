@@ -284,8 +284,8 @@ def _inner(fun_parts: Any, dyn: Any, static: Any, out_axes: Any) -> Any:
     """The per-example function handed to `batch_vmap`: every varying value (the
     function's own arrays and non-array parts, the mapped and unmapped array arguments,
     the non-array arguments) is an argument, so one `batch_vmap` serves every call."""
-    rebuild, fun_dyn = fun_parts
-    fun = eqx.combine(fun_dyn, rebuild.static)
+    fun_static, fun_dyn = fun_parts
+    fun = eqx.combine(fun_dyn, fun_static.value)
     out = fun(*eqx.combine(dyn, static))
     out_ax = _resolve(out, out_axes, "out_axes")
     out = jax.tree.map(
@@ -363,7 +363,7 @@ class _BatchVmapWrapper(eqx.Module):
             lambda a, x: a if eqx.is_array(x) else None, axes, args, is_leaf=_is_none
         )
         fun_dyn, fun_static = eqx.partition(self._fun, eqx.is_array)
-        fun = _Rebuild(fun_static)
+        fun = _Static(fun_static)
         if opts["axis_size"] is None and not any(
             a is not None for a in jax.tree.leaves(dyn_axes, is_leaf=_is_none)
         ):
@@ -389,19 +389,6 @@ class _BatchVmapWrapper(eqx.Module):
         if instance is None:
             return self
         return jax.tree_util.Partial(self, instance)
-
-
-class _Rebuild:
-    """Calls the wrapped function rebuilt from its array and non-array parts."""
-
-    def __init__(self, static: Any):
-        self.static = static
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Rebuild) and _same(self.static, other.static)
-
-    def __hash__(self) -> int:
-        return 0
 
 
 __all__ = ["filter_batch_vmap"]
