@@ -58,13 +58,14 @@ def check_axes_spec(
     return jax.tree.map(lambda a: None if a is None else int(a), spec, is_leaf=_is_none)
 
 
-def broadcast_axes(
+def split_by_prefix(
     name: str, spec: AxisSpec, tree: Any, what: str, transform: str = "batch_vmap"
-) -> list[Any]:
-    """One axis (int or None) per leaf of `tree`, from the prefix `spec`.
+) -> tuple[Any, list[Any], list[Any]]:
+    """The prefix `spec`'s treedef, its leaves (None included) and, for each, the
+    subtree of `tree` it covers; a structure mismatch is an error naming `name`.
 
-    A None in `spec` is an axis (not mapped); a None in `tree` is an empty subtree with
-    no leaves, as everywhere in JAX.
+    A None in `spec` is a leaf (an axis: not mapped); a None in `tree` is an empty
+    subtree with no leaves, as everywhere in JAX.
     """
     prefix = jax.tree.structure(spec, is_leaf=_is_none)
     try:
@@ -75,7 +76,14 @@ def broadcast_axes(
             f"structures do not match.\n  {name} = {spec!r}\n  {what} structure = "
             f"{jax.tree.structure(tree)}\nJAX reported: {e}"
         ) from None
-    axes = jax.tree.leaves(spec, is_leaf=_is_none)
+    return prefix, jax.tree.leaves(spec, is_leaf=_is_none), subtrees
+
+
+def broadcast_axes(
+    name: str, spec: AxisSpec, tree: Any, what: str, transform: str = "batch_vmap"
+) -> list[Any]:
+    """One axis (int or None) per leaf of `tree`, from the prefix `spec`."""
+    _, axes, subtrees = split_by_prefix(name, spec, tree, what, transform)
     return [a for a, sub in zip(axes, subtrees) for _ in jax.tree.leaves(sub)]
 
 

@@ -1085,7 +1085,7 @@ def batch_map(
         else:
             out = fun(chunk)
         out_leaves, out_tree = jax.tree.flatten(out)
-        length = leaves_length(chunk_leaves)
+        length = jnp.shape(chunk_leaves[0])[0]
         for p, y in zip(jax.tree_util.tree_flatten_with_path(out)[0], out_leaves):
             if jnp.ndim(y) == 0 or jnp.shape(y)[0] != length:
                 raise ValueError(
@@ -1095,9 +1095,6 @@ def batch_map(
                 )
         out_box[:] = [out_tree]
         return out_leaves
-
-    def leaves_length(chunk_leaves):
-        return jnp.shape(chunk_leaves[0])[0]
 
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
         return fun_flat(*chunk_leaves)

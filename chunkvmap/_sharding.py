@@ -186,29 +186,20 @@ def evaluate(
         return jax.tree.map(lambda y: jnp.expand_dims(y, 0), tree)
 
     def body(values):
+        # With a global remainder the inputs arrive whole (N does not split evenly, so
+        # they are replicated anyway) and every device reads its examples in place
+        # through the plan's offset: no per-device copy of its slice or the remainder.
+        full = with_values(values)
         outs = {}
         if per_device:
-            if rem:
-                # Inputs arrive whole (N does not split evenly, so they are
-                # replicated anyway): each device reads its own examples in place,
-                # without a per-device copy of its slice.
-                start = lax.axis_index(name) * per_device
-                result = local(with_values(values), per_device, start)
-            else:
-                result = local(with_values(values), per_device)
+            start = lax.axis_index(name) * per_device if rem else 0
+            result = local(full, per_device, start)
             outs["local"] = stack1(result) if reduced else result
         if rem:
-            rem_leaves = with_values(
-                [
-                    v if a is None else lax.slice_in_dim(v, prefix, size, axis=a)
-                    for v, a in zip(values, dyn_axes)
-                ]
-            )
-            shapes = jax.eval_shape(lambda: local(rem_leaves, rem))
-            on_first = lax.axis_index(name) == 0
+            shapes = jax.eval_shape(lambda: local(full, rem, prefix))
             result = lax.cond(
-                on_first,
-                lambda: local(rem_leaves, rem),
+                lax.axis_index(name) == 0,
+                lambda: local(full, rem, prefix),
                 lambda: jax.tree.map(lambda s: zeros(s.shape, s), shapes),
             )
             outs["rem"] = stack1(result)

@@ -26,6 +26,7 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 import jax
 import jax.numpy as jnp
 
+from . import _axes
 from ._core import batch_vmap, identity
 
 
@@ -107,19 +108,11 @@ def _resolve(tree: Any, spec: Any, what: str) -> Any:
 
         return jax.tree_util.tree_map_with_path(leaf_axis, sub)
 
-    prefix = jax.tree.structure(spec, is_leaf=_is_none)
-    try:
-        subtrees = prefix.flatten_up_to(tree)
-    except ValueError as e:
-        raise ValueError(
-            f"{_NAME} {what} must be a pytree prefix of the "
-            f"{'arguments' if what == 'in_axes' else 'output'}, but the structures do "
-            f"not match: {what}={spec!r}. JAX reported: {e}"
-        ) from None
+    what_tree = "arguments" if what == "in_axes" else "output"
+    prefix, leaves, subtrees = _axes.split_by_prefix(what, spec, tree, what_tree, _NAME)
     paths = [
         p for p, _ in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_none)[0]
     ]
-    leaves = jax.tree.leaves(spec, is_leaf=_is_none)
     resolved = [one(a, sub, p) for a, sub, p in zip(leaves, subtrees, paths)]
     return prefix.unflatten(resolved)
 
