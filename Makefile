@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e ".[tests,bench,equinox,notebooks]"
+	$(BIN)/python -m pip install --quiet -e ".[tests,bench,equinox,flax,progress,notebooks,docs]"
 	touch $@
 
 demo: $(VENV)/.installed
