@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _axes, _memory, _sharding
+from . import _axes, _memory, _progress, _sharding
 from ._sharding import check_shard_args
 
 
@@ -153,6 +153,7 @@ def _stacked(
     out_avals: Sequence[Any],
     out_axes: Sequence[int | None],
     remat: Any,
+    report: Callable[[Any], None] = lambda i: None,
 ) -> list[Any]:
     """Run every chunk and assemble the stacked outputs without a second output copy.
 
@@ -172,7 +173,9 @@ def _stacked(
       the loop, so gradients need one output-sized buffer more than forward evaluation.
     """
     if plan.single:
-        return chunk_fn(plan.whole(leaves, axes), plan.size)
+        outs = chunk_fn(plan.whole(leaves, axes), plan.size)
+        report(0)
+        return outs
     size, batch = plan.size, plan.batch
 
     @ft.partial(_checkpointed, remat=remat)
@@ -192,6 +195,7 @@ def _stacked(
 
         def body(carry, i):
             ys = evaluate(i)
+            report(i)
             return [ys[k] for k in unmapped], [ys[k] for k in mapped]
 
         init = [full(out_avals[k]) for k in unmapped]
@@ -206,6 +210,7 @@ def _stacked(
 
     def body(buffers, i):
         ys = evaluate(i)
+        report(i)
         start = plan.start(i)
         return [
             y if axis is None else lax.dynamic_update_slice_in_dim(b, y, start, axis)
@@ -229,6 +234,7 @@ def _reduced(
     reduction: Callable[[Any, Any], Any],
     summary_avals: Any,
     remat: Any,
+    report: Callable[[Any], None] = lambda i: None,
 ) -> Any:
     """Fold the chunks' summaries with `reduction`, in order, without an identity.
 
@@ -244,7 +250,9 @@ def _reduced(
         return chunk_reduction(out_tree.unflatten(ys))
 
     if plan.single:
-        return summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
+        summary = summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
+        report(0)
+        return summary
     batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
 
     def tail(ys: list[Any]) -> list[Any]:
@@ -262,6 +270,7 @@ def _reduced(
 
     def body(acc, i):
         s = evaluate(i)
+        report(i)
         return lax.cond(i == 0, lambda: s, lambda: _fold(reduction, acc, s)), None
 
     init = jax.tree.map(lambda a: zeros(a.shape, a), summary_avals)
@@ -288,6 +297,16 @@ class _Chunked:
     reduction: Callable[[Any, Any], Any] | None
     chunk_reduction: Callable[[Any], Any]
     remat: Any
+    progress: _progress.Reporter | None = None
+
+    def report(self, plan: _Plan, when: Callable[[], Any] | None = None):
+        """The per-chunk progress hook for `plan` (a no-op without `progress`)."""
+
+        def report(i: Any) -> None:
+            cond = None if when is None else when()
+            _progress.tick(self.progress, i, plan.num_chunks, cond)
+
+        return report
 
     def __call__(self, leaves: Sequence[Any], plan: _Plan) -> Any:
         """Stack or fold the chunks of `leaves` according to `plan`."""
@@ -300,7 +319,9 @@ class _Chunked:
         out = self.out_tree.unflatten(flat)
         return out if self.chunk_reduction is identity else self.chunk_reduction(out)
 
-    def stacked_flat(self, leaves: Sequence[Any], plan: _Plan) -> list[Any]:
+    def stacked_flat(
+        self, leaves: Sequence[Any], plan: _Plan, report: Any = None
+    ) -> list[Any]:
         return _stacked(
             self.chunk_fn,
             leaves,
@@ -309,9 +330,10 @@ class _Chunked:
             self.out_avals,
             self.out_axes,
             self.remat,
+            self.report(plan) if report is None else report,
         )
 
-    def summary(self, leaves: Sequence[Any], plan: _Plan) -> Any:
+    def summary(self, leaves: Sequence[Any], plan: _Plan, report: Any = None) -> Any:
         assert self.reduction is not None
         summary = _check_reduction(
             self.name,
@@ -333,6 +355,7 @@ class _Chunked:
             self.reduction,
             summary,
             self.remat,
+            self.report(plan) if report is None else report,
         )
 
     def sharded(
@@ -353,12 +376,19 @@ class _Chunked:
         mesh = _sharding.resolve_mesh(self.name, mesh)
         leaves = _sharding.place_inputs(self.name, mesh, paths, list(leaves), self.axes)
         reduced = self.reduction is not None
+        axis = mesh.axis_names[0]
 
-        def local(local_leaves: list[Any], n: int, offset: Any = 0) -> Any:
+        def local(
+            local_leaves: list[Any], n: int, offset: Any = 0, report: bool = True
+        ) -> Any:
             plan = _make_plan(n, batch_size, offset)
+            # Progress: only the device at mesh index 0 reports, and only its own
+            # chunks (the global remainder is reported only when nothing else runs).
+            hook = self.report(plan, lambda: lax.axis_index(axis) == 0)
+            report = hook if report else (lambda i: None)
             if reduced:
-                return self.summary(local_leaves, plan)
-            return self.stacked_flat(local_leaves, plan)
+                return self.summary(local_leaves, plan, report)
+            return self.stacked_flat(local_leaves, plan, report)
 
         result = _sharding.evaluate(
             mesh,
@@ -652,6 +682,7 @@ def batch_vmap(
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
+    progress: Any = False,
     **kwargs: Any,
 ) -> F:
     """Vectorise `f` like `jax.vmap`, evaluating the examples `batch_size` at a time.
@@ -744,6 +775,13 @@ def batch_vmap(
       memory_limit: the budget of temporary memory for `batch_size="auto"`: bytes, or
         a string such as `"2GiB"` or `"512MB"`. None means half of the device's
         memory where the backend reports it (it is required on CPU).
+      progress: show a host-side progress bar over the chunks: False (the default),
+        True (a `tqdm` bar when tqdm is installed, else a line on stderr), a
+        callable `progress(done, total)` called after each chunk, or a tqdm-like
+        object whose `update(1)` is called after each chunk (its `total` is set when
+        it has none). It works under `jax.jit` (one `jax.debug.callback` per chunk,
+        no other synchronisation) and with `shard=True`, where only the device at
+        mesh index 0 reports its own chunks. Results are unchanged.
       **kwargs: only `chunk_size`, the alias of `batch_size`.
 
     Returns:
@@ -784,6 +822,8 @@ def batch_vmap(
     _check_remat(name, remat)
     _check_memory_limit(name, batch_size, memory_limit)
     check_shard_args(name, shard, mesh)
+    _progress.check_progress(name, progress)
+    report = _progress.reporter(progress)
     auto = _AutoBatch(name, memory_limit) if batch_size == "auto" else None
 
     @ft.wraps(f)
@@ -803,6 +843,7 @@ def batch_vmap(
             auto=auto,
             shard=shard,
             mesh=mesh,
+            report=report,
         )
 
     if auto is not None:
@@ -854,12 +895,13 @@ def _batch_vmap_call(
     auto,
     shard,
     mesh,
+    report,
 ):
     name = "batch_vmap"
     leaves, paths, axes, treedef = _flatten_inputs(in_axes, args, call_kwargs)
     size = _axes.mapped_size(paths, leaves, axes, axis_size)
 
-    if reduction is None and batch_size is None and not shard:
+    if reduction is None and batch_size is None and not shard and report is None:
         # Plain jax.vmap: nothing to chunk and nothing to fold.
         out = jax.vmap(f, in_axes, out_axes, axis_name=axis_name, axis_size=axis_size)(
             *args, **call_kwargs
@@ -941,6 +983,7 @@ def _batch_vmap_call(
         reduction,
         chunk_reduction,
         remat,
+        report,
     )
     if shard and size:
         if axis_name is not None:
@@ -978,6 +1021,7 @@ def batch_map(
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
+    progress: Any = False,
 ) -> Any:
     """Apply an already-vectorised `fun` to `xs` in chunks of `batch_size`.
 
@@ -1014,6 +1058,7 @@ def batch_map(
       mesh: a one-dimensional `Auto` `jax.sharding.Mesh`, with `shard=True`.
       remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
       memory_limit: the budget for `batch_size="auto"` (see `batch_vmap`).
+      progress: a progress bar over the chunks (see `batch_vmap`).
 
     Returns:
       `fun`'s outputs for all `N` examples, stacked along axis 0, or the reduced value.
@@ -1052,6 +1097,7 @@ def batch_map(
         )
     _check_remat(name, remat)
     check_shard_args(name, shard, mesh)
+    _progress.check_progress(name, progress)
 
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(xs)
     paths = ["xs" + jax.tree_util.keystr(p) for p, _ in path_leaves]
@@ -1130,6 +1176,7 @@ def batch_map(
         reduction,
         chunk_reduction,
         remat,
+        _progress.reporter(progress),
     )
     if shard and size:
         return run.sharded(mesh, paths, leaves, range(len(leaves)), size, batch_size)

@@ -165,8 +165,9 @@ def evaluate(
 ) -> Any:
     """Evaluate `local` over the mesh as described in the module docstring.
 
-    `local(leaves, n, offset=0)` runs the chunked loop over the `n` examples starting at
-    `offset` along the leaves' mapped axes and returns the flat stacked outputs (mapped
+    `local(leaves, n, offset=0, report=True)` runs the chunked loop over the `n`
+    examples starting at `offset` along the leaves' mapped axes (reporting progress
+    when `report`) and returns the flat stacked outputs (mapped
     along `out_axes`) or, when `reduced`, the summary pytree.
     """
     name = mesh.axis_names[0]
@@ -196,10 +197,10 @@ def evaluate(
             result = local(full, per_device, start)
             outs["local"] = stack1(result) if reduced else result
         if rem:
-            shapes = jax.eval_shape(lambda: local(full, rem, prefix))
+            shapes = jax.eval_shape(lambda: local(full, rem, prefix, False))
             result = lax.cond(
                 lax.axis_index(name) == 0,
-                lambda: local(full, rem, prefix),
+                lambda: local(full, rem, prefix, not per_device),
                 lambda: jax.tree.map(lambda s: zeros(s.shape, s), shapes),
             )
             outs["rem"] = stack1(result)

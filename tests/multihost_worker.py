@@ -66,5 +66,18 @@ for n in (13, 16):  # with a global remainder (13 % 4 = 1), and divisible
             np.asarray(a.addressable_data(0)), np.asarray(b), rtol=1e-5, atol=1e-5
         )
 
+# progress=: one report per chunk of the device at mesh index 0 (process 0 owns it),
+# nothing from the other process.
+reports = []
+x = jnp.linspace(-2.0, 2.0, 13 * 3, dtype=jnp.float32).reshape(13, 3)
+progress = batch_vmap(
+    f, (None, 0), batch_size=2, shard=True, progress=lambda d, t: reports.append((d, t))
+)
+jax.block_until_ready(progress(params, x))
+jax.effects_barrier()
+print(f"process {process_id}: progress {reports}", flush=True)
+expected_reports = [(1, 2), (2, 2)] if process_id == 0 else []  # 13 // 4 = 3 per device
+assert reports == expected_reports, reports
+
 print(f"process {process_id}: OK", flush=True)
 jax.distributed.shutdown()
