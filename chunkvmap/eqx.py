@@ -150,6 +150,7 @@ def filter_batch_vmap(
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
+    progress: Any = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -168,6 +169,7 @@ def filter_batch_vmap(
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
+    progress: Any = False,
 ) -> Callable[..., Any]: ...
 
 
@@ -186,6 +188,7 @@ def filter_batch_vmap(
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
+    progress: Any = False,
 ) -> Any:
     """`eqx.filter_vmap`, evaluated `batch_size` examples at a time.
 
@@ -196,8 +199,8 @@ def filter_batch_vmap(
     resolves to None (non-arrays, with the default) come back unbatched. Usable as a
     decorator, with or without arguments. The chunking options are those of
     `chunkvmap.batch_vmap` (`batch_size`, `reduction`, `chunk_reduction`, `shard`,
-    `mesh`, `remat`, `memory_limit`); `reduction` and `chunk_reduction` see the
-    function's output with its mapped arrays at their `out_axes`.
+    `mesh`, `remat`, `memory_limit`, `progress`); `reduction` and `chunk_reduction`
+    see the function's output with its mapped arrays at their `out_axes`.
 
     Args:
       fun: the function to vectorise (positional arguments only, as in Equinox).
@@ -212,6 +215,7 @@ def filter_batch_vmap(
       mesh: a one-dimensional `Auto` mesh, with `shard=True`.
       remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
       memory_limit: the budget for `batch_size="auto"`.
+      progress: a host progress bar over the chunks (see `batch_vmap`).
 
     Returns:
       The vectorised function (or, without `fun`, a decorator).
@@ -240,6 +244,7 @@ def filter_batch_vmap(
             mesh=mesh,
             remat=remat,
             memory_limit=memory_limit,
+            progress=progress,
         )
     if not callable(fun):
         raise TypeError(
@@ -261,6 +266,7 @@ def filter_batch_vmap(
         ("mesh", mesh),
         ("remat", remat),
         ("memory_limit", memory_limit),
+        ("progress", progress),
     )
     batch_vmap(fun, **dict(options))  # validates the chunking options now
     wrapper = _BatchVmapWrapper(fun, in_axes, out_axes, options)

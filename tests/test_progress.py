@@ -31,7 +31,9 @@ def test_reports_every_chunk_once_and_keeps_results(n, batch_size, chunks, reduc
     x = jnp.linspace(-1.0, 1.0, n * 3).reshape(n, 3)
     options = SUM if reduce else {}
     calls, progress = recorder()
-    f = jax.jit(batch_vmap(jnp.sin, batch_size=batch_size, progress=progress, **options))
+    f = jax.jit(
+        batch_vmap(jnp.sin, batch_size=batch_size, progress=progress, **options)
+    )
     plain = batch_vmap(jnp.sin, batch_size=batch_size, **options)(x)
     for _ in range(2):  # a cached executable reports again on every run
         calls.clear()
@@ -115,3 +117,19 @@ def test_bad_progress_is_a_type_error(bad):
         batch_vmap(jnp.sin, batch_size=2, progress=bad)
     with pytest.raises(TypeError, match="progress must be"):
         batch_map(jnp.sin, jnp.ones(3), 2, progress=bad)
+
+
+def test_equinox_adapter_reports():
+    import equinox as eqx
+
+    from chunkvmap.eqx import filter_batch_vmap
+
+    calls, progress = recorder()
+    model = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+    x = jnp.ones((10, 3))
+    out = filter_batch_vmap(
+        lambda m, x: m(x), in_axes=(None, 0), batch_size=4, progress=progress
+    )(model, x)
+    jax.effects_barrier()
+    assert calls == expected_calls(3)
+    tree_allclose(out, jax.vmap(model)(x))
