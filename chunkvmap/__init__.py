@@ -7,6 +7,12 @@ them.
 
 import importlib.metadata
 
+from ._ad import (
+    batch_jacfwd as batch_jacfwd,
+    batch_jacrev as batch_jacrev,
+    clipped_grad_sum as clipped_grad_sum,
+    per_example_grads as per_example_grads,
+)
 from ._core import (
     batch_map as batch_map,
     batch_vmap as batch_vmap,
@@ -20,4 +26,13 @@ try:
 except importlib.metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ["batch_map", "batch_vmap", "identity", "last_batch_size"]
+__all__ = [
+    "batch_jacfwd",
+    "batch_jacrev",
+    "batch_map",
+    "batch_vmap",
+    "clipped_grad_sum",
+    "identity",
+    "last_batch_size",
+    "per_example_grads",
+]
