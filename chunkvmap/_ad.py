@@ -227,8 +227,9 @@ def _global_norm(tree: Any) -> jax.Array:
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.zeros((), jnp.float32)
-    acc = jnp.promote_types(jnp.float32, jnp.result_type(*leaves))
-    acc = jnp.finfo(acc).dtype  # the real type for complex leaves
+    # float32, or float64 when a leaf has double precision (real or complex).
+    wide = any(jnp.finfo(x.dtype).dtype.itemsize > 4 for x in leaves)
+    acc = jnp.float64 if wide else jnp.float32
     total = sum(jnp.sum(jnp.square(jnp.abs(x).astype(acc))) for x in leaves)
     positive = total > 0
     return jnp.where(positive, jnp.sqrt(jnp.where(positive, total, 1)), 0)

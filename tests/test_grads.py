@@ -1,0 +1,304 @@
+"""per_example_grads and clipped_grad_sum against jax.vmap(jax.grad) and optax."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from chunkvmap import clipped_grad_sum, per_example_grads
+
+from .helpers import init_mlp, mlp, temp_bytes, tree_allclose
+
+
+SIZES = [4, 8, 3]
+BATCH_SIZES = [None, 1, 3, 4, 50]
+
+
+def loss(params, x, y):
+    return jnp.sum((mlp(params, x) - y) ** 2)
+
+
+def data(n, key=1):
+    kx, ky = jax.random.split(jax.random.key(key))
+    x = jax.random.normal(kx, (n, SIZES[0]))
+    y = jax.random.normal(ky, (n, SIZES[-1]))
+    return x, y
+
+
+PARAMS = init_mlp(jax.random.key(0), SIZES)
+
+
+def reference_clipped(fun, params, args, clip, in_axes=(None, 0, 0)):
+    grads = jax.vmap(jax.grad(fun), in_axes)(params, *args)
+    norms = jnp.sqrt(
+        sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, 1) for g in jax.tree.leaves(grads))
+    )
+    scale = jnp.minimum(1.0, clip / norms)
+    total = jax.tree.map(lambda g: jnp.einsum("n,n...->...", scale, g), grads)
+    return total, norms
+
+
+# ---------------------------------------------------------------------------------
+# per_example_grads
+
+
+@pytest.mark.parametrize("n", [1, 7, 12])
+@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+def test_per_example_grads_match_vmap_of_grad(n, batch_size):
+    x, y = data(n)
+    out = per_example_grads(loss, batch_argnums=(1, 2), batch_size=batch_size)(
+        PARAMS, x, y
+    )
+    expected = jax.vmap(jax.grad(loss), (None, 0, 0))(PARAMS, x, y)
+    tree_allclose(out, expected)
+
+
+@pytest.mark.parametrize("argnums", [1, (0, 1), -2, (2, 0)])
+def test_argnums_and_has_aux(argnums):
+    x, y = data(9)
+
+    def f(params, x, y):
+        err = mlp(params, x) - y
+        return jnp.sum(err**2), {"err": err}
+
+    out = per_example_grads(
+        f, argnums, has_aux=True, batch_argnums=(1, 2), batch_size=4
+    )(PARAMS, x, y)
+    expected = jax.vmap(jax.grad(f, argnums, has_aux=True), (None, 0, 0))(
+        PARAMS, x, y
+    )
+    tree_allclose(out, expected)
+
+
+def test_keyword_arguments_reach_every_example_unmapped():
+    x, y = data(5)
+
+    def f(params, x, y, *, scale):
+        return scale * loss(params, x, y)
+
+    out = per_example_grads(f, batch_argnums=(1, 2), batch_size=2)(
+        PARAMS, x, y, scale=3.0
+    )
+    expected = jax.vmap(jax.grad(lambda p, x, y: f(p, x, y, scale=3.0)), (None, 0, 0))(
+        PARAMS, x, y
+    )
+    tree_allclose(out, expected)
+
+
+def test_per_example_grads_under_jit_and_sharded():
+    x, y = data(13)
+    expected = jax.vmap(jax.grad(loss), (None, 0, 0))(PARAMS, x, y)
+    g = per_example_grads(loss, batch_argnums=(1, 2), batch_size=2, shard=True)
+    tree_allclose(jax.jit(g)(PARAMS, x, y), expected)
+
+
+def test_non_float_leaves_get_none_like_filter_grad():
+    model = eqx.nn.MLP(4, 3, 8, 2, key=jax.random.key(0))  # has function leaves
+    x, y = data(6)
+
+    def f(model, x, y):
+        return jnp.sum((model(x) - y) ** 2)
+
+    out = per_example_grads(f, batch_argnums=(1, 2), batch_size=4)(model, x, y)
+    expected = eqx.filter_vmap(eqx.filter_grad(f), in_axes=(None, 0, 0))(model, x, y)
+    tree_allclose(out, expected)
+    params = {"w": jnp.ones(4), "step": jnp.array(3)}  # an integer leaf
+    out = per_example_grads(lambda p, x: jnp.dot(p["w"], x) * p["step"])(params, x)
+    assert out["step"] is None
+    tree_allclose(out["w"], 3.0 * x)
+
+
+# ---------------------------------------------------------------------------------
+# clipped_grad_sum
+
+
+@pytest.mark.parametrize("n", [1, 7, 12])
+@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+def test_clipped_sum_matches_reference(n, batch_size):
+    x, y = data(n)
+    clip = 1.0
+    total, count, norms = clipped_grad_sum(
+        loss, clip, batch_argnums=(1, 2), batch_size=batch_size, return_norms=True
+    )(PARAMS, x, y)
+    expected, expected_norms = reference_clipped(loss, PARAMS, (x, y), clip)
+    tree_allclose(total, expected, rtol=1e-5, atol=1e-5)
+    tree_allclose(norms, expected_norms)
+    assert count.dtype == jnp.int32 and int(count) == n
+    assert 0 < int((expected_norms > clip).sum()) or n == 1  # clipping happened
+
+
+def test_clipped_sum_without_norms_and_sharded():
+    x, y = data(13)
+    expected, norms = reference_clipped(loss, PARAMS, (x, y), 0.5)
+    for shard in (False, True):
+        f = clipped_grad_sum(loss, 0.5, batch_argnums=(1, 2), batch_size=3, shard=shard)
+        total, count = jax.jit(f)(PARAMS, x, y)
+        tree_allclose(total, expected, rtol=1e-5, atol=1e-5)
+        assert int(count) == 13
+    f = clipped_grad_sum(
+        loss, 0.5, batch_argnums=(1, 2), batch_size=2, shard=True, return_norms=True
+    )
+    tree_allclose(f(PARAMS, x, y)[2], norms)
+
+
+def test_matches_optax_differentially_private_aggregate():
+    x, y = data(12)
+    per_example = jax.vmap(jax.grad(loss), (None, 0, 0))(PARAMS, x, y)
+    dp = optax.contrib.differentially_private_aggregate(
+        l2_norm_clip=0.7, noise_multiplier=0.0, key=jax.random.key(0)
+    )
+    mean, _ = dp.update(per_example, dp.init(PARAMS))
+    total, count = clipped_grad_sum(loss, 0.7, batch_argnums=(1, 2), batch_size=5)(
+        PARAMS, x, y
+    )
+    tree_allclose(jax.tree.map(lambda g: g / int(count), total), mean, atol=1e-6)
+
+
+def test_matches_optax_micro_grad():
+    x, y = data(12)
+
+    def clip(g):
+        norm = optax.tree.norm(g)
+        return jax.tree.map(lambda t: t * jnp.minimum(1.0, 0.7 / norm), g)
+
+    expected, _ = optax.microbatching.micro_grad(
+        loss,
+        batch_argnums=(1, 2),
+        keep_batch_dim=False,
+        microbatch_size=4,
+        transform_fn=clip,
+    )(PARAMS, x, y)
+    total, _ = clipped_grad_sum(loss, 0.7, batch_argnums=(1, 2), batch_size=5)(
+        PARAMS, x, y
+    )
+    tree_allclose(total, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_gradients_are_nan_free_also_under_grad():
+    def f(w, x):
+        return jnp.dot(w, x) ** 2  # gradient 2 (w.x) x: zero for x = 0 and w.x = 0
+
+    w = jnp.array([1.0, -1.0])
+    x = jnp.array([[0.0, 0.0], [1.0, 1.0], [2.0, 0.5]])  # two zero gradients
+    total, _, norms = clipped_grad_sum(f, 1.0, batch_size=2, return_norms=True)(w, x)
+    assert np.all(np.isfinite(total)) and np.all(np.isfinite(norms))
+    np.testing.assert_allclose(norms[:2], 0.0)
+    outer = jax.grad(
+        lambda x: clipped_grad_sum(f, 1.0, batch_size=2)(w, x)[0].sum()
+    )(x)
+    assert np.all(np.isfinite(outer))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_keeps_parameter_dtypes(dtype):
+    params = jax.tree.map(lambda p: p.astype(dtype), PARAMS)
+    x, y = data(7)
+    x, y = x.astype(dtype), y.astype(dtype)
+    total, _, norms = clipped_grad_sum(
+        loss, 1.0, batch_argnums=(1, 2), batch_size=3, return_norms=True
+    )(params, x, y)
+    assert all(g.dtype == dtype for g in jax.tree.leaves(total))
+    assert norms.dtype == jnp.float32
+    expected, _ = reference_clipped(
+        loss, PARAMS, (x.astype(jnp.float32), y.astype(jnp.float32)), 1.0
+    )
+    for a, e in zip(jax.tree.leaves(total), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.float32(a), e, rtol=0.1, atol=0.1)
+
+
+def test_equinox_and_flax_parameters():
+    import flax.linen as nn
+
+    x, y = data(9)
+    model = eqx.nn.MLP(4, 3, 8, 2, key=jax.random.key(0))
+
+    def eqx_loss(model, x, y):
+        return jnp.sum((model(x) - y) ** 2)
+
+    total, _ = clipped_grad_sum(eqx_loss, 1.0, batch_argnums=(1, 2), batch_size=4)(
+        model, x, y
+    )
+    grads = eqx.filter_vmap(eqx.filter_grad(eqx_loss), in_axes=(None, 0, 0))(
+        model, x, y
+    )
+    norms = jax.vmap(optax.tree.norm)(grads)
+    expected = jax.tree.map(
+        lambda g: jnp.einsum("n,n...->...", jnp.minimum(1.0, 1.0 / norms), g), grads
+    )
+    tree_allclose(total, expected, rtol=1e-5, atol=1e-5)
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.tanh(nn.Dense(8)(x)))
+
+    net = MLP()
+    variables = net.init(jax.random.key(0), x[0])
+
+    def flax_loss(variables, x, y):
+        return jnp.sum((net.apply(variables, x) - y) ** 2)
+
+    total, _ = clipped_grad_sum(flax_loss, 1.0, batch_argnums=(1, 2), batch_size=4)(
+        variables, x, y
+    )
+    expected, _ = reference_clipped(flax_loss, variables, (x, y), 1.0)
+    tree_allclose(total, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_memory_is_flat_in_the_number_of_examples():
+    sizes = [32, 128, 128, 10]
+    params = init_mlp(jax.random.key(0), sizes)
+
+    def ce(params, x, label):
+        return -jax.nn.log_softmax(mlp(params, x))[label]
+
+    def temps(n):
+        x = jnp.ones((n, sizes[0]))
+        labels = jnp.zeros(n, jnp.int32)
+        chunked = clipped_grad_sum(ce, 1.0, batch_argnums=(1, 2), batch_size=32)
+        dp = optax.contrib.differentially_private_aggregate(1.0, 0.0, jax.random.key(0))
+
+        def optax_only(params, x, labels):
+            g = jax.vmap(jax.grad(ce), (None, 0, 0))(params, x, labels)
+            return dp.update(g, dp.init(params))[0]
+
+        return temp_bytes(chunked, params, x, labels), temp_bytes(
+            optax_only, params, x, labels
+        )
+
+    (small, optax_small), (large, optax_large) = temps(128), temps(1024)
+    param_bytes = sum(p.size * 4 for p in jax.tree.leaves(params))
+    assert large <= 1.05 * small, (small, large)
+    assert large < 2 * 32 * param_bytes  # O(batch_size x params), not O(N x params)
+    assert optax_large > 1024 * param_bytes  # the optax-only path holds N x params
+    assert optax_large > 50 * large
+
+
+# ---------------------------------------------------------------------------------
+# errors
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(TypeError, match="argnums must be an int or a sequence"):
+        per_example_grads(loss, argnums="0")
+    with pytest.raises(ValueError, match="batch_argnums=5 is out of range"):
+        per_example_grads(loss, batch_argnums=5)(PARAMS, *data(3))
+    with pytest.raises(ValueError, match="argnums must not be empty"):
+        clipped_grad_sum(loss, 1.0, argnums=())
+    with pytest.raises(ValueError, match="l2_clip_norm must be a positive"):
+        clipped_grad_sum(loss, -1.0)
+    with pytest.raises(TypeError, match="l2_clip_norm must be a positive number"):
+        clipped_grad_sum(loss, "big")
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        clipped_grad_sum(loss, 1.0, batch_size=0)
+    with pytest.raises(TypeError, match="return_norms must be a bool"):
+        clipped_grad_sum(loss, 1.0, return_norms=1)
+    with pytest.raises(ValueError, match="zero examples"):
+        clipped_grad_sum(loss, 1.0, batch_argnums=(1, 2))(PARAMS, *data(0))
+    with pytest.raises(ValueError, match="inconsistent sizes"):
+        x, y = data(4)
+        clipped_grad_sum(loss, 1.0, batch_argnums=(1, 2))(PARAMS, x, y[:3])
