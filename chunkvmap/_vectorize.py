@@ -35,7 +35,7 @@ import functools as ft
 import math
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -493,7 +493,7 @@ def _strides(shape: Sequence[int]) -> tuple[int, ...]:
 def batch_vectorize(
     pyfunc: F,
     *,
-    excluded: frozenset[int | str] | set[int | str] = frozenset(),
+    excluded: Collection[int | str] = frozenset(),
     signature: str | None = None,
     batch_size: int | None = None,
 ) -> F:
@@ -514,8 +514,8 @@ def batch_vectorize(
     is reshaped to `(N, *core)` and sliced per chunk; one whose loop dimensions are all
     1 is shared by every example; any other one (broadcast along some loop dimensions)
     stays whole, and each example reads its element at an index computed from the flat
-    example index, so a chunk gathers only `B` elements of it. This needs one extra
-    `(N,)` integer index (the chunk's slice of it, under `jit`). For instance, an
+    example index, so a chunk gathers only `B` elements of it (this costs one `(N,)`
+    int32 array of example indices, 4 bytes per example). For instance, an
     outer-product style call `g(a[:, None, :], b[None, :, :])` with
     `signature="(k),(k)->()"` never builds the `(n, n, k)` broadcast of either input.
     Outputs have shape `(*L, *core_out)`.

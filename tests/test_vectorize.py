@@ -28,15 +28,13 @@ def _weak(tree):
     return [jax.typeof(jnp.asarray(x)).weak_type for x in jax.tree.leaves(tree)]
 
 
-def check(fn, *args, batch_size, excluded=frozenset(), signature=None, **kwargs):
+def check(fn, *args, batch_size, excluded=frozenset(), signature=None, **kw):
     """batch_vectorize(...) equals jnp.vectorize(...): structure, shapes, dtypes
     (weak types included) and values."""
-    expected = jnp.vectorize(fn, excluded=excluded, signature=signature)(
-        *args, **kwargs
-    )
+    expected = jnp.vectorize(fn, excluded=excluded, signature=signature)(*args, **kw)
     actual = batch_vectorize(
         fn, excluded=excluded, signature=signature, batch_size=batch_size
-    )(*args, **kwargs)
+    )(*args, **kw)
     tree_allclose(actual, expected)
     assert _weak(actual) == _weak(expected)
     return actual
@@ -104,6 +102,15 @@ def test_scalar_list_and_numpy_inputs(batch_size):
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
 def test_all_loop_dims_size_one(batch_size):
     check(lambda x, y: x * y, arange(1, 1), arange(1, 1), batch_size=batch_size)
+
+
+@pytest.mark.parametrize(
+    "batch_size, chunked", [(None, False), (12, False), (100, False), (5, True)]
+)
+def test_chunked_only_when_batch_size_below_n(batch_size, chunked):
+    f = batch_vectorize(lambda x, y: x * y, batch_size=batch_size)
+    jaxpr = str(jax.make_jaxpr(f)(arange(3, 1), arange(1, 4)))  # N = 12
+    assert ("scan" in jaxpr) == chunked
 
 
 # --------------------------------------------------------------------------------------
@@ -298,7 +305,7 @@ def test_jit_and_grad(batch_size):
     grads = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(a, b, w)
     tree_allclose(grads, jax.grad(theirs, argnums=(0, 1, 2))(a, b, w), rtol=1e-4)
     if batch_size == 4:
-        check_grads(ours, (a, b, w), order=1, modes=["rev"], atol=1e-2)
+        check_grads(jax.jit(ours), (a, b, w), order=1, modes=["rev"], atol=1e-2)
 
 
 def test_traced_batch_inputs_under_vmap():
@@ -585,7 +592,7 @@ def broadcast_problem(draw):
     return loop, shapes, batch_size
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@settings(max_examples=15, deadline=None, derandomize=True, database=None)
 @given(broadcast_problem())
 def test_property_broadcasting(problem):
     loop, shapes, batch_size = problem
@@ -636,4 +643,4 @@ def test_no_broadcast_copies():
     f = batch_vectorize(
         lambda u, v: jnp.sort(u * v)[-1], signature="(k),(k)->()", batch_size=batch
     )
-    assert temp_bytes(f, full, full) * 10 < broadcast_bytes
+    assert temp_bytes(f, full, full) <= 8 * batch * k * 4
