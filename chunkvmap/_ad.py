@@ -573,7 +573,8 @@ def batch_jacrev(
         negative counts from the end).
       has_aux: `fun` returns `(output, aux)`; `aux` is returned unchanged.
       holomorphic: `fun` is holomorphic (complex inputs and outputs).
-      allow_int: allow integer inputs; their Jacobian blocks are `float0` zeros.
+      allow_int: allow integer inputs; their Jacobian blocks are zeros of their
+        dtype, as in `jax.jacrev`.
       batch_size: basis rows per chunk, a positive int or None.
 
     Returns:
@@ -635,7 +636,7 @@ def batch_jacrev(
             for x, i in zip(in_leaves, ints):
                 shape = (*np.shape(y), *np.shape(x))
                 if i:
-                    blocks.append(np.zeros(shape, jax.dtypes.float0))
+                    blocks.append(jnp.zeros(shape, jnp.result_type(x)))
                     continue
                 block = jax.lax.slice_in_dim(next(it), lo, lo + int(np.size(y)))
                 blocks.append(block.reshape(shape))

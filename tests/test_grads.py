@@ -68,9 +68,7 @@ def test_argnums_and_has_aux(argnums):
     out = per_example_grads(
         f, argnums, has_aux=True, batch_argnums=(1, 2), batch_size=4
     )(PARAMS, x, y)
-    expected = jax.vmap(jax.grad(f, argnums, has_aux=True), (None, 0, 0))(
-        PARAMS, x, y
-    )
+    expected = jax.vmap(jax.grad(f, argnums, has_aux=True), (None, 0, 0))(PARAMS, x, y)
     tree_allclose(out, expected)
 
 
@@ -187,9 +185,7 @@ def test_zero_gradients_are_nan_free_also_under_grad():
     total, _, norms = clipped_grad_sum(f, 1.0, batch_size=2, return_norms=True)(w, x)
     assert np.all(np.isfinite(total)) and np.all(np.isfinite(norms))
     np.testing.assert_allclose(norms[:2], 0.0)
-    outer = jax.grad(
-        lambda x: clipped_grad_sum(f, 1.0, batch_size=2)(w, x)[0].sum()
-    )(x)
+    outer = jax.grad(lambda x: clipped_grad_sum(f, 1.0, batch_size=2)(w, x)[0].sum())(x)
     assert np.all(np.isfinite(outer))
 
 
@@ -270,7 +266,7 @@ def test_memory_is_flat_in_the_number_of_examples():
             optax_only, params, x, labels
         )
 
-    (small, optax_small), (large, optax_large) = temps(128), temps(1024)
+    (small, _), (large, optax_large) = temps(128), temps(1024)
     param_bytes = sum(p.size * 4 for p in jax.tree.leaves(params))
     assert large <= 1.05 * small, (small, large)
     assert large < 2 * 32 * param_bytes  # O(batch_size x params), not O(N x params)
