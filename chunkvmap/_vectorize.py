@@ -408,7 +408,7 @@ def _nested(example, call: _Call, loops, loop_shape: tuple[int, ...]) -> Any:
 
 
 def _chunked(
-    example, call: _Call, loops, loop_shape: tuple[int, ...], batch_size: int
+    example, arrays: list[Any], loops, loop_shape: tuple[int, ...], batch_size: int
 ) -> Any:
     """The `N = prod(L)` examples in chunks of `batch_size` through `batch_vmap`.
 
@@ -416,6 +416,7 @@ def _chunked(
     dimensions are unmapped; partially broadcast arguments are unmapped whole and read
     per example at the flat position of the example's multi-index, with the broadcast
     dimensions clamped to 0 (so a chunk gathers `batch_size` elements of them).
+    Called under `jax.jit`: the reshapes are free and the program is compiled once.
     """
     ndim, size = len(loop_shape), math.prod(loop_shape)
     leaves: list[Any] = []
@@ -423,7 +424,7 @@ def _chunked(
     # For each argument: None (use the value as is) or its row-major strides over the
     # loop dimensions (0 where it is broadcast), to read example k's element.
     strides: list[tuple[int, ...] | None] = []
-    for x, s in zip(call.arrays, loops):
+    for x, s in zip(arrays, loops):
         core = x.shape[len(s) :]
         count = math.prod(s)
         if count == size:
@@ -595,6 +596,11 @@ def batch_vectorize(
         size = math.prod(loop_shape)
         if batch_size is None or batch_size >= size:
             return _nested(example, call, loops, loop_shape)
-        return _chunked(example, call, loops, loop_shape, batch_size)
+        # Chunked: pyfunc is traced under jit by batch_vmap anyway, so one jit around
+        # the whole evaluation costs nothing and compiles it as one program.
+        run = ft.partial(
+            _chunked, example, loops=loops, loop_shape=loop_shape, batch_size=batch_size
+        )
+        return jax.jit(run)(call.arrays)
 
     return vectorized  # pyright: ignore[reportReturnType]
