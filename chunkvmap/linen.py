@@ -209,6 +209,11 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
+def _kwarg_axes(kwargs: dict) -> Any:
+    """Keyword arguments: arrays mapped over their leading axis, the rest passed on."""
+    return jax.tree.map(lambda x: 0 if _is_array(x) else None, kwargs)
+
+
 def _mapped_length(
     groups: tuple, group_axes: tuple, args: tuple, in_axes: Any, kwargs: dict, size
 ) -> int:
@@ -227,12 +232,7 @@ def _mapped_length(
 
     add("variables", groups, group_axes, "variable collections")
     add("args", args, in_axes, "positional arguments")
-    add(
-        "kwargs",
-        kwargs,
-        jax.tree.map(lambda x: 0 if _is_array(x) else None, kwargs),
-        "",
-    )
+    add("kwargs", kwargs, _kwarg_axes(kwargs), "keyword arguments")
     return _axes.mapped_size(paths, leaves, axes, size, transform=_NAME)
 
 
@@ -268,7 +268,8 @@ def _lifted(
     out_filters, out_group_axes = tuple(var_out), tuple(var_out.values())
     splits = _check_split_rngs(split_rngs)
     rng_filters = tuple(splits)
-    rng_axes = tuple(0 if s else None for s in splits.values())
+    rng_split = tuple(splits.values())
+    rng_axes = tuple(0 if s else None for s in rng_split)
     params = dict(metadata_params)
 
     def body(restore, scope_fn, repack_fn, variable_groups, rng_groups, *args, **kw):
@@ -281,10 +282,9 @@ def _lifted(
             variable_groups, in_group_axes, args, in_axes, kw, axis_size
         )
         rng_groups = tuple(
-            _split_keys(g, size) if s else g
-            for g, s in zip(rng_groups, splits.values())
+            _split_keys(g, size) if s else g for g, s in zip(rng_groups, rng_split)
         )
-        kw_axes = jax.tree.map(lambda x: 0 if _is_array(x) else None, kw)
+        kw_axes = _kwarg_axes(kw)
 
         def per_example(variable_groups, rng_groups, args, kw):
             restore()  # every trace starts from the same RNG counters
