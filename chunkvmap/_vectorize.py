@@ -240,7 +240,8 @@ def _split(
         except (TypeError, ValueError) as e:
             raise type(e)(
                 f"{_NAME} vectorises {name}, so it must be convertible with "
-                f"jnp.asarray, but got a value of type {type(x).__name__}: {e}. "
+                f"jnp.asarray, but got a value of type {type(x).__name__}: "
+                f"{str(e).rstrip('.')}. "
                 f"Pass non-array arguments through excluded."
             ) from None
         call_names.append(name)
@@ -313,12 +314,13 @@ def _check_rank_promotion(call: _Call, loops, sig: _Signature | None) -> None:
     ranks = {len(s) for x, s in zip(call.arrays, loops) if x.ndim != 0}
     if len(ranks) <= 1:
         return
+    loop_shapes = ", ".join(f"{n} {s}" for n, s in zip(call.names, loops))
     msg = (
         f"{_NAME} arguments with loop (non-core) dimensions of different ranks need "
         f"rank promotion (signature={sig and sig.text!r}; shapes: "
-        f"{_shape_list(call)}). Add the leading size-1 dimensions explicitly, or set "
-        f"jax_numpy_rank_promotion to 'allow' (e.g. `with "
-        f"jax.numpy_rank_promotion('allow'):`); see "
+        f"{_shape_list(call)}; loop shapes: {loop_shapes}). Add the leading size-1 "
+        f"dimensions explicitly, or set jax_numpy_rank_promotion to 'allow' (e.g. "
+        f"`with jax.numpy_rank_promotion('allow'):`); see "
         f"https://docs.jax.dev/en/latest/rank_promotion_warning.html."
     )
     if mode == "raise":
@@ -345,13 +347,19 @@ def _checked(
     return example
 
 
+def _describe(out: Any) -> str:
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+        return f"a single array of shape {tuple(out.shape)} per example"
+    return f"a value of type {type(out).__name__}"
+
+
 def _check_outputs(out: Any, sig: _Signature, sizes: dict[str, int]) -> None:
     expected = len(sig.outputs)
     if expected > 1 and not isinstance(out, tuple):
         raise TypeError(
             f"{_NAME} signature={sig.text!r} has {expected} outputs, so the function "
-            f"must return a tuple of {expected} arrays, but it returned a "
-            f"{type(out).__name__}."
+            f"must return a tuple of {expected} arrays, but it returned "
+            f"{_describe(out)}."
         )
     outs = out if isinstance(out, tuple) else (out,)
     if len(outs) != expected:

@@ -301,9 +301,9 @@ def test_jit_and_grad(batch_size):
     def theirs(*args):
         return _loss(jnp.vectorize, *args)
 
-    tree_allclose(jax.jit(ours)(a, b, w), theirs(a, b, w))
-    grads = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(a, b, w)
-    tree_allclose(grads, jax.grad(theirs, argnums=(0, 1, 2))(a, b, w), rtol=1e-4)
+    value_and_grad = jax.value_and_grad(ours, argnums=(0, 1, 2))
+    expected = jax.value_and_grad(theirs, argnums=(0, 1, 2))(a, b, w)
+    tree_allclose(jax.jit(value_and_grad)(a, b, w), expected, rtol=1e-4)
     if batch_size == 4:
         check_grads(jax.jit(ours), (a, b, w), order=1, modes=["rev"], atol=1e-2)
 
@@ -406,7 +406,7 @@ def test_bad_outputs():
         lambda x: x,
         (arange(3, 2),),
         r"has 2 outputs, so the function must return a tuple of 2 arrays, but it "
-        r"returned a ArrayImpl|returned a DynamicJaxprTracer|returned a \w+",
+        r"returned a single array of shape \(2,\) per example",
         signature="(n)->(n),()",
     )
     both_raise(
@@ -592,7 +592,7 @@ def broadcast_problem(draw):
     return loop, shapes, batch_size
 
 
-@settings(max_examples=15, deadline=None, derandomize=True, database=None)
+@settings(max_examples=12, deadline=None, derandomize=True, database=None)
 @given(broadcast_problem())
 def test_property_broadcasting(problem):
     loop, shapes, batch_size = problem
