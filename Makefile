@@ -12,11 +12,11 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e ".[tests,bench,equinox,flax,progress,notebooks,docs]"
+	$(BIN)/python -m pip install --quiet -e ".[tests,bench,demo,equinox,flax,progress,notebooks,docs]"
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/python examples/demo.py
+	$(BIN)/python -m chunkvmap.demo
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest

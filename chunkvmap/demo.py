@@ -229,7 +229,7 @@ def train(args: argparse.Namespace) -> float:
 
     @jax.jit
     def accuracy(params, x, y):
-        return jnp.mean(jnp.argmax(logits(params, x), -1) == y)
+        return jnp.mean(jnp.argmax(jax.vmap(logits, (None, 0))(params, x), -1) == y)
 
     print(
         f"DP-SGD on digits: {len(x_train)} train / {len(x_test)} test examples, MLP "
