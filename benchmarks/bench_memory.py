@@ -18,17 +18,28 @@ Two tables, each measured side by side in one run, as ratios:
 from __future__ import annotations
 
 import argparse
-import platform
+import pathlib
 
 import jax
 import jax.numpy as jnp
-from _common import cold_compile_seconds, init_mlp, mlp, run_seconds
+from _common import (
+    cold_compile_seconds,
+    init_mlp,
+    machine,
+    mlp,
+    netket_vmap_chunked,
+    plot_lines,
+    run_seconds,
+)
 
 from chunkvmap import batch_map, batch_vmap
 
 
+vmap_chunked = netket_vmap_chunked()
+
+
 def forward_methods(batch):
-    return {
+    out = {
         "batch_vmap": lambda p, x: batch_vmap(mlp, (None, 0), batch_size=batch)(p, x),
         "batch_vmap(remat=False)": lambda p, x: batch_vmap(
             mlp, (None, 0), batch_size=batch, remat=False
@@ -39,6 +50,11 @@ def forward_methods(batch):
         "lax.map": lambda p, x: jax.lax.map(lambda xi: mlp(p, xi), x, batch_size=batch),
         "jax.vmap": lambda p, x: jax.vmap(mlp, (None, 0))(p, x),
     }
+    if vmap_chunked is not None:
+        out["netket.vmap_chunked"] = lambda p, x: vmap_chunked(
+            mlp, (None, 0), chunk_size=batch
+        )(p, x)
+    return out
 
 
 def grad_of_sum(forward):
@@ -56,15 +72,15 @@ def main():
     parser.add_argument("--layers", type=int, nargs="+", default=[32, 256, 256, 10])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="also write the tables to this markdown file")
+    parser.add_argument("--plots", help="write the memory plot to this folder")
     args = parser.parse_args()
     b = args.batch_size
     params = init_mlp(jax.random.key(0), args.layers)
     lines = [
         "# chunkvmap memory benchmark",
         "",
-        f"jax {jax.__version__}, backend {jax.default_backend()} "
-        f"({jax.devices()[0].device_kind}), {platform.machine()}, MLP {args.layers}, "
-        f"batch size {b}",
+        f"{machine()}. MLP {args.layers}, batch size {b}. NetKet "
+        + ("`vmap_chunked` is included." if vmap_chunked else "is not installed."),
         "",
         "## Gradient through a chunked forward pass: compiled temp memory",
         "",
@@ -82,6 +98,7 @@ def main():
     for line in lines:
         print(line)
     first: dict[str, int] = {}
+    series: dict[str, tuple[list, list]] = {}
     for n in args.sizes:
         x = jnp.linspace(-1, 1, n * args.layers[0], dtype=jnp.float32).reshape(n, -1)
         temps = {}
@@ -89,12 +106,26 @@ def main():
             temps[name] = compiled(grad_of_sum(fwd), params, x).memory_analysis()
             temps[name] = temps[name].temp_size_in_bytes
             first.setdefault(name, temps[name])
+            xs, ys = series.setdefault(name, ([], []))
+            xs.append(n)
+            ys.append(temps[name] / 1024)
         for name, t in temps.items():
             emit(
                 f"| {n} | {name} | {t / 1024:.0f} | {t / first[name]:.2f}x | "
                 f"{t / temps['lax.map']:.3f} |"
             )
 
+    if args.plots:
+        path = pathlib.Path(args.plots) / "memory_grad_through_map.png"
+        plot_lines(
+            path,
+            f"grad through a chunked forward pass, B={b} ({jax.default_backend()})",
+            "examples N",
+            "XLA compiled temp memory (KiB)",
+            series,
+        )
+        emit("")
+        emit(f"![grad through map]({path.name})")
     emit("")
     emit("## Gradient run time: the price of remat")
     emit("")

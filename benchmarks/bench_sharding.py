@@ -91,8 +91,12 @@ def main():
                     per_example_stacked, batch_size=b, shard=True, mesh=mesh
                 ),
                 "reduced": batch_vmap(
-                    per_example_scalar, batch_size=b, shard=True, mesh=mesh,
-                    reduction=jnp.add, chunk_reduction=lambda y: y.sum(0),
+                    per_example_scalar,
+                    batch_size=b,
+                    shard=True,
+                    mesh=mesh,
+                    reduction=jnp.add,
+                    chunk_reduction=lambda y: y.sum(0),
                 ),
             }
             for kind, fn in cases.items():
