@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +30,10 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_memory.py --out benchmarks/results/memory.md --plots benchmarks/results
 	$(BIN)/python benchmarks/bench_sharding.py --out benchmarks/results/sharding.md
 
+# The documentation site (mkdocs-material + mkdocstrings), built strictly: any warning
+# (a broken link, a docstring mkdocstrings cannot parse) fails the build.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

@@ -19,6 +19,7 @@ from ._core import (
     identity as identity,
     last_batch_size as last_batch_size,
 )
+from ._vectorize import batch_vectorize as batch_vectorize
 
 
 try:
@@ -30,6 +31,7 @@ __all__ = [
     "batch_jacfwd",
     "batch_jacrev",
     "batch_map",
+    "batch_vectorize",
     "batch_vmap",
     "clipped_grad_sum",
     "identity",

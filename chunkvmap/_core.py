@@ -38,7 +38,24 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def identity(x: Any) -> Any:
-    """The default `chunk_reduction`: returns its argument unchanged."""
+    """The default `chunk_reduction`: returns its argument unchanged.
+
+    Without a `reduction` it leaves the stacked output as it is; with one it is an error
+    (it does not remove the mapped axis), so a summarising `chunk_reduction` must be
+    given. Compared by identity, so `chunk_reduction=chunkvmap.identity` is the same as
+    leaving it out.
+
+    Args:
+      x: any pytree.
+
+    Returns:
+      `x` itself.
+
+    Examples:
+      >>> from chunkvmap import identity
+      >>> identity((1, 2))
+      (1, 2)
+    """
     return x
 
 
