@@ -16,13 +16,14 @@ The pieces, in the order a call runs them:
 
   - `batch_size` None (or at least the number of examples): one nested `jax.vmap` per
     non-trivial loop dimension, each mapping only the arguments that vary along it
-    (`_nested`); this is what `jnp.vectorize` does;
+    (`_nested`), the same strategy as `jnp.vectorize`;
   - otherwise the `N = prod(L)` examples are flattened and evaluated by `batch_vmap`
-    in chunks (`_chunked`). An argument that already has the full loop shape is
-    reshaped to `(N, *core)` and mapped; one whose loop dimensions are all 1 is passed
-    unmapped; any other (broadcast along some dimensions only) is passed unmapped
-    whole, and each example reads its own element at an index computed from the flat
-    example index, so a chunk gathers `batch_size` elements, never `N`.
+    in chunks (`_chunked`, inside one `jax.jit`, so reshapes are free). An argument
+    that already has the full loop shape is reshaped to `(N, *core)` and mapped; one
+    whose loop dimensions are all 1 is passed unmapped; any other (broadcast along
+    some dimensions only) is passed unmapped whole, and each example reads its own
+    element at an index computed from the flat example index, so a chunk gathers
+    `batch_size` elements, never `N`.
 
 Outputs come back as `(N, *core_out)` (or `(*nontrivial loop dims, *core_out)`) and are
 reshaped to `(*L, *core_out)`.
