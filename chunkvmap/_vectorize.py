@@ -573,7 +573,7 @@ def batch_vectorize(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from chunkvmap._vectorize import batch_vectorize
+      >>> from chunkvmap import batch_vectorize
       >>> add = batch_vectorize(lambda x, y: x + y, batch_size=2)
       >>> add(jnp.arange(3.0)[:, None], jnp.ones((1, 2)))
       Array([[1., 1.],

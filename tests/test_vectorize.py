@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from jax.test_util import check_grads
 
 from chunkvmap import batch_vmap
-from chunkvmap._vectorize import batch_vectorize
+from chunkvmap import batch_vectorize
 
 from .helpers import temp_bytes, tree_allclose
 
