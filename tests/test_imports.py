@@ -49,3 +49,20 @@ def test_public_names_importable_and_documented(name):
 
 def test_version():
     assert isinstance(chunkvmap.__version__, str) and chunkvmap.__version__
+
+
+def test_flax_adapters_without_flax_name_the_extra():
+    code = (
+        "import sys; sys.modules['flax'] = None\n"
+        "for name in ('chunkvmap.linen', 'chunkvmap.nnx'):\n"
+        "    try:\n        __import__(name)\n"
+        "    except ImportError as e:\n        print(name, '->', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout + out.stderr
+    for name, line in zip(("chunkvmap.linen", "chunkvmap.nnx"), lines):
+        assert line.startswith(f"{name} -> {name} needs Flax"), line
+        assert "pip install chunkvmap[flax]" in line, line

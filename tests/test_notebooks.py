@@ -1,8 +1,11 @@
 """The example notebooks run top to bottom (a small configuration)."""
 
+import importlib.util
 import os
 import pathlib
+import sys
 
+import jax
 import pytest
 
 
@@ -41,3 +44,47 @@ def test_notebook_runs(name, monkeypatch):
     assert "ensemble accuracy" in text
     assert "chunked construction equals eqx.filter_vmap: True" in text
     assert os.environ["CHUNKVMAP_NOTEBOOK_FAST"] == "1"
+
+
+def test_nnx_ensembles_notebook_runs(monkeypatch):
+    monkeypatch.setenv("CHUNKVMAP_NOTEBOOK_FAST", "1")
+    notebook = nbformat.read(EXAMPLES / "ensembles_nnx.ipynb", as_version=4)
+    saved = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
+    # Saved with the outputs of a full run, for readers on GitHub.
+    assert any("image/png" in o.get("data", {}) for o in saved)
+    assert "STEPS = 30 if FAST else 300" in notebook.cells[1].source
+    assert any("300 steps" in o.get("text", "") for o in saved)
+    nbclient.NotebookClient(
+        notebook,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(EXAMPLES.parent)}},
+    ).execute()  # raises CellExecutionError on any failing cell
+    text = "".join(
+        o.get("text", "")
+        for c in notebook.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+    )
+    assert "30 steps" in text  # the fast configuration ran
+    assert "chunked construction equals nnx.vmap: True" in text
+    assert "ensemble accuracy" in text
+
+
+def test_flax_linen_training_example_runs(capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location(
+        "flax_linen_training", EXAMPLES / "flax_linen_training.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # for its dataclasses
+    spec.loader.exec_module(module)
+    # optax's Adam relies on standard dtype promotion (the suite sets "strict").
+    with jax.numpy_dtype_promotion("standard"):
+        accuracy = module.main(epochs=3)
+    out = capsys.readouterr().out
+    assert "chunked loss and gradients equal nn.vmap's: True" in out
+    losses = [
+        float(line.split()[-1]) for line in out.splitlines() if "train loss" in line
+    ]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert accuracy > 0.5
