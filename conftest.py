@@ -20,3 +20,7 @@ try:
     import equinox  # noqa: F401
 except ImportError:
     collect_ignore.append("chunkvmap/eqx.py")
+try:
+    import flax  # noqa: F401
+except ImportError:
+    collect_ignore += ["chunkvmap/linen.py", "chunkvmap/nnx.py"]
