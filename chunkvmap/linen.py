@@ -370,7 +370,8 @@ def batch_vmap(
     * `split_rngs` chooses the RNG streams that get one key per example. The keys are
       split once for all `N` examples, exactly as `nn.vmap` splits them, and chunks
       take their slices, so random draws (parameter initialisation, dropout masks) do
-      not depend on `batch_size`;
+      not depend on `batch_size` (with threefry keys, JAX's default: `rbg` keys draw
+      differently in batches of different sizes, under `nn.vmap` too);
     * mutable collections (`batch_stats`, `intermediates` from `sow`, ...) come back
       with the axes of `variable_axes`; `metadata_params` is passed to boxed
       variables such as `nn.Partitioned` when the mapped axis is removed and added.

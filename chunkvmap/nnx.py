@@ -316,7 +316,9 @@ def batch_vmap(
     updates made inside `f` (RNG counters, BatchNorm statistics, `nnx.Variable`
     writes) are merged back into the caller's objects as `nnx.vmap` merges them.
     Random keys are read from the state passed in (split beforehand with
-    `nnx.split_rngs`, as for `nnx.vmap`), so draws do not depend on `batch_size`.
+    `nnx.split_rngs`, as for `nnx.vmap`), so draws do not depend on `batch_size`
+    (with threefry keys, JAX's default: `rbg` keys draw differently in batches of
+    different sizes, under `nnx.vmap` too).
 
     With `reduction`, `f`'s outputs (which must then be arrays) are folded chunk by
     chunk instead of stacked, e.g. a loss summed over the batch

@@ -291,6 +291,18 @@ def test_out_axes_state_axes_and_decorator_forms():
     assert f.__name__ == "scaled"
 
 
+def test_nested_in_itself():
+    members = ensemble_reference()[0]
+    xs = X[:7]
+
+    def run(vmap, **options):
+        per_example = vmap(apply, in_axes=(None, 0), **options)
+        per_member = vmap(per_example, in_axes=(0, None), **options)
+        return nnx.jit(per_member)(nnx.clone(members), xs)
+
+    tree_allclose(run(batch_vmap, batch_size=3), run(nnx.vmap))
+
+
 def test_batch_size_auto():
     loss_ref, grads_ref, _ = shared_reference()
     loss, grads, _ = shared_run(
