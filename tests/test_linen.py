@@ -389,6 +389,17 @@ def test_batch_size_auto():
     tree_allclose(out, out_ref)
 
 
+def test_shard_over_devices():
+    # tests/conftest.py asks for 8 CPU devices; 13 examples leave a global remainder.
+    x = jnp.linspace(-1.0, 1.0, 39, dtype=jnp.float32).reshape(13, 3)
+    ref = nn.vmap(nn.Dense, **SHARED)(2)
+    params = jax.jit(ref.init)(jax.random.key(0), x)
+    stacked = batch_vmap(nn.Dense, **SHARED, batch_size=1, shard=True)(2)
+    summed = batch_vmap(nn.Dense, **SHARED, batch_size=1, shard=True, **SUM)(2)
+    tree_allclose(stacked.apply(params, x), ref.apply(params, x))
+    tree_allclose(summed.apply(params, x), ref.apply(params, x).sum(0), rtol=1e-5)
+
+
 # --------------------------------------------------------------------------------------
 # Errors.
 

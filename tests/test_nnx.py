@@ -312,6 +312,14 @@ def test_batch_size_auto():
     tree_allclose(grads, grads_ref, rtol=1e-4)
 
 
+def test_shard_over_devices():
+    # tests/conftest.py asks for 8 CPU devices; 13 examples leave a global remainder.
+    x = jnp.linspace(-1.0, 1.0, 39, dtype=jnp.float32).reshape(13, 3)
+    layer = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    out = batch_vmap(apply, in_axes=(None, 0), batch_size=1, shard=True)(layer, x)
+    tree_allclose(out, nnx.vmap(apply, in_axes=(None, 0))(layer, x))
+
+
 # --------------------------------------------------------------------------------------
 # Errors.
 
