@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from ._core import batch_vmap as _core_batch_vmap, identity
+from ._stateful import evaluate as _evaluate
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -155,57 +156,7 @@ def _fill_unchanged(state_out: Any, state_in: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------
-# The evaluation: outputs plus the state that comes back.
-
-
-def _evaluate(
-    fn: Callable[..., tuple[Any, Any]],
-    args: tuple,
-    in_axes: Any,
-    out_axes: Any,
-    state_axes: Any,
-    reduction: Callable[[Any, Any], Any] | None,
-    chunk_reduction: Callable[[Any], Any],
-    options: dict[str, Any],
-) -> tuple[Any, Any]:
-    """`fn(*args) -> (y, state)` mapped by the core; returns `(y, state)`.
-
-    Without a reduction, one chunked evaluation stacks both. With one, `y` is folded
-    and `state` cannot be (a fold has no room for per-example values), so when `fn`
-    returns any state a second, unreduced evaluation produces it (XLA drops the parts
-    of that pass that only `y` needs). Same scheme as `chunkvmap.linen`.
-    """
-    if reduction is None:
-        y, state = _core_batch_vmap(
-            fn, in_axes=in_axes, out_axes=(out_axes, state_axes), **options
-        )(*args)
-        return (y if chunk_reduction is identity else chunk_reduction(y)), state
-
-    state_tree: list[Any] = []
-
-    def outputs_only(*a):
-        y, state = fn(*a)
-        state_tree[:] = [jax.tree.structure(state)]
-        return y
-
-    def state_only(*a):
-        return fn(*a)[1]
-
-    y = _core_batch_vmap(
-        outputs_only,
-        in_axes=in_axes,
-        out_axes=out_axes,
-        reduction=reduction,
-        chunk_reduction=chunk_reduction,
-        **options,
-    )(*args)
-    (treedef,) = state_tree
-    if treedef.num_leaves == 0:
-        return y, treedef.unflatten([])
-    state = _core_batch_vmap(
-        state_only, in_axes=in_axes, out_axes=state_axes, **options
-    )(*args)
-    return y, state
+# Call-time checks: keyword arguments, reduced outputs.
 
 
 def _resolve_kwargs(f: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
@@ -425,9 +376,8 @@ def batch_vmap(
         mesh=mesh,
         remat=remat,
         memory_limit=memory_limit,
+        progress=progress,
     )
-    if progress is not False:  # forwarded only when asked for
-        options["progress"] = progress
     # Validates every chunking option now, with the core's messages.
     _core_batch_vmap(
         identity, reduction=reduction, chunk_reduction=chunk_reduction, **options

@@ -3,12 +3,10 @@
 import subprocess
 import sys
 
+import equinox as eqx  # noqa: E402
 import jax
 import jax.numpy as jnp
 import pytest
-
-
-eqx = pytest.importorskip("equinox")
 
 from chunkvmap.eqx import filter_batch_vmap  # noqa: E402
 

@@ -14,8 +14,7 @@ import pytest
 from hypothesis import given, settings
 from jax.test_util import check_grads
 
-from chunkvmap import batch_vmap
-from chunkvmap import batch_vectorize
+from chunkvmap import batch_vectorize, batch_vmap
 
 from .helpers import temp_bytes, tree_allclose
 
