@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _axes
-from ._core import batch_vmap
+from ._core import _AUTO_STATES, batch_vmap
 
 
 # --------------------------------------------------------------------------------------
@@ -69,8 +69,8 @@ def _resolve_argnums(name: str, arg: str, argnums: Sequence[int], nargs: int):
 
 
 def _differentiable(x: Any) -> bool:
-    if isinstance(x, (float, complex)):
-        return True
+    """Floating-point arrays only (`equinox.is_inexact_array`): Python floats, such
+    as a module's hyperparameters, are constants."""
     if isinstance(x, (jax.Array, np.ndarray, np.generic)):
         return jnp.issubdtype(x.dtype, jnp.inexact)
     return False
@@ -141,18 +141,20 @@ def per_example_grads(
 ) -> Callable[..., Any]:
     """Per-example gradients, `batch_size` examples at a time.
 
-    `per_example_grads(fun, argnums, batch_argnums=b)(*args)` equals
-    `jax.vmap(jax.grad(fun, argnums), in_axes)(*args)` where `in_axes` maps the
-    arguments in `batch_argnums` over their leading axis and broadcasts the others:
+    `per_example_grads(fun, argnums, batch_argnums=b)(*args, **kwargs)` equals
+    `jax.vmap(jax.grad(ft.partial(fun, **kwargs), argnums), in_axes)(*args)` where
+    `in_axes` maps the arguments in `batch_argnums` over their leading axis and
+    broadcasts the others (keyword arguments are broadcast, not mapped):
     `fun` is the loss of a single example (e.g. `fun(params, example)`), and the result
     holds one gradient per example along a new leading axis. The examples are
     evaluated in chunks of `batch_size` (see `chunkvmap.batch_vmap`), so the working
     memory is that of `batch_size` gradients plus the `N` stacked results.
 
-    Only floating-point leaves are differentiated; any other leaf of a differentiated
-    argument (integer arrays, functions, an Equinox module's static parts) gets None
-    in the gradient, as with `equinox.filter_grad`, so Equinox modules and Flax
-    variable dicts work as parameters directly.
+    Only floating-point arrays are differentiated; any other leaf of a differentiated
+    argument (integer arrays, Python floats such as hyperparameters, functions, an
+    Equinox module's static parts) gets None in the gradient, as with
+    `equinox.filter_grad`, so Equinox modules and Flax variable dicts work as
+    parameters directly.
 
     Args:
       fun: the per-example function; it must return a scalar (or `(scalar, aux)` with
@@ -203,13 +205,20 @@ def per_example_grads(
         progress=progress,
     )
 
-    @ft.wraps(fun)
+    cache: dict[Any, Callable[..., Any]] = {}
+
+    @_wraps(fun)
     def grads(*args: Any, **kwargs: Any) -> Any:
         nargs = len(args)
         diff = _resolve_argnums(name, "argnums", argnums_t, nargs)
-        grad_fn = _filtered_grad(ft.partial(fun, **kwargs), diff, single, has_aux)
         in_axes = _batch_axes(name, batch_t, nargs)
-        return batch_vmap(grad_fn, in_axes, **options)(*args)
+
+        def build() -> Callable[..., Any]:
+            grad_fn = _filtered_grad(_kwargs_first(fun), _shift(diff), single, has_aux)
+            return batch_vmap(grad_fn, (None, *in_axes), **options)
+
+        run = _cached(cache, (nargs, diff, tuple(sorted(kwargs))), build, grads)
+        return run(kwargs, *args)
 
     return grads
 
@@ -244,10 +253,10 @@ def _clip(tree: Any, l2_clip_norm: Any) -> tuple[Any, jax.Array]:
 
 
 def _check_clip_norm(name: str, value: Any) -> None:
-    if isinstance(value, jax.core.Tracer):
-        return  # a traced clip norm (e.g. a schedule) is checked by nobody: allowed
     try:
         number = float(np.asarray(value))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return  # a traced clip norm (e.g. a schedule): allowed, and not checkable
     except (TypeError, ValueError):
         raise TypeError(
             f"{name} l2_clip_norm must be a positive number, but got "
@@ -287,8 +296,10 @@ def clipped_grad_sum(
 
     Zero gradients are safe (their norm is 0 and they are left unscaled, with no 0/0),
     the sum keeps each parameter's dtype (norms are accumulated in at least float32),
-    and, as in `per_example_grads`, only floating-point leaves are differentiated
-    (others get None), so Equinox modules and Flax variables work as parameters.
+    and, as in `per_example_grads`, only floating-point arrays are differentiated
+    (other leaves get None), so Equinox modules and Flax variables work as
+    parameters. Zero examples give zero sums and a count of 0 (a Poisson-sampled lot
+    may be empty).
 
     Args:
       fun: the per-example loss, `fun(params, example, ...)` returning a scalar.
@@ -310,7 +321,10 @@ def clipped_grad_sum(
       (structured like the differentiated argument(s)) and the number of examples as an
       int32 scalar — or `(grad_sum, count, norms)` with `return_norms`, where `norms`
       has shape `(N,)`. For the DP-SGD update add Gaussian noise of standard deviation
-      `noise_multiplier * l2_clip_norm` to `grad_sum` and divide by `count`.
+      `noise_multiplier * l2_clip_norm` to `grad_sum` and divide by the lot size: the
+      fixed lot size (`count`) with fixed-size lots, the *expected* lot size with
+      Poisson sampling. A traced `l2_clip_norm` cannot be checked here; it must be
+      positive.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -345,50 +359,107 @@ def clipped_grad_sum(
         progress=progress,
     )
 
-    @ft.wraps(fun)
+    cache: dict[Any, Callable[..., Any]] = {}
+
+    @_wraps(fun)
     def clipped(*args: Any, **kwargs: Any) -> Any:
         nargs = len(args)
         diff = _resolve_argnums(name, "argnums", argnums_t, nargs)
-        grad_fn = _filtered_grad(ft.partial(fun, **kwargs), diff, single, False)
         in_axes = _batch_axes(name, batch_t, nargs)
         size = _axes.mapped_size(
             *_mapped_leaves(name, args, in_axes), None, transform=name
         )
-        if size == 0:
-            raise ValueError(
-                f"{name} got zero examples: the batch argument(s) {batch_t} have an "
-                f"empty leading axis, and a sum over no examples has no defined count."
+        grad_fn = _filtered_grad(_kwargs_first(fun), _shift(diff), single, False)
+        count = jnp.asarray(size, jnp.int32)
+        if size == 0:  # the empty sum: zeros (a Poisson-sampled lot may be empty)
+            total = _zero_grads(grad_fn, kwargs, args, in_axes)
+            if return_norms:
+                return total, count, jnp.zeros(0, jnp.float32)
+            return total, count
+
+        def build() -> Callable[..., Any]:
+            def example(kw: Any, *inputs: Any) -> Any:
+                *example_args, index = inputs
+                grads, norm = _clip(grad_fn(kw, *example_args), l2_clip_norm)
+                return grads, norm, index
+
+            def summarise(chunk: Any) -> Any:
+                grads, norms, index = chunk
+                total = jax.tree.map(lambda g: g.sum(0), grads)
+                if not return_norms:
+                    return total
+                # The chunk's norms at their examples' positions: an N-vector of
+                # scalars per chunk (O(N) work per chunk, negligible next to the
+                # chunk's B x params gradients unless N exceeds B x params).
+                return total, jnp.zeros(size, norms.dtype).at[index].set(norms)
+
+            return batch_vmap(
+                example,
+                (None, *in_axes, 0),
+                reduction=jnp.add,
+                chunk_reduction=summarise,
+                **options,
             )
 
-        def example(*inputs: Any) -> Any:
-            *example_args, index = inputs
-            grads, norm = _clip(grad_fn(*example_args), l2_clip_norm)
-            return grads, norm, index
-
-        def summarise(chunk: Any) -> Any:
-            grads, norms, index = chunk
-            total = jax.tree.map(lambda g: g.sum(0), grads)
-            if not return_norms:
-                return total
-            # The chunk's norms at their examples' positions (an N-vector of scalars:
-            # the only O(N) state, and exactly the requested output).
-            return total, jnp.zeros(size, norms.dtype).at[index].set(norms)
-
-        run = batch_vmap(
-            example,
-            (*in_axes, 0),
-            reduction=jnp.add,
-            chunk_reduction=summarise,
-            **options,
-        )
-        out = run(*args, jnp.arange(size, dtype=jnp.int32))
-        count = jnp.asarray(size, jnp.int32)
+        key = (nargs, diff, tuple(sorted(kwargs)), size if return_norms else None)
+        run = _cached(cache, key, build, clipped)
+        out = run(kwargs, *args, jnp.arange(size, dtype=jnp.int32))
         if return_norms:
             total, norms = out
             return total, count, norms
         return out, count
 
     return clipped
+
+
+def _zero_grads(grad_fn: Callable[..., Any], kwargs: dict, args: tuple, in_axes):
+    """Zero gradients (None where not differentiated) for one abstract example."""
+    mapped = [i for i, a in enumerate(in_axes) if a is not None]
+
+    def one_example(*examples: Any) -> Any:
+        full = list(args)
+        for i, e in zip(mapped, examples):
+            full[i] = e
+        return grad_fn(kwargs, *full)
+
+    avals = [
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), args[i])
+        for i in mapped
+    ]
+    shapes = jax.eval_shape(one_example, *avals)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+def _shift(argnums: tuple[int, ...]) -> tuple[int, ...]:
+    """Argument numbers of `_kwargs_first(fun)`: one further right."""
+    return tuple(i + 1 for i in argnums)
+
+
+def _kwargs_first(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """`fun` taking its keyword arguments as a dict in front of the positional ones,
+    so that they travel to every example as one unmapped argument."""
+
+    def call(kwargs: dict[str, Any], *args: Any) -> Any:
+        return fun(*args, **kwargs)
+
+    return call
+
+
+def _cached(cache: dict, key: Any, build: Callable[[], Any], owner: Any) -> Any:
+    """The chunked function for `key`, built once, so that `batch_size="auto"`
+    measures once per argument shapes and `last_batch_size(owner)` sees its choice."""
+    if key not in cache:
+        cache[key] = build()
+    run = cache[key]
+    state = _AUTO_STATES.get(run)
+    if state is not None:
+        _AUTO_STATES[owner] = state
+    return run
+
+
+def _wraps(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
+    """`functools.wraps` without copying `fun.__dict__` (a Module's fields)."""
+    return ft.wraps(fun, updated=())
 
 
 def _mapped_leaves(
@@ -540,11 +611,19 @@ def batch_jacfwd(
         columns = batch_vmap(column, out_axes=-1, batch_size=batch_size)(
             jnp.arange(n, dtype=jnp.int32)
         )
-        jac = jax.tree.map(
-            lambda c, y: in_tree.unflatten(_split(c, -1, in_leaves, np.shape(y))),
-            columns,
-            out,
-        )
+
+        def block(c: jax.Array, y: Any) -> Any:
+            if not jnp.issubdtype(jnp.result_type(y), jnp.inexact):
+                # An integer output has no tangent: zeros of its dtype, as jax.jacfwd.
+                return in_tree.unflatten(
+                    [
+                        jnp.zeros((*np.shape(y), *np.shape(x)), y.dtype)
+                        for x in in_leaves
+                    ]
+                )
+            return in_tree.unflatten(_split(c, -1, in_leaves, np.shape(y)))
+
+        jac = jax.tree.map(block, columns, out)
         return (jac, lin[2]) if has_aux else jac
 
     return jacobian

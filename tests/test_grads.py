@@ -293,8 +293,58 @@ def test_errors_name_the_argument():
         clipped_grad_sum(loss, 1.0, batch_size=0)
     with pytest.raises(TypeError, match="return_norms must be a bool"):
         clipped_grad_sum(loss, 1.0, return_norms=1)
-    with pytest.raises(ValueError, match="zero examples"):
-        clipped_grad_sum(loss, 1.0, batch_argnums=(1, 2))(PARAMS, *data(0))
     with pytest.raises(ValueError, match="inconsistent sizes"):
         x, y = data(4)
         clipped_grad_sum(loss, 1.0, batch_argnums=(1, 2))(PARAMS, x, y[:3])
+
+
+def test_zero_examples_give_zero_sums_and_count():
+    total, count, norms = clipped_grad_sum(
+        loss, 1.0, batch_argnums=(1, 2), batch_size=4, return_norms=True
+    )(PARAMS, *data(0))
+    tree_allclose(total, jax.tree.map(jnp.zeros_like, PARAMS))
+    assert int(count) == 0 and norms.shape == (0,)
+
+
+def test_python_float_fields_are_constants_like_filter_grad():
+    class Scaled(eqx.Module):
+        linear: eqx.nn.Linear
+        scale: float = 2.0  # a hyperparameter, not a parameter
+
+        def __call__(self, x):
+            return self.scale * self.linear(x)
+
+    model = Scaled(eqx.nn.Linear(4, 3, key=jax.random.key(0)))
+    x, y = data(6)
+
+    def f(model, x, y):
+        return jnp.sum((model(x) - y) ** 2)
+
+    out = per_example_grads(f, batch_argnums=(1, 2), batch_size=4)(model, x, y)
+    expected = eqx.filter_vmap(eqx.filter_grad(f), in_axes=(None, 0, 0))(model, x, y)
+    assert out.scale is None
+    tree_allclose(out, expected)
+
+
+def test_auto_batch_size_is_chosen_once_and_reported():
+    from chunkvmap import last_batch_size
+
+    x, y = data(64)
+    f = clipped_grad_sum(
+        loss, 1.0, batch_argnums=(1, 2), batch_size="auto", memory_limit="256KiB"
+    )
+    expected, _ = reference_clipped(loss, PARAMS, (x, y), 1.0)
+    for _ in range(2):
+        tree_allclose(f(PARAMS, x, y)[0], expected, rtol=1e-5, atol=1e-5)
+    assert 1 <= last_batch_size(f) <= 64
+
+
+def test_traced_clip_norm():
+    x, y = data(5)
+    expected, _ = reference_clipped(loss, PARAMS, (x, y), 0.5)
+    out = jax.jit(
+        lambda c: clipped_grad_sum(loss, c, batch_argnums=(1, 2), batch_size=2)(
+            PARAMS, x, y
+        )[0]
+    )(0.5)
+    tree_allclose(out, expected, rtol=1e-5, atol=1e-5)

@@ -137,3 +137,11 @@ def test_errors():
     with pytest.raises(TypeError, match="fun must be callable"):
         batch_jacrev(3)
     np.testing.assert_allclose(batch_jacrev(jnp.sin, -1)(0.5), np.cos(0.5), rtol=1e-6)
+
+
+def test_jacfwd_integer_outputs_are_zeros_of_their_dtype():
+    def f(x):
+        return x * 2.0, jnp.argmax(x)
+
+    x = jnp.array([0.5, 2.0, 1.0])
+    tree_allclose(batch_jacfwd(f, batch_size=2)(x), jax.jacfwd(f)(x))
