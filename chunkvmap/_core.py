@@ -320,6 +320,8 @@ class _Chunked:
         """The per-chunk progress hook for `plan` (a no-op without `progress`)."""
 
         def report(i: Any) -> None:
+            if plan.num_chunks == 0:  # zero examples: nothing to report
+                return
             cond = None if when is None else when()
             _progress.tick(self.progress, i, plan.num_chunks, cond)
 
@@ -798,7 +800,10 @@ def batch_vmap(
         object whose `update(1)` is called after each chunk (its `total` is set when
         it has none). It works under `jax.jit` (one `jax.debug.callback` per chunk,
         no other synchronisation) and with `shard=True`, where only the device at
-        mesh index 0 reports its own chunks. Results are unchanged.
+        mesh index 0 reports its own chunks. Results are unchanged. The callback
+        runs with the forward pass: recomputing it (an outer `jax.checkpoint`,
+        `nn.remat`, `nnx.remat`) reports the chunks again; chunkvmap's own `remat`
+        does not.
       **kwargs: only `chunk_size`, the alias of `batch_size`.
 
     Returns:

@@ -133,3 +133,41 @@ def test_equinox_adapter_reports():
     jax.effects_barrier()
     assert calls == expected_calls(3)
     tree_allclose(out, jax.vmap(model)(x))
+
+
+def test_zero_examples_report_nothing():
+    calls, progress = recorder()
+    batch_vmap(jnp.sin, batch_size=3, progress=progress)(jnp.ones((0, 3)))
+    batch_vmap(jnp.sin, batch_size=3, shard=True, progress=progress)(jnp.ones(0))
+    jax.effects_barrier()
+    assert calls == []
+
+
+def test_stateful_reduction_reports_one_pass():
+    # A reduced linen call that also returns state (init creates the variables) runs a
+    # second, unreported pass for the state: the chunks are reported once.
+    import flax.linen as nn
+
+    import chunkvmap.linen as cl
+
+    class Loss(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.Dense(2)(x)
+            self.sow("intermediates", "y", y)
+            return jnp.sum(y**2)
+
+    calls, progress = recorder()
+    summed = cl.batch_vmap(
+        Loss,
+        variable_axes={"params": None, "intermediates": 0},
+        split_rngs={"params": False},
+        batch_size=4,
+        reduction=jnp.add,
+        chunk_reduction=lambda loss: loss.sum(0),
+        progress=progress,
+    )()
+    variables = summed.init(jax.random.key(0), jnp.ones((10, 3)))
+    jax.effects_barrier()
+    assert calls == expected_calls(3)
+    assert variables["params"]["Dense_0"]["kernel"].shape == (3, 2)  # shared
