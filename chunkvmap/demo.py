@@ -331,10 +331,13 @@ def compare(args: argparse.Namespace) -> list[dict[str, float]]:
         )
         print(
             f"{n:>7} | {ref_mem:>12.1f} | {our_mem:>13.1f} | "
-            f"{ref_mem / our_mem:>6.1f}x | {ref_t * 1e3:>11.1f} | "
+            f"{ref_mem / max(our_mem, 2**-20):>6.1f}x | {ref_t * 1e3:>11.1f} | "
             f"{our_t * 1e3:>12.1f} | {our_t / ref_t:>4.2f}x | {err:.1e}"
         )
-        if err > 1e-4:
+        # Chunks and the full batch run matmuls of different shapes: float rounding
+        # differs, more so where f32 matmuls use reduced-precision passes (GPU/TPU).
+        tolerance = 1e-4 if jax.default_backend() == "cpu" else 1e-2
+        if err > tolerance:
             raise RuntimeError(f"chunkvmap disagrees with jax.vmap at N={n}: {err}")
     print(
         f"memory: jax.vmap / chunkvmap; time: chunkvmap / jax.vmap. chunkvmap holds "
