@@ -115,15 +115,27 @@ def _filtered_grad(
     return grad_fn
 
 
-def _batch_axes(name: str, batch_argnums: tuple[int, ...], nargs: int) -> tuple:
-    mapped = _resolve_argnums(name, "batch_argnums", batch_argnums, nargs)
-    return tuple(0 if i in mapped else None for i in range(nargs))
+class _GradSetup:
+    """The checked arguments shared by `per_example_grads` and `clipped_grad_sum`."""
 
+    def __init__(
+        self, name: str, fun: Any, argnums: Any, batch_argnums: Any, **options: Any
+    ):
+        if not callable(fun):
+            raise TypeError(f"{name} fun must be callable, but got {fun!r}.")
+        self.name = name
+        self.argnums, self.single = _check_argnums(name, "argnums", argnums)
+        self.batch_argnums, _ = _check_argnums(name, "batch_argnums", batch_argnums)
+        # The chunking options are validated now by building a batch_vmap (its errors
+        # name the argument).
+        batch_vmap(lambda x: x, **options)
+        self.options = options
 
-def _chunk_options(name: str, batch_size: Any, **options: Any) -> dict[str, Any]:
-    # Validated up front by building a batch_vmap (the errors name the argument).
-    batch_vmap(lambda x: x, batch_size=batch_size, **options)
-    return dict(batch_size=batch_size, **options)
+    def resolve(self, nargs: int) -> tuple[tuple[int, ...], tuple]:
+        """The differentiated argument numbers and the `in_axes` of a call."""
+        diff = _resolve_argnums(self.name, "argnums", self.argnums, nargs)
+        mapped = _resolve_argnums(self.name, "batch_argnums", self.batch_argnums, nargs)
+        return diff, tuple(0 if i in mapped else None for i in range(nargs))
 
 
 def per_example_grads(
@@ -189,29 +201,27 @@ def per_example_grads(
              [16., 25.]], dtype=float32)
     """
     name = "per_example_grads"
-    if not callable(fun):
-        raise TypeError(f"{name} fun must be callable, but got {fun!r}.")
-    argnums_t, single = _check_argnums(name, "argnums", argnums)
-    batch_t, _ = _check_argnums(name, "batch_argnums", batch_argnums)
     if not isinstance(has_aux, bool):
         raise TypeError(f"{name} has_aux must be a bool, but got has_aux={has_aux!r}.")
-    options = _chunk_options(
+    setup = _GradSetup(
         name,
-        batch_size,
+        fun,
+        argnums,
+        batch_argnums,
+        batch_size=batch_size,
         shard=shard,
         mesh=mesh,
         remat=remat,
         memory_limit=memory_limit,
         progress=progress,
     )
-
+    single, options = setup.single, setup.options
     cache: dict[Any, Callable[..., Any]] = {}
 
     @_wraps(fun)
     def grads(*args: Any, **kwargs: Any) -> Any:
         nargs = len(args)
-        diff = _resolve_argnums(name, "argnums", argnums_t, nargs)
-        in_axes = _batch_axes(name, batch_t, nargs)
+        diff, in_axes = setup.resolve(nargs)
 
         def build() -> Callable[..., Any]:
             grad_fn = _filtered_grad(_kwargs_first(fun), _shift(diff), single, has_aux)
@@ -339,33 +349,31 @@ def clipped_grad_sum(
        Array([5. , 0.5, 0. ], dtype=float32))
     """
     name = "clipped_grad_sum"
-    if not callable(fun):
-        raise TypeError(f"{name} fun must be callable, but got {fun!r}.")
     _check_clip_norm(name, l2_clip_norm)
-    argnums_t, single = _check_argnums(name, "argnums", argnums)
-    batch_t, _ = _check_argnums(name, "batch_argnums", batch_argnums)
     if not isinstance(return_norms, bool):
         raise TypeError(
             f"{name} return_norms must be a bool, but got "
             f"return_norms={return_norms!r}."
         )
-    options = _chunk_options(
+    setup = _GradSetup(
         name,
-        batch_size,
+        fun,
+        argnums,
+        batch_argnums,
+        batch_size=batch_size,
         shard=shard,
         mesh=mesh,
         remat=remat,
         memory_limit=memory_limit,
         progress=progress,
     )
-
+    single, options = setup.single, setup.options
     cache: dict[Any, Callable[..., Any]] = {}
 
     @_wraps(fun)
     def clipped(*args: Any, **kwargs: Any) -> Any:
         nargs = len(args)
-        diff = _resolve_argnums(name, "argnums", argnums_t, nargs)
-        in_axes = _batch_axes(name, batch_t, nargs)
+        diff, in_axes = setup.resolve(nargs)
         size = _axes.mapped_size(
             *_mapped_leaves(name, args, in_axes), None, transform=name
         )
