@@ -5,8 +5,7 @@ python examples/build_ensembles_nnx.py
 
 import pathlib
 
-import nbformat
-from nbclient import NotebookClient
+from _notebooks import execute_and_write
 
 
 HERE = pathlib.Path(__file__).parent
@@ -255,31 +254,5 @@ print(
 ]
 
 
-def build() -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    for kind, text in CELLS:
-        cell = (
-            nbformat.v4.new_markdown_cell(text)
-            if kind == "md"
-            else nbformat.v4.new_code_cell(text)
-        )
-        nb.cells.append(cell)
-    return nb
-
-
 if __name__ == "__main__":
-    notebook = build()
-    NotebookClient(
-        notebook,
-        timeout=900,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(HERE.parent)}},
-    ).execute()
-    path = HERE / "ensembles_nnx.ipynb"
-    nbformat.write(notebook, path)
-    print("wrote", path)
+    execute_and_write(CELLS, HERE / "ensembles_nnx.ipynb")
