@@ -749,6 +749,11 @@ def batch_vmap(
     and is usually the better shape; `jax.grad(lambda p: batch_vmap(...)(p, x).sum())`
     is the one that relies on remat.
 
+    Called eagerly (no argument is a tracer), the returned function compiles the
+    chunked program once per argument structure, array types and values of non-array
+    arguments, as `jax.jit` would, and reuses it on later calls (so `f` is traced on
+    the first call only); under an outer `jax.jit` the caller's cache does that.
+
     `batch_size="auto"` picks the largest chunk whose temporary memory, by XLA's
     compiled estimate for the actual argument shapes, fits `memory_limit`. It compiles
     a few probe programs on the first call for each set of shapes and caches the
@@ -848,8 +853,7 @@ def batch_vmap(
     report = _progress.reporter(progress)
     auto = _AutoBatch(name, memory_limit) if batch_size == "auto" else None
 
-    @ft.wraps(f)
-    def batched(*args: Any, **call_kwargs: Any) -> Any:
+    def call(args: tuple, call_kwargs: dict) -> Any:
         return _batch_vmap_call(
             f,
             args,
@@ -868,9 +872,75 @@ def batch_vmap(
             report=report,
         )
 
+    # Sharded calls place their inputs on the mesh first, so they are not wrapped.
+    eager = None if shard else _EagerCache(call)
+
+    @ft.wraps(f)
+    def batched(*args: Any, **call_kwargs: Any) -> Any:
+        if eager is not None:
+            return eager(args, call_kwargs)
+        return call(args, call_kwargs)
+
     if auto is not None:
         _AUTO_STATES[batched] = auto
     return batched  # pyright: ignore[reportReturnType]
+
+
+class _EagerCache:
+    """Eager calls (no argument is a tracer) through one cached `jax.jit` per call
+    structure, so that calling the same batched function again with arguments of the
+    same types reuses the compiled program instead of tracing and compiling the
+    chunked loop anew (under an outer `jax.jit` that cache is the caller's own).
+
+    The key is the pytree structure and the values of the non-array leaves (hashable
+    Python values, as static arguments of `jax.jit`); array leaves are the jitted
+    function's arguments, so `jax.jit` keys them by type and sharding. Calls with
+    NumPy arrays or unhashable leaves are not cached (they are evaluated as before).
+    """
+
+    max_entries = 32
+
+    def __init__(self, call: Callable[[tuple, dict], Any]):
+        self.call = call
+        self.entries: dict[Any, Callable[..., Any]] = {}
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        flat, treedef = jax.tree.flatten((args, kwargs))
+        static = []
+        for i, x in enumerate(flat):
+            if isinstance(x, jax.core.Tracer) or isinstance(x, np.ndarray):
+                return self.call(args, kwargs)
+            if isinstance(x, jax.Array):
+                continue
+            try:
+                hash(x)
+            except TypeError:
+                return self.call(args, kwargs)
+            static.append((i, type(x), x))
+        dyn = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
+        key = (treedef, tuple(static))
+        run = self.entries.pop(key, None)
+        if run is None:
+            if len(self.entries) >= self.max_entries:
+                self.entries.pop(next(iter(self.entries)))  # least recently used
+            run = self._compile(treedef, flat, dyn)
+        self.entries[key] = run
+        return run(*[flat[i] for i in dyn])
+
+    def _compile(self, treedef: Any, flat: list, dyn: list[int]):
+        template = list(flat)
+        for i in dyn:
+            template[i] = None  # the arrays of this call are not kept alive
+
+        @jax.jit
+        def run(*values: Any) -> Any:
+            full = list(template)
+            for i, v in zip(dyn, values):
+                full[i] = v
+            args, kwargs = jax.tree.unflatten(treedef, full)
+            return self.call(args, kwargs)
+
+        return run
 
 
 def _flatten_inputs(in_axes: Any, args: tuple, kwargs: dict) -> tuple:
