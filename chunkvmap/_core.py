@@ -872,8 +872,10 @@ def batch_vmap(
             report=report,
         )
 
-    # Sharded calls place their inputs on the mesh first, so they are not wrapped.
-    eager = None if shard else _EagerCache(call)
+    # Sharded calls place their inputs on the mesh first, so they are not wrapped; a
+    # plain vmap (nothing to chunk, fold or report) runs eagerly as jax.vmap does.
+    plain = batch_size is None and reduction is None and report is None
+    eager = None if shard or plain else _EagerCache(call)
 
     @ft.wraps(f)
     def batched(*args: Any, **call_kwargs: Any) -> Any:
