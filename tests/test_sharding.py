@@ -36,8 +36,15 @@ def sum0(y):
     return y.sum(0)
 
 
-@pytest.mark.parametrize("n", [1, 3, 8, 13, 35, 64])
-@pytest.mark.parametrize("b", [None, 1, 3, 4, 100])
+# N below, at, and above the 8 devices, with and without a global remainder; for each,
+# batch sizes that divide the per-device share, do not, exceed it, and None.
+CASES = [
+    (1, None), (1, 3), (3, 1), (8, None), (8, 3), (13, 1), (13, 4), (13, 100),
+    (35, None), (35, 3), (35, 4), (64, 1), (64, 3), (64, 4), (64, 100),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("n, b", CASES)
 def test_matches_vmap_under_jit_and_grad(n, b):
     x = data(n)
     ref = jax.vmap(f, (None, 0))(PARAMS, x)
