@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _axes
-from ._core import _AUTO_STATES, batch_vmap
+from ._core import _AUTO_STATES, batch_vmap, chunk_options
 
 
 # --------------------------------------------------------------------------------------
@@ -126,10 +126,7 @@ class _GradSetup:
         self.name = name
         self.argnums, self.single = _check_argnums(name, "argnums", argnums)
         self.batch_argnums, _ = _check_argnums(name, "batch_argnums", batch_argnums)
-        # The chunking options are validated now by building a batch_vmap (its errors
-        # name the argument).
-        batch_vmap(lambda x: x, **options)
-        self.options = options
+        self.options = chunk_options(**options)
 
     def resolve(self, nargs: int) -> tuple[tuple[int, ...], tuple]:
         """The differentiated argument numbers and the `in_axes` of a call."""

@@ -945,6 +945,21 @@ class _EagerCache:
         return run
 
 
+def chunk_options(
+    *,
+    reduction: Callable[[Any, Any], Any] | None = None,
+    chunk_reduction: Callable[[Any], Any] = identity,
+    **options: Any,
+) -> dict[str, Any]:
+    """`options` for later `batch_vmap` calls, validated now (with `reduction` and
+    `chunk_reduction`) by building one, so that wrappers raise the core's errors, which
+    name the argument, when they are constructed rather than when first called."""
+    batch_vmap(
+        identity, reduction=reduction, chunk_reduction=chunk_reduction, **options
+    )
+    return options
+
+
 def _flatten_inputs(in_axes: Any, args: tuple, kwargs: dict) -> tuple:
     """Flatten `(args, kwargs)` to leaves, key paths and canonical per-leaf axes."""
     if isinstance(in_axes, tuple) and len(in_axes) != len(args):

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from . import _axes
-from ._core import batch_vmap as _core_batch_vmap, identity
+from ._core import chunk_options, identity
 from ._stateful import evaluate as _evaluate
 
 
@@ -96,22 +96,6 @@ def _check_split_rngs(split_rngs: Any) -> dict:
                 f"{type(split).__name__}."
             )
     return {name: bool(split) for name, split in split_rngs.items()}
-
-
-def _core_options(
-    axis_name, axis_size, batch_size, shard, mesh, remat, memory_limit, progress
-) -> dict[str, Any]:
-    options = dict(
-        axis_name=axis_name,
-        axis_size=axis_size,
-        batch_size=batch_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
-    )
-    return options
 
 
 # --------------------------------------------------------------------------------------
@@ -432,12 +416,17 @@ def batch_vmap(
             f"{{nn.PARTITION_NAME: 'batch'}}), but got metadata_params="
             f"{metadata_params!r} of type {type(metadata_params).__name__}."
         )
-    options = _core_options(
-        axis_name, axis_size, batch_size, shard, mesh, remat, memory_limit, progress
-    )
-    # Validates every chunking option now, with the core's messages.
-    _core_batch_vmap(
-        identity, reduction=reduction, chunk_reduction=chunk_reduction, **options
+    options = chunk_options(
+        reduction=reduction,
+        chunk_reduction=chunk_reduction,
+        axis_name=axis_name,
+        axis_size=axis_size,
+        batch_size=batch_size,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        memory_limit=memory_limit,
+        progress=progress,
     )
     if not callable(target):
         raise TypeError(

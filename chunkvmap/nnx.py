@@ -37,7 +37,7 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 import jax
 import numpy as np
 
-from ._core import batch_vmap as _core_batch_vmap, identity
+from ._core import chunk_options, identity
 from ._stateful import evaluate as _evaluate
 
 
@@ -368,7 +368,9 @@ def batch_vmap(
         )
     in_axes = _check_spec("in_axes", in_axes)
     out_axes = _check_spec("out_axes", out_axes)
-    options = dict(
+    options = chunk_options(
+        reduction=reduction,
+        chunk_reduction=chunk_reduction,
         axis_name=axis_name,
         axis_size=axis_size,
         batch_size=batch_size,
@@ -377,10 +379,6 @@ def batch_vmap(
         remat=remat,
         memory_limit=memory_limit,
         progress=progress,
-    )
-    # Validates every chunking option now, with the core's messages.
-    _core_batch_vmap(
-        identity, reduction=reduction, chunk_reduction=chunk_reduction, **options
     )
     jax_in_axes, jax_out_axes = _jax_axes(in_axes), _jax_axes(out_axes)
 
