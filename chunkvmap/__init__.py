@@ -7,18 +7,15 @@ them.
 
 import importlib.metadata
 
-from ._ad import (
-    batch_jacfwd as batch_jacfwd,
-    batch_jacrev as batch_jacrev,
+from ._batch_map import batch_map as batch_map
+from ._batch_vmap import batch_vmap as batch_vmap
+from ._grads import (
     clipped_grad_sum as clipped_grad_sum,
     per_example_grads as per_example_grads,
 )
-from ._core import (
-    batch_map as batch_map,
-    batch_vmap as batch_vmap,
-    identity as identity,
-    last_batch_size as last_batch_size,
-)
+from ._jacobians import batch_jacfwd as batch_jacfwd, batch_jacrev as batch_jacrev
+from ._memory import last_batch_size as last_batch_size
+from ._options import identity as identity
 from ._vectorize import batch_vectorize as batch_vectorize
 
 

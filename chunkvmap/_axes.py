@@ -19,11 +19,13 @@ import numpy as np
 AxisSpec = Any  # int | None | pytree prefix of ints and Nones
 
 
-def _is_none(x: Any) -> bool:
+def is_none(x: Any) -> bool:
+    """None is a leaf of an axis spec (not mapped), not an empty subtree."""
     return x is None
 
 
-def _is_axis(x: Any) -> bool:
+def is_axis(x: Any) -> bool:
+    """An axis of an axis spec: an int (not a bool) or None."""
     return x is None or (
         isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
     )
@@ -40,14 +42,14 @@ def check_axes_spec(
     """
     if top_level_tuple and isinstance(spec, list):
         spec = tuple(spec)
-    if top_level_tuple and not (_is_axis(spec) or isinstance(spec, tuple)):
+    if top_level_tuple and not (is_axis(spec) or isinstance(spec, tuple)):
         raise TypeError(
             f"{transform} {name} must be an int, None, or a tuple of entries "
             f"corresponding to the positional arguments passed to the function, "
             f"but got {name}={spec!r} of type {type(spec).__name__}."
         )
-    leaves = jax.tree.leaves(spec, is_leaf=_is_none)
-    bad = [leaf for leaf in leaves if not _is_axis(leaf)]
+    leaves = jax.tree.leaves(spec, is_leaf=is_none)
+    bad = [leaf for leaf in leaves if not is_axis(leaf)]
     if bad:
         raise TypeError(
             f"{transform} {name} must be an int, None, or a pytree prefix whose "
@@ -55,7 +57,7 @@ def check_axes_spec(
             + ", ".join(f"{b!r} ({type(b).__name__})" for b in bad)
             + "."
         )
-    return jax.tree.map(lambda a: None if a is None else int(a), spec, is_leaf=_is_none)
+    return jax.tree.map(lambda a: None if a is None else int(a), spec, is_leaf=is_none)
 
 
 def split_by_prefix(
@@ -67,7 +69,7 @@ def split_by_prefix(
     A None in `spec` is a leaf (an axis: not mapped); a None in `tree` is an empty
     subtree with no leaves, as everywhere in JAX.
     """
-    prefix = jax.tree.structure(spec, is_leaf=_is_none)
+    prefix = jax.tree.structure(spec, is_leaf=is_none)
     try:
         subtrees = prefix.flatten_up_to(tree)
     except ValueError as e:
@@ -76,7 +78,7 @@ def split_by_prefix(
             f"structures do not match.\n  {name} = {spec!r}\n  {what} structure = "
             f"{jax.tree.structure(tree)}\nJAX reported: {e}"
         ) from None
-    return prefix, jax.tree.leaves(spec, is_leaf=_is_none), subtrees
+    return prefix, jax.tree.leaves(spec, is_leaf=is_none), subtrees
 
 
 def broadcast_axes(
@@ -122,16 +124,18 @@ def canonical_in_axis(
     return axis % ndim
 
 
-def canonical_out_axis(axis: int | None, rank: int, path: str) -> int | None:
+def canonical_out_axis(
+    axis: int | None, rank: int, path: str, transform: str = "batch_vmap"
+) -> int | None:
     """Make an output axis non-negative for an output of per-example rank `rank`."""
     if axis is None:
         return None
     if not -(rank + 1) <= axis <= rank:
         raise ValueError(
-            f"batch_vmap out_axes puts the mapped axis of output {path} at {axis}, "
-            f"which is out of range: each example's output has rank {rank}, so the "
-            f"mapped output has rank {rank + 1} and valid axes are "
-            f"{-(rank + 1)}..{rank}."
+            f"{transform} out_axes puts the mapped axis of output {path} at {axis}, "
+            f"which is out of range (out_axes={axis} is out of range for it): each "
+            f"example's output has rank {rank}, so the mapped output has rank "
+            f"{rank + 1} and valid axes are {-(rank + 1)}..{rank}."
         )
     return axis % (rank + 1)
 

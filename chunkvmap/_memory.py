@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -164,3 +165,83 @@ def choose_batch_size(
         dict(sorted(seen.items())),
     )
     return best
+
+
+# --------------------------------------------------------------------------------------
+# The state of `batch_size="auto"`: one per transform, searched once per shapes.
+
+
+class AutoBatch:
+    """`batch_size="auto"` state of one transform: its budget and the sizes chosen."""
+
+    def __init__(self, name: str, limit: int | None):
+        self.name = name
+        self.limit = limit  # bytes, or None for the device's default
+        self.cache: dict[Any, int] = {}
+        self.last: int | None = None
+
+    def choose(self, key: Any, measure: Callable[[int], int], size: int) -> int:
+        """The batch size for the call described by `key` (searched on first use)."""
+        limit = self.limit if self.limit is not None else default_limit(self.name)
+        key = (key, limit)
+        if key not in self.cache:
+            self.cache[key] = choose_batch_size(self.name, measure, size, limit)
+        self.last = self.cache[key]
+        _LAST[0] = self.last
+        return self.last
+
+
+_STATES: weakref.WeakKeyDictionary[Any, AutoBatch] = weakref.WeakKeyDictionary()
+_LAST: list[int | None] = [None]
+
+
+def register(fn: Any, state: AutoBatch) -> None:
+    """Let `last_batch_size(fn)` report `state`'s choices."""
+    try:
+        _STATES[fn] = state
+    except TypeError:  # not weak-referenceable: last_batch_size(fn) stays None
+        pass
+
+
+def state_of(fn: Any) -> AutoBatch | None:
+    try:
+        return _STATES.get(fn)
+    except TypeError:  # not weak-referenceable, so never registered
+        return None
+
+
+def auto_state(name: str, fn: Any, limit: int | None) -> AutoBatch:
+    """The state registered for `fn` (batch_map's `fun`) with budget `limit`."""
+    state = state_of(fn)
+    if state is None or state.limit != limit:
+        state = AutoBatch(name, limit)
+        register(fn, state)
+    return state
+
+
+def last_batch_size(fn: Callable[..., Any] | None = None) -> int | None:
+    """The chunk size that `batch_size="auto"` chose most recently.
+
+    Args:
+      fn: a function returned by a chunkvmap transform built with `batch_size="auto"`
+        (`batch_vmap`, `per_example_grads`, `clipped_grad_sum`, `batch_jacfwd`,
+        `batch_jacrev`, `batch_vectorize`, the adapters), or the `fun` given to
+        `batch_map(fun, xs, "auto")`. None (the default) means the most recent choice
+        made by any call.
+
+    Returns:
+      The batch size chosen by the most recent call (of `fn`, when given), or None if
+      no such call has happened yet.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import batch_vmap, last_batch_size
+      >>> f = batch_vmap(jnp.sin, batch_size="auto", memory_limit="1MiB")
+      >>> y = f(jnp.ones((1000, 100)))
+      >>> 1 <= last_batch_size(f) <= 1000
+      True
+    """
+    if fn is None:
+        return _LAST[0]
+    state = state_of(fn)
+    return None if state is None else state.last

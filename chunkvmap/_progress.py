@@ -118,3 +118,17 @@ def tick(report: Reporter | None, index: Any, total: int, when: Any = None) -> N
         emit()
     else:
         lax.cond(when, emit, lambda: None)
+
+
+def hook(
+    report: Reporter | None, num_chunks: int, when: Callable[[], Any] | None = None
+) -> Callable[[Any], None]:
+    """The loop's per-chunk hook for a plan of `num_chunks` chunks: reports chunk `i`
+    (only where `when()` holds, when given); a no-op without a reporter or chunks."""
+
+    def report_chunk(i: Any) -> None:
+        if report is None or num_chunks == 0:
+            return
+        tick(report, i, num_chunks, None if when is None else when())
+
+    return report_chunk

@@ -20,7 +20,7 @@ process per host), since a mesh over `jax.devices()` spans every process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -29,44 +29,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from . import _progress
+from ._loop import fold, make_plan, zeros
+
 
 AXIS_NAME = "chunkvmap"
 _DEFAULT_MESHES: dict[tuple[Any, ...], Mesh] = {}
-
-
-def check_shard_args(name: str, shard: Any, mesh: Any) -> None:
-    """Validate `shard` and `mesh` for the transform called `name`."""
-    if not isinstance(shard, bool):
-        raise TypeError(
-            f"{name} shard must be a bool, but got shard={shard!r} of type "
-            f"{type(shard).__name__}."
-        )
-    if mesh is None:
-        return
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"{name} mesh must be a jax.sharding.Mesh or None, but got "
-            f"mesh={mesh!r} of type {type(mesh).__name__}."
-        )
-    if len(mesh.axis_names) != 1:
-        raise ValueError(
-            f"{name} needs a one-dimensional mesh, but got a mesh with "
-            f"{len(mesh.axis_names)} axes {mesh.axis_names} (shape "
-            f"{dict(mesh.shape)}). Build one with jax.make_mesh((n,), ('batch',), "
-            f"axis_types=(jax.sharding.AxisType.Auto,))."
-        )
-    (axis_type,) = mesh.axis_types
-    if axis_type != AxisType.Auto:
-        raise ValueError(
-            f"{name} needs a mesh whose axis has type AxisType.Auto, but axis "
-            f"{mesh.axis_names[0]!r} has type {axis_type}. Build the mesh with "
-            f"axis_types=(jax.sharding.AxisType.Auto,)."
-        )
-    if not shard:
-        raise ValueError(
-            f"{name} got mesh={mesh!r} with shard=False: the mesh is only used "
-            f"to shard the mapped axis. Pass shard=True, or drop mesh."
-        )
 
 
 def default_mesh() -> Mesh:
@@ -150,51 +118,46 @@ def _spec(axis: int | None, name: str) -> P:
     return P() if axis is None else P(*([None] * axis), name)
 
 
-def evaluate(
-    mesh: Mesh,
-    leaves: Sequence[Any],
-    axes: Sequence[int | None],
-    dyn: Sequence[int],
-    size: int,
-    local: Callable[..., Any],
-    *,
-    zeros: Callable[[Any, Any], Any],
-    reduced: bool,
-    out_axes: Sequence[int | None],
-    fold: Callable[[Any, Any], Any],
-) -> Any:
-    """Evaluate `local` over the mesh as described in the module docstring.
-
-    `local(leaves, n, offset=0, report=True)` runs the chunked loop over the `n`
-    examples starting at `offset` along the leaves' mapped axes (reporting progress
-    when `report`) and returns the flat stacked outputs (mapped
-    along `out_axes`) or, when `reduced`, the summary pytree.
-    """
+def evaluate(body: Any, inputs: Any, options: Any) -> Any:
+    """`body` (a `_loop.Body`) over `inputs` (a `_chunked.Inputs`), split over the
+    devices of the options' mesh as described in the module docstring: the flat stacked
+    outputs (mapped along `body.out_axes`), or the folded summary."""
+    mesh = resolve_mesh(options.name, options.mesh)
+    leaves = place_inputs(options.name, mesh, inputs.paths, inputs.leaves, body.axes)
     name = mesh.axis_names[0]
+    size, dyn = inputs.size, inputs.dyn
     num_devices = mesh.size
     rem = size % num_devices
     prefix = size - rem
     per_device = prefix // num_devices
-    dyn_axes = [axes[i] for i in dyn]
+    reduced = body.reduction is not None
+    dyn_axes = [body.axes[i] for i in dyn]
 
-    def with_values(values):
-        full = list(leaves)
-        for i, v in zip(dyn, values):
-            full[i] = v
-        return full
+    def local(full: list[Any], n: int, offset: Any, report: bool) -> Any:
+        # Progress: only the device at mesh index 0 reports, and only its own chunks
+        # (the global remainder is reported only when nothing else runs).
+        plan = make_plan(n, options.batch_size, offset)
+        hook = _progress.hook(
+            options.reporter if report else None,
+            plan.num_chunks,
+            lambda: lax.axis_index(name) == 0,
+        )
+        return body.run(full, plan, hook)
 
     def stack1(tree):  # a leading axis of one, to be concatenated over devices
         return jax.tree.map(lambda y: jnp.expand_dims(y, 0), tree)
 
-    def body(values):
+    def shard_body(values):
         # With a global remainder the inputs arrive whole (N does not split evenly, so
         # they are replicated anyway) and every device reads its examples in place
         # through the plan's offset: no per-device copy of its slice or the remainder.
-        full = with_values(values)
+        full = list(leaves)
+        for i, v in zip(dyn, values):
+            full[i] = v
         outs = {}
         if per_device:
             start = lax.axis_index(name) * per_device if rem else 0
-            result = local(full, per_device, start)
+            result = local(full, per_device, start, True)
             outs["local"] = stack1(result) if reduced else result
         if rem:
             shapes = jax.eval_shape(lambda: local(full, rem, prefix, False))
@@ -210,36 +173,49 @@ def evaluate(
         out_specs: dict[str, Any] = {}
         if per_device:
             out_specs["local"] = (
-                P(name) if reduced else [_spec(a, name) for a in out_axes]
+                P(name) if reduced else [_spec(a, name) for a in body.out_axes]
             )
         if rem:
             out_specs["rem"] = P(name)
         in_specs = [P() if rem else _spec(a, name) for a in dyn_axes]
         outs = jax.shard_map(
-            body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False
+            shard_body,
+            mesh=mesh,
+            in_specs=(in_specs,),
+            out_specs=out_specs,
+            check_vma=False,
         )(list(values))
-        replicated = NamedSharding(mesh, P())
         if reduced:
-            summaries = outs.get("local")
-            acc = None
-            if summaries is not None:
-                acc = jax.tree.map(lambda s: s[0], summaries)
-                if num_devices > 1:
-                    rest = jax.tree.map(lambda s: s[1:], summaries)
-                    acc, _ = lax.scan(lambda a, s: (fold(a, s), None), acc, rest)
-            if rem:
-                tail = jax.tree.map(lambda s: s[0], outs["rem"])
-                acc = tail if acc is None else fold(acc, tail)
-            return lax.with_sharding_constraint(acc, replicated)
-        if not rem:
-            return outs["local"]
-        tail = [y[0] for y in outs["rem"]]
-        if not per_device:
-            return lax.with_sharding_constraint(tail, replicated)
-        assembled = [
-            y if a is None else jnp.concatenate([y, t], axis=a)
-            for y, t, a in zip(outs["local"], tail, out_axes)
-        ]
-        return lax.with_sharding_constraint(assembled, replicated)
+            return _fold_devices(body.reduction, outs, NamedSharding(mesh, P()))
+        return _assemble(outs, body.out_axes, NamedSharding(mesh, P()))
 
     return jax.jit(run)(*[leaves[i] for i in dyn])
+
+
+def _fold_devices(reduction: Any, outs: dict[str, Any], replicated: Any) -> Any:
+    """The devices' summaries (and the global remainder's) folded in device order."""
+    acc = None
+    summaries = outs.get("local")
+    if summaries is not None:
+        acc = jax.tree.map(lambda s: s[0], summaries)
+        if jax.tree.leaves(summaries)[0].shape[0] > 1:
+            rest = jax.tree.map(lambda s: s[1:], summaries)
+            acc, _ = lax.scan(lambda a, s: (fold(reduction, a, s), None), acc, rest)
+    if "rem" in outs:
+        tail = jax.tree.map(lambda s: s[0], outs["rem"])
+        acc = tail if acc is None else fold(reduction, acc, tail)
+    return lax.with_sharding_constraint(acc, replicated)
+
+
+def _assemble(outs: dict[str, Any], out_axes: Sequence[Any], replicated: Any) -> Any:
+    """The stacked outputs: the devices' shares, then the global remainder's."""
+    if "rem" not in outs:
+        return outs["local"]
+    tail = [y[0] for y in outs["rem"]]
+    if "local" not in outs:
+        return lax.with_sharding_constraint(tail, replicated)
+    assembled = [
+        y if a is None else jnp.concatenate([y, t], axis=a)
+        for y, t, a in zip(outs["local"], tail, out_axes)
+    ]
+    return lax.with_sharding_constraint(assembled, replicated)

@@ -13,58 +13,81 @@ from typing import Any
 
 import jax
 
-from ._core import batch_vmap as _core_batch_vmap, identity
+from . import _axes
+from ._batch_vmap import vmap_call
+from ._options import ChunkOptions, identity
 
 
-def evaluate(
-    fn: Callable[..., tuple[Any, Any]],
-    args: tuple,
-    in_axes: Any,
-    out_axes: Any,
-    state_axes: Any,
-    reduction: Callable[[Any, Any], Any] | None,
-    chunk_reduction: Callable[[Any], Any],
-    options: dict[str, Any],
-) -> tuple[Any, Any]:
-    """`fn(*args) -> (y, state)` mapped by the core; returns `(y, state)`.
+class StatefulMap:
+    """An adapter's validated chunking options (made when the adapter is built, so
+    errors name it then), and the `"auto"` state its calls share."""
 
-    Without a reduction, one chunked evaluation stacks both. With one, `y` is folded
-    and `state` cannot be (a fold has no room for per-example values), so when `fn`
-    returns any state a second, unreduced evaluation produces it (XLA drops the parts
-    of that pass that only `y` needs).
-    """
-    if reduction is None:
-        y, state = _core_batch_vmap(
-            fn, in_axes=in_axes, out_axes=(out_axes, state_axes), **options
-        )(*args)
-        return (y if chunk_reduction is identity else chunk_reduction(y)), state
+    def __init__(self, name: str, *, axis_name: Any, axis_size: Any, **options: Any):
+        self.options = ChunkOptions.make(name, **options)
+        self.axis_name = axis_name
+        self.axis_size = _axes.check_positive_int(
+            "axis_size", axis_size, allow_zero=True, transform=name
+        )
+        if axis_name is not None and self.options.shard:
+            raise ValueError(
+                f"{name} got axis_name={axis_name!r} with shard=True: collectives "
+                f"over {axis_name!r} would only see one device's chunk."
+            )
+        self.auto = self.options.new_auto()
 
-    state_tree: list[Any] = []
+    def __call__(
+        self,
+        fn: Callable[..., tuple[Any, Any]],
+        args: tuple,
+        in_axes: Any,
+        out_axes: Any,
+        state_axes: Any,
+    ) -> tuple[Any, Any]:
+        """`fn(*args) -> (y, state)` mapped by the core; returns `(y, state)`.
 
-    def outputs_only(*a):
-        y, state = fn(*a)
-        state_tree[:] = [jax.tree.structure(state)]
-        return y
+        Without a reduction, one chunked evaluation stacks both. With one, `y` is
+        folded and `state` cannot be (a fold has no room for per-example values), so
+        when `fn` returns any state a second, unreduced evaluation produces it (XLA
+        drops the parts of that pass that only `y` needs).
+        """
+        options = self.options
+        name = options.name
+        in_axes = _axes.check_axes_spec(
+            "in_axes", in_axes, top_level_tuple=True, transform=name
+        )
+        stacked = options.replace(reduction=None, chunk_reduction=identity)
 
-    def state_only(*a):
-        return fn(*a)[1]
+        def run(f, out_spec, opts):
+            return vmap_call(
+                f,
+                args,
+                {},
+                in_axes,
+                out_spec,
+                self.axis_name,
+                self.axis_size,
+                opts,
+                self.auto,
+            )
 
-    y = _core_batch_vmap(
-        outputs_only,
-        in_axes=in_axes,
-        out_axes=out_axes,
-        reduction=reduction,
-        chunk_reduction=chunk_reduction,
-        **options,
-    )(*args)
-    (treedef,) = state_tree
-    if treedef.num_leaves == 0:
-        return y, treedef.unflatten([])
-    # The second pass is reported by nobody: progress counts the evaluation's chunks.
-    state = _core_batch_vmap(
-        state_only,
-        in_axes=in_axes,
-        out_axes=state_axes,
-        **{**options, "progress": False},
-    )(*args)
-    return y, state
+        if options.reduction is None:
+            y, state = run(fn, (out_axes, state_axes), stacked)
+            chunk_reduction = options.chunk_reduction
+            return (y if chunk_reduction is identity else chunk_reduction(y)), state
+
+        state_tree: list[Any] = []
+
+        def outputs_only(*a):
+            y, state = fn(*a)
+            state_tree[:] = [jax.tree.structure(state)]
+            return y
+
+        y = run(outputs_only, out_axes, options)
+        (treedef,) = state_tree
+        if treedef.num_leaves == 0:
+            return y, treedef.unflatten([])
+        # The second pass is reported by nobody: progress counts the evaluation's
+        # chunks.
+        quiet = stacked.replace(progress=False, reporter=None)
+        state = run(lambda *a: fn(*a)[1], state_axes, quiet)
+        return y, state

@@ -32,7 +32,6 @@ reshaped to `(*L, *core_out)`.
 from __future__ import annotations
 
 import dataclasses
-import functools as ft
 import math
 import re
 import warnings
@@ -43,8 +42,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _axes
-from ._core import batch_vmap
+from . import _cache
+from ._batch_vmap import vmap_call
+from ._options import ChunkOptions, check_callable
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -417,15 +417,20 @@ def _nested(example, call: _Call, loops, loop_shape: tuple[int, ...]) -> Any:
 
 
 def _chunked(
-    example, arrays: list[Any], loops, loop_shape: tuple[int, ...], batch_size: int
+    example,
+    arrays: list[Any],
+    loops,
+    loop_shape: tuple[int, ...],
+    options: ChunkOptions,
+    auto: Any,
 ) -> Any:
-    """The `N = prod(L)` examples in chunks of `batch_size` through `batch_vmap`.
+    """The `N = prod(L)` examples in chunks through the `batch_vmap` pipeline.
 
     Full-shape arguments are mapped as `(N, *core)`; arguments with only size-1 loop
     dimensions are unmapped; partially broadcast arguments are unmapped whole and read
     per example at the flat position of the example's multi-index, with the broadcast
     dimensions clamped to 0 (so a chunk gathers `batch_size` elements of them).
-    Called under `jax.jit`: the reshapes are free and the program is compiled once.
+    The reshapes are free under `jax.jit` (the eager cache's, or the caller's).
     """
     ndim, size = len(loop_shape), math.prod(loop_shape)
     leaves: list[Any] = []
@@ -472,7 +477,9 @@ def _chunked(
             per_example.append(v)
         return example(*per_example)
 
-    out = batch_vmap(one, in_axes=tuple(in_axes), batch_size=batch_size)(*leaves)
+    out = vmap_call(
+        one, tuple(leaves), {}, tuple(in_axes), 0, None, None, options, auto
+    )
     return _reshape_outputs(out, loop_shape, 1)
 
 
@@ -505,7 +512,13 @@ def batch_vectorize(
     *,
     excluded: Collection[int | str] = frozenset(),
     signature: str | None = None,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
+    shard: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
+    progress: Any = False,
+    chunk_size: int | str | None = None,
 ) -> F:
     """`jnp.vectorize` whose loop is evaluated `batch_size` examples at a time.
 
@@ -552,7 +565,14 @@ def batch_vectorize(
         `pyfunc` unchanged, not vectorised.
       signature: an optional generalized-ufunc signature such as `"(m,n),(n)->(m)"`
         (whitespace ignored); None means scalar inputs and outputs of any shape.
-      batch_size: examples per chunk (a positive int), or None for a single vmap.
+      batch_size: examples per chunk: a positive int, None for a single vmap, or
+        `"auto"` (from `memory_limit`).
+      shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
+      mesh: a one-dimensional `Auto` mesh, with `shard=True`.
+      remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
+      memory_limit: the budget for `batch_size="auto"` (see `batch_vmap`).
+      progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size` (pass one of them).
 
     Returns:
       The vectorised function. It traces `pyfunc` on single examples and returns its
@@ -588,28 +608,35 @@ def batch_vectorize(
       >>> stats(jnp.array([[1.0, 3.0], [2.0, 2.0]]))[1]
       Array([2., 2.], dtype=float32)
     """
-    if not callable(pyfunc):
-        raise TypeError(
-            f"{_NAME} pyfunc must be callable, but got {pyfunc!r} of type "
-            f"{type(pyfunc).__name__}."
-        )
+    check_callable(_NAME, "pyfunc", pyfunc)
     excluded = _check_excluded(excluded)
     sig = _parse_signature(signature)
-    batch_size = _axes.check_positive_int("batch_size", batch_size, transform=_NAME)
+    options = ChunkOptions.make(
+        _NAME,
+        batch_size=batch_size,
+        chunk_size=chunk_size,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        memory_limit=memory_limit,
+        progress=progress,
+    )
+    auto = options.new_auto()
 
-    @ft.wraps(pyfunc)
-    def vectorized(*args: Any, **kwargs: Any) -> Any:
+    def vectorized(args: tuple, kwargs: dict) -> Any:
         call = _split(excluded, sig, args, kwargs)
         loop_shape, loops, sizes = _analyse(call, sig)
         example = _checked(pyfunc, call, sig, sizes)
         size = math.prod(loop_shape)
-        if batch_size is None or batch_size >= size:
+        if options.plain or (
+            isinstance(options.batch_size, int)
+            and options.batch_size >= size
+            and options.reporter is None
+            and not options.shard
+        ):
             return _nested(example, call, loops, loop_shape)
-        # Chunked: pyfunc is traced under jit by batch_vmap anyway, so one jit around
-        # the whole evaluation costs nothing and compiles it as one program.
-        run = ft.partial(
-            _chunked, example, loops=loops, loop_shape=loop_shape, batch_size=batch_size
-        )
-        return jax.jit(run)(call.arrays)
+        return _chunked(example, call.arrays, loops, loop_shape, options, auto)
 
-    return vectorized  # pyright: ignore[reportReturnType]
+    return _cache.transform(  # pyright: ignore[reportReturnType]
+        vectorized, wrapped=pyfunc, auto=auto, cached=not options.shard
+    )

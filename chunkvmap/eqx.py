@@ -26,8 +26,10 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 import jax
 import jax.numpy as jnp
 
-from . import _axes
-from ._core import batch_vmap, identity
+from . import _axes, _cache, _memory
+from ._axes import is_none
+from ._batch_vmap import vmap_call
+from ._options import ChunkOptions, identity
 
 
 _SENTINEL = object()
@@ -59,12 +61,8 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 def _check_spec(name: str, spec: Any) -> None:
-    for leaf in jax.tree.leaves(spec, is_leaf=_is_none):
+    for leaf in jax.tree.leaves(spec, is_leaf=is_none):
         ok = leaf is None or callable(leaf)
         ok = ok or (isinstance(leaf, int) and not isinstance(leaf, bool))
         if not ok:
@@ -111,29 +109,14 @@ def _resolve(tree: Any, spec: Any, what: str) -> Any:
     what_tree = "arguments" if what == "in_axes" else "output"
     prefix, leaves, subtrees = _axes.split_by_prefix(what, spec, tree, what_tree, _NAME)
     paths = [
-        p for p, _ in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_none)[0]
+        p for p, _ in jax.tree_util.tree_flatten_with_path(spec, is_leaf=is_none)[0]
     ]
     resolved = [one(a, sub, p) for a, sub, p in zip(leaves, subtrees, paths)]
     return prefix.unflatten(resolved)
 
 
 def _mapped_mask(axes: Any) -> Any:
-    return jax.tree.map(lambda a: a is not None, axes, is_leaf=_is_none)
-
-
-def _move(tree: Any, axes: Any) -> Any:
-    """Move the leading (mapped) axis of each leaf of `tree` to its `axes` entry."""
-    flat_axes = [a for a in jax.tree.leaves(axes, is_leaf=_is_none) if a is not None]
-    leaves, treedef = jax.tree.flatten(tree)
-    moved = []
-    for x, a in zip(leaves, flat_axes):
-        if not -x.ndim <= a < x.ndim:
-            raise ValueError(
-                f"{_NAME} out_axes={a} is out of range for a mapped output of rank "
-                f"{x.ndim} (shape {x.shape}): valid axes are {-x.ndim}..{x.ndim - 1}."
-            )
-        moved.append(x if a % x.ndim == 0 else jnp.moveaxis(x, 0, a))
-    return treedef.unflatten(moved)
+    return jax.tree.map(lambda a: a is not None, axes, is_leaf=is_none)
 
 
 @overload
@@ -151,6 +134,7 @@ def filter_batch_vmap(
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
     progress: Any = False,
+    chunk_size: int | str | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -170,6 +154,7 @@ def filter_batch_vmap(
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
     progress: Any = False,
+    chunk_size: int | str | None = None,
 ) -> Callable[..., Any]: ...
 
 
@@ -189,6 +174,7 @@ def filter_batch_vmap(
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
     progress: Any = False,
+    chunk_size: int | str | None = None,
 ) -> Any:
     """`eqx.filter_vmap`, evaluated `batch_size` examples at a time.
 
@@ -216,6 +202,7 @@ def filter_batch_vmap(
       remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
       memory_limit: the budget for `batch_size="auto"`.
       progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size` (pass one of them).
 
     Returns:
       The vectorised function (or, without `fun`, a decorator).
@@ -256,27 +243,101 @@ def filter_batch_vmap(
     else:
         _check_spec("in_axes", tuple(in_axes.values()))
     _check_spec("out_axes", out_axes)
-    options = (
-        ("axis_name", axis_name),
-        ("axis_size", axis_size),
-        ("batch_size", batch_size),
-        ("reduction", reduction),
-        ("chunk_reduction", chunk_reduction),
-        ("shard", shard),
-        ("mesh", mesh),
-        ("remat", remat),
-        ("memory_limit", memory_limit),
-        ("progress", progress),
+    chunking = _Chunking(
+        axis_name,
+        axis_size,
+        batch_size=batch_size,
+        chunk_size=chunk_size,
+        reduction=reduction,
+        chunk_reduction=chunk_reduction,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        memory_limit=memory_limit,
+        progress=progress,
     )
-    batch_vmap(fun, **dict(options))  # validates the chunking options now
-    wrapper = _BatchVmapWrapper(fun, in_axes, out_axes, options)
-    return eqx.module_update_wrapper(wrapper)
+    wrapper = eqx.module_update_wrapper(
+        _BatchVmapWrapper(fun, in_axes, out_axes, chunking)
+    )
+    if chunking.auto is not None:
+        _memory.register(wrapper, chunking.auto)
+    return wrapper
+
+
+class _Chunking:
+    """The validated chunking options of one `filter_batch_vmap` (errors name it when
+    it is built), its `"auto"` state, and, through `_cache.memo`, its eager caches.
+    Hashed by identity: it is a static field of the wrapper Module."""
+
+    def __init__(self, axis_name: Any, axis_size: Any, **options: Any):
+        self.options = ChunkOptions.make(_NAME, **options)
+        self.axis_name = axis_name
+        self.axis_size = _axes.check_positive_int(
+            "axis_size", axis_size, allow_zero=True, transform=_NAME
+        )
+        if axis_name is not None and self.options.shard:
+            raise ValueError(
+                f"{_NAME} got axis_name={axis_name!r} with shard=True: collectives "
+                f"over {axis_name!r} would only see one device's chunk."
+            )
+        self.auto = self.options.new_auto()
+
+    def run(self, out_axes: Any, dyn_axes: Any) -> Callable[[tuple, dict], Any]:
+        """The chunked evaluation of `_inner` for one output spec and input layout
+        (through an eager cache kept while this object lives)."""
+        options = self.options
+        core = options
+        if options.reduction is not None:
+            chunk_reduction = options.chunk_reduction
+
+            def core_reduce(triple):
+                return chunk_reduction(_user_output(triple))
+
+            core = options.replace(chunk_reduction=core_reduce)
+        elif options.chunk_reduction is not identity:
+            core = options.replace(chunk_reduction=identity)  # applied after
+
+        # The cached call must not refer to `self`, the cache's weak key.
+        axis_name, axis_size, auto = self.axis_name, self.axis_size, self.auto
+
+        def call(args: tuple, kwargs: dict) -> Any:
+            return vmap_call(
+                ft.partial(_inner, out_axes=out_axes),
+                args,
+                kwargs,
+                (None, dyn_axes, None),
+                _core_out_axes,
+                axis_name,
+                axis_size,
+                core,
+                auto,
+            )
+
+        def build():
+            return call if options.shard else _cache.EagerCache(call)
+
+        key = (
+            jax.tree.structure(out_axes, is_leaf=is_none),
+            tuple(jax.tree.leaves(out_axes, is_leaf=is_none)),
+            jax.tree.structure(dyn_axes, is_leaf=is_none),
+            tuple(jax.tree.leaves(dyn_axes, is_leaf=is_none)),
+        )
+        return _cache.memo(self, key, build)
+
+
+def _core_out_axes(triple: Any) -> Any:
+    """The core's `out_axes` for `_inner`'s output: each mapped array at the axis its
+    `out_axes` entry resolved to (so no transpose is needed afterwards)."""
+    mapped, _, static = triple
+    _, axes = static.value
+    flat = [a for a in jax.tree.leaves(axes, is_leaf=is_none) if a is not None]
+    return (jax.tree.structure(mapped).unflatten(flat), None, None)
 
 
 def _user_output(triple: Any) -> Any:
     mapped, unmapped_arrays, static = triple
-    unmapped_static, axes = static.value
-    return eqx.combine(_move(mapped, axes), unmapped_arrays, unmapped_static)
+    unmapped_static, _ = static.value
+    return eqx.combine(mapped, unmapped_arrays, unmapped_static)
 
 
 def _inner(fun_parts: Any, dyn: Any, static: Any, out_axes: Any) -> Any:
@@ -295,47 +356,6 @@ def _inner(fun_parts: Any, dyn: Any, static: Any, out_axes: Any) -> Any:
     return mapped, unmapped_arrays, _Static((unmapped_static, out_ax))
 
 
-_BATCHED: dict[Any, Callable[..., Any]] = {}
-
-
-def _batched(options: tuple, out_axes: Any, dyn_axes: Any) -> Callable[..., Any]:
-    """One `batch_vmap` per (options, out_axes, axis layout), so that the
-    `batch_size="auto"` choice is cached across calls."""
-    opts = dict(options)
-    reduction, chunk_reduction = opts.pop("reduction"), opts.pop("chunk_reduction")
-    if reduction is None:
-        core_reduce = identity
-    else:
-
-        def core_reduce(triple):
-            return chunk_reduction(_user_output(triple))
-
-    def build():
-        return batch_vmap(
-            ft.partial(_inner, out_axes=out_axes),
-            in_axes=(None, dyn_axes, None),
-            out_axes=(0, None, None),
-            reduction=reduction,
-            chunk_reduction=core_reduce,
-            **opts,
-        )
-
-    try:
-        key = (
-            options,
-            jax.tree.structure(out_axes, is_leaf=_is_none),
-            tuple(jax.tree.leaves(out_axes, is_leaf=_is_none)),
-            jax.tree.structure(dyn_axes, is_leaf=_is_none),
-            tuple(jax.tree.leaves(dyn_axes, is_leaf=_is_none)),
-        )
-        hash(key)
-    except TypeError:  # an unhashable option: no caching
-        return build()
-    if key not in _BATCHED:
-        _BATCHED[key] = build()
-    return _BATCHED[key]
-
-
 class _BatchVmapWrapper(eqx.Module):
     """The function returned by `filter_batch_vmap`: a Module (like Equinox's own
     wrapper) so that a wrapped model's arrays stay leaves of the wrapper."""
@@ -343,7 +363,7 @@ class _BatchVmapWrapper(eqx.Module):
     _fun: Callable[..., Any]
     _in_axes: Any
     _out_axes: Any
-    _options: tuple = eqx.field(static=True)
+    _chunking: _Chunking = eqx.field(static=True)
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
@@ -355,16 +375,16 @@ class _BatchVmapWrapper(eqx.Module):
                 f"keyword arguments cannot be used with functions wrapped with "
                 f"{_NAME} (as with eqx.filter_vmap); got {sorted(kwargs)}."
             )
-        opts = dict(self._options)
+        chunking = self._chunking
         axes = _resolve(args, _named_in_axes(self._fun, self._in_axes, args), "in_axes")
         dynamic, static = eqx.partition(args, eqx.is_array)
         dyn_axes = jax.tree.map(
-            lambda a, x: a if eqx.is_array(x) else None, axes, args, is_leaf=_is_none
+            lambda a, x: a if eqx.is_array(x) else None, axes, args, is_leaf=is_none
         )
         fun_dyn, fun_static = eqx.partition(self._fun, eqx.is_array)
         fun = _Static(fun_static)
-        if opts["axis_size"] is None and not any(
-            a is not None for a in jax.tree.leaves(dyn_axes, is_leaf=_is_none)
+        if chunking.axis_size is None and not any(
+            a is not None for a in jax.tree.leaves(dyn_axes, is_leaf=is_none)
         ):
             # Nothing is mapped: call once, as eqx.filter_vmap does, and insist that no
             # output would need a batch axis.
@@ -376,12 +396,13 @@ class _BatchVmapWrapper(eqx.Module):
                     f"out_axes. Map an input or give axis_size."
                 )
             return _user_output(triple)
-        batched = _batched(self._options, self._out_axes, dyn_axes)
-        result = batched((fun, fun_dyn), dynamic, static)
-        if opts["reduction"] is not None:
+        run = chunking.run(self._out_axes, dyn_axes)
+        result = run(((fun, fun_dyn), dynamic, static), {})
+        options = chunking.options
+        if options.reduction is not None:
             return result
         out = _user_output(result)
-        chunk_reduction = opts["chunk_reduction"]
+        chunk_reduction = options.chunk_reduction
         return out if chunk_reduction is identity else chunk_reduction(out)
 
     def __get__(self, instance: Any, owner: Any) -> Any:

@@ -39,8 +39,8 @@ import jax
 import numpy as np
 
 from . import _axes
-from ._core import chunk_options, identity
-from ._stateful import evaluate as _evaluate
+from ._options import identity
+from ._stateful import StatefulMap
 
 
 _NAME = "chunkvmap.linen.batch_vmap"
@@ -188,9 +188,7 @@ def _lifted(
     out_axes: Any,
     axis_size: int | None,
     metadata_params: Mapping[Any, Any],
-    reduction: Callable[[Any, Any], Any] | None,
-    chunk_reduction: Callable[[Any], Any],
-    options: dict[str, Any],
+    options: StatefulMap,
 ) -> Callable[..., Any]:
     """A scope function `fn(scope, *args, **kwargs)` vectorised in chunks."""
     var_in, var_out = _check_variable_axes(variable_axes)
@@ -222,15 +220,12 @@ def _lifted(
             y = fn(scope, *args, **kw)
             return y, repack_fn(scope)
 
-        y, vars_out = _evaluate(
+        y, vars_out = options(
             per_example,
             (variable_groups, rng_groups, args, kw),
             (in_group_axes, rng_axes, in_axes, kw_axes),
             out_axes,
             out_group_axes,
-            reduction,
-            chunk_reduction,
-            options,
         )
         vars_out = tuple(
             g if a is None else meta.add_axis(g, a, params)
@@ -284,6 +279,7 @@ def batch_vmap(
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
     progress: Any = False,
+    chunk_size: int | str | None = None,
 ) -> Any:
     """`nn.vmap`, evaluated `batch_size` examples at a time.
 
@@ -351,6 +347,7 @@ def batch_vmap(
       memory_limit: the budget for `batch_size="auto"`, e.g. `"1GiB"`.
       progress: a host progress bar over the chunks (see `chunkvmap.batch_vmap`);
         False by default.
+      chunk_size: an alias of `batch_size` (pass one of them).
 
     Returns:
       The transformed Module class (named like `nn.vmap`'s, e.g. `VmapDense`) or
@@ -416,7 +413,9 @@ def batch_vmap(
             f"{{nn.PARTITION_NAME: 'batch'}}), but got metadata_params="
             f"{metadata_params!r} of type {type(metadata_params).__name__}."
         )
-    options = chunk_options(
+    options = StatefulMap(
+        _NAME,
+        chunk_size=chunk_size,
         reduction=reduction,
         chunk_reduction=chunk_reduction,
         axis_name=axis_name,
@@ -441,10 +440,8 @@ def batch_vmap(
         methods=methods,
         in_axes=in_axes,
         out_axes=out_axes,
-        axis_size=options["axis_size"],
+        axis_size=options.axis_size,
         metadata_params=metadata_params,
-        reduction=reduction,
-        chunk_reduction=chunk_reduction,
         options=options,
     )
 

@@ -37,8 +37,8 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 import jax
 import numpy as np
 
-from ._core import chunk_options, identity
-from ._stateful import evaluate as _evaluate
+from ._options import identity
+from ._stateful import StatefulMap
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -212,6 +212,7 @@ def batch_vmap(
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
     progress: Any = False,
+    chunk_size: int | str | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -231,6 +232,7 @@ def batch_vmap(
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
     progress: Any = False,
+    chunk_size: int | str | None = None,
 ) -> F: ...
 
 
@@ -250,6 +252,7 @@ def batch_vmap(
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
     progress: Any = False,
+    chunk_size: int | str | None = None,
 ) -> Any:
     """`nnx.vmap`, evaluated `batch_size` examples at a time.
 
@@ -302,6 +305,7 @@ def batch_vmap(
       memory_limit: the budget for `batch_size="auto"`, e.g. `"1GiB"`.
       progress: a host progress bar over the chunks (see `chunkvmap.batch_vmap`);
         False by default.
+      chunk_size: an alias of `batch_size` (pass one of them).
 
     Returns:
       The vectorised function (or, without `f`, a decorator).
@@ -355,6 +359,7 @@ def batch_vmap(
             remat=remat,
             memory_limit=memory_limit,
             progress=progress,
+            chunk_size=chunk_size,
         )
     if not callable(f):
         raise TypeError(
@@ -368,7 +373,9 @@ def batch_vmap(
         )
     in_axes = _check_spec("in_axes", in_axes)
     out_axes = _check_spec("out_axes", out_axes)
-    options = chunk_options(
+    options = StatefulMap(
+        _NAME,
+        chunk_size=chunk_size,
         reduction=reduction,
         chunk_reduction=chunk_reduction,
         axis_name=axis_name,
@@ -401,15 +408,8 @@ def batch_vmap(
     def batched(*args: Any, **kwargs: Any) -> Any:
         args = _resolve_kwargs(f, args, kwargs)
         pure_args = extract.to_tree(args, prefix=in_axes, split_fn=_split, ctxtag=_TAG)
-        pure_out, pure_args_out = _evaluate(
-            per_example,
-            pure_args,
-            jax_in_axes,
-            jax_out_axes,
-            jax_in_axes,
-            reduction,
-            chunk_reduction,
-            options,
+        pure_out, pure_args_out = options(
+            per_example, pure_args, jax_in_axes, jax_out_axes, jax_in_axes
         )
         pure_args_out = _fill_unchanged(pure_args_out, pure_args)
         _, out = extract.from_tree(

@@ -39,7 +39,8 @@ def test_numpy_integer_batch_size_is_accepted():
 
 def test_unknown_keyword_is_named():
     with pytest.raises(
-        TypeError, match=r"unexpected keyword argument\(s\) 'chunksize'"
+        TypeError,
+        match=r"batch_vmap\(\) got an unexpected keyword argument 'chunksize'",
     ):
         batch_vmap(jnp.sum, chunksize=2)
 

@@ -134,7 +134,10 @@ def test_errors():
         batch_jacfwd(jnp.sin, holomorphic=True)(jnp.ones(2))
     with pytest.raises(TypeError, match="has_aux must be a bool"):
         batch_jacfwd(jnp.sin, has_aux=None)
-    with pytest.raises(TypeError, match="fun must be callable"):
+    with pytest.raises(
+        TypeError,
+        match="batch_jacrev fun must be a callable, but got fun=3 of type int",
+    ):
         batch_jacrev(3)
     np.testing.assert_allclose(batch_jacrev(jnp.sin, -1)(0.5), np.cos(0.5), rtol=1e-6)
 

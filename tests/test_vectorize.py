@@ -468,7 +468,12 @@ def test_argument_not_an_array():
         ),
         (-3, ValueError, r"positive int or None, but got batch_size=-3"),
         (2.5, TypeError, r"positive int or None, but got batch_size=2.5 of type float"),
-        ("4", TypeError, r"positive int or None, but got batch_size='4' of type str"),
+        # batch_vectorize takes "auto" too, as every entry point does.
+        (
+            "4",
+            TypeError,
+            r"positive int, None, or 'auto', but got batch_size='4' of type str",
+        ),
         (
             True,
             TypeError,
@@ -510,7 +515,8 @@ def test_excluded_bare_string_and_bool():
 
 def test_pyfunc_not_callable():
     with pytest.raises(
-        TypeError, match="pyfunc must be callable, but got 3 of type int"
+        TypeError,
+        match="batch_vectorize pyfunc must be a callable, but got pyfunc=3 of type int",
     ):
         batch_vectorize(3)  # pyright: ignore[reportArgumentType]
 

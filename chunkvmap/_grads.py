@@ -1,14 +1,9 @@
-"""Derivatives in chunks: per-example gradients, clipped sums, Jacobians.
+"""Per-example gradients in chunks: `per_example_grads` and `clipped_grad_sum`.
 
-Everything here is a thin layer over `batch_vmap`:
-
-* `per_example_grads` is `batch_vmap(grad(fun))` with the batch arguments mapped;
-* `clipped_grad_sum` clips each example's gradient inside the chunk and folds the
-  chunks with a sum, so only `batch_size` gradients ever exist at once (DP-SGD);
-* `batch_jacfwd` / `batch_jacrev` linearise `fun` once (`jax.linearize` / `jax.vjp`)
-  and push (pull) the standard basis through the linear map `batch_size` columns (rows)
-  at a time, building each chunk's basis vectors from their indices, never the whole
-  identity matrix.
+Both are the `batch_vmap` pipeline (`_batch_vmap.vmap_call`) over the gradient of one
+example: `per_example_grads` stacks the gradients; `clipped_grad_sum` clips each
+example's gradient inside its chunk and folds the chunks with a sum, so only
+`batch_size` gradients ever exist at once (DP-SGD).
 
 Parameters may be any pytree: leaves that are not floating-point arrays (integer
 arrays, functions, strings, the static parts of an Equinox module) are not
@@ -17,7 +12,6 @@ differentiated and get `None` in the gradient, as with `equinox.filter_grad`.
 
 from __future__ import annotations
 
-import functools as ft
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,15 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _axes
-from ._core import _AUTO_STATES, batch_vmap, chunk_options
+from . import _axes, _cache
+from ._batch_vmap import vmap_call
+from ._options import ChunkOptions, check_bool, check_callable
 
 
 # --------------------------------------------------------------------------------------
 # Argument numbers.
 
 
-def _check_argnums(name: str, arg: str, argnums: Any) -> tuple[tuple[int, ...], bool]:
+def check_argnums(name: str, arg: str, argnums: Any) -> tuple[tuple[int, ...], bool]:
     """`argnums` as a tuple of ints, and whether it was a single int."""
     single = not isinstance(argnums, (tuple, list))
     values = (argnums,) if single else tuple(argnums)
@@ -49,7 +44,7 @@ def _check_argnums(name: str, arg: str, argnums: Any) -> tuple[tuple[int, ...], 
     return tuple(operator.index(v) for v in values), single
 
 
-def _resolve_argnums(name: str, arg: str, argnums: Sequence[int], nargs: int):
+def resolve_argnums(name: str, arg: str, argnums: Sequence[int], nargs: int):
     """Non-negative argument numbers, checked against the call's `nargs`."""
     resolved = []
     for a in argnums:
@@ -121,18 +116,37 @@ class _GradSetup:
     def __init__(
         self, name: str, fun: Any, argnums: Any, batch_argnums: Any, **options: Any
     ):
-        if not callable(fun):
-            raise TypeError(f"{name} fun must be callable, but got {fun!r}.")
+        check_callable(name, "fun", fun)
         self.name = name
-        self.argnums, self.single = _check_argnums(name, "argnums", argnums)
-        self.batch_argnums, _ = _check_argnums(name, "batch_argnums", batch_argnums)
-        self.options = chunk_options(**options)
+        self.argnums, self.single = check_argnums(name, "argnums", argnums)
+        self.batch_argnums, _ = check_argnums(name, "batch_argnums", batch_argnums)
+        self.options = ChunkOptions.make(name, **options)
+        self.auto = self.options.new_auto()
 
     def resolve(self, nargs: int) -> tuple[tuple[int, ...], tuple]:
         """The differentiated argument numbers and the `in_axes` of a call."""
-        diff = _resolve_argnums(self.name, "argnums", self.argnums, nargs)
-        mapped = _resolve_argnums(self.name, "batch_argnums", self.batch_argnums, nargs)
+        diff = resolve_argnums(self.name, "argnums", self.argnums, nargs)
+        mapped = resolve_argnums(self.name, "batch_argnums", self.batch_argnums, nargs)
         return diff, tuple(0 if i in mapped else None for i in range(nargs))
+
+    def map(self, fn: Callable[..., Any], args: tuple, kwargs: dict, in_axes: tuple):
+        """`fn(*args, kwargs)` (the keyword arguments as one unmapped last argument)
+        mapped over `in_axes` by the chunked pipeline."""
+        return vmap_call(
+            fn,
+            (*args, kwargs),
+            {},
+            (*in_axes, None),
+            0,
+            None,
+            None,
+            self.options,
+            self.auto,
+        )
+
+    def transform(self, call: _cache.Call, fun: Callable[..., Any]) -> Any:
+        cached = not self.options.shard  # sharded calls place their inputs first
+        return _cache.transform(call, wrapped=fun, auto=self.auto, cached=cached)
 
 
 def per_example_grads(
@@ -147,6 +161,7 @@ def per_example_grads(
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
     progress: Any = False,
+    chunk_size: int | str | None = None,
 ) -> Callable[..., Any]:
     """Per-example gradients, `batch_size` examples at a time.
 
@@ -180,6 +195,7 @@ def per_example_grads(
       remat: checkpoint each chunk (matters only when differentiating the result).
       memory_limit: the budget for `batch_size="auto"`.
       progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size` (pass one of them).
 
     Returns:
       A function of `fun`'s arguments returning the stacked per-example gradients
@@ -198,36 +214,27 @@ def per_example_grads(
              [16., 25.]], dtype=float32)
     """
     name = "per_example_grads"
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"{name} has_aux must be a bool, but got has_aux={has_aux!r}.")
+    check_bool(name, "has_aux", has_aux)
     setup = _GradSetup(
         name,
         fun,
         argnums,
         batch_argnums,
         batch_size=batch_size,
+        chunk_size=chunk_size,
         shard=shard,
         mesh=mesh,
         remat=remat,
         memory_limit=memory_limit,
         progress=progress,
     )
-    single, options = setup.single, setup.options
-    cache: dict[Any, Callable[..., Any]] = {}
 
-    @_wraps(fun)
-    def grads(*args: Any, **kwargs: Any) -> Any:
-        nargs = len(args)
-        diff, in_axes = setup.resolve(nargs)
+    def call(args: tuple, kwargs: dict) -> Any:
+        diff, in_axes = setup.resolve(len(args))
+        grad_fn = _filtered_grad(_kwargs_last(fun), diff, setup.single, has_aux)
+        return setup.map(grad_fn, args, kwargs, in_axes)
 
-        def build() -> Callable[..., Any]:
-            grad_fn = _filtered_grad(_kwargs_first(fun), _shift(diff), single, has_aux)
-            return batch_vmap(grad_fn, (None, *in_axes), **options)
-
-        run = _cached(cache, (nargs, diff, tuple(sorted(kwargs))), build, grads)
-        return run(kwargs, *args)
-
-    return grads
+    return setup.transform(call, fun)
 
 
 # --------------------------------------------------------------------------------------
@@ -289,6 +296,7 @@ def clipped_grad_sum(
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
     progress: Any = False,
+    chunk_size: int | str | None = None,
 ) -> Callable[..., Any]:
     """The sum of per-example gradients, each clipped to L2 norm `l2_clip_norm`.
 
@@ -322,6 +330,7 @@ def clipped_grad_sum(
       remat: checkpoint each chunk (matters only when differentiating the result).
       memory_limit: the budget for `batch_size="auto"`.
       progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size` (pass one of them).
 
     Returns:
       A function of `fun`'s arguments returning `(grad_sum, count)` — the clipped sum
@@ -347,34 +356,27 @@ def clipped_grad_sum(
     """
     name = "clipped_grad_sum"
     _check_clip_norm(name, l2_clip_norm)
-    if not isinstance(return_norms, bool):
-        raise TypeError(
-            f"{name} return_norms must be a bool, but got "
-            f"return_norms={return_norms!r}."
-        )
+    check_bool(name, "return_norms", return_norms)
     setup = _GradSetup(
         name,
         fun,
         argnums,
         batch_argnums,
         batch_size=batch_size,
+        chunk_size=chunk_size,
         shard=shard,
         mesh=mesh,
         remat=remat,
         memory_limit=memory_limit,
         progress=progress,
     )
-    single, options = setup.single, setup.options
-    cache: dict[Any, Callable[..., Any]] = {}
 
-    @_wraps(fun)
-    def clipped(*args: Any, **kwargs: Any) -> Any:
-        nargs = len(args)
-        diff, in_axes = setup.resolve(nargs)
+    def call(args: tuple, kwargs: dict) -> Any:
+        diff, in_axes = setup.resolve(len(args))
         size = _axes.mapped_size(
             *_mapped_leaves(name, args, in_axes), None, transform=name
         )
-        grad_fn = _filtered_grad(_kwargs_first(fun), _shift(diff), single, False)
+        grad_fn = _filtered_grad(_kwargs_last(fun), diff, setup.single, False)
         count = jnp.asarray(size, jnp.int32)
         if size == 0:  # the empty sum: zeros (a Poisson-sampled lot may be empty)
             total = _zero_grads(grad_fn, kwargs, args, in_axes)
@@ -382,39 +384,39 @@ def clipped_grad_sum(
                 return total, count, jnp.zeros(0, jnp.float32)
             return total, count
 
-        def build() -> Callable[..., Any]:
-            def example(kw: Any, *inputs: Any) -> Any:
-                *example_args, index = inputs
-                grads, norm = _clip(grad_fn(kw, *example_args), l2_clip_norm)
-                return grads, norm, index
+        def example(*inputs: Any) -> Any:
+            *example_args, index, kw = inputs
+            grads, norm = _clip(grad_fn(*example_args, kw), l2_clip_norm)
+            return grads, norm, index
 
-            def summarise(chunk: Any) -> Any:
-                grads, norms, index = chunk
-                total = jax.tree.map(lambda g: g.sum(0), grads)
-                if not return_norms:
-                    return total
-                # The chunk's norms at their examples' positions: an N-vector of
-                # scalars per chunk (O(N) work per chunk, negligible next to the
-                # chunk's B x params gradients unless N exceeds B x params).
-                return total, jnp.zeros(size, norms.dtype).at[index].set(norms)
+        def summarise(chunk: Any) -> Any:
+            grads, norms, index = chunk
+            total = jax.tree.map(lambda g: g.sum(0), grads)
+            if not return_norms:
+                return total
+            # The chunk's norms at their examples' positions: an N-vector of scalars
+            # per chunk (O(N) work per chunk, negligible next to the chunk's
+            # B x params gradients unless N exceeds B x params).
+            return total, jnp.zeros(size, norms.dtype).at[index].set(norms)
 
-            return batch_vmap(
-                example,
-                (None, *in_axes, 0),
-                reduction=jnp.add,
-                chunk_reduction=summarise,
-                **options,
-            )
-
-        key = (nargs, diff, tuple(sorted(kwargs)), size if return_norms else None)
-        run = _cached(cache, key, build, clipped)
-        out = run(kwargs, *args, jnp.arange(size, dtype=jnp.int32))
+        options = setup.options.replace(reduction=jnp.add, chunk_reduction=summarise)
+        out = vmap_call(
+            example,
+            (*args, jnp.arange(size, dtype=jnp.int32), kwargs),
+            {},
+            (*in_axes, 0, None),
+            0,
+            None,
+            None,
+            options,
+            setup.auto,
+        )
         if return_norms:
             total, norms = out
             return total, count, norms
         return out, count
 
-    return clipped
+    return setup.transform(call, fun)
 
 
 def _zero_grads(grad_fn: Callable[..., Any], kwargs: dict, args: tuple, in_axes):
@@ -425,7 +427,7 @@ def _zero_grads(grad_fn: Callable[..., Any], kwargs: dict, args: tuple, in_axes)
         full = list(args)
         for i, e in zip(mapped, examples):
             full[i] = e
-        return grad_fn(kwargs, *full)
+        return grad_fn(*full, kwargs)
 
     avals = [
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), args[i])
@@ -435,36 +437,16 @@ def _zero_grads(grad_fn: Callable[..., Any], kwargs: dict, args: tuple, in_axes)
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
-def _shift(argnums: tuple[int, ...]) -> tuple[int, ...]:
-    """Argument numbers of `_kwargs_first(fun)`: one further right."""
-    return tuple(i + 1 for i in argnums)
+def _kwargs_last(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """`fun` taking its keyword arguments as a dict after the positional ones, so that
+    they travel to every example as one unmapped argument (and `args[i]` in messages
+    is the user's argument `i`)."""
 
-
-def _kwargs_first(fun: Callable[..., Any]) -> Callable[..., Any]:
-    """`fun` taking its keyword arguments as a dict in front of the positional ones,
-    so that they travel to every example as one unmapped argument."""
-
-    def call(kwargs: dict[str, Any], *args: Any) -> Any:
-        return fun(*args, **kwargs)
+    def call(*args: Any) -> Any:
+        *positional, kwargs = args
+        return fun(*positional, **kwargs)
 
     return call
-
-
-def _cached(cache: dict, key: Any, build: Callable[[], Any], owner: Any) -> Any:
-    """The chunked function for `key`, built once, so that `batch_size="auto"`
-    measures once per argument shapes and `last_batch_size(owner)` sees its choice."""
-    if key not in cache:
-        cache[key] = build()
-    run = cache[key]
-    state = _AUTO_STATES.get(run)
-    if state is not None:
-        _AUTO_STATES[owner] = state
-    return run
-
-
-def _wraps(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
-    """`functools.wraps` without copying `fun.__dict__` (a Module's fields)."""
-    return ft.wraps(fun, updated=())
 
 
 def _mapped_leaves(
@@ -482,250 +464,3 @@ def _mapped_leaves(
                 )
             )
     return paths, leaves, axes
-
-
-# --------------------------------------------------------------------------------------
-# Jacobians in chunks of basis vectors.
-
-
-def _jac_setup(
-    name: str, argnums: Any, has_aux: Any, holomorphic: Any, batch_size: Any
-) -> tuple[tuple[int, ...], bool]:
-    argnums_t, single = _check_argnums(name, "argnums", argnums)
-    for arg, value in (("has_aux", has_aux), ("holomorphic", holomorphic)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} {arg} must be a bool, but got {arg}={value!r}.")
-    _axes.check_positive_int("batch_size", batch_size, transform=name)
-    return argnums_t, single
-
-
-def _dyn_args(name: str, argnums_t: tuple[int, ...], single: bool, args: tuple):
-    """The differentiated arguments (one, or a tuple) and a function of them."""
-    argnums = _resolve_argnums(name, "argnums", argnums_t, len(args))
-    dyn = args[argnums[0]] if single else tuple(args[i] for i in argnums)
-
-    def with_dyn(fun: Callable[..., Any], kwargs: dict[str, Any]):
-        def f(dyn_value: Any) -> Any:
-            new = list(args)
-            values = (dyn_value,) if single else dyn_value
-            for i, v in zip(argnums, values):
-                new[i] = v
-            return fun(*new, **kwargs)
-
-        return f
-
-    return dyn, with_dyn
-
-
-def _basis(leaves: Sequence[Any], index: jax.Array, dtypes: Sequence[Any]) -> list:
-    """The `index`-th standard basis vector of the flattened `leaves` (one example)."""
-    out, offset = [], 0
-    for x, dtype in zip(leaves, dtypes):
-        size = int(np.size(x))
-        hot = jnp.arange(size) == index - offset
-        out.append(hot.astype(dtype).reshape(np.shape(x)))
-        offset += size
-    return out
-
-
-def _split(column: jax.Array, axis: int, leaves: Sequence[Any], outer: tuple) -> list:
-    """Cut the basis axis of `column` into one block per leaf, shaped `outer + leaf`."""
-    blocks, offset = [], 0
-    for x in leaves:
-        size = int(np.size(x))
-        block = jax.lax.slice_in_dim(column, offset, offset + size, axis=axis)
-        blocks.append(block.reshape(*outer, *np.shape(x)))
-        offset += size
-    return blocks
-
-
-def _check_dtypes(name: str, what: str, leaves: Sequence[Any], holomorphic: bool):
-    for x in leaves:
-        dtype = jnp.result_type(x)
-        if holomorphic:
-            if not jnp.issubdtype(dtype, jnp.complexfloating):
-                raise TypeError(
-                    f"{name} with holomorphic=True requires complex-valued {what}s, "
-                    f"but got {dtype.name}."
-                )
-        elif not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"{name} requires real-valued {what}s (a floating dtype), but got "
-                f"{dtype.name}. For holomorphic differentiation pass holomorphic=True; "
-                f"for other complex or integer {what}s use jax.jvp / jax.vjp directly."
-            )
-
-
-def batch_jacfwd(
-    fun: Callable[..., Any],
-    argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
-    holomorphic: bool = False,
-    *,
-    batch_size: int | None = None,
-) -> Callable[..., Any]:
-    """`jax.jacfwd`, pushing `batch_size` basis vectors at a time.
-
-    Same results and pytree structure as `jax.jacfwd(fun, argnums, has_aux,
-    holomorphic)`: for each output leaf, a pytree like the differentiated argument(s)
-    whose leaves have shape `output.shape + input.shape`. `fun` is linearised once
-    (`jax.linearize`: one evaluation of `fun`), then the standard basis of the inputs is
-    pushed through the linear map in chunks of `batch_size` columns with
-    `chunkvmap.batch_vmap`; each chunk builds its own basis vectors from their indices,
-    so the `n x n` identity is never formed and the working memory is that of
-    `batch_size` tangents (plus the Jacobian itself). `batch_size=None` is one
-    `jax.vmap` over all columns, like `jax.jacfwd`.
-
-    Args:
-      fun: the function to differentiate; keyword arguments are passed through.
-      argnums: the positional argument(s) to differentiate (int or sequence of ints,
-        negative counts from the end).
-      has_aux: `fun` returns `(output, aux)`; `aux` is returned unchanged.
-      holomorphic: `fun` is holomorphic (complex inputs and outputs).
-      batch_size: basis columns per chunk, a positive int or None.
-
-    Returns:
-      A function with `fun`'s signature returning the Jacobian (and `aux`).
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> from chunkvmap import batch_jacfwd
-      >>> batch_jacfwd(lambda x: x ** 2, batch_size=2)(jnp.arange(3.0))
-      Array([[0., 0., 0.],
-             [0., 2., 0.],
-             [0., 0., 4.]], dtype=float32)
-    """
-    name = "batch_jacfwd"
-    if not callable(fun):
-        raise TypeError(f"{name} fun must be callable, but got {fun!r}.")
-    argnums_t, single = _jac_setup(name, argnums, has_aux, holomorphic, batch_size)
-
-    @ft.wraps(fun)
-    def jacobian(*args: Any, **kwargs: Any) -> Any:
-        dyn, with_dyn = _dyn_args(name, argnums_t, single, args)
-        in_leaves, in_tree = jax.tree.flatten(dyn)
-        _check_dtypes(name, "input", in_leaves, holomorphic)
-        lin = jax.linearize(with_dyn(fun, kwargs), dyn, has_aux=has_aux)
-        out, push = lin[0], lin[1]
-        dtypes = [jnp.result_type(x) for x in in_leaves]
-
-        def column(index: jax.Array) -> Any:
-            return push(in_tree.unflatten(_basis(in_leaves, index, dtypes)))
-
-        n = sum(int(np.size(x)) for x in in_leaves)
-        columns = batch_vmap(column, out_axes=-1, batch_size=batch_size)(
-            jnp.arange(n, dtype=jnp.int32)
-        )
-
-        def block(c: jax.Array, y: Any) -> Any:
-            if not jnp.issubdtype(jnp.result_type(y), jnp.inexact):
-                # An integer output has no tangent: zeros of its dtype, as jax.jacfwd.
-                return in_tree.unflatten(
-                    [
-                        jnp.zeros((*np.shape(y), *np.shape(x)), y.dtype)
-                        for x in in_leaves
-                    ]
-                )
-            return in_tree.unflatten(_split(c, -1, in_leaves, np.shape(y)))
-
-        jac = jax.tree.map(block, columns, out)
-        return (jac, lin[2]) if has_aux else jac
-
-    return jacobian
-
-
-def batch_jacrev(
-    fun: Callable[..., Any],
-    argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
-    holomorphic: bool = False,
-    allow_int: bool = False,
-    *,
-    batch_size: int | None = None,
-) -> Callable[..., Any]:
-    """`jax.jacrev`, pulling back `batch_size` basis vectors at a time.
-
-    Same results and pytree structure as `jax.jacrev(fun, argnums, has_aux,
-    holomorphic, allow_int)`. `fun` is evaluated once under `jax.vjp`, then the
-    standard basis of the outputs is pulled back through the VJP in chunks of
-    `batch_size` rows with `chunkvmap.batch_vmap`, each chunk building its own
-    cotangents from their indices (the identity is never formed).
-
-    Args:
-      fun: the function to differentiate; keyword arguments are passed through.
-      argnums: the positional argument(s) to differentiate (int or sequence of ints,
-        negative counts from the end).
-      has_aux: `fun` returns `(output, aux)`; `aux` is returned unchanged.
-      holomorphic: `fun` is holomorphic (complex inputs and outputs).
-      allow_int: allow integer inputs; their Jacobian blocks are zeros of their
-        dtype, as in `jax.jacrev`.
-      batch_size: basis rows per chunk, a positive int or None.
-
-    Returns:
-      A function with `fun`'s signature returning the Jacobian (and `aux`).
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> from chunkvmap import batch_jacrev
-      >>> batch_jacrev(lambda x: jnp.cumsum(x), batch_size=2)(jnp.ones(3))
-      Array([[1., 0., 0.],
-             [1., 1., 0.],
-             [1., 1., 1.]], dtype=float32)
-    """
-    name = "batch_jacrev"
-    if not callable(fun):
-        raise TypeError(f"{name} fun must be callable, but got {fun!r}.")
-    argnums_t, single = _jac_setup(name, argnums, has_aux, holomorphic, batch_size)
-    if not isinstance(allow_int, bool):
-        raise TypeError(
-            f"{name} allow_int must be a bool, but got allow_int={allow_int!r}."
-        )
-
-    @ft.wraps(fun)
-    def jacobian(*args: Any, **kwargs: Any) -> Any:
-        dyn, with_dyn = _dyn_args(name, argnums_t, single, args)
-        in_leaves, in_tree = jax.tree.flatten(dyn)
-        ints = [
-            allow_int and jnp.issubdtype(jnp.result_type(x), jnp.integer)
-            for x in in_leaves
-        ]
-        _check_dtypes(
-            name, "input", [x for x, i in zip(in_leaves, ints) if not i], holomorphic
-        )
-        # Differentiate the floating leaves only; integer ones are held fixed.
-        diff = [x for x, i in zip(in_leaves, ints) if not i]
-
-        def f(diff_leaves: list[Any]) -> Any:
-            it = iter(diff_leaves)
-            full = [x if i else next(it) for x, i in zip(in_leaves, ints)]
-            return with_dyn(fun, kwargs)(in_tree.unflatten(full))
-
-        res = jax.vjp(f, diff, has_aux=has_aux)
-        out, pull = res[0], res[1]
-        out_leaves, out_tree = jax.tree.flatten(out)
-        _check_dtypes(name, "output", out_leaves, holomorphic)
-        dtypes = [jnp.result_type(y) for y in out_leaves]
-
-        def row(index: jax.Array) -> Any:
-            (cotangent,) = pull(out_tree.unflatten(_basis(out_leaves, index, dtypes)))
-            return cotangent
-
-        m = sum(int(np.size(y)) for y in out_leaves)
-        rows = batch_vmap(row, batch_size=batch_size)(jnp.arange(m, dtype=jnp.int32))
-        per_output = []
-        for k, y in enumerate(out_leaves):
-            lo = sum(int(np.size(z)) for z in out_leaves[:k])
-            it = iter(rows)
-            blocks = []
-            for x, i in zip(in_leaves, ints):
-                shape = (*np.shape(y), *np.shape(x))
-                if i:
-                    blocks.append(jnp.zeros(shape, jnp.result_type(x)))
-                    continue
-                block = jax.lax.slice_in_dim(next(it), lo, lo + int(np.size(y)))
-                blocks.append(block.reshape(shape))
-            per_output.append(in_tree.unflatten(blocks))
-        jac = out_tree.unflatten(per_output)
-        return (jac, res[2]) if has_aux else jac
-
-    return jacobian

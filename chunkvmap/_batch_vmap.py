@@ -1,0 +1,392 @@
+"""`batch_vmap`: the `jax.vmap` front end of the chunked pipeline.
+
+`batch_vmap` validates its options once (`_options`), and each call flattens the
+arguments to leaves with one canonical mapped axis each (`_axes`), traces the user's
+function once to learn its outputs, describes one chunk of it as a `_loop.Body`, and
+hands that to `_chunked.evaluate`. `vmap_call` is that pipeline for one call; the
+gradient, Jacobian, vectorize and adapter front ends reuse it with their own options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+from . import _axes, _cache, _chunked, _loop, _memory
+from ._options import ChunkOptions, check_callable, identity
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def batch_vmap(
+    f: F,
+    /,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    axis_name: Any = None,
+    axis_size: int | None = None,
+    *,
+    batch_size: int | str | None = None,
+    reduction: Callable[[Any, Any], Any] | None = None,
+    chunk_reduction: Callable[[Any], Any] = identity,
+    shard: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
+    progress: Any = False,
+    chunk_size: int | str | None = None,
+) -> F:
+    """Vectorise `f` like `jax.vmap`, evaluating the examples `batch_size` at a time.
+
+    `batch_vmap(f, in_axes, out_axes, batch_size=B)(*args)` gives the same result as
+    `jax.vmap(f, in_axes, out_axes)(*args)`, but maps `jax.vmap(f)` over chunks of `B`
+    examples inside a `lax.scan`, so the working memory of `f` scales with `B`, not with
+    the number of examples `N`. The result is exact for every `N`; when `B >= N` (or
+    `B` is None) it is a single `jax.vmap` call. As pseudo-code::
+
+        vf = jax.vmap(f, in_axes, out_axes)
+        chunks = [vf(*args[i:i + B]) for i in range(0, N, B)]
+        out = concatenate(chunks, axis=out_axes)
+
+    When `B` does not divide `N`, the last chunk is the window of the last `B` examples
+    (it overlaps the previous chunk, and its first `B - N % B` results are discarded):
+    `f` appears once in the compiled program and is traced once per call, and no padded
+    example is ever evaluated. The cost is at most `B - 1` recomputed examples. The
+    chunks are written straight into the output (no concatenation), and the inputs are
+    sliced in place along their own mapped axes (no transpose, no copy).
+
+    With `reduction`, the chunk outputs are folded instead of stacked, so nothing of
+    size `N` is ever built: each chunk's output pytree `y` is summarised by
+    `chunk_reduction(y)`, which must remove the mapped axis (e.g. `lambda y: y.sum(0)`),
+    and the summaries are combined in order, leaf by leaf, with the associative
+    `reduction` (e.g. `jnp.add`, `jnp.maximum`, `jnp.matmul`): the result is
+    `chunk_reduction(jax.vmap(f)(*args))` for reductions compatible with it. No identity
+    element is assumed. `chunk_reduction` receives each chunk's outputs exactly as
+    `jax.vmap` returns them for that chunk, so outputs with `out_axes=None` appear once
+    per chunk: summarise only the mapped ones, or the result depends on `B`. Without
+    `reduction`, `chunk_reduction` is applied once to the full output.
+
+    Compared with `jax.lax.map(f, xs, batch_size=B)`: any `in_axes`/`out_axes` (not just
+    axis 0 of every argument), keyword arguments, reductions that never materialise the
+    `N` outputs, one trace of `f` instead of two, and no copy of the inputs or of the
+    output for the remainder. Compared with `optax.microbatching.micro_vmap`: `N` need
+    not be divisible by `B`, and any associative reduction is allowed.
+
+    Reverse mode stays bounded too: with `remat=True` (the default) each chunk is
+    checkpointed, so `jax.grad` through `batch_vmap` saves one index per chunk instead
+    of every chunk's activations, and recomputes a chunk's forward pass during the
+    backward pass (about one extra forward evaluation in total). `remat=False` keeps the
+    residuals instead: faster, with memory growing with `N`. Where to put `grad`:
+    `batch_vmap(jax.grad(loss))` (per-example gradients, chunked) needs no remat at all
+    and is usually the better shape; `jax.grad(lambda p: batch_vmap(...)(p, x).sum())`
+    is the one that relies on remat.
+
+    Called eagerly (no argument is a tracer), the returned function compiles the
+    chunked program once per argument structure, array types and values of non-array
+    arguments, as `jax.jit` would, and reuses it on later calls (so `f` is traced on
+    the first call only); under an outer `jax.jit` the caller's cache does that.
+
+    `batch_size="auto"` picks the largest chunk whose temporary memory, by XLA's
+    compiled estimate for the actual argument shapes, fits `memory_limit`. It compiles
+    a few probe programs on the first call for each set of shapes and caches the
+    choice; `chunkvmap.last_batch_size(fn)` shows it, and the `chunkvmap` logger
+    reports it at INFO level. The budget covers the evaluation as called: under
+    `jax.grad` the backward pass adds its own working set, and under an outer
+    `jax.vmap` the choice is made for one outer example.
+
+    Args:
+      f: the function to vectorise; it receives single examples, as with `jax.vmap`.
+      in_axes: an int, None, or a tuple with one entry per positional argument of the
+        returned function, each a pytree prefix of that argument whose leaves are ints
+        (the mapped axis, negative counts from the end) or None (not mapped). Keyword
+        arguments are always mapped over their leading axis.
+      out_axes: an int, None, or a pytree prefix of `f`'s output: where the mapped axis
+        goes in each output (None: the output does not depend on the mapped axis).
+      axis_name: a name for the mapped axis, for collectives inside `f`. Collectives
+        would only see one chunk, so it is an error when the evaluation is chunked.
+      axis_size: the mapped length, needed when no argument is mapped.
+      batch_size: examples per chunk: a positive int, None for one `jax.vmap` call, or
+        `"auto"` to choose it from `memory_limit`. `chunk_size` is accepted as an
+        alias.
+      reduction: None (stack the outputs, as `jax.vmap` does), or an associative binary
+        function folding two chunk summaries into one, applied to each leaf of the
+        summaries (`jax.tree.map(reduction, a, b)`).
+      chunk_reduction: summarises one chunk's output along the mapped axis (with
+        `reduction`), or post-processes the whole output (without it).
+      shard: spread the examples over the devices of `mesh` first: the divisible
+        prefix (N - N % D for D devices) is split evenly, each device runs its own
+        chunks of `batch_size` (and its own remainder window), and the global
+        remainder (N % D examples) is evaluated once, by one device. Stacked outputs
+        stay sharded along the mapped axis when D divides N, and come back replicated
+        otherwise; reductions fold the per-device results in device order. Runs
+        multi-host under `jax.distributed` unchanged.
+      mesh: a one-dimensional `jax.sharding.Mesh` whose axis has type
+        `AxisType.Auto`, used with `shard=True`. None means the ambient mesh of
+        `jax.set_mesh` if it is such a mesh, else one mesh over all devices (built
+        once). Concrete inputs committed to other devices are moved onto the mesh;
+        inputs typed with an `Explicit` sharding are an error.
+      remat: checkpoint each chunk for reverse mode: True (the default; save nothing,
+        recompute the chunk), False (save every chunk's residuals), or a
+        `jax.checkpoint` policy such as `jax.checkpoint_policies.dots_saveable`.
+      memory_limit: the budget of temporary memory for `batch_size="auto"`: bytes, or
+        a string such as `"2GiB"` or `"512MB"`. None means half of the device's
+        memory where the backend reports it (it is required on CPU).
+      progress: show a host-side progress bar over the chunks: False (the default),
+        True (a `tqdm` bar when tqdm is installed, else a line on stderr), a
+        callable `progress(done, total)` called after each chunk, or a tqdm-like
+        object whose `update(1)` is called after each chunk (its `total` is set when
+        it has none). It works under `jax.jit` (one `jax.debug.callback` per chunk,
+        no other synchronisation) and with `shard=True`, where only the device at
+        mesh index 0 reports its own chunks. Results are unchanged. The callback
+        runs with the forward pass: recomputing it (an outer `jax.checkpoint`,
+        `nn.remat`, `nnx.remat`) reports the chunks again; chunkvmap's own `remat`
+        does not.
+      chunk_size: an alias of `batch_size` (pass one of them).
+
+    Returns:
+      A function with the signature of `f`, vectorised over the mapped axes.
+
+    Raises:
+      TypeError: for a non-callable `f`, `reduction` or `chunk_reduction`, a
+        non-integer `batch_size`, or a malformed `in_axes`/`out_axes`.
+      ValueError: for `shard=True` with `batch_size="auto"` or `axis_name`, or (when
+        the returned function is called) for mapped arguments of
+        different sizes, axes out of range, specs that do not match the arguments, a
+        `chunk_reduction` that keeps the mapped axis, a reduction over zero examples,
+        or a `memory_limit` too small for one example.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from chunkvmap import batch_vmap
+      >>> x = jnp.arange(10.0).reshape(5, 2)
+      >>> batch_vmap(jnp.sum, batch_size=2)(x)
+      Array([ 1.,  5.,  9., 13., 17.], dtype=float32)
+      >>> batch_vmap(jnp.dot, in_axes=(0, None), batch_size=3)(x, jnp.ones(2))
+      Array([ 1.,  5.,  9., 13., 17.], dtype=float32)
+      >>> batch_vmap(jnp.sum, batch_size=2, reduction=jnp.add,
+      ...            chunk_reduction=lambda y: y.sum(0))(x)
+      Array(45., dtype=float32)
+      >>> batch_vmap(jnp.sum, batch_size=2, reduction=jnp.maximum,
+      ...            chunk_reduction=lambda y: y.max(0))(x)
+      Array(17., dtype=float32)
+    """
+    options = ChunkOptions.make(
+        "batch_vmap",
+        batch_size=batch_size,
+        chunk_size=chunk_size,
+        reduction=reduction,
+        chunk_reduction=chunk_reduction,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        memory_limit=memory_limit,
+        progress=progress,
+    )
+    return vmap_transform(f, in_axes, out_axes, axis_name, axis_size, options)
+
+
+def vmap_transform(
+    f: Callable[..., Any],
+    in_axes: Any,
+    out_axes: Any,
+    axis_name: Any,
+    axis_size: Any,
+    options: ChunkOptions,
+    *,
+    wrapped: Callable[..., Any] | None = None,
+) -> Any:
+    """The function `batch_vmap` returns, for validated `options` (errors name
+    `options.name`); `wrapped` gives it its name and docstring (default `f`)."""
+    name = options.name
+    check_callable(name, "f", f)
+    in_axes = _axes.check_axes_spec(
+        "in_axes", in_axes, top_level_tuple=True, transform=name
+    )
+    out_axes = _axes.check_axes_spec(
+        "out_axes", out_axes, top_level_tuple=False, transform=name
+    )
+    axis_size = _axes.check_positive_int(
+        "axis_size", axis_size, allow_zero=True, transform=name
+    )
+    if axis_name is not None and options.shard:
+        raise ValueError(
+            f"{name} got axis_name={axis_name!r} with shard=True: collectives "
+            f"over {axis_name!r} inside f would only see one device's chunk."
+        )
+    auto = options.new_auto()
+
+    def call(args: tuple, kwargs: dict) -> Any:
+        return vmap_call(
+            f, args, kwargs, in_axes, out_axes, axis_name, axis_size, options, auto
+        )
+
+    # Sharded calls place their inputs on the mesh first, so they are not cached; a
+    # plain vmap (nothing to chunk, fold or report) runs eagerly, as jax.vmap does.
+    cached = not (options.shard or options.plain)
+    return _cache.transform(call, wrapped=wrapped or f, auto=auto, cached=cached)
+
+
+def vmap_call(
+    f: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    in_axes: Any,
+    out_axes: Any,
+    axis_name: Any,
+    axis_size: int | None,
+    options: ChunkOptions,
+    auto: _memory.AutoBatch | None,
+) -> Any:
+    """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by `options`.
+
+    `in_axes` and `out_axes` are checked specs (`out_axes` may also be a function of
+    the output's abstract pytree returning the spec, for adapters whose output axes
+    depend on the output); keyword arguments are mapped over their leading axis.
+    """
+    name = options.name
+    leaves, paths, axes, treedef = _flatten_inputs(name, in_axes, args, kwargs)
+    size = _axes.mapped_size(paths, leaves, axes, axis_size, transform=name)
+    if options.plain and not callable(out_axes):
+        out = jax.vmap(f, in_axes, out_axes, axis_name=axis_name, axis_size=axis_size)(
+            *args, **kwargs
+        )
+        return (
+            out if options.chunk_reduction is identity else options.chunk_reduction(out)
+        )
+    # Array leaves (and every mapped leaf) become arguments of one jitted function;
+    # everything else (Python scalars, strings, objects with in_axes=None) is closed
+    # over unchanged, exactly as jax.vmap hands it to f.
+    dyn = [
+        i
+        for i, (x, a) in enumerate(zip(leaves, axes))
+        if a is not None or isinstance(x, jax.Array)
+    ]
+    body = _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options)
+    key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
+    key += (_static_key(leaves, dyn),)
+    inputs = _chunked.Inputs(leaves, paths, dyn, size, key)
+    return _chunked.evaluate(body, inputs, options, auto, axis_name)
+
+
+def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options):
+    """`f` traced once (under `jax.jit`, so every later use reuses the trace), and
+    one chunk of `jax.vmap(f)` described as a `_loop.Body`."""
+    name = options.name
+    out_box: list[Any] = []
+
+    def f_flat(*dyn_leaves):
+        full = list(leaves)
+        for i, x in zip(dyn, dyn_leaves):
+            full[i] = x
+        f_args, f_kwargs = jax.tree.unflatten(treedef, full)
+        out_leaves, out_tree = jax.tree.flatten(f(*f_args, **f_kwargs))
+        out_box[:] = [out_tree]
+        return out_leaves
+
+    f_flat = jax.jit(f_flat)
+    dyn_axes = tuple(axes[i] for i in dyn)
+    no_mapped_arg = all(a is None for a in dyn_axes)
+    # Abstract evaluation under vmap (so collectives over axis_name resolve): it learns
+    # the output structure and fills JAX's trace cache for the real evaluation.
+    mapped_avals = jax.eval_shape(
+        jax.vmap(
+            f_flat,
+            in_axes=dyn_axes,
+            out_axes=0,
+            axis_name=axis_name,
+            axis_size=size if no_mapped_arg else None,
+        ),
+        *[leaves[i] for i in dyn],
+    )
+    out_avals = [_loop.drop_leading(a) for a in mapped_avals]
+    (out_tree,) = out_box
+    out_axes_flat = _flat_out_axes(name, out_axes, out_tree, out_avals)
+
+    def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
+        vf = jax.vmap(
+            f_flat,
+            in_axes=dyn_axes,
+            out_axes=list(out_axes_flat),
+            axis_name=axis_name,
+            axis_size=length if no_mapped_arg else None,
+        )
+        return vf(*[chunk_leaves[i] for i in dyn])
+
+    return _loop.Body(
+        name,
+        chunk_fn,
+        axes,
+        out_tree,
+        out_avals,
+        out_axes_flat,
+        options.reduction,
+        options.chunk_reduction,
+        options.remat,
+    )
+
+
+def _flat_out_axes(name: str, out_axes: Any, out_tree: Any, out_avals: list) -> list:
+    """One canonical output axis per output leaf, from the `out_axes` prefix."""
+    out = out_tree.unflatten(out_avals)
+    if callable(out_axes):
+        out_axes = out_axes(out)
+    paths = [
+        "out" + jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(out)[0]
+    ]
+    spec = _axes.broadcast_axes(
+        "out_axes", out_axes, out, "function's output", transform=name
+    )
+    return [
+        _axes.canonical_out_axis(a, len(aval.shape), p, transform=name)
+        for a, aval, p in zip(spec, out_avals, paths)
+    ]
+
+
+def _flatten_inputs(name: str, in_axes: Any, args: tuple, kwargs: dict) -> tuple:
+    """Flatten `(args, kwargs)` to leaves, key paths and canonical per-leaf axes."""
+    if isinstance(in_axes, tuple) and len(in_axes) != len(args):
+        raise ValueError(
+            f"{name} in_axes must have one entry per positional argument, but "
+            f"in_axes={in_axes!r} has {len(in_axes)} entries and the function was "
+            f"called with {len(args)} positional argument(s)."
+        )
+    arg_axes = _axes.broadcast_axes(
+        "in_axes", in_axes, args, "positional arguments", transform=name
+    )
+    kw_axes = [0] * len(jax.tree.leaves(kwargs))
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    paths = []
+    for path, _ in path_leaves:
+        head, rest = path[0], path[1:]
+        root = "args" if head.idx == 0 else "kwargs"  # pyright: ignore
+        paths.append(root + jax.tree_util.keystr(rest))
+    leaves = [leaf for _, leaf in path_leaves]
+    axes = [
+        _axes.canonical_in_axis(a, x, p, transform=name)
+        for a, x, p in zip(arg_axes + kw_axes, leaves, paths)
+    ]
+    leaves = [
+        x if a is None or isinstance(x, jax.Array) else jnp.asarray(x)
+        for x, a in zip(leaves, axes)
+    ]
+    return leaves, paths, axes, treedef
+
+
+def _static_key(leaves: list[Any], dyn: list[int]) -> tuple[Any, ...]:
+    """A key for the non-array arguments (their value when hashable)."""
+    dynamic = set(dyn)
+    key = []
+    for i, x in enumerate(leaves):
+        if i in dynamic:
+            continue
+        try:
+            hash(x)
+            key.append((type(x), x))
+        except TypeError:
+            key.append((type(x), id(x)))
+    return tuple(key)

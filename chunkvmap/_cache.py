@@ -1,0 +1,142 @@
+"""One eager cache for every entry point: compile once per argument structure.
+
+Called eagerly (no argument is a tracer), a chunkvmap transform runs through one
+`jax.jit` per call structure, kept in a small LRU, so a second call with arguments of
+the same structure, types and static values reuses the compiled program instead of
+tracing the user's function and compiling the chunked loop again. Under an outer
+`jax.jit` the caller's cache does that, and the call goes straight through.
+
+Caches that outlive one transform (`batch_map`'s, keyed by the user's `fun`; the
+adapters', keyed by their options) hold their keys weakly (`memo`), so they never keep
+a user's function alive and disappear with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools as ft
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _memory
+
+
+MAX_ENTRIES = 32
+
+# A call: (positional arguments, keyword arguments) -> result.
+Call = Callable[[tuple, dict], Any]
+
+
+class _LRU(collections.OrderedDict):
+    """A bounded mapping that forgets its least recently used entry."""
+
+    def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = build()
+        self[key] = value
+        if len(self) > MAX_ENTRIES:
+            self.popitem(last=False)
+        return value
+
+
+class EagerCache:
+    """`call(args, kwargs)` through one cached `jax.jit` per call structure.
+
+    The key is the pytree structure of `(args, kwargs)` and the values of its non-array
+    leaves (hashable Python values, which become constants of the program, as static
+    arguments of `jax.jit` do); the array leaves are the jitted function's arguments,
+    so `jax.jit` keys them by type and sharding. A call with a tracer, an unhashable
+    non-array leaf, or (unless `numpy_arrays`) a NumPy array is evaluated directly.
+    `numpy_arrays=True` is for entry points that convert NumPy inputs to JAX arrays
+    anyway (so they can be arguments of the compiled program).
+    """
+
+    def __init__(self, call: Call, *, numpy_arrays: bool = False):
+        self.call = call
+        self.arrays = (jax.Array, np.ndarray) if numpy_arrays else (jax.Array,)
+        self.entries = _LRU()
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        flat, treedef = jax.tree.flatten((args, kwargs))
+        dyn, static = [], []
+        for i, x in enumerate(flat):
+            if isinstance(x, jax.core.Tracer):
+                return self.call(args, kwargs)
+            if isinstance(x, self.arrays):
+                dyn.append(i)
+                continue
+            if isinstance(x, np.ndarray):
+                return self.call(args, kwargs)
+            try:
+                hash(x)
+            except TypeError:
+                return self.call(args, kwargs)
+            static.append((i, type(x), x))
+        key = (treedef, tuple(static))
+        run = self.entries.get_or_build(key, lambda: self._compile(treedef, flat, dyn))
+        return run(*[flat[i] for i in dyn])
+
+    def _compile(self, treedef: Any, flat: list, dyn: list[int]) -> Callable:
+        template = list(flat)
+        for i in dyn:
+            template[i] = None  # the arrays of this call are not kept alive
+
+        @jax.jit
+        def run(*values: Any) -> Any:
+            full = list(template)
+            for i, v in zip(dyn, values):
+                full[i] = v
+            args, kwargs = jax.tree.unflatten(treedef, full)
+            return self.call(args, kwargs)
+
+        return run
+
+
+_MEMO: weakref.WeakKeyDictionary[Any, _LRU] = weakref.WeakKeyDictionary()
+
+
+def memo(owner: Any, key: Hashable, build: Callable[[], Any]) -> Any:
+    """`build()`, remembered for `(owner, key)` while `owner` lives (at most
+    `MAX_ENTRIES` keys per owner). An owner that cannot be weakly referenced, or an
+    unhashable key, is not remembered."""
+    try:
+        hash(key)
+        entries = _MEMO.get(owner)
+        if entries is None:
+            entries = _MEMO[owner] = _LRU()
+    except TypeError:
+        return build()
+    return entries.get_or_build(key, build)
+
+
+def wraps(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
+    """`functools.wraps` without copying `fun.__dict__` (an Equinox Module's fields)."""
+    return ft.wraps(fun, updated=())
+
+
+def transform(
+    call: Call,
+    *,
+    wrapped: Callable[..., Any],
+    auto: Any = None,
+    cached: bool = True,
+    numpy_arrays: bool = False,
+) -> Callable[..., Any]:
+    """The public function of a transform: `call` through an `EagerCache` (when
+    `cached`), with `wrapped`'s name and docstring, registered for `last_batch_size`
+    when it has an `"auto"` state."""
+    run = EagerCache(call, numpy_arrays=numpy_arrays) if cached else call
+
+    @wraps(wrapped)
+    def transformed(*args: Any, **kwargs: Any) -> Any:
+        return run(args, kwargs)
+
+    if auto is not None:
+        _memory.register(transformed, auto)
+    return transformed

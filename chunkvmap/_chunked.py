@@ -1,0 +1,104 @@
+"""Chunked evaluation: run one traced `Body` over the inputs, choosing how.
+
+A front end has traced the user's function once and described a chunk of it as a
+`_loop.Body`; here the evaluation is chosen: one vmap (the chunk is everything), stacked
+or folded chunks (`_loop`), per-device chunks (`_sharding`), after a `batch_size="auto"`
+search (`_memory`) when asked. Progress hooks are attached here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from . import _loop, _memory, _progress, _sharding
+from ._options import ChunkOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The flat inputs of one call: `leaves` (mapped along the body's axes), their key
+    paths as the user wrote them (`paths`), which leaves are arrays to trace (`dyn`,
+    every mapped leaf among them), the mapped length `size`, and a hashable `key` of
+    the call's types (for the `"auto"` choice)."""
+
+    leaves: list[Any]
+    paths: Sequence[str]
+    dyn: Sequence[int]
+    size: int
+    key: Any
+
+
+def zero_examples(name: str) -> ValueError:
+    return ValueError(
+        f"{name} cannot reduce over zero examples: the mapped axis has size 0 and the "
+        f"reduction has no identity element to return. Check for empty inputs before "
+        f"calling, or drop reduction."
+    )
+
+
+def evaluate(
+    body: _loop.Body,
+    inputs: Inputs,
+    options: ChunkOptions,
+    auto: _memory.AutoBatch | None,
+    axis_name: Any = None,
+) -> Any:
+    """The user's output (stacked, or the folded summary) of `body` over `inputs`."""
+    name = options.name
+    if body.reduction is not None and inputs.size == 0:
+        raise zero_examples(name)
+    if options.shard and inputs.size:
+        result = _sharding.evaluate(body, inputs, options)
+    else:
+        plan = choose_plan(body, inputs, options, auto)
+        if axis_name is not None and not plan.single:
+            raise ValueError(
+                f"{name} got axis_name={axis_name!r} with {options.batch_arg}="
+                f"{plan.batch} < {inputs.size} examples: collectives over "
+                f"{axis_name!r} inside f would only see one chunk of "
+                f"examples. Use {options.batch_arg}=None (or >= {inputs.size}) with "
+                f"axis_name."
+            )
+        report = _progress.hook(options.reporter, plan.num_chunks)
+        result = body.run(inputs.leaves, plan, report)
+    return result if body.reduction is not None else body.finish(result)
+
+
+def choose_plan(
+    body: _loop.Body,
+    inputs: Inputs,
+    options: ChunkOptions,
+    auto: _memory.AutoBatch | None,
+) -> _loop.Plan:
+    """The plan for the options' batch size, searching it first when it is "auto"."""
+    batch_size = options.batch_size
+    if auto is not None:
+        batch_size = auto.choose(inputs.key, _measure(body, inputs), inputs.size)
+    return _loop.make_plan(inputs.size, batch_size)
+
+
+def _measure(body: _loop.Body, inputs: Inputs):
+    """`B -> compiled temp bytes` of the chunked program, on abstract inputs."""
+    abstract = []
+    for i in inputs.dyn:
+        aval = jax.typeof(inputs.leaves[i])
+        abstract.append(
+            jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+        )
+
+    def measure(batch: int) -> int:
+        plan = _loop.make_plan(inputs.size, batch)
+
+        def program(*values):
+            full = list(inputs.leaves)
+            for i, v in zip(inputs.dyn, values):
+                full[i] = v
+            return body.run(full, plan)
+
+        return _memory.temp_bytes(body.name, program, abstract)
+
+    return measure

@@ -1,0 +1,335 @@
+"""Jacobians in chunks of basis vectors: `batch_jacfwd` and `batch_jacrev`.
+
+`fun` is linearised once (`jax.linearize` / `jax.vjp`), and the standard basis is pushed
+(pulled) through the linear map `batch_size` columns (rows) at a time by the chunked
+`batch_vmap` pipeline, each chunk building its own basis vectors from their indices, so
+the identity matrix is never formed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _cache
+from ._batch_vmap import vmap_call
+from ._grads import check_argnums, resolve_argnums
+from ._options import ChunkOptions, check_bool, check_callable
+
+
+class _JacSetup:
+    """The checked arguments shared by `batch_jacfwd` and `batch_jacrev`."""
+
+    def __init__(
+        self,
+        name: str,
+        fun: Any,
+        argnums: Any,
+        has_aux: Any,
+        holomorphic: Any,
+        **options: Any,
+    ):
+        check_callable(name, "fun", fun)
+        self.name = name
+        self.argnums, self.single = check_argnums(name, "argnums", argnums)
+        check_bool(name, "has_aux", has_aux)
+        check_bool(name, "holomorphic", holomorphic)
+        self.options = ChunkOptions.make(name, **options)
+        self.auto = self.options.new_auto()
+
+    def basis_map(self, fn: Callable[..., Any], linear: Any, n: int, out_axis: int):
+        """`fn(linear, i)` for every basis index `i < n`, chunked; the linear map
+        `linear` (a pytree holding its residuals) is an unmapped argument, so the
+        chunked program closes over no traced value."""
+        return vmap_call(
+            fn,
+            (linear, jnp.arange(n, dtype=jnp.int32)),
+            {},
+            (None, 0),
+            out_axis,
+            None,
+            None,
+            self.options,
+            self.auto,
+        )
+
+    def transform(self, call: _cache.Call, fun: Callable[..., Any]) -> Any:
+        cached = not self.options.shard  # sharded calls place their inputs first
+        return _cache.transform(call, wrapped=fun, auto=self.auto, cached=cached)
+
+
+def _dyn_args(name: str, argnums_t: tuple[int, ...], single: bool, args: tuple):
+    """The differentiated arguments (one, or a tuple) and a function of them."""
+    argnums = resolve_argnums(name, "argnums", argnums_t, len(args))
+    dyn = args[argnums[0]] if single else tuple(args[i] for i in argnums)
+
+    def with_dyn(fun: Callable[..., Any], kwargs: dict[str, Any]):
+        def f(dyn_value: Any) -> Any:
+            new = list(args)
+            values = (dyn_value,) if single else dyn_value
+            for i, v in zip(argnums, values):
+                new[i] = v
+            return fun(*new, **kwargs)
+
+        return f
+
+    return dyn, with_dyn
+
+
+def _basis(leaves: Sequence[Any], index: jax.Array, dtypes: Sequence[Any]) -> list:
+    """The `index`-th standard basis vector of the flattened `leaves` (one example)."""
+    out, offset = [], 0
+    for x, dtype in zip(leaves, dtypes):
+        size = int(np.size(x))
+        hot = jnp.arange(size) == index - offset
+        out.append(hot.astype(dtype).reshape(np.shape(x)))
+        offset += size
+    return out
+
+
+def _split(column: jax.Array, axis: int, leaves: Sequence[Any], outer: tuple) -> list:
+    """Cut the basis axis of `column` into one block per leaf, shaped `outer + leaf`."""
+    blocks, offset = [], 0
+    for x in leaves:
+        size = int(np.size(x))
+        block = jax.lax.slice_in_dim(column, offset, offset + size, axis=axis)
+        blocks.append(block.reshape(*outer, *np.shape(x)))
+        offset += size
+    return blocks
+
+
+def _check_dtypes(name: str, what: str, leaves: Sequence[Any], holomorphic: bool):
+    for x in leaves:
+        dtype = jnp.result_type(x)
+        if holomorphic:
+            if not jnp.issubdtype(dtype, jnp.complexfloating):
+                raise TypeError(
+                    f"{name} with holomorphic=True requires complex-valued {what}s, "
+                    f"but got {dtype.name}."
+                )
+        elif not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"{name} requires real-valued {what}s (a floating dtype), but got "
+                f"{dtype.name}. For holomorphic differentiation pass holomorphic=True; "
+                f"for other complex or integer {what}s use jax.jvp / jax.vjp directly."
+            )
+
+
+def batch_jacfwd(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    *,
+    batch_size: int | str | None = None,
+    shard: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
+    progress: Any = False,
+    chunk_size: int | str | None = None,
+) -> Callable[..., Any]:
+    """`jax.jacfwd`, pushing `batch_size` basis vectors at a time.
+
+    Same results and pytree structure as `jax.jacfwd(fun, argnums, has_aux,
+    holomorphic)`: for each output leaf, a pytree like the differentiated argument(s)
+    whose leaves have shape `output.shape + input.shape`. `fun` is linearised once
+    (`jax.linearize`: one evaluation of `fun`), then the standard basis of the inputs is
+    pushed through the linear map in chunks of `batch_size` columns with
+    `chunkvmap.batch_vmap`; each chunk builds its own basis vectors from their indices,
+    so the `n x n` identity is never formed and the working memory is that of
+    `batch_size` tangents (plus the Jacobian itself). `batch_size=None` is one
+    `jax.vmap` over all columns, like `jax.jacfwd`.
+
+    Args:
+      fun: the function to differentiate; keyword arguments are passed through.
+      argnums: the positional argument(s) to differentiate (int or sequence of ints,
+        negative counts from the end).
+      has_aux: `fun` returns `(output, aux)`; `aux` is returned unchanged.
+      holomorphic: `fun` is holomorphic (complex inputs and outputs).
+      batch_size: basis columns per chunk: a positive int, None (one `jax.vmap`), or
+        `"auto"` (from `memory_limit`).
+      shard: spread the basis columns over the devices of `mesh` (see `batch_vmap`).
+      mesh: a one-dimensional `Auto` mesh, with `shard=True`.
+      remat: checkpoint each chunk (matters only when differentiating the result).
+      memory_limit: the budget for `batch_size="auto"` (see `batch_vmap`).
+      progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size` (pass one of them).
+
+    Returns:
+      A function with `fun`'s signature returning the Jacobian (and `aux`).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import batch_jacfwd
+      >>> batch_jacfwd(lambda x: x ** 2, batch_size=2)(jnp.arange(3.0))
+      Array([[0., 0., 0.],
+             [0., 2., 0.],
+             [0., 0., 4.]], dtype=float32)
+    """
+    name = "batch_jacfwd"
+    setup = _JacSetup(
+        name,
+        fun,
+        argnums,
+        has_aux,
+        holomorphic,
+        batch_size=batch_size,
+        chunk_size=chunk_size,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        memory_limit=memory_limit,
+        progress=progress,
+    )
+
+    def jacobian(args: tuple, kwargs: dict) -> Any:
+        dyn, with_dyn = _dyn_args(name, setup.argnums, setup.single, args)
+        in_leaves, in_tree = jax.tree.flatten(dyn)
+        _check_dtypes(name, "input", in_leaves, holomorphic)
+        lin = jax.linearize(with_dyn(fun, kwargs), dyn, has_aux=has_aux)
+        out, push = lin[0], lin[1]
+        dtypes = [jnp.result_type(x) for x in in_leaves]
+
+        def column(push: Any, index: jax.Array) -> Any:
+            return push(in_tree.unflatten(_basis(in_leaves, index, dtypes)))
+
+        n = sum(int(np.size(x)) for x in in_leaves)
+        columns = setup.basis_map(column, push, n, -1)
+
+        def block(c: jax.Array, y: Any) -> Any:
+            if not jnp.issubdtype(jnp.result_type(y), jnp.inexact):
+                # An integer output has no tangent: zeros of its dtype, as jax.jacfwd.
+                return in_tree.unflatten(
+                    [
+                        jnp.zeros((*np.shape(y), *np.shape(x)), y.dtype)
+                        for x in in_leaves
+                    ]
+                )
+            return in_tree.unflatten(_split(c, -1, in_leaves, np.shape(y)))
+
+        jac = jax.tree.map(block, columns, out)
+        return (jac, lin[2]) if has_aux else jac
+
+    return setup.transform(jacobian, fun)
+
+
+def batch_jacrev(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    *,
+    batch_size: int | str | None = None,
+    shard: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
+    progress: Any = False,
+    chunk_size: int | str | None = None,
+) -> Callable[..., Any]:
+    """`jax.jacrev`, pulling back `batch_size` basis vectors at a time.
+
+    Same results and pytree structure as `jax.jacrev(fun, argnums, has_aux,
+    holomorphic, allow_int)`. `fun` is evaluated once under `jax.vjp`, then the
+    standard basis of the outputs is pulled back through the VJP in chunks of
+    `batch_size` rows with `chunkvmap.batch_vmap`, each chunk building its own
+    cotangents from their indices (the identity is never formed).
+
+    Args:
+      fun: the function to differentiate; keyword arguments are passed through.
+      argnums: the positional argument(s) to differentiate (int or sequence of ints,
+        negative counts from the end).
+      has_aux: `fun` returns `(output, aux)`; `aux` is returned unchanged.
+      holomorphic: `fun` is holomorphic (complex inputs and outputs).
+      allow_int: allow integer inputs; their Jacobian blocks are zeros of their
+        dtype, as in `jax.jacrev`.
+      batch_size: basis rows per chunk: a positive int, None (one `jax.vmap`), or
+        `"auto"` (from `memory_limit`).
+      shard: spread the basis rows over the devices of `mesh` (see `batch_vmap`).
+      mesh: a one-dimensional `Auto` mesh, with `shard=True`.
+      remat: checkpoint each chunk (matters only when differentiating the result).
+      memory_limit: the budget for `batch_size="auto"` (see `batch_vmap`).
+      progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size` (pass one of them).
+
+    Returns:
+      A function with `fun`'s signature returning the Jacobian (and `aux`).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import batch_jacrev
+      >>> batch_jacrev(lambda x: jnp.cumsum(x), batch_size=2)(jnp.ones(3))
+      Array([[1., 0., 0.],
+             [1., 1., 0.],
+             [1., 1., 1.]], dtype=float32)
+    """
+    name = "batch_jacrev"
+    setup = _JacSetup(
+        name,
+        fun,
+        argnums,
+        has_aux,
+        holomorphic,
+        batch_size=batch_size,
+        chunk_size=chunk_size,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        memory_limit=memory_limit,
+        progress=progress,
+    )
+    check_bool(name, "allow_int", allow_int)
+
+    def jacobian(args: tuple, kwargs: dict) -> Any:
+        dyn, with_dyn = _dyn_args(name, setup.argnums, setup.single, args)
+        in_leaves, in_tree = jax.tree.flatten(dyn)
+        ints = [
+            allow_int and jnp.issubdtype(jnp.result_type(x), jnp.integer)
+            for x in in_leaves
+        ]
+        _check_dtypes(
+            name, "input", [x for x, i in zip(in_leaves, ints) if not i], holomorphic
+        )
+        # Differentiate the floating leaves only; integer ones are held fixed.
+        diff = [x for x, i in zip(in_leaves, ints) if not i]
+
+        def f(diff_leaves: list[Any]) -> Any:
+            it = iter(diff_leaves)
+            full = [x if i else next(it) for x, i in zip(in_leaves, ints)]
+            return with_dyn(fun, kwargs)(in_tree.unflatten(full))
+
+        res = jax.vjp(f, diff, has_aux=has_aux)
+        out, pull = res[0], res[1]
+        out_leaves, out_tree = jax.tree.flatten(out)
+        _check_dtypes(name, "output", out_leaves, holomorphic)
+        dtypes = [jnp.result_type(y) for y in out_leaves]
+
+        def row(pull: Any, index: jax.Array) -> Any:
+            (cotangent,) = pull(out_tree.unflatten(_basis(out_leaves, index, dtypes)))
+            return cotangent
+
+        m = sum(int(np.size(y)) for y in out_leaves)
+        rows = setup.basis_map(row, pull, m, 0)
+        per_output = []
+        for k, y in enumerate(out_leaves):
+            lo = sum(int(np.size(z)) for z in out_leaves[:k])
+            it = iter(rows)
+            blocks = []
+            for x, i in zip(in_leaves, ints):
+                shape = (*np.shape(y), *np.shape(x))
+                if i:
+                    blocks.append(jnp.zeros(shape, jnp.result_type(x)))
+                    continue
+                block = jax.lax.slice_in_dim(next(it), lo, lo + int(np.size(y)))
+                blocks.append(block.reshape(shape))
+            per_output.append(in_tree.unflatten(blocks))
+        jac = out_tree.unflatten(per_output)
+        return (jac, res[2]) if has_aux else jac
+
+    return setup.transform(jacobian, fun)

@@ -1,0 +1,371 @@
+"""The kernel: the chunk plan, in-place slicing, and the stacked and reduced scans.
+
+* the plan (`Plan`): how many chunks, how large the remainder, where the examples
+  start (a device of a sharded evaluation reads its share in place);
+* slicing (`take`): a chunk is a `dynamic_slice` of the original input along its own
+  mapped axis, so inputs are never transposed, reshaped or copied;
+* the loop (`stacked`, `reduced`): a `lax.scan` over chunk indices, each chunk
+  checkpointed for reverse mode (`checkpointed`);
+* the remainder: when `B` does not divide `N`, the last chunk is the window of the last
+  `B` real examples, overlapping the previous chunk, so the chunk function has one
+  shape and appears once in the program (no padding, no second trace);
+* output assembly: stacked outputs are written with `dynamic_update_slice` into one
+  preallocated buffer per output leaf, at the requested output axis (no concatenation,
+  no transpose, no second output-sized buffer); reduced outputs are folded in a carry.
+
+Nothing else in chunkvmap slices or loops; nothing here knows about axis specs, caching,
+sharding or the user's function beyond its chunk function (`ChunkFn`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools as ft
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._options import identity
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    size: int  # N, the mapped length
+    batch: int  # B, 1 <= B <= N (or B = N = 0)
+    # Where the N examples start in the leaves' mapped axes (may be traced): a device
+    # of a sharded evaluation reads its examples in place from whole inputs.
+    offset: Any = 0
+
+    @property
+    def num_chunks(self) -> int:
+        """Loop iterations: ceil(N / B)."""
+        return -(-self.size // self.batch) if self.batch else 0
+
+    @property
+    def rem(self) -> int:
+        return self.size % self.batch if self.batch else 0
+
+    @property
+    def single(self) -> bool:
+        """Whether everything is one vmap call (no loop)."""
+        return self.batch >= self.size
+
+    def start(self, i: Any) -> Any:
+        """First example of chunk `i`; the last chunk is the window `[N - B, N)`."""
+        if self.rem == 0:
+            return i * self.batch
+        return jnp.minimum(i * self.batch, self.size - self.batch)
+
+    def chunk(self, leaves: Sequence[Any], axes: Sequence[int | None], i: Any):
+        """The inputs of chunk `i` (read at `offset + start(i)`)."""
+        return take(leaves, axes, self.offset + self.start(i), self.batch)
+
+    def whole(self, leaves: Sequence[Any], axes: Sequence[int | None]) -> list[Any]:
+        """The leaves restricted to the plan's N examples (one chunk, no loop)."""
+        if isinstance(self.offset, int) and self.offset == 0:
+            return list(leaves)
+        return take(leaves, axes, self.offset, self.size)
+
+
+def make_plan(size: int, batch_size: Any, offset: Any = 0) -> Plan:
+    if batch_size is None or batch_size >= size:
+        return Plan(size, size, offset)
+    return Plan(size, batch_size, offset)
+
+
+def take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length: int):
+    """The chunk `[start, start + length)` of each mapped leaf (`start` traced)."""
+    return [
+        x if a is None else lax.dynamic_slice_in_dim(x, start, length, axis=a)
+        for x, a in zip(leaves, axes)
+    ]
+
+
+def zeros(shape: Sequence[int], aval: Any) -> Any:
+    """Zeros of `shape` with `aval`'s dtype, weakly typed when `aval` is."""
+    if getattr(aval, "weak_type", False):
+        # A Python scalar keeps the weak type (weak types have the default width).
+        return lax.full(shape, np.zeros((), aval.dtype).item())
+    return lax.full(shape, 0, aval.dtype)
+
+
+def drop_leading(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape[1:], aval.dtype, weak_type=aval.weak_type)
+
+
+# A chunk function maps (chunk leaves, chunk length) to the chunk's flat outputs, each
+# mapped along its canonical output axis (or unmapped where the axis is None).
+ChunkFn = Callable[[list[Any], int], list[Any]]
+
+
+def checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
+    """`fn` under `jax.checkpoint` (with `remat` as the policy when it is callable).
+
+    Only the chunk index crosses the checkpoint; the inputs are closed over, so the
+    residuals saved for reverse mode are one scalar per chunk (plus what the policy
+    saves) instead of every chunk's activations. `prevent_cse=False` is safe inside a
+    scan, which already keeps XLA from merging the recomputation with the forward pass.
+    """
+    if remat is False:
+        return fn
+    policy = None if remat is True else remat
+    return jax.checkpoint(fn, prevent_cse=False, policy=policy)
+
+
+def fold(reduction: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
+    """`reduction` applied leaf by leaf to two summaries of the same structure."""
+    return jax.tree.map(reduction, a, b)
+
+
+def _aval_str(tree: Any) -> str:
+    return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
+
+
+def _with_axis(aval: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
+    if axis is None:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    shape = (*aval.shape[:axis], length, *aval.shape[axis:])
+    return jax.ShapeDtypeStruct(shape, aval.dtype)
+
+
+def summary_avals(
+    name: str,
+    reduction: Callable[[Any, Any], Any],
+    chunk_reduction: Callable[[Any], Any],
+    out_tree: Any,
+    out_avals: Sequence[Any],
+    out_axes: Sequence[int | None],
+    lengths: Sequence[int],
+) -> Any:
+    """Check that `chunk_reduction` removes the mapped axis and `reduction` is a fold.
+
+    `chunk_reduction` is evaluated abstractly on chunks of every length that will occur
+    (plus one more when only one does). If its output shapes depend on the chunk length,
+    it did not reduce over the mapped axis, and folding such results would be wrong (or
+    silently broadcast), so this is an error. `reduction(a, a)` must return `a`'s exact
+    structure, shapes and dtypes, as a fold carry must.
+    """
+    lengths = sorted(set(lengths))
+    if len(lengths) == 1:
+        lengths.append(lengths[0] + 1)
+    summaries = []
+    for length in lengths:
+        chunk = out_tree.unflatten(
+            [_with_axis(a, ax, length) for a, ax in zip(out_avals, out_axes)]
+        )
+        summaries.append(jax.eval_shape(chunk_reduction, chunk))
+    first = summaries[0]
+    for length, other in zip(lengths[1:], summaries[1:]):
+        same = jax.tree.structure(first) == jax.tree.structure(other) and all(
+            (a.shape, a.dtype) == (b.shape, b.dtype)
+            for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(other))
+        )
+        if not same:
+            hint = (
+                " chunk_reduction is the identity (the default): pass one that sums up "
+                "a chunk along the mapped axis, e.g. chunk_reduction=lambda y: "
+                "y.sum(0) with reduction=jnp.add, or drop reduction."
+                if chunk_reduction is identity
+                else " It must reduce over the mapped axis, e.g. lambda y: y.sum(0)."
+            )
+            raise ValueError(
+                f"{name} with a reduction needs a chunk_reduction whose output does "
+                f"not depend on the chunk length, but its output still has the mapped "
+                f"axis: for a chunk of {lengths[0]} examples it returns "
+                f"{_aval_str(first)}, for {length} examples {_aval_str(other)}.{hint}"
+            )
+    folded = jax.eval_shape(ft.partial(fold, reduction), first, first)
+    same = jax.tree.structure(first) == jax.tree.structure(folded) and all(
+        (a.shape, a.dtype) == (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(folded))
+    )
+    if not same:
+        raise ValueError(
+            f"{name} reduction must combine two chunk summaries into one of the same "
+            f"structure, shapes and dtypes (it is applied leaf by leaf), but on "
+            f"{_aval_str(first)} it returns {_aval_str(folded)}."
+        )
+    return first
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """What every chunk evaluates, and how the chunks' outputs combine.
+
+    `chunk_fn(chunk_leaves, length)` maps the flat input leaves of a chunk (mapped along
+    `axes`) to its flat outputs (mapped along `out_axes`, of per-example types
+    `out_avals`, structured by `out_tree`). Without `reduction` the outputs are
+    stacked; with it, `chunk_reduction` summarises each chunk and `reduction` folds the
+    summaries.
+    """
+
+    name: str
+    chunk_fn: ChunkFn
+    axes: Sequence[int | None]
+    out_tree: Any
+    out_avals: Sequence[Any]
+    out_axes: Sequence[int | None]
+    reduction: Callable[[Any, Any], Any] | None
+    chunk_reduction: Callable[[Any], Any]
+    remat: Any
+
+    def run(
+        self,
+        leaves: Sequence[Any],
+        plan: Plan,
+        report: Callable[[Any], None] = lambda i: None,
+    ) -> Any:
+        """The flat stacked outputs, or the folded summary, of `plan`'s chunks."""
+        if self.reduction is None:
+            return self.stacked(leaves, plan, report)
+        return self.reduced(leaves, plan, report)
+
+    def summary_avals(self, lengths: Sequence[int]) -> Any:
+        """The types of one chunk's summary, checked for chunks of `lengths`."""
+        assert self.reduction is not None
+        return summary_avals(
+            self.name,
+            self.reduction,
+            self.chunk_reduction,
+            self.out_tree,
+            self.out_avals,
+            self.out_axes,
+            [n for n in lengths if n] or [1],
+        )
+
+    def stacked(
+        self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
+    ) -> list[Any]:
+        """Run every chunk and assemble the stacked outputs without a second copy.
+
+        Two layouts, both with the user's function once in the program:
+
+        * `B` divides `N` and every mapped output axis is 0: the chunks are the `ys`
+          of the scan, shape `(N / B, B, ...)`, and reshaping them to `(N, ...)` is
+          free. Reverse mode then reads the output cotangent chunk by chunk as a loop
+          input, so with `remat` gradient memory does not grow with `N` at all.
+        * otherwise: one buffer per output leaf, preallocated with the mapped axis
+          where `out_axes` puts it, and each chunk written in place with
+          `dynamic_update_slice` (no concatenation, no transpose). When `B` does not
+          divide `N`, the last chunk is the window `[N - B, N)` of real examples,
+          overlapping the previous chunk; it rewrites the overlapping `B - N % B`
+          outputs with the same values, and the cotangents of overwritten entries
+          are zero, so gradients count each example once. No padding is ever
+          evaluated. Reverse mode carries the output cotangent through the loop, so
+          gradients need one output-sized buffer more than forward evaluation.
+        """
+        chunk_fn, axes, out_axes = self.chunk_fn, self.axes, self.out_axes
+        out_avals = self.out_avals
+        if plan.single:
+            outs = chunk_fn(plan.whole(leaves, axes), plan.size)
+            report(0)
+            return outs
+        size, batch = plan.size, plan.batch
+
+        @ft.partial(checkpointed, remat=self.remat)
+        def evaluate(i):
+            return chunk_fn(plan.chunk(leaves, axes, i), batch)
+
+        def full(aval, length=None, axis=None):
+            shape = aval.shape
+            if axis is not None:
+                shape = (*shape[:axis], length, *shape[axis:])
+            return zeros(shape, aval)
+
+        mapped = [k for k, a in enumerate(out_axes) if a is not None]
+        unmapped = [k for k, a in enumerate(out_axes) if a is None]
+
+        if plan.rem == 0 and all(out_axes[k] == 0 for k in mapped):
+
+            def body(carry, i):
+                ys = evaluate(i)
+                report(i)
+                return [ys[k] for k in unmapped], [ys[k] for k in mapped]
+
+            init = [full(out_avals[k]) for k in unmapped]
+            with jax.named_scope("chunkvmap"):
+                last, stacked = lax.scan(body, init, jnp.arange(plan.num_chunks))
+            outs: list[Any] = [None] * len(out_axes)
+            for k, y in zip(mapped, stacked):
+                outs[k] = y.reshape(size, *y.shape[2:])
+            for k, y in zip(unmapped, last):
+                outs[k] = y
+            return outs
+
+        def body(buffers, i):
+            ys = evaluate(i)
+            report(i)
+            start = plan.start(i)
+            return [
+                y
+                if axis is None
+                else lax.dynamic_update_slice_in_dim(b, y, start, axis)
+                for b, y, axis in zip(buffers, ys, out_axes)
+            ], None
+
+        buffers = [full(aval, size, axis) for aval, axis in zip(out_avals, out_axes)]
+        with jax.named_scope("chunkvmap"):
+            buffers, _ = lax.scan(body, buffers, jnp.arange(plan.num_chunks))
+        return buffers
+
+    def reduced(
+        self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
+    ) -> Any:
+        """Fold the chunks' summaries with `reduction`, in order, with no identity.
+
+        A forward scan folds `acc = reduction(acc, s_i)`; the first chunk's summary
+        replaces the (never used) initial value, so no identity element is needed and
+        order is kept (non-commutative reductions work). When `B` does not divide
+        `N`, the last chunk is the window `[N - B, N)` as in `stacked`, and only its
+        last `N % B` outputs (the examples no earlier chunk covered) are summarised.
+        Either way the user's function appears once in the program.
+        """
+
+        assert self.reduction is not None
+        chunk_fn, axes, out_axes = self.chunk_fn, self.axes, self.out_axes
+        reduction = self.reduction
+        init = jax.tree.map(
+            lambda a: zeros(a.shape, a), self.summary_avals([plan.batch, plan.rem])
+        )
+
+        def summarise(ys: list[Any]) -> Any:
+            return self.chunk_reduction(self.out_tree.unflatten(ys))
+
+        if plan.single:
+            summary = summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
+            report(0)
+            return summary
+        batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
+
+        def tail(ys: list[Any]) -> list[Any]:
+            return [
+                y if a is None else lax.slice_in_dim(y, batch - rem, batch, axis=a)
+                for y, a in zip(ys, out_axes)
+            ]
+
+        @ft.partial(checkpointed, remat=self.remat)
+        def evaluate(i):
+            ys = chunk_fn(plan.chunk(leaves, axes, i), batch)
+            if rem == 0:
+                return summarise(ys)
+            return lax.cond(
+                i == last, lambda: summarise(tail(ys)), lambda: summarise(ys)
+            )
+
+        def body(acc, i):
+            s = evaluate(i)
+            report(i)
+            return lax.cond(i == 0, lambda: s, lambda: fold(reduction, acc, s)), None
+
+        with jax.named_scope("chunkvmap"):
+            acc, _ = lax.scan(body, init, jnp.arange(plan.num_chunks))
+        return acc
+
+    def finish(self, flat: list[Any]) -> Any:
+        """The user's output from the flat stacked outputs."""
+        out = self.out_tree.unflatten(flat)
+        return out if self.chunk_reduction is identity else self.chunk_reduction(out)

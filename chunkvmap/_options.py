@@ -1,0 +1,221 @@
+"""The chunking options every entry point takes, validated once, in the caller's terms.
+
+`ChunkOptions.make(name, ...)` checks `batch_size` (or its alias `chunk_size`),
+`memory_limit`, `reduction` / `chunk_reduction`, `remat`, `shard` / `mesh` and
+`progress` when a transform is built, and remembers the public name of the function the
+user called (`name`) and the spelling of the batch-size argument they used, so that
+every later message names them. Nothing here traces or evaluates anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from . import _axes, _memory, _progress
+
+
+def identity(x: Any) -> Any:
+    """The default `chunk_reduction`: returns its argument unchanged.
+
+    Without a `reduction` it leaves the stacked output as it is; with one it is an error
+    (it does not remove the mapped axis), so a summarising `chunk_reduction` must be
+    given. Compared by identity, so `chunk_reduction=chunkvmap.identity` is the same as
+    leaving it out.
+
+    Args:
+      x: any pytree.
+
+    Returns:
+      `x` itself.
+
+    Examples:
+      >>> from chunkvmap import identity
+      >>> identity((1, 2))
+      (1, 2)
+    """
+    return x
+
+
+def check_callable(name: str, arg: str, value: Any, *, allow_none: bool = False):
+    """`value` if it is callable (or None, when allowed), else a TypeError."""
+    if (value is None and allow_none) or callable(value):
+        return value
+    raise TypeError(
+        f"{name} {arg} must be a callable{' or None' if allow_none else ''}, but "
+        f"got {arg}={value!r} of type {type(value).__name__}."
+    )
+
+
+def check_bool(name: str, arg: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"{name} {arg} must be a bool, but got {arg}={value!r} of type "
+            f"{type(value).__name__}."
+        )
+    return bool(value)
+
+
+def _check_batch_size(name: str, arg: str, value: Any) -> int | str | None:
+    if isinstance(value, str):
+        if value == "auto":
+            return value
+        raise TypeError(
+            f"{name} {arg} must be a positive int, None, or 'auto', but got "
+            f"{arg}={value!r} of type str."
+        )
+    return _axes.check_positive_int(arg, value, transform=name)
+
+
+def _check_remat(name: str, remat: Any) -> Any:
+    if not (isinstance(remat, bool) or callable(remat)):
+        raise TypeError(
+            f"{name} remat must be True, False, or a jax.checkpoint policy (e.g. "
+            f"jax.checkpoint_policies.dots_saveable), but got remat={remat!r} of type "
+            f"{type(remat).__name__}."
+        )
+    return remat
+
+
+def _check_shard(name: str, shard: Any, mesh: Any) -> None:
+    """Validate `shard` and `mesh` for the transform called `name`."""
+    if not isinstance(shard, bool):
+        raise TypeError(
+            f"{name} shard must be a bool, but got shard={shard!r} of type "
+            f"{type(shard).__name__}."
+        )
+    if mesh is None:
+        return
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{name} mesh must be a jax.sharding.Mesh or None, but got "
+            f"mesh={mesh!r} of type {type(mesh).__name__}."
+        )
+    if len(mesh.axis_names) != 1:
+        raise ValueError(
+            f"{name} needs a one-dimensional mesh, but got a mesh with "
+            f"{len(mesh.axis_names)} axes {mesh.axis_names} (shape "
+            f"{dict(mesh.shape)}). Build one with jax.make_mesh((n,), ('batch',), "
+            f"axis_types=(jax.sharding.AxisType.Auto,))."
+        )
+    (axis_type,) = mesh.axis_types
+    if axis_type != AxisType.Auto:
+        raise ValueError(
+            f"{name} needs a mesh whose axis has type AxisType.Auto, but axis "
+            f"{mesh.axis_names[0]!r} has type {axis_type}. Build the mesh with "
+            f"axis_types=(jax.sharding.AxisType.Auto,)."
+        )
+    if not shard:
+        raise ValueError(
+            f"{name} got mesh={mesh!r} with shard=False: the mesh is only used "
+            f"to shard the mapped axis. Pass shard=True, or drop mesh."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkOptions:
+    """How to chunk one transform's evaluation (see `batch_vmap` for each option).
+
+    Built by `make`, which validates everything; immutable and hashable (so it can key
+    caches). `name` is the public function the user called, `batch_arg` the argument
+    they gave the chunk size with (`"batch_size"` or `"chunk_size"`).
+    """
+
+    name: str
+    batch_size: int | str | None = None
+    batch_arg: str = "batch_size"
+    reduction: Callable[[Any, Any], Any] | None = None
+    chunk_reduction: Callable[[Any], Any] = identity
+    remat: Any = True
+    shard: bool = False
+    mesh: Any = None
+    memory_limit: int | None = None
+    progress: Any = False
+    # The host reporter made from `progress` (one per transform, not compared).
+    reporter: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def make(
+        cls,
+        name: str,
+        *,
+        batch_size: Any = None,
+        chunk_size: Any = None,
+        reduction: Any = None,
+        chunk_reduction: Any = identity,
+        remat: Any = True,
+        shard: Any = False,
+        mesh: Any = None,
+        memory_limit: Any = None,
+        progress: Any = False,
+    ) -> ChunkOptions:
+        """The validated options of the transform `name` (errors name `name`)."""
+        arg = "batch_size"
+        if chunk_size is not None:
+            if batch_size is not None:
+                raise TypeError(
+                    f"{name} got both batch_size={batch_size!r} and its alias "
+                    f"chunk_size={chunk_size!r}; pass only one."
+                )
+            batch_size, arg = chunk_size, "chunk_size"
+        batch_size = _check_batch_size(name, arg, batch_size)
+        check_callable(name, "reduction", reduction, allow_none=True)
+        check_callable(name, "chunk_reduction", chunk_reduction)
+        _check_remat(name, remat)
+        _check_shard(name, shard, mesh)
+        if shard and batch_size == "auto":
+            raise ValueError(
+                f"{name} {arg}='auto' is not supported with shard=True yet: pass an "
+                f"int {arg} (it bounds each device's chunks)."
+            )
+        limit = None
+        if memory_limit is not None:
+            if batch_size != "auto":
+                raise ValueError(
+                    f"{name} memory_limit={memory_limit!r} is only used with "
+                    f"{arg}='auto', but got {arg}={batch_size!r}."
+                )
+            limit = _memory.parse_memory(name, memory_limit)
+        _progress.check_progress(name, progress)
+        return cls(
+            name,
+            batch_size,
+            arg,
+            reduction,
+            chunk_reduction,
+            remat,
+            bool(shard),
+            mesh,
+            limit,
+            progress,
+            _progress.reporter(progress),
+        )
+
+    def new_auto(self) -> _memory.AutoBatch | None:
+        """A new `"auto"` state for one transform (None unless the size is "auto")."""
+        return _memory.AutoBatch(self.name, self.memory_limit) if self.auto else None
+
+    def replace(self, **changes: Any) -> ChunkOptions:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def auto(self) -> bool:
+        return self.batch_size == "auto"
+
+    @property
+    def plain(self) -> bool:
+        """Nothing to chunk, fold, shard or report: one `jax.vmap` does it all."""
+        return (
+            self.batch_size is None
+            and self.reduction is None
+            and not self.shard
+            and self.reporter is None
+        )
+
+    def batch_str(self) -> str:
+        """The chunk size as the user gave it, for messages (`chunk_size=4`)."""
+        return f"{self.batch_arg}={self.batch_size!r}"
