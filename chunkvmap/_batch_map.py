@@ -235,13 +235,5 @@ def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
         return fun_flat(*chunk_leaves)
 
     return _loop.Body(
-        name,
-        chunk_fn,
-        axes,
-        out_tree,
-        out_avals,
-        [0] * len(out_avals),
-        options.reduction,
-        options.chunk_reduction,
-        options.remat,
+        options, chunk_fn, axes, out_tree, out_avals, [0] * len(out_avals)
     )

@@ -196,11 +196,9 @@ def vmap_transform(
     axis_name: Any,
     axis_size: Any,
     options: ChunkOptions,
-    *,
-    wrapped: Callable[..., Any] | None = None,
 ) -> Any:
     """The function `batch_vmap` returns, for validated `options` (errors name
-    `options.name`); `wrapped` gives it its name and docstring (default `f`)."""
+    `options.name`)."""
     name = options.name
     check_callable(name, "f", f)
     in_axes = _axes.check_axes_spec(
@@ -209,25 +207,68 @@ def vmap_transform(
     out_axes = _axes.check_axes_spec(
         "out_axes", out_axes, top_level_tuple=False, transform=name
     )
-    axis_size = _axes.check_positive_int(
-        "axis_size", axis_size, allow_zero=True, transform=name
-    )
-    if axis_name is not None and options.shard:
-        raise ValueError(
-            f"{name} got axis_name={axis_name!r} with shard=True: collectives "
-            f"over {axis_name!r} inside f would only see one device's chunk."
-        )
-    auto = options.new_auto()
+    mapper = Mapper(options, axis_name, axis_size)
 
     def call(args: tuple, kwargs: dict) -> Any:
+        return mapper(f, args, kwargs, in_axes, out_axes)
+
+    # A plain vmap (nothing to chunk, fold or report) runs eagerly, as jax.vmap does.
+    return mapper.transform(call, f, cached=not options.plain)
+
+
+class Mapper:
+    """One transform's chunked `jax.vmap`: its validated options, `axis_name` and
+    `axis_size`, and the `"auto"` state that all its calls share. Made when the
+    transform is built, so that static errors are raised then, naming it."""
+
+    def __init__(
+        self, options: ChunkOptions, axis_name: Any = None, axis_size: Any = None
+    ):
+        name = options.name
+        self.options = options
+        self.axis_name = axis_name
+        self.axis_size = _axes.check_positive_int(
+            "axis_size", axis_size, allow_zero=True, transform=name
+        )
+        if axis_name is not None and options.shard:
+            raise ValueError(
+                f"{name} got axis_name={axis_name!r} with shard=True: collectives "
+                f"over {axis_name!r} inside f would only see one device's chunk."
+            )
+        self.auto = options.new_auto()
+
+    def __call__(
+        self,
+        f: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        in_axes: Any,
+        out_axes: Any,
+        options: ChunkOptions | None = None,
+    ) -> Any:
+        """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by this
+        transform's options (or `options`, a variant of them, e.g. with a reduction
+        of the transform's own)."""
         return vmap_call(
-            f, args, kwargs, in_axes, out_axes, axis_name, axis_size, options, auto
+            f,
+            args,
+            kwargs,
+            in_axes,
+            out_axes,
+            self.axis_name,
+            self.axis_size,
+            options or self.options,
+            self.auto,
         )
 
-    # Sharded calls place their inputs on the mesh first, so they are not cached; a
-    # plain vmap (nothing to chunk, fold or report) runs eagerly, as jax.vmap does.
-    cached = not (options.shard or options.plain)
-    return _cache.transform(call, wrapped=wrapped or f, auto=auto, cached=cached)
+    def transform(
+        self, call: _cache.Call, wrapped: Callable[..., Any], cached: bool = True
+    ) -> Callable[..., Any]:
+        """The public function running `call(args, kwargs)`: through the eager cache
+        (sharded calls place their inputs on the mesh first, so they are not
+        cached), with `wrapped`'s name and docstring, known to `last_batch_size`."""
+        cached = cached and not self.options.shard
+        return _cache.transform(call, wrapped=wrapped, auto=self.auto, cached=cached)
 
 
 def vmap_call(
@@ -316,17 +357,7 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options):
         )
         return vf(*[chunk_leaves[i] for i in dyn])
 
-    return _loop.Body(
-        name,
-        chunk_fn,
-        axes,
-        out_tree,
-        out_avals,
-        out_axes_flat,
-        options.reduction,
-        options.chunk_reduction,
-        options.remat,
-    )
+    return _loop.Body(options, chunk_fn, axes, out_tree, out_avals, out_axes_flat)
 
 
 def _flat_out_axes(name: str, out_axes: Any, out_tree: Any, out_avals: list) -> list:

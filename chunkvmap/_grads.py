@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _axes, _cache
-from ._batch_vmap import vmap_call
+from . import _axes
+from ._batch_vmap import Mapper
 from ._options import ChunkOptions, check_bool, check_callable
 
 
@@ -120,8 +120,7 @@ class _GradSetup:
         self.name = name
         self.argnums, self.single = check_argnums(name, "argnums", argnums)
         self.batch_argnums, _ = check_argnums(name, "batch_argnums", batch_argnums)
-        self.options = ChunkOptions.make(name, **options)
-        self.auto = self.options.new_auto()
+        self.mapper = Mapper(ChunkOptions.make(name, **options))
 
     def resolve(self, nargs: int) -> tuple[tuple[int, ...], tuple]:
         """The differentiated argument numbers and the `in_axes` of a call."""
@@ -129,24 +128,11 @@ class _GradSetup:
         mapped = resolve_argnums(self.name, "batch_argnums", self.batch_argnums, nargs)
         return diff, tuple(0 if i in mapped else None for i in range(nargs))
 
-    def map(self, fn: Callable[..., Any], args: tuple, kwargs: dict, in_axes: tuple):
+    def map(self, fn: Any, args: tuple, kwargs: dict, in_axes: tuple, **options: Any):
         """`fn(*args, kwargs)` (the keyword arguments as one unmapped last argument)
-        mapped over `in_axes` by the chunked pipeline."""
-        return vmap_call(
-            fn,
-            (*args, kwargs),
-            {},
-            (*in_axes, None),
-            0,
-            None,
-            None,
-            self.options,
-            self.auto,
-        )
-
-    def transform(self, call: _cache.Call, fun: Callable[..., Any]) -> Any:
-        cached = not self.options.shard  # sharded calls place their inputs first
-        return _cache.transform(call, wrapped=fun, auto=self.auto, cached=cached)
+        mapped over `in_axes`, with the transform's options (changed by `options`)."""
+        opts = self.mapper.options.replace(**options) if options else None
+        return self.mapper(fn, (*args, kwargs), {}, (*in_axes, None), 0, opts)
 
 
 def per_example_grads(
@@ -234,7 +220,7 @@ def per_example_grads(
         grad_fn = _filtered_grad(_kwargs_last(fun), diff, setup.single, has_aux)
         return setup.map(grad_fn, args, kwargs, in_axes)
 
-    return setup.transform(call, fun)
+    return setup.mapper.transform(call, fun)
 
 
 # --------------------------------------------------------------------------------------
@@ -399,24 +385,21 @@ def clipped_grad_sum(
             # B x params gradients unless N exceeds B x params).
             return total, jnp.zeros(size, norms.dtype).at[index].set(norms)
 
-        options = setup.options.replace(reduction=jnp.add, chunk_reduction=summarise)
-        out = vmap_call(
+        index = jnp.arange(size, dtype=jnp.int32)
+        out = setup.map(
             example,
-            (*args, jnp.arange(size, dtype=jnp.int32), kwargs),
-            {},
-            (*in_axes, 0, None),
-            0,
-            None,
-            None,
-            options,
-            setup.auto,
+            (*args, index),
+            kwargs,
+            (*in_axes, 0),
+            reduction=jnp.add,
+            chunk_reduction=summarise,
         )
         if return_norms:
             total, norms = out
             return total, count, norms
         return out, count
 
-    return setup.transform(call, fun)
+    return setup.mapper.transform(call, fun)
 
 
 def _zero_grads(grad_fn: Callable[..., Any], kwargs: dict, args: tuple, in_axes):

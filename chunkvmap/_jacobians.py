@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _cache
-from ._batch_vmap import vmap_call
+from ._batch_vmap import Mapper
 from ._grads import check_argnums, resolve_argnums
 from ._options import ChunkOptions, check_bool, check_callable
 
@@ -38,28 +37,14 @@ class _JacSetup:
         self.argnums, self.single = check_argnums(name, "argnums", argnums)
         check_bool(name, "has_aux", has_aux)
         check_bool(name, "holomorphic", holomorphic)
-        self.options = ChunkOptions.make(name, **options)
-        self.auto = self.options.new_auto()
+        self.mapper = Mapper(ChunkOptions.make(name, **options))
 
     def basis_map(self, fn: Callable[..., Any], linear: Any, n: int, out_axis: int):
         """`fn(linear, i)` for every basis index `i < n`, chunked; the linear map
         `linear` (a pytree holding its residuals) is an unmapped argument, so the
         chunked program closes over no traced value."""
-        return vmap_call(
-            fn,
-            (linear, jnp.arange(n, dtype=jnp.int32)),
-            {},
-            (None, 0),
-            out_axis,
-            None,
-            None,
-            self.options,
-            self.auto,
-        )
-
-    def transform(self, call: _cache.Call, fun: Callable[..., Any]) -> Any:
-        cached = not self.options.shard  # sharded calls place their inputs first
-        return _cache.transform(call, wrapped=fun, auto=self.auto, cached=cached)
+        index = jnp.arange(n, dtype=jnp.int32)
+        return self.mapper(fn, (linear, index), {}, (None, 0), out_axis)
 
 
 def _dyn_args(name: str, argnums_t: tuple[int, ...], single: bool, args: tuple):
@@ -215,7 +200,7 @@ def batch_jacfwd(
         jac = jax.tree.map(block, columns, out)
         return (jac, lin[2]) if has_aux else jac
 
-    return setup.transform(jacobian, fun)
+    return setup.mapper.transform(jacobian, fun)
 
 
 def batch_jacrev(
@@ -332,4 +317,4 @@ def batch_jacrev(
         jac = out_tree.unflatten(per_output)
         return (jac, res[2]) if has_aux else jac
 
-    return setup.transform(jacobian, fun)
+    return setup.mapper.transform(jacobian, fun)

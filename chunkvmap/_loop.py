@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._options import identity
+from ._options import ChunkOptions, identity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,20 +198,33 @@ class Body:
 
     `chunk_fn(chunk_leaves, length)` maps the flat input leaves of a chunk (mapped along
     `axes`) to its flat outputs (mapped along `out_axes`, of per-example types
-    `out_avals`, structured by `out_tree`). Without `reduction` the outputs are
-    stacked; with it, `chunk_reduction` summarises each chunk and `reduction` folds the
-    summaries.
+    `out_avals`, structured by `out_tree`). Without `options.reduction` the outputs
+    are stacked; with it, `options.chunk_reduction` summarises each chunk and
+    `options.reduction` folds the summaries; `options.remat` checkpoints each chunk.
     """
 
-    name: str
+    options: ChunkOptions
     chunk_fn: ChunkFn
     axes: Sequence[int | None]
     out_tree: Any
     out_avals: Sequence[Any]
     out_axes: Sequence[int | None]
-    reduction: Callable[[Any, Any], Any] | None
-    chunk_reduction: Callable[[Any], Any]
-    remat: Any
+
+    @property
+    def name(self) -> str:
+        return self.options.name
+
+    @property
+    def reduction(self) -> Callable[[Any, Any], Any] | None:
+        return self.options.reduction
+
+    @property
+    def chunk_reduction(self) -> Callable[[Any], Any]:
+        return self.options.chunk_reduction
+
+    @property
+    def remat(self) -> Any:
+        return self.options.remat
 
     def run(
         self,

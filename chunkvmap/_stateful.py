@@ -14,26 +14,20 @@ from typing import Any
 import jax
 
 from . import _axes
-from ._batch_vmap import vmap_call
+from ._batch_vmap import Mapper
 from ._options import ChunkOptions, identity
 
 
 class StatefulMap:
-    """An adapter's validated chunking options (made when the adapter is built, so
-    errors name it then), and the `"auto"` state its calls share."""
+    """An adapter's validated chunking (made when the adapter is built, so errors
+    name it then), mapping functions that return `(outputs, state)`."""
 
     def __init__(self, name: str, *, axis_name: Any, axis_size: Any, **options: Any):
-        self.options = ChunkOptions.make(name, **options)
-        self.axis_name = axis_name
-        self.axis_size = _axes.check_positive_int(
-            "axis_size", axis_size, allow_zero=True, transform=name
-        )
-        if axis_name is not None and self.options.shard:
-            raise ValueError(
-                f"{name} got axis_name={axis_name!r} with shard=True: collectives "
-                f"over {axis_name!r} would only see one device's chunk."
-            )
-        self.auto = self.options.new_auto()
+        self.mapper = Mapper(ChunkOptions.make(name, **options), axis_name, axis_size)
+
+    @property
+    def axis_size(self) -> int | None:
+        return self.mapper.axis_size
 
     def __call__(
         self,
@@ -50,25 +44,15 @@ class StatefulMap:
         when `fn` returns any state a second, unreduced evaluation produces it (XLA
         drops the parts of that pass that only `y` needs).
         """
-        options = self.options
-        name = options.name
+        mapper = self.mapper
+        options = mapper.options
         in_axes = _axes.check_axes_spec(
-            "in_axes", in_axes, top_level_tuple=True, transform=name
+            "in_axes", in_axes, top_level_tuple=True, transform=options.name
         )
         stacked = options.replace(reduction=None, chunk_reduction=identity)
 
         def run(f, out_spec, opts):
-            return vmap_call(
-                f,
-                args,
-                {},
-                in_axes,
-                out_spec,
-                self.axis_name,
-                self.axis_size,
-                opts,
-                self.auto,
-            )
+            return mapper(f, args, {}, in_axes, out_spec, opts)
 
         if options.reduction is None:
             y, state = run(fn, (out_axes, state_axes), stacked)

@@ -42,8 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _cache
-from ._batch_vmap import vmap_call
+from ._batch_vmap import Mapper
 from ._options import ChunkOptions, check_callable
 
 
@@ -421,8 +420,7 @@ def _chunked(
     arrays: list[Any],
     loops,
     loop_shape: tuple[int, ...],
-    options: ChunkOptions,
-    auto: Any,
+    mapper: Mapper,
 ) -> Any:
     """The `N = prod(L)` examples in chunks through the `batch_vmap` pipeline.
 
@@ -477,9 +475,7 @@ def _chunked(
             per_example.append(v)
         return example(*per_example)
 
-    out = vmap_call(
-        one, tuple(leaves), {}, tuple(in_axes), 0, None, None, options, auto
-    )
+    out = mapper(one, tuple(leaves), {}, tuple(in_axes), 0)
     return _reshape_outputs(out, loop_shape, 1)
 
 
@@ -621,7 +617,7 @@ def batch_vectorize(
         memory_limit=memory_limit,
         progress=progress,
     )
-    auto = options.new_auto()
+    mapper = Mapper(options)
 
     def vectorized(args: tuple, kwargs: dict) -> Any:
         call = _split(excluded, sig, args, kwargs)
@@ -635,8 +631,6 @@ def batch_vectorize(
             and not options.shard
         ):
             return _nested(example, call, loops, loop_shape)
-        return _chunked(example, call.arrays, loops, loop_shape, options, auto)
+        return _chunked(example, call.arrays, loops, loop_shape, mapper)
 
-    return _cache.transform(  # pyright: ignore[reportReturnType]
-        vectorized, wrapped=pyfunc, auto=auto, cached=not options.shard
-    )
+    return mapper.transform(vectorized, pyfunc)  # pyright: ignore[reportReturnType]

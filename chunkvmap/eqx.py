@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from . import _axes, _cache, _memory
 from ._axes import is_none
-from ._batch_vmap import vmap_call
+from ._batch_vmap import Mapper
 from ._options import ChunkOptions, identity
 
 
@@ -265,22 +265,15 @@ def filter_batch_vmap(
 
 
 class _Chunking:
-    """The validated chunking options of one `filter_batch_vmap` (errors name it when
-    it is built), its `"auto"` state, and, through `_cache.memo`, its eager caches.
-    Hashed by identity: it is a static field of the wrapper Module."""
+    """The validated chunking of one `filter_batch_vmap` (errors name it when it is
+    built) and, through `_cache.memo`, its eager caches. Hashed by identity: it is a
+    static field of the wrapper Module."""
 
     def __init__(self, axis_name: Any, axis_size: Any, **options: Any):
-        self.options = ChunkOptions.make(_NAME, **options)
-        self.axis_name = axis_name
-        self.axis_size = _axes.check_positive_int(
-            "axis_size", axis_size, allow_zero=True, transform=_NAME
-        )
-        if axis_name is not None and self.options.shard:
-            raise ValueError(
-                f"{_NAME} got axis_name={axis_name!r} with shard=True: collectives "
-                f"over {axis_name!r} would only see one device's chunk."
-            )
-        self.auto = self.options.new_auto()
+        self.mapper = Mapper(ChunkOptions.make(_NAME, **options), axis_name, axis_size)
+        self.options = self.mapper.options
+        self.axis_size = self.mapper.axis_size
+        self.auto = self.mapper.auto
 
     def run(self, out_axes: Any, dyn_axes: Any) -> Callable[[tuple, dict], Any]:
         """The chunked evaluation of `_inner` for one output spec and input layout
@@ -298,20 +291,12 @@ class _Chunking:
             core = options.replace(chunk_reduction=identity)  # applied after
 
         # The cached call must not refer to `self`, the cache's weak key.
-        axis_name, axis_size, auto = self.axis_name, self.axis_size, self.auto
+        mapper = self.mapper
 
         def call(args: tuple, kwargs: dict) -> Any:
-            return vmap_call(
-                ft.partial(_inner, out_axes=out_axes),
-                args,
-                kwargs,
-                (None, dyn_axes, None),
-                _core_out_axes,
-                axis_name,
-                axis_size,
-                core,
-                auto,
-            )
+            inner = ft.partial(_inner, out_axes=out_axes)
+            in_axes = (None, dyn_axes, None)
+            return mapper(inner, args, kwargs, in_axes, _core_out_axes, core)
 
         def build():
             return call if options.shard else _cache.EagerCache(call)
