@@ -245,10 +245,11 @@ class Mapper:
         in_axes: Any,
         out_axes: Any,
         options: ChunkOptions | None = None,
+        arg_names: Any = None,
     ) -> Any:
         """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by this
         transform's options (or `options`, a variant of them, e.g. with a reduction
-        of the transform's own)."""
+        of the transform's own); `arg_names` names the arguments in messages."""
         return vmap_call(
             f,
             args,
@@ -259,6 +260,7 @@ class Mapper:
             self.axis_size,
             options or self.options,
             self.auto,
+            arg_names,
         )
 
     def transform(
@@ -281,15 +283,19 @@ def vmap_call(
     axis_size: int | None,
     options: ChunkOptions,
     auto: _memory.AutoBatch | None,
+    arg_names: Any = None,
 ) -> Any:
     """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by `options`.
 
     `in_axes` and `out_axes` are checked specs (`out_axes` may also be a function of
     the output's abstract pytree returning the spec, for adapters whose output axes
     depend on the output); keyword arguments are mapped over their leading axis.
+    `arg_names` names the positional arguments in messages (default `args[i]`).
     """
     name = options.name
-    leaves, paths, axes, treedef = _flatten_inputs(name, in_axes, args, kwargs)
+    leaves, paths, axes, treedef = _flatten_inputs(
+        name, in_axes, args, kwargs, arg_names
+    )
     size = _axes.mapped_size(paths, leaves, axes, axis_size, transform=name)
     if options.plain and not callable(out_axes):
         out = jax.vmap(f, in_axes, out_axes, axis_name=axis_name, axis_size=axis_size)(
@@ -378,8 +384,14 @@ def _flat_out_axes(name: str, out_axes: Any, out_tree: Any, out_avals: list) -> 
     ]
 
 
-def _flatten_inputs(name: str, in_axes: Any, args: tuple, kwargs: dict) -> tuple:
-    """Flatten `(args, kwargs)` to leaves, key paths and canonical per-leaf axes."""
+def _flatten_inputs(
+    name: str, in_axes: Any, args: tuple, kwargs: dict, arg_names: Any = None
+) -> tuple:
+    """Flatten `(args, kwargs)` to leaves, key paths and canonical per-leaf axes.
+
+    Paths read `args[i]...` and `kwargs['k']...`, or `arg_names[i]...` for positional
+    argument `i` when given (adapters that regroup the user's arguments name them as
+    the user passed them)."""
     if isinstance(in_axes, tuple) and len(in_axes) != len(args):
         raise ValueError(
             f"{name} in_axes must have one entry per positional argument, but "
@@ -394,7 +406,10 @@ def _flatten_inputs(name: str, in_axes: Any, args: tuple, kwargs: dict) -> tuple
     paths = []
     for path, _ in path_leaves:
         head, rest = path[0], path[1:]
-        root = "args" if head.idx == 0 else "kwargs"  # pyright: ignore
+        if head.idx == 0 and arg_names is not None:  # pyright: ignore
+            root, rest = arg_names[rest[0].idx], rest[1:]  # pyright: ignore
+        else:
+            root = "args" if head.idx == 0 else "kwargs"  # pyright: ignore
         paths.append(root + jax.tree_util.keystr(rest))
     leaves = [leaf for _, leaf in path_leaves]
     axes = [

@@ -296,7 +296,9 @@ class _Chunking:
         def call(args: tuple, kwargs: dict) -> Any:
             inner = ft.partial(_inner, out_axes=out_axes)
             in_axes = (None, dyn_axes, None)
-            return mapper(inner, args, kwargs, in_axes, _core_out_axes, core)
+            # Messages name the user's arguments: `args` is (fun, dynamic, static).
+            names = ("fun", "args", "args")
+            return mapper(inner, args, kwargs, in_axes, _core_out_axes, core, names)
 
         def build():
             return call if options.shard else _cache.EagerCache(call)

@@ -218,3 +218,45 @@ def test_batch_map_errors_name_batch_map():
         match=r"^batch_map xs maps xs\['a'\] along axis 0, but it is a scalar",
     ):
         batch_map(lambda c: c, {"a": jnp.float32(1.0)}, 2)
+
+
+def test_size_errors_name_the_users_arguments():
+    from chunkvmap import per_example_grads
+
+    loss = per_example_grads(
+        lambda w, x, y: jnp.sum(w * x * y), batch_argnums=(1, 2), batch_size=2
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"per_example_grads got inconsistent sizes(.|\n)*"
+        r"  args\[1\] of shape \(5, 3\)(.|\n)*  args\[2\] of shape \(4, 3\)",
+    ):
+        loss(jnp.ones(3), jnp.ones((5, 3)), jnp.ones((4, 3)))
+
+
+def test_filter_batch_vmap_size_errors_name_the_users_arguments():
+    eqx = pytest.importorskip("equinox")
+    from chunkvmap.eqx import filter_batch_vmap
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    models = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 2, key=k))(keys)
+    with pytest.raises(
+        ValueError,
+        match=r"filter_batch_vmap got inconsistent sizes(.|\n)*"
+        r"  args\[0\]\.weight of shape \(4, 2, 3\)(.|\n)*  args\[1\] of shape \(5, 3\)",
+    ):
+        filter_batch_vmap(lambda m, x: m(x), batch_size=2)(models, jnp.ones((5, 3)))
+
+
+@pytest.mark.parametrize("alias", ["batch_size", "chunk_size"])
+def test_static_errors_are_raised_when_built_naming_the_argument(alias):
+    from chunkvmap import batch_jacfwd, batch_map, batch_vectorize, per_example_grads
+
+    with pytest.raises(ValueError, match=f"per_example_grads {alias}='auto' is not"):
+        per_example_grads(jnp.sum, **{alias: "auto"}, shard=True)
+    with pytest.raises(ValueError, match=f"batch_jacfwd {alias} must be a positive"):
+        batch_jacfwd(jnp.sin, **{alias: 0})
+    with pytest.raises(ValueError, match=f"batch_vectorize memory_limit=.* {alias}=2"):
+        batch_vectorize(jnp.sin, **{alias: 2}, memory_limit="1MiB")
+    with pytest.raises(ValueError, match="batch_map strip_dim0=True .* needs " + alias):
+        batch_map(lambda c: c, jnp.ones(3), strip_dim0=True, **{alias: 2})
