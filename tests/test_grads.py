@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,30 @@ def reference_clipped(fun, params, args, clip, in_axes=(None, 0, 0)):
     )
     scale = jnp.minimum(1.0, clip / norms)
     total = jax.tree.map(lambda g: jnp.einsum("n,n...->...", scale, g), grads)
+    return total, norms
+
+
+def hand_clipped_sum(fun, clip, args, in_axes, argnums=0, **kwargs):
+    """DP-SGD's clipped sum written out: jax.vmap(jax.grad), clip, sum.
+
+    Each example's gradient g_i (all leaves of the `argnums` arguments) is scaled by
+    min(1, clip / ||g_i||) and the scaled gradients are summed. The norm and the scale
+    are written with the double-`where` idiom so that this reference itself has finite
+    derivatives where g_i = 0 (it can then be differentiated to check second order).
+    Returns the sum (structured like `jax.grad(fun, argnums)`) and the N norms.
+    """
+    grads = jax.vmap(jax.grad(ft.partial(fun, **kwargs), argnums), in_axes)(*args)
+    squares = sum(
+        jnp.sum(jnp.abs(g.reshape(g.shape[0], -1)) ** 2, 1)
+        for g in jax.tree.leaves(grads)
+    )
+    positive = squares > 0
+    norms = jnp.where(positive, jnp.sqrt(jnp.where(positive, squares, 1)), 0)
+    clipped = norms > clip
+    scale = jnp.where(clipped, clip / jnp.where(clipped, norms, 1), 1)
+    total = jax.tree.map(
+        lambda g: jnp.einsum("n,n...->...", scale.astype(g.dtype), g), grads
+    )
     return total, norms
 
 
@@ -185,8 +211,44 @@ def test_zero_gradients_are_nan_free_also_under_grad():
     total, _, norms = clipped_grad_sum(f, 1.0, batch_size=2, return_norms=True)(w, x)
     assert np.all(np.isfinite(total)) and np.all(np.isfinite(norms))
     np.testing.assert_allclose(norms[:2], 0.0)
+    expected, expected_norms = hand_clipped_sum(f, 1.0, (w, x), (None, 0))
+    tree_allclose(total, expected)
+    tree_allclose(norms, expected_norms)
     outer = jax.grad(lambda x: clipped_grad_sum(f, 1.0, batch_size=2)(w, x)[0].sum())(x)
     assert np.all(np.isfinite(outer))
+    # Second order against jax.grad of the hand-written clipped sum. The zero gradient
+    # at x = (1, 1) (w.x = 0) still has a nonzero derivative: 2 w sum(x) = (4, -4).
+    outer_ref = jax.grad(
+        lambda x: hand_clipped_sum(f, 1.0, (w, x), (None, 0))[0].sum()
+    )(x)
+    assert np.all(np.isfinite(outer_ref))
+    tree_allclose(outer, outer_ref)
+    np.testing.assert_allclose(outer[:2], [[0.0, 0.0], [4.0, -4.0]], atol=1e-6)
+
+
+@pytest.mark.parametrize("batch_size", [3, None])
+def test_second_order_through_the_clipped_sum(batch_size):
+    """jax.grad of the clipped sum (w.r.t. the examples and w.r.t. the clip norm),
+    against jax.grad of the hand-written clipped sum; 7 examples, some clipped."""
+    x, y = data(7)
+    clip = 12.0  # between the per-example norms (about 9 to 23): some clip, some not
+
+    def outer(x, clip):
+        total, _ = clipped_grad_sum(
+            loss, clip, batch_argnums=(1, 2), batch_size=batch_size
+        )(PARAMS, x, y)
+        return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(total))
+
+    def outer_ref(x, clip):
+        total, _ = hand_clipped_sum(loss, clip, (PARAMS, x, y), (None, 0, 0))
+        return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(total))
+
+    norms = hand_clipped_sum(loss, clip, (PARAMS, x, y), (None, 0, 0))[1]
+    assert 0 < int((norms > clip).sum()) < 7, norms
+    actual = jax.grad(outer, (0, 1))(x, clip)
+    expected = jax.grad(outer_ref, (0, 1))(x, clip)
+    assert np.abs(np.asarray(expected[0])).max() > 1e-2  # a nontrivial derivative
+    tree_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 # Absolute tolerance of the clipped sum (entries up to ~1.2, a sum of 7 clipped
