@@ -53,6 +53,12 @@ def hand_clipped_sum(fun, clip, args, in_axes, argnums=0, **kwargs):
     derivatives where g_i = 0 (it can then be differentiated to check second order).
     Returns the sum (structured like `jax.grad(fun, argnums)`) and the N norms.
     """
+    # Jitted: one compile instead of op-by-op dispatch (which is slow under grad).
+    return _hand_clipped_sum(fun, in_axes, argnums, clip, args, kwargs)
+
+
+@ft.partial(jax.jit, static_argnums=(0, 1, 2))
+def _hand_clipped_sum(fun, in_axes, argnums, clip, args, kwargs):
     grads = jax.vmap(jax.grad(ft.partial(fun, **kwargs), argnums), in_axes)(*args)
     squares = sum(
         jnp.sum(jnp.abs(g.reshape(g.shape[0], -1)) ** 2, 1)
@@ -425,3 +431,194 @@ def test_traced_clip_norm():
         )[0]
     )(0.5)
     tree_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------
+# clipped_grad_sum options, each against the hand-written jax.vmap(jax.grad) + clip +
+# sum. Inputs are NumPy-built; clip 1.0 is below every norm here, clip 12.0 between.
+
+
+def np_data(n, dtype=np.float32, seed=3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, SIZES[0])).astype(dtype)
+    y = rng.normal(size=(n, SIZES[-1])).astype(dtype)
+    return x, y
+
+
+def check_clipped(out, expected, n, *, rtol=1e-5, atol=1e-5):
+    """`out` = (sum, count, norms) against `expected` = (sum, norms)."""
+    total, count, norms = out
+    tree_allclose(total, expected[0], rtol=rtol, atol=atol)
+    tree_allclose(norms, expected[1], rtol=rtol, atol=atol)
+    assert count.dtype == jnp.int32 and int(count) == n
+
+
+@pytest.mark.parametrize("argnums", [(0, 3), (-1, 0)])
+def test_clipped_sum_with_several_argnums(argnums):
+    x, y = np_data(7)
+    bias = np.linspace(-0.5, 0.5, SIZES[-1], dtype=np.float32)
+
+    def f(params, x, y, bias):
+        return jnp.sum((mlp(params, x) + bias - y) ** 2)
+
+    out = clipped_grad_sum(
+        f,
+        12.0,
+        argnums=argnums,
+        batch_argnums=(1, 2),
+        batch_size=3,
+        return_norms=True,
+    )(PARAMS, x, y, bias)
+    resolved = tuple(a % 4 for a in argnums)
+    expected = hand_clipped_sum(
+        f, 12.0, (PARAMS, x, y, bias), (None, 0, 0, None), argnums=resolved
+    )
+    check_clipped(out, expected, 7)
+    assert isinstance(out[0], tuple) and len(out[0]) == 2
+    assert out[0][resolved.index(3)].shape == bias.shape  # in the order of argnums
+    # The norm is global over both arguments: it differs from the params-only norm.
+    alone = hand_clipped_sum(f, 12.0, (PARAMS, x, y, bias), (None, 0, 0, None))[1]
+    assert np.all(np.asarray(expected[1]) > np.asarray(alone) + 1e-3)
+
+
+def test_clipped_sum_keyword_arguments_are_broadcast():
+    n = 6
+    x, y = np_data(n)
+    # Leading axis of size N: a mapped keyword argument would give another result.
+    offset = np.linspace(-1.0, 1.0, n * SIZES[-1], dtype=np.float32).reshape(n, -1)
+
+    def f(params, x, y, *, offset, scale):
+        return scale * jnp.sum((mlp(params, x) + offset.mean(0) - y) ** 2)
+
+    for batch_size in (4, None):
+        out = clipped_grad_sum(
+            f, 12.0, batch_argnums=(1, 2), batch_size=batch_size, return_norms=True
+        )(PARAMS, x, y, offset=offset, scale=0.5)
+        expected = hand_clipped_sum(
+            f, 12.0, (PARAMS, x, y), (None, 0, 0), offset=offset, scale=0.5
+        )
+        check_clipped(out, expected, n)
+    # Another value of a keyword argument is not a cached constant.
+    out = clipped_grad_sum(
+        f, 12.0, batch_argnums=(1, 2), batch_size=4, return_norms=True
+    )(PARAMS, x, y, offset=-offset, scale=2.0)
+    expected = hand_clipped_sum(
+        f, 12.0, (PARAMS, x, y), (None, 0, 0), offset=-offset, scale=2.0
+    )
+    check_clipped(out, expected, n)
+
+
+def test_clipped_sum_in_float64():
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda p: jnp.asarray(np.asarray(p, np.float64)), PARAMS)
+        x, y = np_data(7, np.float64)
+        out = clipped_grad_sum(
+            loss, 12.0, batch_argnums=(1, 2), batch_size=3, return_norms=True
+        )(params, x, y)
+        expected = hand_clipped_sum(loss, 12.0, (params, x, y), (None, 0, 0))
+        assert all(g.dtype == jnp.float64 for g in jax.tree.leaves(out[0]))
+        assert out[2].dtype == jnp.float64  # norms accumulated in double precision
+        # Agreement far beyond float32 (eps 1.2e-7): the whole computation is double.
+        check_clipped(out, expected, 7, rtol=1e-12, atol=1e-12)
+
+
+def complex_loss(w, x, y):
+    """A real loss of complex parameters (jax.grad gives the conjugate gradient)."""
+    z = x.astype(w.dtype) @ w
+    return jnp.sum(jnp.abs(z - y.astype(w.dtype)) ** 2)
+
+
+def complex_params(dtype):
+    rng = np.random.default_rng(5)
+    shape = (SIZES[0], SIZES[-1])
+    return (rng.normal(size=shape) + 1j * rng.normal(size=shape)).astype(dtype)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_clipped_sum_of_complex_parameters(x64):
+    """The norm of a complex gradient is sqrt(sum |g|^2), accumulated in float32 for
+    complex64 and in float64 for complex128."""
+    dtype, real, tol = (
+        (np.complex128, jnp.float64, 1e-12)
+        if x64
+        else (np.complex64, jnp.float32, 1e-5)
+    )
+    with jax.enable_x64(x64):
+        w = jnp.asarray(complex_params(dtype))
+        x, y = np_data(7, np.float64 if x64 else np.float32)
+        out = clipped_grad_sum(
+            complex_loss, 12.0, batch_argnums=(1, 2), batch_size=3, return_norms=True
+        )(w, x, y)
+        expected = hand_clipped_sum(complex_loss, 12.0, (w, x, y), (None, 0, 0))
+        assert out[0].dtype == dtype and out[2].dtype == real
+        assert 0 < int((expected[1] > 12.0).sum()) < 7  # some clipped, some not
+        check_clipped(out, expected, 7, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "remat", [False, jax.checkpoint_policies.dots_saveable], ids=["False", "policy"]
+)
+def test_clipped_sum_remat_options_under_grad(remat):
+    x, y = np_data(7)
+
+    def outer(fn, x):
+        total = fn(x)
+        return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(total))
+
+    def chunked(x):
+        return clipped_grad_sum(
+            loss, 12.0, batch_argnums=(1, 2), batch_size=3, remat=remat
+        )(PARAMS, x, y)[0]
+
+    def reference(x):
+        return hand_clipped_sum(loss, 12.0, (PARAMS, x, y), (None, 0, 0))[0]
+
+    tree_allclose(chunked(x), reference(x), rtol=1e-5, atol=1e-5)
+    tree_allclose(
+        jax.grad(ft.partial(outer, chunked))(x),
+        jax.grad(ft.partial(outer, reference))(x),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("n, batch_size", [(7, 3), (8, 4)])
+def test_clipped_sum_reports_progress(n, batch_size):
+    x, y = np_data(n)
+    calls = []
+    f = clipped_grad_sum(
+        loss,
+        12.0,
+        batch_argnums=(1, 2),
+        batch_size=batch_size,
+        return_norms=True,
+        progress=lambda done, total: calls.append((done, total)),
+    )
+    out = jax.block_until_ready(f(PARAMS, x, y))
+    jax.effects_barrier()
+    chunks = -(-n // batch_size)
+    assert calls == [(k, chunks) for k in range(1, chunks + 1)]
+    check_clipped(out, hand_clipped_sum(loss, 12.0, (PARAMS, x, y), (None, 0, 0)), n)
+
+
+MESH = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@pytest.mark.parametrize("n", [13, 16])
+def test_clipped_sum_sharded_over_an_explicit_mesh(n):
+    x, y = np_data(n)
+    f = clipped_grad_sum(
+        loss,
+        12.0,
+        batch_argnums=(1, 2),
+        batch_size=2,
+        return_norms=True,
+        shard=True,
+        mesh=MESH,
+    )
+    out = f(PARAMS, x, y)
+    expected = hand_clipped_sum(loss, 12.0, (PARAMS, x, y), (None, 0, 0))
+    # Per-device sums are added in another order than one vmap's sum.
+    check_clipped(out, expected, n)
+    assert 0 < int((expected[1] > 12.0).sum()) < n
+    tree_allclose(jax.jit(f)(PARAMS, x, y), out, rtol=1e-6, atol=1e-6)
