@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -44,6 +45,24 @@ class TraceCounter:
     def __call__(self, *args, **kwargs):
         self.count += 1
         return self.f(*args, **kwargs)
+
+
+def jaxpr_eqns(jaxpr) -> list:
+    """Every equation of `jaxpr`, recursively: also those in the sub-jaxprs held in
+    equation parameters (scan and while bodies, cond branches, jit, remat,
+    custom_jvp/vjp calls, ...), depth first."""
+    if isinstance(jaxpr, jax.extend.core.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(
+                    sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)
+                ):
+                    found.extend(jaxpr_eqns(sub))
+    return found
 
 
 def init_mlp(key, sizes):

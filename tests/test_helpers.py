@@ -1,10 +1,11 @@
 """The test helpers themselves: a lenient helper would hide failures everywhere."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .helpers import tree_allclose
+from .helpers import jaxpr_eqns, tree_allclose
 
 
 def test_bfloat16_tolerance_applies_to_its_own_leaf_only():
@@ -31,3 +32,19 @@ def test_structure_shape_and_dtype_must_match():
         tree_allclose(x, np.ones(3, np.float16))
     with pytest.raises(AssertionError):
         tree_allclose(np.arange(3), np.arange(3) + 1)
+
+
+def test_jaxpr_eqns_walks_into_every_sub_jaxpr():
+    @jax.jit
+    def inner(v):
+        return jax.lax.cond(v.sum() > 0, jnp.sin, jnp.cos, v)
+
+    def body(carry, v):
+        return carry + jax.checkpoint(inner)(v), None
+
+    jaxpr = jax.make_jaxpr(lambda xs: jax.lax.scan(body, xs[0], xs)[0])(
+        np.ones((4, 2), np.float32)
+    )
+    names = [e.primitive.name for e in jaxpr_eqns(jaxpr)]
+    assert "sin" not in [e.primitive.name for e in jaxpr.eqns]  # only nested
+    assert names.count("sin") == 1 and names.count("cos") == 1, names
