@@ -35,6 +35,58 @@ def temp_bytes(f, *args) -> int:
     return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+def record_auto_searches(monkeypatch) -> list[dict]:
+    """Record every `batch_size="auto"` search: its N (`size`), budget (`limit`), the
+    probes it measured (`seen`: batch size -> temp bytes) and its choice (`chosen`)."""
+    from chunkvmap import _memory
+
+    searches: list[dict] = []
+    original = _memory.choose_batch_size
+
+    def spy(name, measure, size, limit):
+        seen: dict[int, int] = {}
+
+        def recording(b):
+            seen[b] = measure(b)
+            return seen[b]
+
+        chosen = original(name, recording, size, limit)
+        searches.append(dict(size=size, limit=limit, seen=seen, chosen=chosen))
+        return chosen
+
+    monkeypatch.setattr(_memory, "choose_batch_size", spy)
+    return searches
+
+
+def check_auto_choice(search: dict, chosen: int, n: int, budget: int, measure) -> None:
+    """What `batch_size="auto"` guarantees about its `chosen` size for `n` examples.
+
+    `measure(b)` is the compiled temp memory of the same program with the fixed int
+    `batch_size=b`. The search (`chunkvmap._memory.choose_batch_size`) returns the
+    largest probed size that fit, and stops only when that is N, when it fills >= 95%
+    of the budget, or when a larger probed size did not fit (or when its 8 probes are
+    spent, or when linear extrapolation from the first two probes says the next size
+    would not fit: neither happens in these tests, which then fail, as they should
+    for a search that gives up early). A search that returned, say, 1 fails here.
+    """
+    assert search["size"] == n and search["limit"] == budget, search
+    assert search["chosen"] == chosen, search
+    seen = search["seen"]
+    used = measure(chosen)
+    assert used <= budget, (chosen, used, budget)
+    # It measured the very program that then runs with batch_size=chosen.
+    assert seen.get(chosen) == used, (chosen, used, seen)
+    fitting = [b for b, m in seen.items() if m <= budget]
+    assert chosen == max(fitting), seen
+    larger_failed = any(b > chosen and m > budget for b, m in seen.items())
+    assert chosen == n or used >= 0.95 * budget or larger_failed, (chosen, seen)
+    # Not needlessly small, measured independently: temp memory grows with the chunk
+    # size (about affinely), so a chunk twice as large (or all N) does not fit.
+    if chosen < n:
+        bigger = min(n, 2 * chosen)
+        assert measure(bigger) > budget, (chosen, bigger, measure(bigger), budget)
+
+
 class TraceCounter:
     """Wraps a function and counts how often JAX traces (calls) it in Python."""
 

@@ -13,7 +13,14 @@ import pytest
 
 from chunkvmap import clipped_grad_sum, per_example_grads
 
-from .helpers import init_mlp, mlp, temp_bytes, tree_allclose
+from .helpers import (
+    check_auto_choice,
+    init_mlp,
+    mlp,
+    record_auto_searches,
+    temp_bytes,
+    tree_allclose,
+)
 
 
 SIZES = [4, 8, 3]
@@ -409,17 +416,32 @@ def test_python_float_fields_are_constants_like_filter_grad():
     tree_allclose(out, expected)
 
 
-def test_auto_batch_size_is_chosen_once_and_reported():
+@pytest.mark.parametrize("limit", [256 * 2**10, 16 * 2**10])  # fits N; fits 31
+def test_auto_batch_size_is_chosen_once_and_reported(limit, monkeypatch):
     from chunkvmap import last_batch_size
 
+    searches = record_auto_searches(monkeypatch)
     x, y = data(64)
     f = clipped_grad_sum(
-        loss, 1.0, batch_argnums=(1, 2), batch_size="auto", memory_limit="256KiB"
+        loss, 1.0, batch_argnums=(1, 2), batch_size="auto", memory_limit=limit
     )
     expected, _ = reference_clipped(loss, PARAMS, (x, y), 1.0)
     for _ in range(2):
         tree_allclose(f(PARAMS, x, y)[0], expected, rtol=1e-5, atol=1e-5)
     assert 1 <= last_batch_size(f) <= 64
+    (search,) = searches  # chosen once: the second call reuses the choice
+    check_auto_choice(
+        search,
+        last_batch_size(f),
+        64,
+        limit,
+        lambda b: temp_bytes(
+            clipped_grad_sum(loss, 1.0, batch_argnums=(1, 2), batch_size=b),
+            PARAMS,
+            x,
+            y,
+        ),
+    )
 
 
 def test_traced_clip_norm():
