@@ -604,7 +604,7 @@ def test_clipped_sum_remat_options_under_grad(remat):
     )
 
 
-@pytest.mark.parametrize("n, batch_size", [(7, 3), (8, 4)])
+@pytest.mark.parametrize("n, batch_size", [(7, 3)])  # 3 chunks, the last a window
 def test_clipped_sum_reports_progress(n, batch_size):
     x, y = np_data(n)
     calls = []
@@ -626,7 +626,7 @@ def test_clipped_sum_reports_progress(n, batch_size):
 MESH = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-@pytest.mark.parametrize("n", [13, 16])
+@pytest.mark.parametrize("n", [13])  # 8 devices: 1 example each, then 5 on one
 def test_clipped_sum_sharded_over_an_explicit_mesh(n):
     x, y = np_data(n)
     f = clipped_grad_sum(
