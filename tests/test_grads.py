@@ -416,7 +416,7 @@ def test_python_float_fields_are_constants_like_filter_grad():
     tree_allclose(out, expected)
 
 
-@pytest.mark.parametrize("limit", [256 * 2**10, 16 * 2**10])  # fits N; fits 31
+@pytest.mark.parametrize("limit", [16 * 2**10])  # all 64 examples do not fit
 def test_auto_batch_size_is_chosen_once_and_reported(limit, monkeypatch):
     from chunkvmap import last_batch_size
 
@@ -512,18 +512,19 @@ def test_clipped_sum_keyword_arguments_are_broadcast():
     def f(params, x, y, *, offset, scale):
         return scale * jnp.sum((mlp(params, x) + offset.mean(0) - y) ** 2)
 
-    for batch_size in (4, None):
-        out = clipped_grad_sum(
-            f, 12.0, batch_argnums=(1, 2), batch_size=batch_size, return_norms=True
-        )(PARAMS, x, y, offset=offset, scale=0.5)
-        expected = hand_clipped_sum(
-            f, 12.0, (PARAMS, x, y), (None, 0, 0), offset=offset, scale=0.5
+    chunked = {
+        b: clipped_grad_sum(
+            f, 12.0, batch_argnums=(1, 2), batch_size=b, return_norms=True
         )
-        check_clipped(out, expected, n)
-    # Another value of a keyword argument is not a cached constant.
-    out = clipped_grad_sum(
-        f, 12.0, batch_argnums=(1, 2), batch_size=4, return_norms=True
-    )(PARAMS, x, y, offset=-offset, scale=2.0)
+        for b in (4, None)
+    }
+    expected = hand_clipped_sum(
+        f, 12.0, (PARAMS, x, y), (None, 0, 0), offset=offset, scale=0.5
+    )
+    for g in chunked.values():
+        check_clipped(g(PARAMS, x, y, offset=offset, scale=0.5), expected, n)
+    # Another value of a keyword argument, same function: not a cached constant.
+    out = chunked[4](PARAMS, x, y, offset=-offset, scale=2.0)
     expected = hand_clipped_sum(
         f, 12.0, (PARAMS, x, y), (None, 0, 0), offset=-offset, scale=2.0
     )
@@ -595,10 +596,10 @@ def test_clipped_sum_remat_options_under_grad(remat):
     def reference(x):
         return hand_clipped_sum(loss, 12.0, (PARAMS, x, y), (None, 0, 0))[0]
 
-    tree_allclose(chunked(x), reference(x), rtol=1e-5, atol=1e-5)
+    # remat matters under differentiation only: value and gradient in one go.
     tree_allclose(
-        jax.grad(ft.partial(outer, chunked))(x),
-        jax.grad(ft.partial(outer, reference))(x),
+        jax.value_and_grad(ft.partial(outer, chunked))(x),
+        jax.value_and_grad(ft.partial(outer, reference))(x),
         rtol=1e-5,
         atol=1e-5,
     )
@@ -643,4 +644,3 @@ def test_clipped_sum_sharded_over_an_explicit_mesh(n):
     # Per-device sums are added in another order than one vmap's sum.
     check_clipped(out, expected, n)
     assert 0 < int((expected[1] > 12.0).sum()) < n
-    tree_allclose(jax.jit(f)(PARAMS, x, y), out, rtol=1e-6, atol=1e-6)
