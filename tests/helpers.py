@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,11 +20,12 @@ def tree_allclose(actual: Any, expected: Any, *, rtol=1e-5, atol=1e-6) -> None:
         if jnp.issubdtype(jnp.result_type(a), jax.dtypes.prng_key):
             a, e = jax.random.key_data(a), jax.random.key_data(e)
         a, e = np.asarray(a), np.asarray(e)
+        leaf_rtol, leaf_atol = rtol, atol  # loosened for this leaf only
         if a.dtype == jnp.bfloat16:
             a, e = a.astype(np.float32), e.astype(np.float32)
-            rtol, atol = max(rtol, 1e-2), max(atol, 1e-2)
+            leaf_rtol, leaf_atol = max(rtol, 1e-2), max(atol, 1e-2)
         if np.issubdtype(a.dtype, np.inexact):
-            np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+            np.testing.assert_allclose(a, e, rtol=leaf_rtol, atol=leaf_atol)
         else:
             np.testing.assert_array_equal(a, e)
 
@@ -31,6 +33,58 @@ def tree_allclose(actual: Any, expected: Any, *, rtol=1e-5, atol=1e-6) -> None:
 def temp_bytes(f, *args) -> int:
     """XLA's compiled estimate of the temporary memory of `jax.jit(f)(*args)`."""
     return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def record_auto_searches(monkeypatch) -> list[dict]:
+    """Record every `batch_size="auto"` search: its N (`size`), budget (`limit`), the
+    probes it measured (`seen`: batch size -> temp bytes) and its choice (`chosen`)."""
+    from chunkvmap import _memory
+
+    searches: list[dict] = []
+    original = _memory.choose_batch_size
+
+    def spy(name, measure, size, limit):
+        seen: dict[int, int] = {}
+
+        def recording(b):
+            seen[b] = measure(b)
+            return seen[b]
+
+        chosen = original(name, recording, size, limit)
+        searches.append(dict(size=size, limit=limit, seen=seen, chosen=chosen))
+        return chosen
+
+    monkeypatch.setattr(_memory, "choose_batch_size", spy)
+    return searches
+
+
+def check_auto_choice(search: dict, chosen: int, n: int, budget: int, measure) -> None:
+    """What `batch_size="auto"` guarantees about its `chosen` size for `n` examples.
+
+    `measure(b)` is the compiled temp memory of the same program with the fixed int
+    `batch_size=b`. The search (`chunkvmap._memory.choose_batch_size`) returns the
+    largest probed size that fit, and stops only when that is N, when it fills >= 95%
+    of the budget, or when a larger probed size did not fit (or when its 8 probes are
+    spent, or when linear extrapolation from the first two probes says the next size
+    would not fit: neither happens in these tests, which then fail, as they should
+    for a search that gives up early). A search that returned, say, 1 fails here.
+    """
+    assert search["size"] == n and search["limit"] == budget, search
+    assert search["chosen"] == chosen, search
+    seen = search["seen"]
+    used = measure(chosen)
+    assert used <= budget, (chosen, used, budget)
+    # It measured the very program that then runs with batch_size=chosen.
+    assert seen.get(chosen) == used, (chosen, used, seen)
+    fitting = [b for b, m in seen.items() if m <= budget]
+    assert chosen == max(fitting), seen
+    larger_failed = any(b > chosen and m > budget for b, m in seen.items())
+    assert chosen == n or used >= 0.95 * budget or larger_failed, (chosen, seen)
+    # Not needlessly small, measured independently: temp memory grows with the chunk
+    # size (about affinely), so a chunk twice as large (or all N) does not fit.
+    if chosen < n:
+        bigger = min(n, 2 * chosen)
+        assert measure(bigger) > budget, (chosen, bigger, measure(bigger), budget)
 
 
 class TraceCounter:
@@ -43,6 +97,24 @@ class TraceCounter:
     def __call__(self, *args, **kwargs):
         self.count += 1
         return self.f(*args, **kwargs)
+
+
+def jaxpr_eqns(jaxpr) -> list:
+    """Every equation of `jaxpr`, recursively: also those in the sub-jaxprs held in
+    equation parameters (scan and while bodies, cond branches, jit, remat,
+    custom_jvp/vjp calls, ...), depth first."""
+    if isinstance(jaxpr, jax.extend.core.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    found = []
+    for eqn in jaxpr.eqns:
+        found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(
+                    sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)
+                ):
+                    found.extend(jaxpr_eqns(sub))
+    return found
 
 
 def init_mlp(key, sizes):

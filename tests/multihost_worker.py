@@ -22,6 +22,7 @@ jax.distributed.initialize(
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 from chunkvmap import batch_vmap  # noqa: E402
 
@@ -37,15 +38,41 @@ params = {
 assert jax.device_count() == 2 * num_processes, jax.devices()
 assert jax.local_device_count() == 2
 
-failures = []
+
+def check_every_shard(out, expected, rtol=1e-5, atol=1e-5):
+    """Each of this process's shards against the single-process reference at its
+    index, and the whole global array (gathered from both processes)."""
+    expected = np.asarray(expected)
+    assert out.shape == expected.shape, (out.shape, expected.shape)
+    assert len(out.addressable_shards) == jax.local_device_count()
+    for shard in out.addressable_shards:
+        np.testing.assert_allclose(
+            np.asarray(shard.data), expected[shard.index], rtol=rtol, atol=atol
+        )
+    gathered = multihost_utils.process_allgather(out, tiled=True)
+    np.testing.assert_allclose(np.asarray(gathered), expected, rtol=rtol, atol=atol)
+
+
 for n in (13, 16):  # with a global remainder (13 % 4 = 1), and divisible
     x = jnp.linspace(-2.0, 2.0, n * 3, dtype=jnp.float32).reshape(n, 3)
     expected = np.asarray(jax.vmap(f, (None, 0))(params, x))  # single-process answer
     out = batch_vmap(f, (None, 0), batch_size=2, shard=True)(params, x)
-    for shard in out.addressable_shards:  # replicated or sharded: check what we hold
-        np.testing.assert_allclose(np.asarray(shard.data), expected[shard.index], 1e-5)
+    check_every_shard(out, expected, atol=0)
     if n % 4:
         assert out.sharding.is_fully_replicated
+    else:
+        # Stays split over the 4 devices of both processes: 4 disjoint blocks of
+        # n / 4 rows, two of them held here.
+        assert not out.sharding.is_fully_replicated, out.sharding
+        blocks = out.sharding.devices_indices_map(out.shape)
+        assert len(blocks) == 4, blocks
+        rows = sorted((index[0].indices(n)[:2], index[1:]) for index in blocks.values())
+        assert [r for r, _ in rows] == [(0, 4), (4, 8), (8, 12), (12, 16)], rows
+        assert all(rest in ((), (slice(None),)) for _, rest in rows), rows
+        for shard in out.addressable_shards:
+            assert shard.data.shape == (n // 4, 2), shard.data.shape
+        held = sorted(s.index[0].indices(n)[0] for s in out.addressable_shards)
+        assert len(set(held)) == 2, held  # two different blocks, not one copied
     total = batch_vmap(
         f,
         (None, 0),
@@ -54,17 +81,14 @@ for n in (13, 16):  # with a global remainder (13 % 4 = 1), and divisible
         reduction=jnp.add,
         chunk_reduction=lambda y: y.sum(0),
     )(params, x)
-    np.testing.assert_allclose(
-        np.asarray(total.addressable_data(0)), expected.sum(0), rtol=1e-5, atol=1e-5
-    )
+    check_every_shard(total, expected.sum(0))
     grad = jax.grad(
         lambda p: batch_vmap(f, (None, 0), batch_size=3, shard=True)(p, x).sum()
     )(params)
     grad_ref = jax.grad(lambda p: jax.vmap(f, (None, 0))(p, x).sum())(params)
+    assert jax.tree.structure(grad) == jax.tree.structure(grad_ref)
     for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_ref)):
-        np.testing.assert_allclose(
-            np.asarray(a.addressable_data(0)), np.asarray(b), rtol=1e-5, atol=1e-5
-        )
+        check_every_shard(a, b)
 
 # progress=: one report per chunk of the device at mesh index 0 (process 0 owns it),
 # nothing from the other process.

@@ -9,7 +9,14 @@ import pytest
 import chunkvmap
 from chunkvmap import _memory, batch_map, batch_vmap, last_batch_size
 
-from .helpers import init_mlp, mlp, temp_bytes, tree_allclose
+from .helpers import (
+    check_auto_choice,
+    init_mlp,
+    mlp,
+    record_auto_searches,
+    temp_bytes,
+    tree_allclose,
+)
 
 
 PARAMS = init_mlp(jax.random.key(0), (32, 256, 256, 10))
@@ -17,7 +24,8 @@ X = jnp.linspace(-1.0, 1.0, 2000 * 32, dtype=jnp.float32).reshape(2000, 32)
 
 
 @pytest.mark.parametrize("limit", ["256KiB", "1MiB", 3_000_000])
-def test_chosen_size_fits_the_budget_by_the_same_estimate(limit):
+def test_chosen_size_fits_the_budget_by_the_same_estimate(limit, monkeypatch):
+    searches = record_auto_searches(monkeypatch)
     fn = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit=limit)
     tree_allclose(fn(PARAMS, X), jax.vmap(mlp, (None, 0))(PARAMS, X), rtol=1e-5)
     chosen = last_batch_size(fn)
@@ -32,13 +40,24 @@ def test_chosen_size_fits_the_budget_by_the_same_estimate(limit):
             temp_bytes(batch_vmap(mlp, (None, 0), batch_size=bigger), PARAMS, X)
             > budget
         )
+    (search,) = searches
+    check_auto_choice(
+        search,
+        chosen,
+        X.shape[0],
+        budget,
+        lambda b: temp_bytes(batch_vmap(mlp, (None, 0), batch_size=b), PARAMS, X),
+    )
 
 
-def test_generous_budget_picks_everything():
+def test_generous_budget_picks_everything(monkeypatch):
+    searches = record_auto_searches(monkeypatch)
     fn = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit="1GiB")
     fn(PARAMS, X)
     assert last_batch_size(fn) == X.shape[0]
     assert last_batch_size() == X.shape[0]
+    (search,) = searches
+    assert search["seen"][X.shape[0]] <= 2**30  # all N was measured, and fits
 
 
 def test_budget_too_small_for_one_example():
@@ -68,15 +87,13 @@ def test_choice_is_cached_per_shapes(monkeypatch):
     assert len(calls) > probes
 
 
-def test_auto_under_jit_grad_and_with_reduction():
+def test_auto_under_jit_grad_and_with_reduction(monkeypatch):
+    searches = record_auto_searches(monkeypatch)
+    reduce = dict(reduction=jnp.add, chunk_reduction=lambda y: (y**2).sum(0))
+
     def loss(p):
         fn = batch_vmap(
-            mlp,
-            (None, 0),
-            batch_size="auto",
-            memory_limit="512KiB",
-            reduction=jnp.add,
-            chunk_reduction=lambda y: (y**2).sum(0),
+            mlp, (None, 0), batch_size="auto", memory_limit="512KiB", **reduce
         )
         return fn(p, X).sum()
 
@@ -87,15 +104,37 @@ def test_auto_under_jit_grad_and_with_reduction():
         jax.jit(jax.grad(loss))(PARAMS), jax.grad(ref)(PARAMS), rtol=1e-4, atol=2e-4
     )
     assert 1 <= last_batch_size() < X.shape[0]
+    # The search measures the forward chunked program (with its reduction) that the
+    # traced call runs; its guarantee holds for that program with a fixed size.
+    (search,) = searches
+    check_auto_choice(
+        search,
+        last_batch_size(),
+        X.shape[0],
+        512 * 2**10,
+        lambda b: temp_bytes(
+            batch_vmap(mlp, (None, 0), batch_size=b, **reduce), PARAMS, X
+        ),
+    )
 
 
-def test_batch_map_auto():
+def test_batch_map_auto(monkeypatch):
+    searches = record_auto_searches(monkeypatch)
+
     def fun(chunk):
         return jnp.tanh(chunk @ PARAMS[1][0][:32, :])
 
     out = batch_map(fun, X, "auto", memory_limit="300KiB")
     tree_allclose(out, fun(X), rtol=1e-5)
     assert 1 <= last_batch_size(fun) <= X.shape[0]
+    (search,) = searches
+    check_auto_choice(
+        search,
+        last_batch_size(fun),
+        X.shape[0],
+        300 * 2**10,
+        lambda b: temp_bytes(lambda xs: batch_map(fun, xs, b), X),
+    )
 
 
 @pytest.mark.parametrize(
@@ -155,13 +194,25 @@ def test_last_batch_size_of_unknown_function_is_none():
     assert chunkvmap.last_batch_size(batch_vmap(mlp, batch_size=3)) is None
 
 
-def test_batch_map_auto_with_a_builtin_function():
+def test_batch_map_auto_with_a_builtin_function(monkeypatch):
+    searches = record_auto_searches(monkeypatch)
     out = batch_map(jnp.sin, X, "auto", memory_limit="1MiB")
     tree_allclose(out, jnp.sin(X))
     assert last_batch_size() is not None
+    (search,) = searches
+    # An elementwise function needs next to no temporary memory: all N fit.
+    assert last_batch_size() == X.shape[0]
+    check_auto_choice(
+        search,
+        last_batch_size(),
+        X.shape[0],
+        2**20,
+        lambda b: temp_bytes(lambda xs: batch_map(jnp.sin, xs, b), X),
+    )
 
 
-def test_auto_cache_accounts_for_static_arguments():
+def test_auto_cache_accounts_for_static_arguments(monkeypatch):
+    searches = record_auto_searches(monkeypatch)
     x = jnp.ones((256, 64), jnp.float32)
 
     def g(a, n):
@@ -176,3 +227,14 @@ def test_auto_cache_accounts_for_static_arguments():
     assert large_n < small_n
     used = temp_bytes(lambda a: batch_vmap(g, (0, None), batch_size=large_n)(a, 256), x)
     assert used <= 4 * 2**20
+    assert len(searches) == 2  # one search per static value
+    for search, n, chosen in zip(searches, (4, 256), (small_n, large_n)):
+        check_auto_choice(
+            search,
+            chosen,
+            256,
+            4 * 2**20,
+            lambda b, n=n: temp_bytes(
+                lambda a: batch_vmap(g, (0, None), batch_size=b)(a, n), x
+            ),
+        )

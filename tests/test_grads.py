@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,14 @@ import pytest
 
 from chunkvmap import clipped_grad_sum, per_example_grads
 
-from .helpers import init_mlp, mlp, temp_bytes, tree_allclose
+from .helpers import (
+    check_auto_choice,
+    init_mlp,
+    mlp,
+    record_auto_searches,
+    temp_bytes,
+    tree_allclose,
+)
 
 
 SIZES = [4, 8, 3]
@@ -39,6 +48,36 @@ def reference_clipped(fun, params, args, clip, in_axes=(None, 0, 0)):
     )
     scale = jnp.minimum(1.0, clip / norms)
     total = jax.tree.map(lambda g: jnp.einsum("n,n...->...", scale, g), grads)
+    return total, norms
+
+
+def hand_clipped_sum(fun, clip, args, in_axes, argnums=0, **kwargs):
+    """DP-SGD's clipped sum written out: jax.vmap(jax.grad), clip, sum.
+
+    Each example's gradient g_i (all leaves of the `argnums` arguments) is scaled by
+    min(1, clip / ||g_i||) and the scaled gradients are summed. The norm and the scale
+    are written with the double-`where` idiom so that this reference itself has finite
+    derivatives where g_i = 0 (it can then be differentiated to check second order).
+    Returns the sum (structured like `jax.grad(fun, argnums)`) and the N norms.
+    """
+    # Jitted: one compile instead of op-by-op dispatch (which is slow under grad).
+    return _hand_clipped_sum(fun, in_axes, argnums, clip, args, kwargs)
+
+
+@ft.partial(jax.jit, static_argnums=(0, 1, 2))
+def _hand_clipped_sum(fun, in_axes, argnums, clip, args, kwargs):
+    grads = jax.vmap(jax.grad(ft.partial(fun, **kwargs), argnums), in_axes)(*args)
+    squares = sum(
+        jnp.sum(jnp.abs(g.reshape(g.shape[0], -1)) ** 2, 1)
+        for g in jax.tree.leaves(grads)
+    )
+    positive = squares > 0
+    norms = jnp.where(positive, jnp.sqrt(jnp.where(positive, squares, 1)), 0)
+    clipped = norms > clip
+    scale = jnp.where(clipped, clip / jnp.where(clipped, norms, 1), 1)
+    total = jax.tree.map(
+        lambda g: jnp.einsum("n,n...->...", scale.astype(g.dtype), g), grads
+    )
     return total, norms
 
 
@@ -185,8 +224,56 @@ def test_zero_gradients_are_nan_free_also_under_grad():
     total, _, norms = clipped_grad_sum(f, 1.0, batch_size=2, return_norms=True)(w, x)
     assert np.all(np.isfinite(total)) and np.all(np.isfinite(norms))
     np.testing.assert_allclose(norms[:2], 0.0)
+    expected, expected_norms = hand_clipped_sum(f, 1.0, (w, x), (None, 0))
+    tree_allclose(total, expected)
+    tree_allclose(norms, expected_norms)
     outer = jax.grad(lambda x: clipped_grad_sum(f, 1.0, batch_size=2)(w, x)[0].sum())(x)
     assert np.all(np.isfinite(outer))
+    # Second order against jax.grad of the hand-written clipped sum. The zero gradient
+    # at x = (1, 1) (w.x = 0) still has a nonzero derivative: 2 w sum(x) = (4, -4).
+    outer_ref = jax.grad(
+        lambda x: hand_clipped_sum(f, 1.0, (w, x), (None, 0))[0].sum()
+    )(x)
+    assert np.all(np.isfinite(outer_ref))
+    tree_allclose(outer, outer_ref)
+    np.testing.assert_allclose(outer[:2], [[0.0, 0.0], [4.0, -4.0]], atol=1e-6)
+
+
+@pytest.mark.parametrize("batch_size", [3, None])
+def test_second_order_through_the_clipped_sum(batch_size):
+    """jax.grad of the clipped sum (w.r.t. the examples and w.r.t. the clip norm),
+    against jax.grad of the hand-written clipped sum; 7 examples, some clipped."""
+    x, y = data(7)
+    clip = 12.0  # between the per-example norms (about 9 to 23): some clip, some not
+
+    def outer(x, clip):
+        total, _ = clipped_grad_sum(
+            loss, clip, batch_argnums=(1, 2), batch_size=batch_size
+        )(PARAMS, x, y)
+        return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(total))
+
+    def outer_ref(x, clip):
+        total, _ = hand_clipped_sum(loss, clip, (PARAMS, x, y), (None, 0, 0))
+        return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(total))
+
+    norms = hand_clipped_sum(loss, clip, (PARAMS, x, y), (None, 0, 0))[1]
+    assert 0 < int((norms > clip).sum()) < 7, norms
+    actual = jax.grad(outer, (0, 1))(x, clip)
+    expected = jax.grad(outer_ref, (0, 1))(x, clip)
+    assert np.abs(np.asarray(expected[0])).max() > 1e-2  # a nontrivial derivative
+    tree_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+# Absolute tolerance of the clipped sum (entries up to ~1.2, a sum of 7 clipped
+# gradients) and relative tolerance of the norms (~9-23), against a float32 reference
+# on the same rounded inputs: float32 differs only by summation order; float16 and
+# bfloat16 round every intermediate (eps 2**-11, 2**-8; measured errors 1.2e-3 and
+# 9.5e-3 in the sum, 5e-4 and 4e-3 relative in the norms).
+DTYPE_TOLERANCES = {
+    jnp.bfloat16: (3e-2, 1e-2),
+    jnp.float16: (5e-3, 2e-3),
+    jnp.float32: (1e-6, 1e-5),
+}
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
@@ -199,11 +286,14 @@ def test_keeps_parameter_dtypes(dtype):
     )(params, x, y)
     assert all(g.dtype == dtype for g in jax.tree.leaves(total))
     assert norms.dtype == jnp.float32
-    expected, _ = reference_clipped(
-        loss, PARAMS, (x.astype(jnp.float32), y.astype(jnp.float32)), 1.0
-    )
+    # The reference in float32 from the very (rounded) values the chunked sum saw.
+    wide = jax.tree.map(lambda a: a.astype(jnp.float32), (params, x, y))
+    expected, expected_norms = reference_clipped(loss, wide[0], wide[1:], 1.0)
+    atol, norm_rtol = DTYPE_TOLERANCES[dtype]
     for a, e in zip(jax.tree.leaves(total), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(np.float32(a), e, rtol=0.1, atol=0.1)
+        np.testing.assert_allclose(np.float32(a), e, rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(norms, expected_norms, rtol=norm_rtol)
+    assert np.all(np.asarray(expected_norms) > 1.0)  # every example was clipped
 
 
 def test_equinox_and_flax_parameters():
@@ -326,17 +416,32 @@ def test_python_float_fields_are_constants_like_filter_grad():
     tree_allclose(out, expected)
 
 
-def test_auto_batch_size_is_chosen_once_and_reported():
+@pytest.mark.parametrize("limit", [16 * 2**10])  # all 64 examples do not fit
+def test_auto_batch_size_is_chosen_once_and_reported(limit, monkeypatch):
     from chunkvmap import last_batch_size
 
+    searches = record_auto_searches(monkeypatch)
     x, y = data(64)
     f = clipped_grad_sum(
-        loss, 1.0, batch_argnums=(1, 2), batch_size="auto", memory_limit="256KiB"
+        loss, 1.0, batch_argnums=(1, 2), batch_size="auto", memory_limit=limit
     )
     expected, _ = reference_clipped(loss, PARAMS, (x, y), 1.0)
     for _ in range(2):
         tree_allclose(f(PARAMS, x, y)[0], expected, rtol=1e-5, atol=1e-5)
     assert 1 <= last_batch_size(f) <= 64
+    (search,) = searches  # chosen once: the second call reuses the choice
+    check_auto_choice(
+        search,
+        last_batch_size(f),
+        64,
+        limit,
+        lambda b: temp_bytes(
+            clipped_grad_sum(loss, 1.0, batch_argnums=(1, 2), batch_size=b),
+            PARAMS,
+            x,
+            y,
+        ),
+    )
 
 
 def test_traced_clip_norm():
@@ -348,3 +453,194 @@ def test_traced_clip_norm():
         )[0]
     )(0.5)
     tree_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------
+# clipped_grad_sum options, each against the hand-written jax.vmap(jax.grad) + clip +
+# sum. Inputs are NumPy-built; clip 1.0 is below every norm here, clip 12.0 between.
+
+
+def np_data(n, dtype=np.float32, seed=3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, SIZES[0])).astype(dtype)
+    y = rng.normal(size=(n, SIZES[-1])).astype(dtype)
+    return x, y
+
+
+def check_clipped(out, expected, n, *, rtol=1e-5, atol=1e-5):
+    """`out` = (sum, count, norms) against `expected` = (sum, norms)."""
+    total, count, norms = out
+    tree_allclose(total, expected[0], rtol=rtol, atol=atol)
+    tree_allclose(norms, expected[1], rtol=rtol, atol=atol)
+    assert count.dtype == jnp.int32 and int(count) == n
+
+
+@pytest.mark.parametrize("argnums", [(0, 3), (-1, 0)])
+def test_clipped_sum_with_several_argnums(argnums):
+    x, y = np_data(7)
+    bias = np.linspace(-0.5, 0.5, SIZES[-1], dtype=np.float32)
+
+    def f(params, x, y, bias):
+        return jnp.sum((mlp(params, x) + bias - y) ** 2)
+
+    out = clipped_grad_sum(
+        f,
+        12.0,
+        argnums=argnums,
+        batch_argnums=(1, 2),
+        batch_size=3,
+        return_norms=True,
+    )(PARAMS, x, y, bias)
+    resolved = tuple(a % 4 for a in argnums)
+    expected = hand_clipped_sum(
+        f, 12.0, (PARAMS, x, y, bias), (None, 0, 0, None), argnums=resolved
+    )
+    check_clipped(out, expected, 7)
+    assert isinstance(out[0], tuple) and len(out[0]) == 2
+    assert out[0][resolved.index(3)].shape == bias.shape  # in the order of argnums
+    # The norm is global over both arguments: it differs from the params-only norm.
+    alone = hand_clipped_sum(f, 12.0, (PARAMS, x, y, bias), (None, 0, 0, None))[1]
+    assert np.all(np.asarray(expected[1]) > np.asarray(alone) + 1e-3)
+
+
+def test_clipped_sum_keyword_arguments_are_broadcast():
+    n = 6
+    x, y = np_data(n)
+    # Leading axis of size N: a mapped keyword argument would give another result.
+    offset = np.linspace(-1.0, 1.0, n * SIZES[-1], dtype=np.float32).reshape(n, -1)
+
+    def f(params, x, y, *, offset, scale):
+        return scale * jnp.sum((mlp(params, x) + offset.mean(0) - y) ** 2)
+
+    chunked = {
+        b: clipped_grad_sum(
+            f, 12.0, batch_argnums=(1, 2), batch_size=b, return_norms=True
+        )
+        for b in (4, None)
+    }
+    expected = hand_clipped_sum(
+        f, 12.0, (PARAMS, x, y), (None, 0, 0), offset=offset, scale=0.5
+    )
+    for g in chunked.values():
+        check_clipped(g(PARAMS, x, y, offset=offset, scale=0.5), expected, n)
+    # Another value of a keyword argument, same function: not a cached constant.
+    out = chunked[4](PARAMS, x, y, offset=-offset, scale=2.0)
+    expected = hand_clipped_sum(
+        f, 12.0, (PARAMS, x, y), (None, 0, 0), offset=-offset, scale=2.0
+    )
+    check_clipped(out, expected, n)
+
+
+def test_clipped_sum_in_float64():
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda p: jnp.asarray(np.asarray(p, np.float64)), PARAMS)
+        x, y = np_data(7, np.float64)
+        out = clipped_grad_sum(
+            loss, 12.0, batch_argnums=(1, 2), batch_size=3, return_norms=True
+        )(params, x, y)
+        expected = hand_clipped_sum(loss, 12.0, (params, x, y), (None, 0, 0))
+        assert all(g.dtype == jnp.float64 for g in jax.tree.leaves(out[0]))
+        assert out[2].dtype == jnp.float64  # norms accumulated in double precision
+        # Agreement far beyond float32 (eps 1.2e-7): the whole computation is double.
+        check_clipped(out, expected, 7, rtol=1e-12, atol=1e-12)
+
+
+def complex_loss(w, x, y):
+    """A real loss of complex parameters (jax.grad gives the conjugate gradient)."""
+    z = x.astype(w.dtype) @ w
+    return jnp.sum(jnp.abs(z - y.astype(w.dtype)) ** 2)
+
+
+def complex_params(dtype):
+    rng = np.random.default_rng(5)
+    shape = (SIZES[0], SIZES[-1])
+    return (rng.normal(size=shape) + 1j * rng.normal(size=shape)).astype(dtype)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_clipped_sum_of_complex_parameters(x64):
+    """The norm of a complex gradient is sqrt(sum |g|^2), accumulated in float32 for
+    complex64 and in float64 for complex128."""
+    dtype, real, tol = (
+        (np.complex128, jnp.float64, 1e-12)
+        if x64
+        else (np.complex64, jnp.float32, 1e-5)
+    )
+    with jax.enable_x64(x64):
+        w = jnp.asarray(complex_params(dtype))
+        x, y = np_data(7, np.float64 if x64 else np.float32)
+        out = clipped_grad_sum(
+            complex_loss, 12.0, batch_argnums=(1, 2), batch_size=3, return_norms=True
+        )(w, x, y)
+        expected = hand_clipped_sum(complex_loss, 12.0, (w, x, y), (None, 0, 0))
+        assert out[0].dtype == dtype and out[2].dtype == real
+        assert 0 < int((expected[1] > 12.0).sum()) < 7  # some clipped, some not
+        check_clipped(out, expected, 7, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "remat", [False, jax.checkpoint_policies.dots_saveable], ids=["False", "policy"]
+)
+def test_clipped_sum_remat_options_under_grad(remat):
+    x, y = np_data(7)
+
+    def outer(fn, x):
+        total = fn(x)
+        return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(total))
+
+    def chunked(x):
+        return clipped_grad_sum(
+            loss, 12.0, batch_argnums=(1, 2), batch_size=3, remat=remat
+        )(PARAMS, x, y)[0]
+
+    def reference(x):
+        return hand_clipped_sum(loss, 12.0, (PARAMS, x, y), (None, 0, 0))[0]
+
+    # remat matters under differentiation only: value and gradient in one go.
+    tree_allclose(
+        jax.value_and_grad(ft.partial(outer, chunked))(x),
+        jax.value_and_grad(ft.partial(outer, reference))(x),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("n, batch_size", [(7, 3)])  # 3 chunks, the last a window
+def test_clipped_sum_reports_progress(n, batch_size):
+    x, y = np_data(n)
+    calls = []
+    f = clipped_grad_sum(
+        loss,
+        12.0,
+        batch_argnums=(1, 2),
+        batch_size=batch_size,
+        return_norms=True,
+        progress=lambda done, total: calls.append((done, total)),
+    )
+    out = jax.block_until_ready(f(PARAMS, x, y))
+    jax.effects_barrier()
+    chunks = -(-n // batch_size)
+    assert calls == [(k, chunks) for k in range(1, chunks + 1)]
+    check_clipped(out, hand_clipped_sum(loss, 12.0, (PARAMS, x, y), (None, 0, 0)), n)
+
+
+MESH = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@pytest.mark.parametrize("n", [13])  # 8 devices: 1 example each, then 5 on one
+def test_clipped_sum_sharded_over_an_explicit_mesh(n):
+    x, y = np_data(n)
+    f = clipped_grad_sum(
+        loss,
+        12.0,
+        batch_argnums=(1, 2),
+        batch_size=2,
+        return_norms=True,
+        shard=True,
+        mesh=MESH,
+    )
+    out = f(PARAMS, x, y)
+    expected = hand_clipped_sum(loss, 12.0, (PARAMS, x, y), (None, 0, 0))
+    # Per-device sums are added in another order than one vmap's sum.
+    check_clipped(out, expected, n)
+    assert 0 < int((expected[1] > 12.0).sum()) < n

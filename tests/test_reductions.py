@@ -2,11 +2,12 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from chunkvmap import batch_map, batch_vmap
 
-from .helpers import tree_allclose
+from .helpers import TraceCounter, jaxpr_eqns, tree_allclose
 
 
 def f(x):
@@ -160,15 +161,33 @@ def test_batch_map_reductions(b):
     tree_allclose(actual, jnp.exp(x).max(0))
 
 
-def test_reduction_is_traced_once_and_nothing_of_size_n_is_stacked():
-    """The folded carry has the summary's shape; no (N, ...) array is produced."""
-    x = jnp.ones((1000, 3), jnp.float32)
+@pytest.mark.parametrize("n", [1000, 1003])  # without and with a remainder
+def test_reduction_is_traced_once_and_nothing_of_size_n_is_stacked(n):
+    """f is traced once and appears once in the program (at any depth: scan body,
+    remat, cond, jit); no equation anywhere produces an (N, ...) array."""
+    x = np.ones((n, 3), np.float32)
+    counted = TraceCounter(f)
     fn = batch_vmap(
-        f, batch_size=10, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0)
+        counted, batch_size=10, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0)
     )
     jaxpr = jax.make_jaxpr(fn)(x)
-    shapes = {tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars}
-    assert not any(1000 in s for s in shapes), shapes
+    assert counted.count == 1
+    eqns = jaxpr_eqns(jaxpr)
+    assert sum(e.primitive.name == "sin" for e in eqns) == 1  # f's one sin
+    shapes = {tuple(v.aval.shape) for e in eqns for v in e.outvars}
+    assert (10, 3) in shapes, shapes  # the walk reached the chunk inside the loop
+    assert not any(n in s for s in shapes), shapes
+    # The walk does see a second copy: lax.map traces f for its remainder too.
+    if n % 10:
+        mapped = jax.make_jaxpr(lambda x: jax.lax.map(f, x, batch_size=10))(x)
+        assert sum(e.primitive.name == "sin" for e in jaxpr_eqns(mapped)) == 2
+    # Traced once under jit and under grad too (remat recomputes, not retraces).
+    counted = TraceCounter(f)
+    fn = batch_vmap(
+        counted, batch_size=10, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0)
+    )
+    jax.make_jaxpr(jax.jit(jax.grad(lambda x: fn(x).sum())))(x)
+    assert counted.count == 1
 
 
 def test_reduction_with_non_array_arguments():

@@ -1,0 +1,50 @@
+"""The test helpers themselves: a lenient helper would hide failures everywhere."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from .helpers import jaxpr_eqns, tree_allclose
+
+
+def test_bfloat16_tolerance_applies_to_its_own_leaf_only():
+    bf16 = jnp.array([1.0, 2.0], jnp.bfloat16)
+    f32 = np.array([1.0, 2.0], np.float32)
+    off = f32 * np.float32(1.001)  # 1e-3 relative error: too much for float32
+    # A bfloat16 leaf is compared at 1e-2 ...
+    tree_allclose(bf16 * jnp.bfloat16(1.0078125), bf16)
+    # ... but a float32 leaf after it keeps the float32 tolerance.
+    with pytest.raises(AssertionError):
+        tree_allclose([bf16, off], [bf16, f32])
+    with pytest.raises(AssertionError):
+        tree_allclose({"a": bf16, "b": off}, {"a": bf16, "b": f32})
+    tree_allclose([bf16, f32], [bf16, f32])
+
+
+def test_structure_shape_and_dtype_must_match():
+    x = np.ones(3, np.float32)
+    with pytest.raises(AssertionError, match="structure"):
+        tree_allclose([x], (x,))
+    with pytest.raises(AssertionError):
+        tree_allclose(x, np.ones(4, np.float32))
+    with pytest.raises(AssertionError):
+        tree_allclose(x, np.ones(3, np.float16))
+    with pytest.raises(AssertionError):
+        tree_allclose(np.arange(3), np.arange(3) + 1)
+
+
+def test_jaxpr_eqns_walks_into_every_sub_jaxpr():
+    @jax.jit
+    def inner(v):
+        return jax.lax.cond(v.sum() > 0, jnp.sin, jnp.cos, v)
+
+    def body(carry, v):
+        return carry + jax.checkpoint(inner)(v), None
+
+    jaxpr = jax.make_jaxpr(lambda xs: jax.lax.scan(body, xs[0], xs)[0])(
+        np.ones((4, 2), np.float32)
+    )
+    names = [e.primitive.name for e in jaxpr_eqns(jaxpr)]
+    assert "sin" not in [e.primitive.name for e in jaxpr.eqns]  # only nested
+    assert names.count("sin") == 1 and names.count("cos") == 1, names
