@@ -50,12 +50,6 @@ _NAME = "chunkvmap.linen.batch_vmap"
 # Argument checks (when the transform is built).
 
 
-def _is_axis(x: Any) -> bool:
-    return x is None or (
-        isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-    )
-
-
 def _check_variable_axes(variable_axes: Any) -> tuple[dict, dict]:
     """`variable_axes` split into `{filter: axis}` for the way in and the way out."""
     if not isinstance(variable_axes, Mapping):
@@ -68,7 +62,7 @@ def _check_variable_axes(variable_axes: Any) -> tuple[dict, dict]:
     ins, outs = {}, {}
     for col, axis in variable_axes.items():
         inner = axis.axis if isinstance(axis, (In, Out)) else axis
-        if not _is_axis(inner):
+        if not _axes.is_axis(inner):
             raise TypeError(
                 f"{_NAME} variable_axes[{col!r}] must be an int, None, In(axis) or "
                 f"Out(axis), but got {axis!r} of type {type(axis).__name__}."
@@ -399,8 +393,7 @@ def batch_vmap(
     """
     _check_variable_axes(variable_axes)
     _check_split_rngs(split_rngs)
-    if isinstance(in_axes, list):  # as jax.vmap: a list reads as a tuple
-        in_axes = tuple(in_axes)
+    # As jax.vmap: a list reads as a tuple (check_axes_spec's top_level_tuple).
     in_axes = _axes.check_axes_spec(
         "in_axes", in_axes, top_level_tuple=True, transform=_NAME
     )

@@ -35,8 +35,8 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
         "(or `pip install flax`)."
     ) from e
 import jax
-import numpy as np
 
+from . import _axes
 from ._options import identity
 from ._stateful import StatefulMap
 
@@ -53,20 +53,14 @@ _MISSING = object()
 
 
 def _is_spec_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, nnx.StateAxes)
-
-
-def _is_axis(x: Any) -> bool:
-    return x is None or (
-        isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-    )
+    return _axes.is_none(x) or isinstance(x, nnx.StateAxes)
 
 
 def _check_spec(name: str, spec: Any) -> Any:
     if name == "in_axes" and isinstance(spec, list):  # as jax.vmap
         spec = tuple(spec)
     if name == "in_axes" and not (
-        _is_axis(spec) or isinstance(spec, (tuple, nnx.StateAxes))
+        _axes.is_axis(spec) or isinstance(spec, (tuple, nnx.StateAxes))
     ):
         raise TypeError(
             f"{_NAME} in_axes must be an int, None, nnx.StateAxes, or a tuple with "
@@ -78,13 +72,13 @@ def _check_spec(name: str, spec: Any) -> Any:
     ]:
         where = f"{name}{jax.tree_util.keystr(path)}"
         if isinstance(leaf, nnx.StateAxes):
-            bad = [a for a in leaf.axes if not _is_axis(a)]
+            bad = [a for a in leaf.axes if not _axes.is_axis(a)]
             if bad:
                 raise TypeError(
                     f"{_NAME} {where} is {leaf!r}: its axes must be ints or None, "
                     f"but it contains {bad[0]!r} (nnx.Carry is for nnx.scan)."
                 )
-        elif not _is_axis(leaf):
+        elif not _axes.is_axis(leaf):
             raise TypeError(
                 f"{_NAME} {name} must be an int, None, nnx.StateAxes, or a pytree "
                 f"prefix of those, but {where} is {leaf!r} of type "
