@@ -26,9 +26,7 @@ from typing import Any
 
 
 try:
-    from flax.core import lift, meta
-    from flax.core.frozen_dict import FrozenDict
-    from flax.linen import transforms as _transforms
+    from flax.linen import FrozenDict, meta
     from flax.typing import In, Out
 except ImportError as e:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
@@ -39,6 +37,7 @@ import jax
 import numpy as np
 
 from . import _axes
+from ._flax import lift_transform, pack
 from ._options import identity
 from ._stateful import StatefulMap
 
@@ -235,7 +234,7 @@ def _lifted(
             for c, s in zip(counters, saved):
                 _restore_counters(c, s)
 
-        packed = lift.pack(
+        packed = pack(
             ft.partial(body, restore),
             in_filters,
             out_filters,
@@ -425,7 +424,7 @@ def batch_vmap(
             f"{_NAME} target must be a linen Module class or a method, but got "
             f"{target!r} of type {type(target).__name__}."
         )
-    return _transforms.lift_transform(
+    return lift_transform(
         _lifted,
         target,
         variable_axes,
