@@ -160,6 +160,13 @@ def _mapped_length(
 
 
 def _check_in_axes_matches(in_axes: Any, args: tuple) -> None:
+    """The user's `in_axes` against the method's positional arguments.
+
+    Not left to the core: the core's own count check sees the tuple that `_lifted`
+    passes it (collections, RNG keys, arguments, keyword arguments), never the
+    user's `in_axes`, which also excludes the Module; without this check a mismatch
+    would surface as a pytree-prefix error from `_mapped_length`.
+    """
     if isinstance(in_axes, tuple) and len(in_axes) != len(args):
         raise ValueError(
             f"{_NAME} in_axes must have one entry per positional argument (after the "
