@@ -26,9 +26,7 @@ from typing import Any
 
 
 try:
-    from flax.core import lift, meta
-    from flax.core.frozen_dict import FrozenDict
-    from flax.linen import transforms as _transforms
+    from flax.linen import FrozenDict, meta
     from flax.typing import In, Out
 except ImportError as e:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
@@ -39,6 +37,7 @@ import jax
 import numpy as np
 
 from . import _axes
+from ._flax import lift_transform, pack
 from ._options import identity
 from ._stateful import StatefulMap
 
@@ -48,12 +47,6 @@ _NAME = "chunkvmap.linen.batch_vmap"
 
 # --------------------------------------------------------------------------------------
 # Argument checks (when the transform is built).
-
-
-def _is_axis(x: Any) -> bool:
-    return x is None or (
-        isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-    )
 
 
 def _check_variable_axes(variable_axes: Any) -> tuple[dict, dict]:
@@ -68,7 +61,7 @@ def _check_variable_axes(variable_axes: Any) -> tuple[dict, dict]:
     ins, outs = {}, {}
     for col, axis in variable_axes.items():
         inner = axis.axis if isinstance(axis, (In, Out)) else axis
-        if not _is_axis(inner):
+        if not _axes.is_axis(inner):
             raise TypeError(
                 f"{_NAME} variable_axes[{col!r}] must be an int, None, In(axis) or "
                 f"Out(axis), but got {axis!r} of type {type(axis).__name__}."
@@ -167,6 +160,13 @@ def _mapped_length(
 
 
 def _check_in_axes_matches(in_axes: Any, args: tuple) -> None:
+    """The user's `in_axes` against the method's positional arguments.
+
+    Not left to the core: the core's own count check sees the tuple that `_lifted`
+    passes it (collections, RNG keys, arguments, keyword arguments), never the
+    user's `in_axes`, which also excludes the Module; without this check a mismatch
+    would surface as a pytree-prefix error from `_mapped_length`.
+    """
     if isinstance(in_axes, tuple) and len(in_axes) != len(args):
         raise ValueError(
             f"{_NAME} in_axes must have one entry per positional argument (after the "
@@ -241,7 +241,7 @@ def _lifted(
             for c, s in zip(counters, saved):
                 _restore_counters(c, s)
 
-        packed = lift.pack(
+        packed = pack(
             ft.partial(body, restore),
             in_filters,
             out_filters,
@@ -399,8 +399,7 @@ def batch_vmap(
     """
     _check_variable_axes(variable_axes)
     _check_split_rngs(split_rngs)
-    if isinstance(in_axes, list):  # as jax.vmap: a list reads as a tuple
-        in_axes = tuple(in_axes)
+    # As jax.vmap: a list reads as a tuple (check_axes_spec's top_level_tuple).
     in_axes = _axes.check_axes_spec(
         "in_axes", in_axes, top_level_tuple=True, transform=_NAME
     )
@@ -432,7 +431,7 @@ def batch_vmap(
             f"{_NAME} target must be a linen Module class or a method, but got "
             f"{target!r} of type {type(target).__name__}."
         )
-    return _transforms.lift_transform(
+    return lift_transform(
         _lifted,
         target,
         variable_axes,

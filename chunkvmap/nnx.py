@@ -6,11 +6,11 @@ filter), runs `jax.vmap` on the pure function, and merges the state that comes o
 back into the caller's objects. This module does the same translation with
 `chunkvmap.batch_vmap` in place of `jax.vmap`:
 
-1. outside, `flax.nnx.extract.to_tree` splits every graph node argument into its
+1. outside, `flax.nnx.to_tree` splits every graph node argument into its
    graph definition and state, grouped by the filters of `nnx.StateAxes`;
 2. the core evaluates the pure function chunk by chunk; inside, the objects are
    rebuilt, `f` runs, and the state of the argument objects is split again;
-3. outside, `flax.nnx.extract.from_tree` merges the state that came back into the
+3. outside, `flax.nnx.from_tree` merges the state that came back into the
    caller's objects, so RNG counters, BatchNorm statistics and `nnx.Variable` writes
    made inside propagate exactly as with `nnx.vmap`.
 
@@ -28,15 +28,15 @@ from typing import Any, TypeVar, overload
 
 try:
     from flax import nnx
-    from flax.nnx import extract
 except ImportError as e:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
         "chunkvmap.nnx needs Flax: install it with `pip install chunkvmap[flax]` "
         "(or `pip install flax`)."
     ) from e
 import jax
-import numpy as np
 
+from . import _axes
+from ._flax import clear_non_graph_nodes, is_graph_node
 from ._options import identity
 from ._stateful import StatefulMap
 
@@ -53,20 +53,14 @@ _MISSING = object()
 
 
 def _is_spec_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, nnx.StateAxes)
-
-
-def _is_axis(x: Any) -> bool:
-    return x is None or (
-        isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-    )
+    return _axes.is_none(x) or isinstance(x, nnx.StateAxes)
 
 
 def _check_spec(name: str, spec: Any) -> Any:
     if name == "in_axes" and isinstance(spec, list):  # as jax.vmap
         spec = tuple(spec)
     if name == "in_axes" and not (
-        _is_axis(spec) or isinstance(spec, (tuple, nnx.StateAxes))
+        _axes.is_axis(spec) or isinstance(spec, (tuple, nnx.StateAxes))
     ):
         raise TypeError(
             f"{_NAME} in_axes must be an int, None, nnx.StateAxes, or a tuple with "
@@ -78,13 +72,13 @@ def _check_spec(name: str, spec: Any) -> Any:
     ]:
         where = f"{name}{jax.tree_util.keystr(path)}"
         if isinstance(leaf, nnx.StateAxes):
-            bad = [a for a in leaf.axes if not _is_axis(a)]
+            bad = [a for a in leaf.axes if not _axes.is_axis(a)]
             if bad:
                 raise TypeError(
                     f"{_NAME} {where} is {leaf!r}: its axes must be ints or None, "
                     f"but it contains {bad[0]!r} (nnx.Carry is for nnx.scan)."
                 )
-        elif not _is_axis(leaf):
+        elif not _axes.is_axis(leaf):
             raise TypeError(
                 f"{_NAME} {name} must be an int, None, nnx.StateAxes, or a pytree "
                 f"prefix of those, but {where} is {leaf!r} of type "
@@ -97,7 +91,7 @@ def _jax_axes(spec: Any) -> Any:
     """The spec with every `StateAxes` as the prefix of the `NodeStates` it covers."""
     return jax.tree.map(
         lambda x: (
-            extract.NodeStates.from_prefixes(x.axes, metadata=x)
+            nnx.NodeStates.from_prefixes(x.axes, metadata=x)
             if isinstance(x, nnx.StateAxes)
             else x
         ),
@@ -109,10 +103,10 @@ def _jax_axes(spec: Any) -> Any:
 def _split(ctx: Any, path: Any, prefix: Any, x: Any) -> Any:
     """Split a graph node into its state, one substate per filter of `prefix`."""
     if isinstance(prefix, nnx.StateAxes):
-        return extract.NodeStates.from_split(
+        return nnx.NodeStates.from_split(
             *ctx.split(x, *prefix.filters), metadata=prefix
         )
-    return extract.NodeStates.from_split(*ctx.split(x), metadata=prefix)
+    return nnx.NodeStates.from_split(*ctx.split(x), metadata=prefix)
 
 
 # --------------------------------------------------------------------------------------
@@ -183,9 +177,9 @@ def _resolve_kwargs(f: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
 
 def _check_no_graph_nodes(out: Any) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(
-        out, is_leaf=lambda x: isinstance(x, extract.NodeStates)
+        out, is_leaf=lambda x: isinstance(x, nnx.NodeStates)
     )[0]:
-        if isinstance(leaf, extract.NodeStates):
+        if isinstance(leaf, nnx.NodeStates):
             raise ValueError(
                 f"{_NAME} with a reduction folds f's outputs, which must then be "
                 f"arrays, but f returned a graph node (a Module, Rngs or Variable) at "
@@ -365,7 +359,7 @@ def batch_vmap(
         raise TypeError(
             f"{_NAME} f must be a callable, but got f={f!r} of type {type(f).__name__}."
         )
-    if inspect.ismethod(f) and nnx.graph.is_graph_node(f.__self__):
+    if inspect.ismethod(f) and is_graph_node(f.__self__):
         raise TypeError(
             f"{_NAME} does not take bound methods of graph nodes (as nnx.vmap): got "
             f"{f.__qualname__} bound to a {type(f.__self__).__name__}. Pass the "
@@ -390,10 +384,10 @@ def batch_vmap(
     jax_in_axes, jax_out_axes = _jax_axes(in_axes), _jax_axes(out_axes)
 
     def per_example(*pure_args: Any) -> tuple[Any, Any]:
-        args = extract.from_tree(pure_args, ctxtag=_TAG, is_inner=True)
+        args = nnx.from_tree(pure_args, ctxtag=_TAG, is_inner=True)
         out = f(*args)
-        args_out = extract.clear_non_graph_nodes(args)
-        pure_args_out, pure_out = extract.to_tree(
+        args_out = clear_non_graph_nodes(args)
+        pure_args_out, pure_out = nnx.to_tree(
             (args_out, out),
             prefix=(in_axes, out_axes),
             split_fn=_split,
@@ -407,14 +401,12 @@ def batch_vmap(
     @nnx.update_context(_TAG)
     def batched(*args: Any, **kwargs: Any) -> Any:
         args = _resolve_kwargs(f, args, kwargs)
-        pure_args = extract.to_tree(args, prefix=in_axes, split_fn=_split, ctxtag=_TAG)
+        pure_args = nnx.to_tree(args, prefix=in_axes, split_fn=_split, ctxtag=_TAG)
         pure_out, pure_args_out = options(
             per_example, pure_args, jax_in_axes, jax_out_axes, jax_in_axes
         )
         pure_args_out = _fill_unchanged(pure_args_out, pure_args)
-        _, out = extract.from_tree(
-            (pure_args_out, pure_out), ctxtag=_TAG, is_inner=False
-        )
+        _, out = nnx.from_tree((pure_args_out, pure_out), ctxtag=_TAG, is_inner=False)
         return out
 
     return batched
