@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
     ) from e
 import jax
 
-from . import _axes
+from . import _axes, _memory
 from ._flax import clear_non_graph_nodes, is_graph_node
 from ._options import identity
 from ._stateful import StatefulMap
@@ -381,6 +381,13 @@ def batch_vmap(
         memory_limit=memory_limit,
         progress=progress,
     )
+    return _transform(f, in_axes, out_axes, options)
+
+
+def _transform(f: Callable[..., Any], in_axes: Any, out_axes: Any, options: Any):
+    """The batched `f`: graph nodes in the arguments split to pure trees (as
+    `nnx.vmap` does), the pure function mapped by the core, state merged back."""
+    reduction = options.mapper.options.reduction
     jax_in_axes, jax_out_axes = _jax_axes(in_axes), _jax_axes(out_axes)
 
     def per_example(*pure_args: Any) -> tuple[Any, Any]:
@@ -409,6 +416,8 @@ def batch_vmap(
         _, out = nnx.from_tree((pure_args_out, pure_out), ctxtag=_TAG, is_inner=False)
         return out
 
+    if options.mapper.auto is not None:
+        _memory.register(batched, options.mapper.auto)
     return batched
 
 
