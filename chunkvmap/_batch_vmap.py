@@ -339,6 +339,13 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options):
     no_mapped_arg = all(a is None for a in dyn_axes)
     # Abstract evaluation under vmap (so collectives over axis_name resolve): it learns
     # the output structure and fills JAX's trace cache for the real evaluation.
+    dyn_leaves = [leaves[i] for i in dyn]
+    if _loop.sharding_in_types(dyn_leaves):
+        # Sharding types say nothing about the output structure, and jax.vmap
+        # rejects some that chunkvmap lays out itself (unmapped inputs sharded over
+        # the mesh axes of the mapped ones): learn it from plain shapes (the loop
+        # takes the sharding types of the values themselves).
+        dyn_leaves = [_plain_aval(x) for x in dyn_leaves]
     mapped_avals = jax.eval_shape(
         jax.vmap(
             f_flat,
@@ -347,7 +354,7 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options):
             axis_name=axis_name,
             axis_size=size if no_mapped_arg else None,
         ),
-        *[leaves[i] for i in dyn],
+        *dyn_leaves,
     )
     out_avals = [_loop.drop_leading(a) for a in mapped_avals]
     (out_tree,) = out_box
@@ -364,6 +371,11 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options):
         return vf(*[chunk_leaves[i] for i in dyn])
 
     return _loop.Body(options, chunk_fn, axes, out_tree, out_avals, out_axes_flat)
+
+
+def _plain_aval(x: Any) -> jax.ShapeDtypeStruct:
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def _flat_out_axes(name: str, out_axes: Any, out_tree: Any, out_avals: list) -> list:

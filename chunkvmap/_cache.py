@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _memory
+from . import _memory, _sharding
 
 
 MAX_ENTRIES = 32
@@ -78,11 +78,18 @@ class EagerCache:
             except TypeError:
                 return self.call(args, kwargs)
             static.append((i, type(x), x))
-        key = (treedef, tuple(static))
-        run = self.entries.get_or_build(key, lambda: self._compile(treedef, flat, dyn))
+        # The arrays' shardings are part of the key: a layout visible on them decides
+        # how the call is chunked (and they stay visible inside, see `_compile`).
+        shardings = tuple(getattr(flat[i], "sharding", None) for i in dyn)
+        key = (treedef, tuple(static), shardings)
+        run = self.entries.get_or_build(
+            key, lambda: self._compile(treedef, flat, dyn, shardings)
+        )
         return run(*[flat[i] for i in dyn])
 
-    def _compile(self, treedef: Any, flat: list, dyn: list[int]) -> Callable:
+    def _compile(
+        self, treedef: Any, flat: list, dyn: list[int], shardings: tuple
+    ) -> Callable:
         template = list(flat)
         for i in dyn:
             template[i] = None  # the arrays of this call are not kept alive
@@ -93,7 +100,8 @@ class EagerCache:
             for i, v in zip(dyn, values):
                 full[i] = v
             args, kwargs = jax.tree.unflatten(treedef, full)
-            return self.call(args, kwargs)
+            with _sharding.known_shardings(zip(values, shardings)):
+                return self.call(args, kwargs)
 
         return run
 

@@ -51,10 +51,25 @@ def evaluate(
     name = options.name
     if body.reduction is not None and inputs.size == 0:
         raise zero_examples(name)
-    if options.shard and inputs.size:
-        result = _sharding.evaluate(body, inputs, options)
+    lay = None
+    if inputs.size:
+        lay = _sharding.layout(
+            name, options.shard, options.mesh, inputs.paths, inputs.leaves, body.axes
+        )
+    if lay is not None and lay.size > 1:
+        if axis_name is not None:
+            raise ValueError(
+                f"{name} got axis_name={axis_name!r} with examples split over the "
+                f"mesh axes {lay.axes}: collectives over {axis_name!r} inside f would "
+                f"only see one device's examples. Drop axis_name, or gather the "
+                f"inputs first."
+            )
+        local = inputs.size // lay.size or inputs.size
+        batch = _batch_size(body, inputs, options, auto, local, lay)
+        result = _sharding.evaluate(body, inputs, options, lay, batch)
     else:
-        plan = choose_plan(body, inputs, options, auto)
+        batch = _batch_size(body, inputs, options, auto, inputs.size, None)
+        plan = _loop.make_plan(inputs.size, batch)
         if axis_name is not None and not plan.single:
             raise ValueError(
                 f"{name} got axis_name={axis_name!r} with {options.batch_arg}="
@@ -68,30 +83,37 @@ def evaluate(
     return result if body.reduction is not None else body.finish(result)
 
 
-def choose_plan(
+def _batch_size(
     body: _loop.Body,
     inputs: Inputs,
     options: ChunkOptions,
     auto: _memory.AutoBatch | None,
-) -> _loop.Plan:
-    """The plan for the options' batch size, searching it first when it is "auto"."""
-    batch_size = options.batch_size
-    if auto is not None:
-        batch_size = auto.choose(inputs.key, _measure(body, inputs), inputs.size)
-    return _loop.make_plan(inputs.size, batch_size)
+    size: int,
+    lay: Any,
+) -> int | None:
+    """The chunk size: the options', or for "auto" the largest whose program (over
+    `size` examples: each device's share when laid out) fits the budget."""
+    if auto is None:
+        return options.batch_size  # pyright: ignore[reportReturnType]
+    key = (inputs.key, lay, size)
+    return auto.choose(key, _measure(body, inputs, size), size)
 
 
-def _measure(body: _loop.Body, inputs: Inputs):
-    """`B -> compiled temp bytes` of the chunked program, on abstract inputs."""
+def _measure(body: _loop.Body, inputs: Inputs, size: int):
+    """`B -> compiled temp bytes` of the chunked program over `size` examples (one
+    device's program when `size` is its share), on abstract inputs."""
     abstract = []
     for i in inputs.dyn:
-        aval = jax.typeof(inputs.leaves[i])
+        aval, axis = jax.typeof(inputs.leaves[i]), body.axes[i]
+        shape = list(aval.shape)
+        if axis is not None:
+            shape[axis] = size
         abstract.append(
-            jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+            jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=aval.weak_type)
         )
 
     def measure(batch: int) -> int:
-        plan = _loop.make_plan(inputs.size, batch)
+        plan = _loop.make_plan(size, batch)
 
         def program(*values):
             full = list(inputs.leaves)

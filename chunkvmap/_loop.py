@@ -86,11 +86,40 @@ def take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length: 
 
 
 def zeros(shape: Sequence[int], aval: Any) -> Any:
-    """Zeros of `shape` with `aval`'s dtype, weakly typed when `aval` is."""
+    """Zeros of `shape` with `aval`'s dtype, weakly typed when `aval` is, and with its
+    sharding type when it has one (Explicit mesh axes) of the same rank."""
+    sharding = getattr(aval, "sharding", None)
+    if not (
+        isinstance(sharding, jax.sharding.NamedSharding)
+        and any(sharding.spec)
+        and len(shape) == len(aval.shape)
+    ):
+        sharding = None
     if getattr(aval, "weak_type", False):
         # A Python scalar keeps the weak type (weak types have the default width).
-        return lax.full(shape, np.zeros((), aval.dtype).item())
-    return lax.full(shape, 0, aval.dtype)
+        return lax.full(shape, np.zeros((), aval.dtype).item(), sharding=sharding)
+    return lax.full(shape, 0, aval.dtype, sharding=sharding)
+
+
+def sharding_in_types(leaves: Sequence[Any]) -> bool:
+    """Whether any of `leaves` is typed with a sharding over Explicit mesh axes (then
+    loop carries must be built with the types of the values, not of abstract
+    shapes)."""
+    for x in leaves:
+        if isinstance(x, jax.Array):
+            mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+            types = getattr(mesh, "axis_types", ())
+            if any(t == jax.sharding.AxisType.Explicit for t in types):
+                return True
+    return False
+
+
+def _chunk_aval(aval: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
+    """The type of a chunk of `length` outputs of per-example type `aval`."""
+    if axis is None:
+        return aval
+    shape = (*aval.shape[:axis], length, *aval.shape[axis:])
+    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def drop_leading(aval: Any) -> jax.ShapeDtypeStruct:
@@ -283,10 +312,19 @@ class Body:
         def evaluate(i):
             return chunk_fn(plan.chunk(leaves, axes, i), batch)
 
-        def full(aval, length=None, axis=None):
-            shape = aval.shape
+        # The types of one chunk's outputs (from the values themselves when they
+        # carry sharding types, so that loop carries match them).
+        if sharding_in_types(leaves):
+            chunk_avals = jax.eval_shape(evaluate, jnp.int32(0))
+        else:
+            chunk_avals = [
+                _chunk_aval(a, x, batch) for a, x in zip(out_avals, out_axes)
+            ]
+
+        def full(aval, axis=None):
+            shape = list(aval.shape)
             if axis is not None:
-                shape = (*shape[:axis], length, *shape[axis:])
+                shape[axis] = size
             return zeros(shape, aval)
 
         mapped = [k for k, a in enumerate(out_axes) if a is not None]
@@ -299,7 +337,7 @@ class Body:
                 report(i)
                 return [ys[k] for k in unmapped], [ys[k] for k in mapped]
 
-            init = [full(out_avals[k]) for k in unmapped]
+            init = [full(chunk_avals[k]) for k in unmapped]
             with jax.named_scope("chunkvmap"):
                 last, stacked = lax.scan(body, init, jnp.arange(plan.num_chunks))
             outs: list[Any] = [None] * len(out_axes)
@@ -320,7 +358,7 @@ class Body:
                 for b, y, axis in zip(buffers, ys, out_axes)
             ], None
 
-        buffers = [full(aval, size, axis) for aval, axis in zip(out_avals, out_axes)]
+        buffers = [full(aval, axis) for aval, axis in zip(chunk_avals, out_axes)]
         with jax.named_scope("chunkvmap"):
             buffers, _ = lax.scan(body, buffers, jnp.arange(plan.num_chunks))
         return buffers
@@ -341,9 +379,7 @@ class Body:
         assert self.reduction is not None
         chunk_fn, axes, out_axes = self.chunk_fn, self.axes, self.out_axes
         reduction = self.reduction
-        init = jax.tree.map(
-            lambda a: zeros(a.shape, a), self.summary_avals([plan.batch, plan.rem])
-        )
+        summary_avals = self.summary_avals([plan.batch, plan.rem])
 
         def summarise(ys: list[Any]) -> Any:
             return self.chunk_reduction(self.out_tree.unflatten(ys))
@@ -373,6 +409,10 @@ class Body:
             s = evaluate(i)
             report(i)
             return lax.cond(i == 0, lambda: s, lambda: fold(reduction, acc, s)), None
+
+        if sharding_in_types(leaves):  # the carry takes the summaries' own types
+            summary_avals = jax.eval_shape(evaluate, jnp.int32(0))
+        init = jax.tree.map(lambda a: zeros(a.shape, a), summary_avals)
 
         with jax.named_scope("chunkvmap"):
             acc, _ = lax.scan(body, init, jnp.arange(plan.num_chunks))

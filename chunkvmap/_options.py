@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from . import _axes, _memory, _progress
 
@@ -81,39 +81,48 @@ def _check_remat(name: str, remat: Any) -> Any:
     return remat
 
 
-def _check_shard(name: str, shard: Any, mesh: Any) -> None:
-    """Validate `shard` and `mesh` for the transform called `name`."""
-    if not isinstance(shard, bool):
+def _check_shard(name: str, shard: Any, mesh: Any) -> Any:
+    """`shard` as False, True or a tuple of mesh axis names, checked with `mesh`."""
+    if isinstance(shard, str):
+        shard = (shard,)
+    elif isinstance(shard, list):
+        shard = tuple(shard)
+    ok = isinstance(shard, bool) or (
+        isinstance(shard, tuple) and shard and all(isinstance(a, str) for a in shard)
+    )
+    if not ok:
         raise TypeError(
-            f"{name} shard must be a bool, but got shard={shard!r} of type "
-            f"{type(shard).__name__}."
+            f"{name} shard must be a bool, a mesh axis name, or a tuple of mesh axis "
+            f"names (the axes the examples are split over), but got shard={shard!r} "
+            f"of type {type(shard).__name__}."
         )
     if mesh is None:
-        return
+        return shard
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"{name} mesh must be a jax.sharding.Mesh or None, but got "
             f"mesh={mesh!r} of type {type(mesh).__name__}."
         )
-    if len(mesh.axis_names) != 1:
-        raise ValueError(
-            f"{name} needs a one-dimensional mesh, but got a mesh with "
-            f"{len(mesh.axis_names)} axes {mesh.axis_names} (shape "
-            f"{dict(mesh.shape)}). Build one with jax.make_mesh((n,), ('batch',), "
-            f"axis_types=(jax.sharding.AxisType.Auto,))."
-        )
-    (axis_type,) = mesh.axis_types
-    if axis_type != AxisType.Auto:
-        raise ValueError(
-            f"{name} needs a mesh whose axis has type AxisType.Auto, but axis "
-            f"{mesh.axis_names[0]!r} has type {axis_type}. Build the mesh with "
-            f"axis_types=(jax.sharding.AxisType.Auto,)."
-        )
-    if not shard:
+    if shard is False:
         raise ValueError(
             f"{name} got mesh={mesh!r} with shard=False: the mesh is only used "
-            f"to shard the mapped axis. Pass shard=True, or drop mesh."
+            f"to shard the mapped axis. Pass shard=True (a 1-D mesh) or the names of "
+            f"the axes to split the examples over, or drop mesh."
         )
+    names = tuple(mesh.axis_names)
+    if shard is True and len(names) != 1:
+        raise ValueError(
+            f"{name} got shard=True with a mesh of axes {names} (shape "
+            f"{dict(mesh.shape)}): name the axes the examples are split over, e.g. "
+            f"shard={names[0]!r} or shard={names}."
+        )
+    missing = [a for a in shard if a not in names] if shard is not True else []
+    if missing:
+        raise ValueError(
+            f"{name} got shard={shard!r}, but mesh has no axis "
+            f"{', '.join(map(repr, missing))}: its axes are {names}."
+        )
+    return shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +140,7 @@ class ChunkOptions:
     reduction: Callable[[Any, Any], Any] | None = None
     chunk_reduction: Callable[[Any], Any] = identity
     remat: Any = True
-    shard: bool = False
+    shard: bool | tuple[str, ...] = False
     mesh: Any = None
     memory_limit: int | None = None
     progress: Any = False
@@ -166,12 +175,7 @@ class ChunkOptions:
         check_callable(name, "reduction", reduction, allow_none=True)
         check_callable(name, "chunk_reduction", chunk_reduction)
         _check_remat(name, remat)
-        _check_shard(name, shard, mesh)
-        if shard and batch_size == "auto":
-            raise ValueError(
-                f"{name} {arg}='auto' is not supported with shard=True yet: pass an "
-                f"int {arg} (it bounds each device's chunks)."
-            )
+        shard = _check_shard(name, shard, mesh)
         limit = None
         if memory_limit is not None:
             if batch_size != "auto":
@@ -188,7 +192,7 @@ class ChunkOptions:
             reduction,
             chunk_reduction,
             remat,
-            bool(shard),
+            shard,
             mesh,
             limit,
             progress,
@@ -212,7 +216,7 @@ class ChunkOptions:
         return (
             self.batch_size is None
             and self.reduction is None
-            and not self.shard
+            and self.shard is False
             and self.reporter is None
         )
 

@@ -1,26 +1,47 @@
-"""`shard=True`: the mapped axis split over the devices of a 1-D mesh.
+"""Chunking that follows the data's sharding: who evaluates which examples.
 
-Layout of one sharded evaluation of N examples on a mesh of D devices:
+A call is *laid out* over some axes of a mesh (`Layout`) when the examples are split
+over them, either because the inputs say so or because the caller asks:
 
-* the divisible prefix (N - N % D examples) is split evenly: device k gets the
-  examples `[k L, (k + 1) L)` with `L = N // D`, and runs the ordinary chunked loop over
-  them (its own chunks of `batch_size`, its own local remainder window);
-* the global remainder (the last N % D < D examples) is evaluated once overall, by
-  device 0 (a `lax.cond` on the device index), not redundantly by every device;
-* stacked outputs of the prefix stay sharded along the mapped axis (no all-gather when
-  D divides N); with a global remainder the assembled output is replicated;
-* reduced outputs: each device folds its own chunks, then the D summaries (and the
-  remainder's) are folded in device order, so non-commutative reductions still see the
-  examples in order.
+* visible layouts: a mapped input whose mapped dimension is sharded over mesh axes,
+  seen in its type (`Explicit` axes, e.g. `jax.make_mesh`'s default, eager or under
+  `jit`) or on a concrete array (any axis type, eager calls; the eager cache passes the
+  concrete shardings of its arguments through `known_shardings`);
+* requested layouts: `shard=True` (the one axis of a 1-D mesh), `shard="data"` or
+  `shard=("a", "b")`, over `mesh=` or the ambient `jax.set_mesh` mesh (or, for
+  `shard=True` without either, one 1-D mesh over all devices). This is how `Auto`
+  meshes under `jit`, whose layout is not in the types, are chunked per device.
 
-Only JAX's own machinery is used: `jax.shard_map` over the mesh, `lax.axis_index`, and
-sharding constraints. The same code runs multi-host under `jax.distributed` (one
-process per host), since a mesh over `jax.devices()` spans every process.
+One laid-out evaluation of N examples over D devices (the product of the layout's axis
+sizes) is a `jax.shard_map` that is manual over the layout's axes only: the mesh's
+other axes (model parallelism) are left to the compiler or to the types, so parameters
+sharded over them stay sharded.
+
+* The divisible prefix (N - N % D examples) is split evenly: device k gets the examples
+  `[k L, (k + 1) L)` with `L = N // D` (where the inputs already are), and runs the
+  ordinary chunked loop over them (its own chunks of `batch_size`, its own remainder
+  window). Mapped inputs are never gathered; stacked outputs stay sharded along the
+  mapped axis, with the layout `jax.vmap` gives them.
+* The global remainder (N % D < D examples, `Auto` layouts only: an `Explicit` sharding
+  is always even) is evaluated once, by the first device (a `lax.cond` on the device
+  index); the inputs then arrive whole, and the assembled output is replicated.
+* Reduced outputs: each device folds its own chunks; the D summaries (and the
+  remainder's) are gathered (one summary per device) and folded in device order, so
+  non-commutative reductions still see the examples in order.
+* Unmapped inputs may be sharded any way; over the layout's axes they are gathered
+  (each device needs all of them).
+
+The same code runs multi-host under `jax.distributed` (one process per host), since a
+mesh over `jax.devices()` spans every process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +56,10 @@ from ._loop import fold, make_plan, zeros
 
 AXIS_NAME = "chunkvmap"
 _DEFAULT_MESHES: dict[tuple[Any, ...], Mesh] = {}
+# Concrete shardings of the arguments of a program being traced, by tracer id.
+_KNOWN: contextvars.ContextVar[dict[int, Any]] = contextvars.ContextVar(
+    "chunkvmap_known_shardings", default={}
+)
 
 
 def default_mesh() -> Mesh:
@@ -47,105 +72,156 @@ def default_mesh() -> Mesh:
     return mesh
 
 
-def resolve_mesh(name: str, mesh: Mesh | None) -> Mesh:
-    """The mesh to shard over: `mesh`, else the ambient one, else all devices.
+@contextlib.contextmanager
+def known_shardings(pairs: Iterable[tuple[Any, Any]]):
+    """While tracing a program for concrete arguments: `(tracer, sharding)` pairs, so
+    that a layout visible on the arguments stays visible inside."""
+    token = _KNOWN.set({**_KNOWN.get(), **{id(t): s for t, s in pairs}})
+    try:
+        yield
+    finally:
+        _KNOWN.reset(token)
 
-    An ambient mesh (`jax.set_mesh`) must be the mesh used, since `shard_map` inside
-    it must match it: a 1-D `Auto` ambient mesh is used when `mesh` is None; any other
-    ambient mesh is an error that says what to do.
-    """
-    ambient = jax.sharding.get_abstract_mesh()
-    if ambient.empty:
-        return default_mesh() if mesh is None else mesh
-    if mesh is not None:
-        if mesh.abstract_mesh == ambient:
-            return mesh
-        raise ValueError(
-            f"{name}(shard=True) was called under jax.set_mesh({ambient}), which "
-            f"differs from mesh={mesh}. Call it outside jax.set_mesh, or set that "
-            f"mesh as the ambient one."
+
+def _visible_sharding(x: Any) -> NamedSharding | None:
+    """The sharding of `x` as this call can see it (None when it cannot)."""
+    if isinstance(x, jax.core.Tracer):
+        known = _KNOWN.get().get(id(x))
+        sharding = known if known is not None else jax.typeof(x).sharding
+    elif isinstance(x, jax.Array):
+        sharding = x.sharding
+    else:
+        return None
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _dim_axes(spec: Any, dim: int) -> tuple[str, ...]:
+    """The mesh axes that dimension `dim` of a `PartitionSpec` is sharded over."""
+    entry = spec[dim] if dim < len(spec) else None
+    if entry is None or entry is P.UNCONSTRAINED:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The examples split over `axes` of `mesh` (a `Mesh` or `AbstractMesh`)."""
+
+    mesh: Any
+    axes: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        """D: the number of shares."""
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
+    @property
+    def explicit(self) -> bool:
+        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
+        return any(types[a] == AxisType.Explicit for a in self.axes)
+
+    def spec(self, axis: int | None) -> P:
+        """The in/out spec of a leaf mapped along `axis` (None: not mapped)."""
+        if axis is None:
+            return P()
+        entry = self.axes[0] if len(self.axes) == 1 else self.axes
+        return P(*([None] * axis), entry)
+
+
+def layout(
+    name: str,
+    shard: Any,
+    mesh: Any,
+    paths: Sequence[str],
+    leaves: Sequence[Any],
+    axes: Sequence[int | None],
+) -> Layout | None:
+    """The call's layout: requested by `shard`, else visible on the mapped inputs."""
+    if shard is not False:
+        return _requested(name, shard, mesh)
+    found: dict[tuple[Any, ...], list[str]] = {}
+    for path, x, axis in zip(paths, leaves, axes):
+        sharding = None if axis is None else _visible_sharding(x)
+        if sharding is None or sharding.mesh.size == 1:
+            continue
+        data = _dim_axes(sharding.spec, axis)
+        if data:
+            found.setdefault((sharding.mesh, data), []).append(path)
+    if not found:
+        return None
+    if len(found) > 1:
+        lines = "\n".join(
+            f"  {', '.join(ps)}: over {data} of a mesh {dict(m.shape)}"
+            for (m, data), ps in found.items()
         )
-    concrete = jax.sharding.get_mesh()
-    if (
-        isinstance(concrete, Mesh)
-        and len(concrete.axis_names) == 1
-        and concrete.axis_types[0] == AxisType.Auto
-    ):
-        return concrete
-    raise ValueError(
-        f"{name}(shard=True) was called under jax.set_mesh({ambient}); chunkvmap "
-        f"shards over a one-dimensional mesh whose axis has type AxisType.Auto. Call "
-        f"it outside jax.set_mesh, or set a 1-D Auto mesh (and pass it as mesh=)."
-    )
+        raise ValueError(
+            f"{name} got mapped inputs whose mapped axis is sharded differently, so "
+            f"it cannot follow their layout:\n{lines}\nReshard them to one layout "
+            f"(e.g. jax.sharding.reshard(x, P('data'))) before the call."
+        )
+    ((mesh, data),) = found
+    return Layout(mesh, data)
 
 
-def place_inputs(
-    name: str, mesh: Mesh, paths: Sequence[str], leaves: list[Any], axes: Sequence[Any]
-) -> list[Any]:
-    """Check (and, for concrete arrays, place) the inputs on the mesh.
-
-    Arrays typed with an `Explicit` sharding are an error (reshard them to an Auto
-    layout first). Concrete arrays committed to other devices are moved onto the mesh
-    with the layout the evaluation needs; arrays already laid out on the mesh are used
-    as they are. Traced inputs are placed by the enclosing `jit`.
-    """
-    mesh_devices = set(mesh.devices.flat)
-    placed = list(leaves)
-    for k, (path, x, axis) in enumerate(zip(paths, leaves, axes)):
-        if not isinstance(x, jax.Array):
-            continue
-        abstract_mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        types = getattr(abstract_mesh, "axis_types", ())
-        if any(t == AxisType.Explicit for t in types):
+def _requested(name: str, shard: Any, mesh: Any) -> Layout:
+    """The layout `shard=` asks for, over `mesh`, the ambient mesh or all devices."""
+    ambient = jax.sharding.get_abstract_mesh()
+    if mesh is None:
+        mesh = default_mesh() if ambient.empty else ambient
+    elif not ambient.empty and mesh.abstract_mesh != ambient:
+        raise ValueError(
+            f"{name}(shard={shard!r}) was called under jax.set_mesh({ambient}), which "
+            f"differs from mesh={mesh}. Call it outside jax.set_mesh, pass no mesh "
+            f"(the ambient one is used), or set that mesh as the ambient one."
+        )
+    names = tuple(mesh.axis_names)
+    if shard is True:
+        if len(names) != 1:
             raise ValueError(
-                f"{name}(shard=True) got {path} with an Explicit sharding "
-                f"({jax.typeof(x).str_short()}), but chunkvmap shards over an Auto "
-                f"mesh. Make the input Auto-typed first: inside `with "
-                f"jax.set_mesh(explicit_mesh)`, x = jax.sharding.reshard(x, P()), then "
-                f"call chunkvmap outside that block (or build the input on an Auto "
-                f"mesh)."
+                f"{name} got shard=True on a mesh with axes {names} (shape "
+                f"{dict(mesh.shape)}): name the axes the examples are split over, "
+                f"e.g. shard={names[0]!r} or shard={names}."
             )
-        if isinstance(x, jax.core.Tracer):
-            continue
-        if x.sharding.device_set != mesh_devices:
-            size = np.shape(x)[axis] if axis is not None else 0
-            spec = _spec(axis, mesh.axis_names[0]) if size % mesh.size == 0 else P()
-            placed[k] = jax.device_put(x, NamedSharding(mesh, spec))
-    return placed
+        return Layout(mesh, names)
+    missing = [a for a in shard if a not in names]
+    if missing:
+        raise ValueError(
+            f"{name} got shard={shard!r}, but the mesh has no axis "
+            f"{', '.join(map(repr, missing))}: its axes are {names}."
+        )
+    return Layout(mesh, tuple(shard))
 
 
-def _spec(axis: int | None, name: str) -> P:
-    return P() if axis is None else P(*([None] * axis), name)
-
-
-def evaluate(body: Any, inputs: Any, options: Any) -> Any:
-    """`body` (a `_loop.Body`) over `inputs` (a `_chunked.Inputs`), split over the
-    devices of the options' mesh as described in the module docstring: the flat stacked
-    outputs (mapped along `body.out_axes`), or the folded summary."""
-    mesh = resolve_mesh(options.name, options.mesh)
-    leaves = place_inputs(options.name, mesh, inputs.paths, inputs.leaves, body.axes)
-    name = mesh.axis_names[0]
-    size, dyn = inputs.size, inputs.dyn
-    num_devices = mesh.size
+def evaluate(body: Any, inputs: Any, options: Any, lay: Layout, batch: Any) -> Any:
+    """`body` (a `_loop.Body`) over `inputs` (a `_chunked.Inputs`), split over `lay`
+    as described in the module docstring, chunks of `batch` per device: the flat
+    stacked outputs (mapped along `body.out_axes`), or the folded summary."""
+    size, dyn, axes = inputs.size, inputs.dyn, lay.axes
+    num_devices = lay.size
     rem = size % num_devices
+    if rem and lay.explicit:
+        raise ValueError(
+            f"{options.name} cannot split {size} examples evenly over the "
+            f"{num_devices} devices of the Explicit mesh axes {axes}: an Explicit "
+            f"sharding must be even. Use a number of examples divisible by "
+            f"{num_devices}, or an Auto mesh (the remainder then runs on one device)."
+        )
     prefix = size - rem
     per_device = prefix // num_devices
     reduced = body.reduction is not None
-    dyn_axes = [body.axes[i] for i in dyn]
+    leaves = _prepare(options.name, lay, inputs.paths, inputs.leaves, body.axes, rem)
+    in_specs = [P() if rem else lay.spec(body.axes[i]) for i in dyn]
 
     def local(full: list[Any], n: int, offset: Any, report: bool) -> Any:
-        # Progress: only the device at mesh index 0 reports, and only its own chunks
-        # (the global remainder is reported only when nothing else runs).
-        plan = make_plan(n, options.batch_size, offset)
+        # Progress: only the first device of the layout reports, and only its own
+        # chunks (the global remainder is reported only when nothing else runs).
+        plan = make_plan(n, batch, offset)
         hook = _progress.hook(
             options.reporter if report else None,
             plan.num_chunks,
-            lambda: lax.axis_index(name) == 0,
+            lambda: lax.axis_index(axes) == 0,
         )
         return body.run(full, plan, hook)
-
-    def stack1(tree):  # a leading axis of one, to be concatenated over devices
-        return jax.tree.map(lambda y: jnp.expand_dims(y, 0), tree)
 
     def shard_body(values):
         # With a global remainder the inputs arrive whole (N does not split evenly, so
@@ -156,61 +232,135 @@ def evaluate(body: Any, inputs: Any, options: Any) -> Any:
             full[i] = v
         outs = {}
         if per_device:
-            start = lax.axis_index(name) * per_device if rem else 0
-            result = local(full, per_device, start, True)
-            outs["local"] = stack1(result) if reduced else result
+            start = lax.axis_index(axes) * per_device if rem else 0
+            outs["local"] = local(full, per_device, start, True)
         if rem:
             shapes = jax.eval_shape(lambda: local(full, rem, prefix, False))
-            result = lax.cond(
-                lax.axis_index(name) == 0,
+            outs["rem"] = lax.cond(
+                lax.axis_index(axes) == 0,
                 lambda: local(full, rem, prefix, not per_device),
                 lambda: jax.tree.map(lambda s: zeros(s.shape, s), shapes),
             )
-            outs["rem"] = stack1(result)
+            outs["rem"] = jax.tree.map(lambda y: jnp.expand_dims(y, 0), outs["rem"])
+        if reduced:  # every device folds all the summaries, in device order
+            return _fold_devices(body.reduction, outs, axes)
         return outs
 
     def run(*values):
-        out_specs: dict[str, Any] = {}
-        if per_device:
-            out_specs["local"] = (
-                P(name) if reduced else [_spec(a, name) for a in body.out_axes]
-            )
-        if rem:
-            out_specs["rem"] = P(name)
-        in_specs = [P() if rem else _spec(a, name) for a in dyn_axes]
+        if reduced:
+            out_specs: Any = P()
+        else:
+            out_specs = {}
+            if per_device:
+                out_specs["local"] = [lay.spec(a) for a in body.out_axes]
+            if rem:
+                out_specs["rem"] = P(axes)
         outs = jax.shard_map(
             shard_body,
-            mesh=mesh,
+            mesh=lay.mesh,
             in_specs=(in_specs,),
             out_specs=out_specs,
+            axis_names=set(axes),
             check_vma=False,
         )(list(values))
-        if reduced:
-            return _fold_devices(body.reduction, outs, NamedSharding(mesh, P()))
-        return _assemble(outs, body.out_axes, NamedSharding(mesh, P()))
+        return outs if reduced else _assemble(outs, body.out_axes, lay)
 
     return jax.jit(run)(*[leaves[i] for i in dyn])
 
 
-def _fold_devices(reduction: Any, outs: dict[str, Any], replicated: Any) -> Any:
-    """The devices' summaries (and the global remainder's) folded in device order."""
+def _prepare(
+    name: str,
+    lay: Layout,
+    paths: Sequence[str],
+    leaves: Sequence[Any],
+    axes: Sequence[int | None],
+    rem: int,
+) -> list[Any]:
+    """The inputs, laid out for the evaluation's `shard_map`.
+
+    Explicit-typed inputs are resharded where their type differs from what the
+    evaluation needs over the layout's axes (a mapped input not yet split over them is
+    sliced, an unmapped one sharded over them is gathered); their other axes are kept.
+    Concrete inputs on other devices than a concrete mesh are moved onto it. Anything
+    else is left to `shard_map` (and the enclosing `jit`).
+    """
+    mesh_devices = set(lay.mesh.devices.flat) if isinstance(lay.mesh, Mesh) else None
+    placed = list(leaves)
+    for k, (path, x, axis) in enumerate(zip(paths, leaves, axes)):
+        if not isinstance(x, jax.Array):
+            continue
+        want = None if rem else axis
+        if lay.explicit:
+            typed = jax.typeof(x).sharding
+            current = typed.spec if isinstance(typed, NamedSharding) else P()
+            spec = _respec(name, path, current, np.ndim(x), want, lay.axes)
+            if spec != _normalized(current, np.ndim(x)):
+                placed[k] = jax.sharding.reshard(x, NamedSharding(lay.mesh, spec))
+        elif mesh_devices is not None and not isinstance(x, jax.core.Tracer):
+            if x.sharding.device_set != mesh_devices:
+                placed[k] = jax.device_put(x, NamedSharding(lay.mesh, lay.spec(want)))
+    return placed
+
+
+def _normalized(spec: Any, ndim: int) -> P:
+    entries = [_dim_axes(spec, d) for d in range(ndim)]
+    return P(*[None if not e else e[0] if len(e) == 1 else e for e in entries])
+
+
+def _respec(
+    name: str, path: str, spec: Any, ndim: int, axis: int | None, data: tuple
+) -> P:
+    """`spec` with the layout's axes `data` moved to dimension `axis` (or removed)."""
+    entries = [[a for a in _dim_axes(spec, d) if a not in data] for d in range(ndim)]
+    if axis is not None:
+        if entries[axis]:
+            raise ValueError(
+                f"{name} maps {path} along its axis {axis}, which is sharded over "
+                f"{tuple(entries[axis])} besides the axes {data} the examples are "
+                f"split over: reshard it so that its mapped axis is split over "
+                f"{data} only."
+            )
+        entries[axis] = list(data)
+    return P(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
+
+
+def _fold_devices(reduction: Any, outs: dict[str, Any], axes: tuple) -> Any:
+    """Inside the `shard_map`: the devices' summaries (and the global remainder's,
+    computed by the first device) gathered and folded in device order.
+
+    Summaries typed with a sharding over other Explicit axes are replicated before
+    the gather (they are one summary per device) and get their type back after."""
+    specs = jax.tree.map(_typed_spec, outs.get("local", outs.get("rem")))
+    outs = jax.tree.map(_replicated, outs)
     acc = None
-    summaries = outs.get("local")
-    if summaries is not None:
+    if "local" in outs:
+        summaries = lax.all_gather(outs["local"], axes)
         acc = jax.tree.map(lambda s: s[0], summaries)
         if jax.tree.leaves(summaries)[0].shape[0] > 1:
             rest = jax.tree.map(lambda s: s[1:], summaries)
             acc, _ = lax.scan(lambda a, s: (fold(reduction, a, s), None), acc, rest)
     if "rem" in outs:
-        tail = jax.tree.map(lambda s: s[0], outs["rem"])
+        tail = jax.tree.map(lambda s: s[0, 0], lax.all_gather(outs["rem"], axes))
         acc = tail if acc is None else fold(reduction, acc, tail)
-    return lax.with_sharding_constraint(acc, replicated)
+    return jax.tree.map(
+        lambda y, spec: y if spec is None else jax.sharding.reshard(y, spec), acc, specs
+    )
 
 
-def _assemble(outs: dict[str, Any], out_axes: Sequence[Any], replicated: Any) -> Any:
+def _typed_spec(y: Any) -> Any:
+    sharding = jax.typeof(y).sharding
+    return sharding.spec if any(getattr(sharding, "spec", ())) else None
+
+
+def _replicated(y: Any) -> Any:
+    return y if _typed_spec(y) is None else jax.sharding.reshard(y, P())
+
+
+def _assemble(outs: dict[str, Any], out_axes: Sequence[Any], lay: Layout) -> Any:
     """The stacked outputs: the devices' shares, then the global remainder's."""
     if "rem" not in outs:
         return outs["local"]
+    replicated = NamedSharding(lay.mesh, P()) if isinstance(lay.mesh, Mesh) else P()
     tail = [y[0] for y in outs["rem"]]
     if "local" not in outs:
         return lax.with_sharding_constraint(tail, replicated)

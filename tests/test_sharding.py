@@ -284,22 +284,29 @@ def test_input_on_another_mesh_is_moved_onto_the_mesh():
 def test_explicit_inputs_and_ambient_meshes():
     explicit = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
     xe = jax.device_put(data(16), NamedSharding(explicit, P("d")))
+    ref = jax.vmap(f, (None, 0))(PARAMS, data(16))
     fn = batch_vmap(f, (None, 0), batch_size=1, shard=True, mesh=MESH)
-    with pytest.raises(ValueError, match="Explicit sharding .* jax.sharding.reshard"):
-        fn(PARAMS, xe)
+    # An Explicit input is resharded onto the requested Auto mesh.
+    tree_allclose(fn(PARAMS, xe), ref)
     with jax.set_mesh(explicit):
+        # A mesh= other than the ambient one is a clear error ...
         with pytest.raises(ValueError, match="called under jax.set_mesh"):
             fn(PARAMS, data(16))
-        with pytest.raises(ValueError, match="1-D Auto mesh"):
-            batch_vmap(f, (None, 0), batch_size=1, shard=True)(PARAMS, data(16))
+        # ... and without mesh= the ambient (here Explicit) mesh is used.
+        out = batch_vmap(f, (None, 0), batch_size=1, shard=True)(PARAMS, data(16))
+        tree_allclose(out, ref)
+        assert out.sharding.spec == P("d", None)
     # An ambient 1-D Auto mesh is used when no mesh is passed.
     with jax.set_mesh(MESH):
         out = batch_vmap(f, (None, 0), batch_size=1, shard=True)(PARAMS, data(16))
         assert out.sharding.mesh.axis_names == ("d",)
 
 
-def test_auto_batch_size_with_shard_is_a_clear_error():
-    with pytest.raises(ValueError, match="not supported with shard=True"):
-        batch_vmap(
-            f, (None, 0), batch_size="auto", memory_limit="1MiB", shard=True, mesh=MESH
-        )(PARAMS, data(16))
+def test_auto_batch_size_with_shard_is_chosen_per_device():
+    from chunkvmap import last_batch_size
+
+    fn = batch_vmap(
+        f, (None, 0), batch_size="auto", memory_limit="1MiB", shard=True, mesh=MESH
+    )
+    tree_allclose(fn(PARAMS, data(64)), jax.vmap(f, (None, 0))(PARAMS, data(64)))
+    assert last_batch_size(fn) == 8  # all of each device's share fits
