@@ -125,10 +125,6 @@ def hook(
 ) -> Callable[[Any], None]:
     """The loop's per-chunk hook for a plan of `num_chunks` chunks: reports chunk `i`
     (only where `when()` holds, when given); a no-op without a reporter or chunks."""
-
-    def report_chunk(i: Any) -> None:
-        if report is None or num_chunks == 0:
-            return
-        tick(report, i, num_chunks, None if when is None else when())
-
-    return report_chunk
+    if report is None or num_chunks == 0:
+        return lambda i: None
+    return lambda i: tick(report, i, num_chunks, None if when is None else when())

@@ -211,6 +211,18 @@ def evaluate(body: Any, inputs: Any, options: Any, lay: Layout, batch: Any) -> A
     reduced = body.reduction is not None
     leaves = _prepare(options.name, lay, inputs.paths, inputs.leaves, body.axes, rem)
     in_specs = [P() if rem else lay.spec(body.axes[i]) for i in dyn]
+    if (
+        options.reporter is not None
+        and lay.explicit
+        and set(lay.mesh.axis_names) != set(axes)
+    ):
+        raise ValueError(
+            f"{options.name} cannot report progress here: the examples are split over "
+            f"the Explicit mesh axes {axes} while the mesh's other axes "
+            f"{tuple(a for a in lay.mesh.axis_names if a not in axes)} stay "
+            f"automatic, and JAX runs no host callback inside such a computation. "
+            f"Drop progress, or use an Auto mesh with shard={axes!r} under jit."
+        )
 
     def local(full: list[Any], n: int, offset: Any, report: bool) -> Any:
         # Progress: only the first device of the layout reports, and only its own
