@@ -23,6 +23,7 @@ jax.distributed.initialize(
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from chunkvmap import batch_vmap  # noqa: E402
 
@@ -102,6 +103,43 @@ jax.effects_barrier()
 print(f"process {process_id}: progress {reports}", flush=True)
 expected_reports = [(1, 2), (2, 2)] if process_id == 0 else []  # 13 // 4 = 3 per device
 assert reports == expected_reports, reports
+
+# A 2-D mesh from jax.make_mesh (default Explicit axes): the examples over "data",
+# which spans the processes, the weights over "model", each process's own devices.
+# Every process gets jax.vmap's answer and layout, without shard= or mesh=.
+mesh = jax.make_mesh((2, 2), ("data", "model"))
+assert {d.process_index for d in mesh.devices[0]} == {0}, mesh.devices
+rng = np.random.default_rng(0)
+x_np = rng.normal(size=(16, 3)).astype(np.float32)
+w_np = rng.normal(size=(3, 4)).astype(np.float32)
+
+
+def global_array(value, spec):
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
+
+
+def g(w, x):
+    return jnp.tanh(x @ w)
+
+
+xg, wg = global_array(x_np, P("data")), global_array(w_np, P(None, "model"))
+expected = np.tanh(x_np @ w_np)
+with jax.set_mesh(mesh):
+    ref = jax.vmap(g, (None, 0))(wg, xg)
+    out = batch_vmap(g, (None, 0), batch_size=3)(wg, xg)
+    jitted = jax.jit(batch_vmap(g, (None, 0), batch_size=3))(wg, xg)
+    summed = batch_vmap(
+        g,
+        (None, 0),
+        batch_size=3,
+        reduction=jnp.add,
+        chunk_reduction=lambda y: y.sum(0),
+    )(wg, xg)
+for result in (out, jitted):
+    check_every_shard(result, expected)
+    assert result.sharding == ref.sharding, (result.sharding, ref.sharding)
+check_every_shard(summed, expected.sum(0))
 
 print(f"process {process_id}: OK", flush=True)
 jax.distributed.shutdown()
