@@ -225,3 +225,72 @@ def test_non_commutative_reduction_in_device_order_on_a_2d_mesh():
     )(t)
     ref = jax.lax.associative_scan(jnp.matmul, jax.vmap(mat)(np.asarray(t)))[-1]
     tree_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# The adapters: parameters sharded over "model", the batch over "data" (Explicit 4x2).
+
+
+def model_sharded(tree, mesh, out_dim):
+    """Every array of `tree` sharded over "model" along its `out_dim(ndim)` axis."""
+    import equinox as eqx
+
+    def put(a):
+        if not eqx.is_array(a):
+            return a
+        spec = [None] * a.ndim
+        spec[out_dim(a.ndim)] = "model"
+        return jax.device_put(a, NamedSharding(mesh, P(*spec)))
+
+    return jax.tree.map(put, tree)
+
+
+def test_equinox_model_parallel_parameters_and_data_parallel_batch():
+    eqx = pytest.importorskip("equinox")
+    from chunkvmap.eqx import filter_batch_vmap
+
+    mesh = mesh_of((4, 2))
+    _, x = inputs(mesh, 32)
+    # eqx.nn.Linear's weight is (out, in): shard the output features.
+    model = model_sharded(eqx.nn.Linear(6, 4, key=jax.random.key(0)), mesh, lambda n: 0)
+    with jax.set_mesh(mesh):
+        ref = eqx.filter_vmap(lambda m, x: m(x), in_axes=(None, 0))(model, x)
+        out = filter_batch_vmap(lambda m, x: m(x), in_axes=(None, 0), batch_size=3)(
+            model, x
+        )
+    tree_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert out.sharding == ref.sharding and out.sharding.spec == P("data", "model")
+
+
+def test_linen_model_parallel_parameters_and_data_parallel_batch():
+    nn = pytest.importorskip("flax.linen")
+    from chunkvmap.linen import batch_vmap as linen_batch_vmap
+
+    mesh = mesh_of((4, 2))
+    _, x = inputs(mesh, 32)
+    params = nn.Dense(4).init(jax.random.key(0), jnp.ones(6))
+    params = model_sharded(params, mesh, lambda n: n - 1)  # kernel (in, out), bias
+    axes = dict(variable_axes={"params": None}, split_rngs={"params": False})
+    with jax.set_mesh(mesh):
+        ref = nn.vmap(nn.Dense, **axes)(4).apply(params, x)
+        out = linen_batch_vmap(nn.Dense, **axes, batch_size=3)(4).apply(params, x)
+    tree_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert out.sharding == ref.sharding
+
+
+def test_nnx_model_parallel_parameters_and_data_parallel_batch():
+    nnx = pytest.importorskip("flax.nnx")
+    from chunkvmap.nnx import batch_vmap as nnx_batch_vmap
+
+    mesh = mesh_of((4, 2))
+    _, x = inputs(mesh, 32)
+    model = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
+    nnx.update(model, model_sharded(nnx.state(model), mesh, lambda n: n - 1))
+    with jax.set_mesh(mesh):
+        ref = nnx.vmap(lambda m, x: m(x), in_axes=(None, 0))(model, x)
+        out = nnx_batch_vmap(lambda m, x: m(x), in_axes=(None, 0), batch_size=3)(
+            model, x
+        )
+    tree_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert out.sharding == ref.sharding
+    assert model.kernel[...].sharding.spec == P(None, "model")
