@@ -28,7 +28,7 @@ def batch_map(
     reduction: Callable[[Any, Any], Any] | None = None,
     chunk_reduction: Callable[[Any], Any] = identity,
     strip_dim0: bool = False,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -69,7 +69,7 @@ def batch_map(
         post-processes the whole output (without it).
       strip_dim0: hand `fun` single examples; requires `batch_size=1`.
       shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
-      mesh: a one-dimensional `Auto` `jax.sharding.Mesh`, with `shard=True`.
+      mesh: the mesh for `shard` (see `batch_vmap`).
       remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
       memory_limit: the budget for `batch_size="auto"` (see `batch_vmap`).
       progress: a progress bar over the chunks (see `batch_vmap`).

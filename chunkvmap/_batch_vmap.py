@@ -33,7 +33,7 @@ def batch_vmap(
     batch_size: int | str | None = None,
     reduction: Callable[[Any, Any], Any] | None = None,
     chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -117,18 +117,23 @@ def batch_vmap(
         summaries (`jax.tree.map(reduction, a, b)`).
       chunk_reduction: summarises one chunk's output along the mapped axis (with
         `reduction`), or post-processes the whole output (without it).
-      shard: spread the examples over the devices of `mesh` first: the divisible
-        prefix (N - N % D for D devices) is split evenly, each device runs its own
-        chunks of `batch_size` (and its own remainder window), and the global
-        remainder (N % D examples) is evaluated once, by one device. Stacked outputs
-        stay sharded along the mapped axis when D divides N, and come back replicated
-        otherwise; reductions fold the per-device results in device order. Runs
-        multi-host under `jax.distributed` unchanged.
-      mesh: a one-dimensional `jax.sharding.Mesh` whose axis has type
-        `AxisType.Auto`, used with `shard=True`. None means the ambient mesh of
-        `jax.set_mesh` if it is such a mesh, else one mesh over all devices (built
-        once). Concrete inputs committed to other devices are moved onto the mesh;
-        inputs typed with an `Explicit` sharding are an error.
+      shard: which mesh axes the examples are split over, when the inputs do not
+        show it: False (the default: follow the inputs' sharding, if visible), True
+        (the one axis of a 1-D mesh), a mesh axis name such as `"data"`, or a tuple
+        of names. Needed for inputs on `Auto` meshes under `jax.jit` (their layout is
+        not in their types); `Explicit`-typed inputs (`jax.make_mesh`'s default) and
+        concrete inputs of eager calls are followed without it. Either way each
+        device evaluates only its own examples, `batch_size` at a time (its own
+        remainder window included), mapped inputs are never gathered, stacked
+        outputs keep the layout `jax.vmap` gives them, and the mesh's other axes
+        (model parallelism) are left as they are. On `Auto` meshes the global
+        remainder (N % D examples for D devices) is evaluated once, by one device,
+        and the output then comes back replicated. Reductions fold the per-device
+        results in device order. Runs multi-host under `jax.distributed` unchanged.
+      mesh: the `jax.sharding.Mesh` that `shard` names axes of (any shape, any axis
+        types). None means the ambient mesh of `jax.set_mesh` (inside or outside
+        `jax.jit`), else, for `shard=True`, one 1-D mesh over all devices (built
+        once). Concrete inputs on other devices are moved onto the mesh.
       remat: checkpoint each chunk for reverse mode: True (the default; save nothing,
         recompute the chunk), False (save every chunk's residuals), or a
         `jax.checkpoint` policy such as `jax.checkpoint_policies.dots_saveable`.
@@ -140,8 +145,10 @@ def batch_vmap(
         callable `progress(done, total)` called after each chunk, or a tqdm-like
         object whose `update(1)` is called after each chunk (its `total` is set when
         it has none). It works under `jax.jit` (one `jax.debug.callback` per chunk,
-        no other synchronisation) and with `shard=True`, where only the device at
-        mesh index 0 reports its own chunks. Results are unchanged. The callback
+        no other synchronisation) and on meshes, where only the first device of the
+        layout reports its own chunks (JAX runs no host callback inside a
+        computation left automatic over other Explicit mesh axes: that is an
+        error). Results are unchanged. The callback
         runs with the forward pass: recomputing it (an outer `jax.checkpoint`,
         `nn.remat`, `nnx.remat`) reports the chunks again; chunkvmap's own `remat`
         does not.
@@ -153,7 +160,8 @@ def batch_vmap(
     Raises:
       TypeError: for a non-callable `f`, `reduction` or `chunk_reduction`, a
         non-integer `batch_size`, or a malformed `in_axes`/`out_axes`.
-      ValueError: for `shard=True` with `batch_size="auto"` or `axis_name`, or (when
+      ValueError: for `shard` with `axis_name`, `shard` naming axes the mesh lacks
+        (or `shard=True` with an N-D mesh), or (when
         the returned function is called) for mapped arguments of
         different sizes, axes out of range, specs that do not match the arguments, a
         `chunk_reduction` that keeps the mapped axis, a reduction over zero examples,

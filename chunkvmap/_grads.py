@@ -142,7 +142,7 @@ def per_example_grads(
     *,
     batch_argnums: int | Sequence[int] = 1,
     batch_size: int | str | None = None,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -177,7 +177,7 @@ def per_example_grads(
       batch_size: examples per chunk (None: one `jax.vmap`; `"auto"`: from
         `memory_limit`).
       shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
-      mesh: a one-dimensional `Auto` mesh, with `shard=True`.
+      mesh: the mesh for `shard` (see `batch_vmap`).
       remat: checkpoint each chunk (matters only when differentiating the result).
       memory_limit: the budget for `batch_size="auto"`.
       progress: a host progress bar over the chunks (see `batch_vmap`).
@@ -277,7 +277,7 @@ def clipped_grad_sum(
     batch_argnums: int | Sequence[int] = 1,
     batch_size: int | str | None = None,
     return_norms: bool = False,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -312,7 +312,7 @@ def clipped_grad_sum(
         `memory_limit`).
       return_norms: also return the `N` unclipped per-example gradient norms.
       shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
-      mesh: a one-dimensional `Auto` mesh, with `shard=True`.
+      mesh: the mesh for `shard` (see `batch_vmap`).
       remat: checkpoint each chunk (matters only when differentiating the result).
       memory_limit: the budget for `batch_size="auto"`.
       progress: a host progress bar over the chunks (see `batch_vmap`).

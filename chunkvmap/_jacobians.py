@@ -111,7 +111,7 @@ def batch_jacfwd(
     holomorphic: bool = False,
     *,
     batch_size: int | str | None = None,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -139,7 +139,7 @@ def batch_jacfwd(
       batch_size: basis columns per chunk: a positive int, None (one `jax.vmap`), or
         `"auto"` (from `memory_limit`).
       shard: spread the basis columns over the devices of `mesh` (see `batch_vmap`).
-      mesh: a one-dimensional `Auto` mesh, with `shard=True`.
+      mesh: the mesh for `shard` (see `batch_vmap`).
       remat: checkpoint each chunk (matters only when differentiating the result).
       memory_limit: the budget for `batch_size="auto"` (see `batch_vmap`).
       progress: a host progress bar over the chunks (see `batch_vmap`).
@@ -211,7 +211,7 @@ def batch_jacrev(
     allow_int: bool = False,
     *,
     batch_size: int | str | None = None,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -237,7 +237,7 @@ def batch_jacrev(
       batch_size: basis rows per chunk: a positive int, None (one `jax.vmap`), or
         `"auto"` (from `memory_limit`).
       shard: spread the basis rows over the devices of `mesh` (see `batch_vmap`).
-      mesh: a one-dimensional `Auto` mesh, with `shard=True`.
+      mesh: the mesh for `shard` (see `batch_vmap`).
       remat: checkpoint each chunk (matters only when differentiating the result).
       memory_limit: the budget for `batch_size="auto"` (see `batch_vmap`).
       progress: a host progress bar over the chunks (see `batch_vmap`).

@@ -509,7 +509,7 @@ def batch_vectorize(
     excluded: Collection[int | str] = frozenset(),
     signature: str | None = None,
     batch_size: int | str | None = None,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -564,7 +564,7 @@ def batch_vectorize(
       batch_size: examples per chunk: a positive int, None for a single vmap, or
         `"auto"` (from `memory_limit`).
       shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
-      mesh: a one-dimensional `Auto` mesh, with `shard=True`.
+      mesh: the mesh for `shard` (see `batch_vmap`).
       remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
       memory_limit: the budget for `batch_size="auto"` (see `batch_vmap`).
       progress: a host progress bar over the chunks (see `batch_vmap`).

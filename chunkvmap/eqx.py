@@ -129,7 +129,7 @@ def filter_batch_vmap(
     batch_size: int | str | None = None,
     reduction: Callable[[Any, Any], Any] | None = None,
     chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -149,7 +149,7 @@ def filter_batch_vmap(
     batch_size: int | str | None = None,
     reduction: Callable[[Any, Any], Any] | None = None,
     chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -169,7 +169,7 @@ def filter_batch_vmap(
     batch_size: int | str | None = None,
     reduction: Callable[[Any, Any], Any] | None = None,
     chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -198,7 +198,7 @@ def filter_batch_vmap(
       reduction: fold chunk summaries instead of stacking (see `batch_vmap`).
       chunk_reduction: summarises one chunk's output (see `batch_vmap`).
       shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
-      mesh: a one-dimensional `Auto` mesh, with `shard=True`.
+      mesh: the mesh for `shard` (see `batch_vmap`).
       remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
       memory_limit: the budget for `batch_size="auto"`.
       progress: a host progress bar over the chunks (see `batch_vmap`).

@@ -201,7 +201,7 @@ def batch_vmap(
     batch_size: int | str | None = None,
     reduction: Callable[[Any, Any], Any] | None = None,
     chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -221,7 +221,7 @@ def batch_vmap(
     batch_size: int | str | None = None,
     reduction: Callable[[Any, Any], Any] | None = None,
     chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -241,7 +241,7 @@ def batch_vmap(
     batch_size: int | str | None = None,
     reduction: Callable[[Any, Any], Any] | None = None,
     chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     memory_limit: int | str | None = None,
@@ -293,7 +293,7 @@ def batch_vmap(
         `reduction`), or post-processes the whole output (without it).
       shard: spread the examples over the devices of `mesh` first (see
         `chunkvmap.batch_vmap`).
-      mesh: a one-dimensional `Auto` `jax.sharding.Mesh`, with `shard=True`.
+      mesh: the mesh for `shard` (see `batch_vmap`).
       remat: checkpoint each chunk for reverse mode (True, False or a
         `jax.checkpoint` policy).
       memory_limit: the budget for `batch_size="auto"`, e.g. `"1GiB"`.
