@@ -27,7 +27,8 @@ sharded over them stay sharded.
   index); the inputs then arrive whole, and the assembled output is replicated.
 * Reduced outputs: each device folds its own chunks; the D summaries (and the
   remainder's) are gathered (one summary per device) and folded in device order, so
-  non-commutative reductions still see the examples in order.
+  non-commutative reductions still see the examples in order. A sum (`jnp.add`,
+  `lax.add`, `operator.add`) is combined by one all-reduce (`psum`) instead.
 * Unmapped inputs may be sharded any way; over the layout's axes they are gathered
   (each device needs all of them).
 
@@ -41,6 +42,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -342,6 +344,11 @@ def _fold_devices(reduction: Any, outs: dict[str, Any], axes: tuple) -> Any:
 
     Summaries typed with a sharding over other Explicit axes are replicated before
     the gather (they are one summary per device) and get their type back after."""
+    if reduction in _SUMS:  # a sum: one all-reduce, no gather of D summaries
+        total = [lax.psum(outs[k], axes) for k in ("local", "rem") if k in outs]
+        if "rem" in outs:  # zeros on every device but the first
+            total[-1] = jax.tree.map(lambda s: s[0], total[-1])
+        return total[0] if len(total) == 1 else jax.tree.map(jnp.add, *total)
     specs = jax.tree.map(_typed_spec, outs.get("local", outs.get("rem")))
     outs = jax.tree.map(_replicated, outs)
     acc = None
@@ -357,6 +364,11 @@ def _fold_devices(reduction: Any, outs: dict[str, Any], axes: tuple) -> Any:
     return jax.tree.map(
         lambda y, spec: y if spec is None else jax.sharding.reshard(y, spec), acc, specs
     )
+
+
+# Reductions that are sums: the devices' summaries are then combined by one psum
+# (an all-reduce, in the order XLA chooses) instead of a gather and an ordered fold.
+_SUMS = (jnp.add, lax.add, operator.add)
 
 
 def _typed_spec(y: Any) -> Any:

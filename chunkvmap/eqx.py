@@ -232,6 +232,7 @@ def filter_batch_vmap(
             remat=remat,
             memory_limit=memory_limit,
             progress=progress,
+            chunk_size=chunk_size,
         )
     if not callable(fun):
         raise TypeError(

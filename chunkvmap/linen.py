@@ -36,7 +36,7 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 import jax
 import numpy as np
 
-from . import _axes
+from . import _axes, _memory
 from ._flax import lift_transform, pack
 from ._options import identity
 from ._stateful import StatefulMap
@@ -431,7 +431,7 @@ def batch_vmap(
             f"{_NAME} target must be a linen Module class or a method, but got "
             f"{target!r} of type {type(target).__name__}."
         )
-    return lift_transform(
+    transformed = lift_transform(
         _lifted,
         target,
         variable_axes,
@@ -443,6 +443,9 @@ def batch_vmap(
         metadata_params=metadata_params,
         options=options,
     )
+    if options.mapper.auto is not None:  # last_batch_size(the transformed class)
+        _memory.register(transformed, options.mapper.auto)
+    return transformed
 
 
 __all__ = ["batch_vmap"]

@@ -474,11 +474,7 @@ def test_auto_batch_size(case, caplog):
     (chosen,) = choices
     assert 1 <= chosen <= N_OPTIONS
     assert chunkvmap.last_batch_size() == chosen
-    if case.id not in FLAX_IDS:
-        assert chunkvmap.last_batch_size(handle) == chosen
-    # else LIBRARY GAP, left out: the Flax adapters never register their "auto" state,
-    # so last_batch_size(the transformed class / function) is None, although its
-    # docstring lists the adapters.
+    assert chunkvmap.last_batch_size(handle) == chosen
 
 
 @ALL

@@ -6,6 +6,7 @@ import sys
 import equinox as eqx  # noqa: E402
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from chunkvmap.eqx import filter_batch_vmap  # noqa: E402
@@ -225,3 +226,17 @@ def test_wrapper_is_a_module_whose_arrays_get_gradients():
     grads = eqx.filter_grad(lambda w, v: w(v).sum())(wrapped, X)
     ref = eqx.filter_grad(lambda w, v: w(v).sum())(eqx.filter_vmap(model), X)
     tree_allclose(arrays(grads._fun), arrays(ref._fun), rtol=1e-5)
+
+
+def test_decorator_form_keeps_chunk_size():
+    calls = []
+
+    @filter_batch_vmap(chunk_size=2, progress=lambda d, t: calls.append((d, t)))
+    def double(x):
+        return x * 2
+
+    np.testing.assert_allclose(double(jnp.arange(6.0)), 2 * np.arange(6.0))
+    jax.effects_barrier()
+    assert calls == [(1, 3), (2, 3), (3, 3)]
+    with pytest.raises(ValueError, match="filter_batch_vmap chunk_size must be"):
+        filter_batch_vmap(chunk_size=0)(lambda x: x)
