@@ -38,9 +38,11 @@ def sum0(y):
 
 # N below, at, and above the 8 devices, with and without a global remainder; for each,
 # batch sizes that divide the per-device share, do not, exceed it, and None.
+# (Thinned to a covering 9: tests/test_layouts.py covers the same layouts on 2-D
+# meshes, and tests/test_conformance.py runs shard=True for every entry point.)
 CASES = [
-    (1, None), (1, 3), (3, 1), (8, None), (8, 3), (13, 1), (13, 4), (13, 100),
-    (35, None), (35, 3), (35, 4), (64, 1), (64, 3), (64, 4), (64, 100),
+    (1, 3), (3, 1), (8, None), (13, 4), (13, 100), (35, None), (35, 3), (64, 3),
+    (64, 100),
 ]  # fmt: skip
 
 
