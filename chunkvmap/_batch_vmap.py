@@ -9,21 +9,24 @@ gradient, Jacobian, vectorize and adapter front ends reuse it with their own opt
 
 from __future__ import annotations
 
+import functools as ft
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _axes, _cache, _chunked, _loop, _memory
 from ._options import ChunkOptions, check_callable, identity
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+_MISSING: Any = object()
 
 
 def batch_vmap(
-    f: F,
+    f: F = _MISSING,  # pyright: ignore[reportArgumentType]
     /,
     in_axes: Any = 0,
     out_axes: Any = 0,
@@ -97,6 +100,9 @@ def batch_vmap(
     reports it at INFO level. The budget covers the evaluation as called: under
     `jax.grad` the backward pass adds its own working set, and under an outer
     `jax.vmap` the choice is made for one outer example.
+
+    Usable as a decorator too, with options: `@batch_vmap(batch_size=8)` (or
+    `@functools.partial(batch_vmap, batch_size=8)`).
 
     Args:
       f: the function to vectorise; it receives single examples, as with `jax.vmap`.
@@ -182,6 +188,23 @@ def batch_vmap(
       ...            chunk_reduction=lambda y: y.max(0))(x)
       Array(17., dtype=float32)
     """
+    if f is _MISSING:  # the decorator form: @batch_vmap(batch_size=8)
+        return ft.partial(  # pyright: ignore[reportReturnType]
+            batch_vmap,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            axis_name=axis_name,
+            axis_size=axis_size,
+            batch_size=batch_size,
+            reduction=reduction,
+            chunk_reduction=chunk_reduction,
+            shard=shard,
+            mesh=mesh,
+            remat=remat,
+            memory_limit=memory_limit,
+            progress=progress,
+            chunk_size=chunk_size,
+        )
     options = ChunkOptions.make(
         "batch_vmap",
         batch_size=batch_size,
@@ -338,11 +361,14 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options):
         for i, x in zip(dyn, dyn_leaves):
             full[i] = x
         f_args, f_kwargs = jax.tree.unflatten(treedef, full)
-        out_leaves, out_tree = jax.tree.flatten(f(*f_args, **f_kwargs))
+        out = f(*f_args, **f_kwargs)
+        check_outputs(name, f, out)
+        out_leaves, out_tree = jax.tree.flatten(out)
         out_box[:] = [out_tree]
         return out_leaves
 
-    f_flat = jax.jit(f_flat)
+    # Named after the user's function, so JAX's own messages point at it.
+    f_flat = jax.jit(ft.wraps(f, updated=())(f_flat))
     dyn_axes = tuple(axes[i] for i in dyn)
     no_mapped_arg = all(a is None for a in dyn_axes)
     # Abstract evaluation under vmap (so collectives over axis_name resolve): it learns
@@ -379,6 +405,23 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options):
         return vf(*[chunk_leaves[i] for i in dyn])
 
     return _loop.Body(options, chunk_fn, axes, out_tree, out_avals, out_axes_flat)
+
+
+def check_outputs(name: str, f: Any, out: Any) -> None:
+    """A TypeError naming the user's function `f` and the output's path when `out`
+    has a leaf that is not a JAX type (as `jax.vmap` raises, in its terms)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not isinstance(leaf, _JAX_TYPES):
+            function = getattr(f, "__qualname__", None) or getattr(f, "__name__", f)
+            raise TypeError(
+                f"{name}: the function {function} returned a value of type "
+                f"{type(leaf).__name__} at out{jax.tree_util.keystr(path)}, which "
+                f"is not a valid JAX type: return arrays, numbers, or pytrees of "
+                f"them."
+            )
+
+
+_JAX_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
 def _plain_aval(x: Any) -> jax.ShapeDtypeStruct:

@@ -93,7 +93,9 @@ def _batch_size(
 ) -> int | None:
     """The chunk size: the options', or for "auto" the largest whose program (over
     `size` examples: each device's share when laid out) fits the budget."""
-    if auto is None:
+    if auto is None or not auto.search:
+        if auto is not None:
+            auto.used(options.batch_size, size)  # pyright: ignore[reportArgumentType]
         return options.batch_size  # pyright: ignore[reportReturnType]
     key = (inputs.key, lay, size)
     return auto.choose(key, _measure(body, inputs, size), size)

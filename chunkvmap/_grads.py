@@ -122,9 +122,22 @@ class _GradSetup:
         self.batch_argnums, _ = check_argnums(name, "batch_argnums", batch_argnums)
         self.mapper = Mapper(ChunkOptions.make(name, **options))
 
-    def resolve(self, nargs: int) -> tuple[tuple[int, ...], tuple]:
+    def resolve(self, args: tuple) -> tuple[tuple[int, ...], tuple]:
         """The differentiated argument numbers and the `in_axes` of a call."""
+        nargs = len(args)
         diff = resolve_argnums(self.name, "argnums", self.argnums, nargs)
+        for i in diff:  # a bare non-float array: an error, as with jax.grad
+            x = args[i]
+            if isinstance(x, (jax.Array, np.ndarray, np.generic, int)):
+                dtype = jnp.result_type(x)
+                if not jnp.issubdtype(dtype, jnp.inexact):
+                    raise TypeError(
+                        f"{self.name} differentiates args[{i}] (argnums), which "
+                        f"has dtype {dtype.name}: like jax.grad it needs real- or "
+                        f"complex-valued inputs. Pass a float array, or leave "
+                        f"args[{i}] out of argnums. (Inside a pytree argument, "
+                        f"non-float leaves are simply not differentiated.)"
+                    )
         mapped = resolve_argnums(self.name, "batch_argnums", self.batch_argnums, nargs)
         return diff, tuple(0 if i in mapped else None for i in range(nargs))
 
@@ -216,7 +229,7 @@ def per_example_grads(
     )
 
     def call(args: tuple, kwargs: dict) -> Any:
-        diff, in_axes = setup.resolve(len(args))
+        diff, in_axes = setup.resolve(args)
         grad_fn = _filtered_grad(_kwargs_last(fun), diff, setup.single, has_aux)
         return setup.map(grad_fn, args, kwargs, in_axes)
 
@@ -358,7 +371,7 @@ def clipped_grad_sum(
     )
 
     def call(args: tuple, kwargs: dict) -> Any:
-        diff, in_axes = setup.resolve(len(args))
+        diff, in_axes = setup.resolve(args)
         size = _axes.mapped_size(
             *_mapped_leaves(name, args, in_axes), None, transform=name
         )

@@ -172,11 +172,13 @@ def choose_batch_size(
 
 
 class AutoBatch:
-    """`batch_size="auto"` state of one transform: its budget and the sizes chosen."""
+    """The chunk sizes of one transform: with `search` (`batch_size="auto"`) its
+    budget and the sizes chosen per call shapes; for a fixed size, the sizes used."""
 
-    def __init__(self, name: str, limit: int | None):
+    def __init__(self, name: str, limit: int | None, search: bool = True):
         self.name = name
         self.limit = limit  # bytes, or None for the device's default
+        self.search = search
         self.cache: dict[Any, int] = {}
         self.last: int | None = None
 
@@ -189,6 +191,11 @@ class AutoBatch:
         self.last = self.cache[key]
         _LAST[0] = self.last
         return self.last
+
+    def used(self, batch_size: int | None, size: int) -> None:
+        """Record a fixed `batch_size` used over `size` examples (the chunks have
+        `min(batch_size, size)` of them)."""
+        self.last = size if batch_size is None else min(batch_size, size)
 
 
 _STATES: weakref.WeakKeyDictionary[Any, AutoBatch] = weakref.WeakKeyDictionary()
@@ -210,11 +217,11 @@ def state_of(fn: Any) -> AutoBatch | None:
         return None
 
 
-def auto_state(name: str, fn: Any, limit: int | None) -> AutoBatch:
+def auto_state(name: str, fn: Any, limit: int | None, search: bool) -> AutoBatch:
     """The state registered for `fn` (batch_map's `fun`) with budget `limit`."""
     state = state_of(fn)
-    if state is None or state.limit != limit:
-        state = AutoBatch(name, limit)
+    if state is None or (state.limit, state.search) != (limit, search):
+        state = AutoBatch(name, limit, search)
         register(fn, state)
     return state
 

@@ -199,9 +199,9 @@ class ChunkOptions:
             _progress.reporter(progress),
         )
 
-    def new_auto(self) -> _memory.AutoBatch | None:
-        """A new `"auto"` state for one transform (None unless the size is "auto")."""
-        return _memory.AutoBatch(self.name, self.memory_limit) if self.auto else None
+    def new_auto(self) -> _memory.AutoBatch:
+        """A new chunk-size state for one transform (a search when "auto")."""
+        return _memory.AutoBatch(self.name, self.memory_limit, search=self.auto)
 
     def replace(self, **changes: Any) -> ChunkOptions:
         return dataclasses.replace(self, **changes)

@@ -260,8 +260,7 @@ def filter_batch_vmap(
     wrapper = eqx.module_update_wrapper(
         _BatchVmapWrapper(fun, in_axes, out_axes, chunking)
     )
-    if chunking.auto is not None:
-        _memory.register(wrapper, chunking.auto)
+    _memory.register(wrapper, chunking.auto)
     return wrapper
 
 

@@ -443,8 +443,7 @@ def batch_vmap(
         metadata_params=metadata_params,
         options=options,
     )
-    if options.mapper.auto is not None:  # last_batch_size(the transformed class)
-        _memory.register(transformed, options.mapper.auto)
+    _memory.register(transformed, options.mapper.auto)  # for last_batch_size
     return transformed
 
 

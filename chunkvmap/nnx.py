@@ -416,8 +416,7 @@ def _transform(f: Callable[..., Any], in_axes: Any, out_axes: Any, options: Any)
         _, out = nnx.from_tree((pure_args_out, pure_out), ctxtag=_TAG, is_inner=False)
         return out
 
-    if options.mapper.auto is not None:
-        _memory.register(batched, options.mapper.auto)
+    _memory.register(batched, options.mapper.auto)
     return batched
 
 

@@ -267,3 +267,63 @@ def test_static_errors_are_raised_when_built_naming_the_argument(alias):
         batch_vectorize(jnp.sin, **{alias: 2}, memory_limit="1MiB")
     with pytest.raises(ValueError, match="batch_map strip_dim0=True .* needs " + alias):
         batch_map(lambda c: c, jnp.ones(3), strip_dim0=True, **{alias: 2})
+
+
+# --------------------------------------------------------------------------------------
+# Issue 15's first findings: errors in the user's terms, the decorator form, and
+# last_batch_size for a fixed batch size.
+
+
+def test_non_jax_outputs_name_the_users_function_and_output():
+    def my_model(x):
+        return {"y": x, "label": "cat"}
+
+    with pytest.raises(
+        TypeError,
+        match=r"batch_vmap: the function .*my_model returned a value of type str at "
+        r"out\['label'\], which is not a valid JAX type",
+    ):
+        batch_vmap(my_model, batch_size=2)(jnp.ones(4))
+
+
+def test_differentiating_an_integer_argument_raises_like_jax_grad():
+    from chunkvmap import clipped_grad_sum, per_example_grads
+
+    def loss(w, x, i):
+        return (w * x).sum() * i
+
+    args = (jnp.ones(3), jnp.ones((4, 3)), jnp.int32(2))
+    with pytest.raises(TypeError):  # what jax.grad does
+        jax.grad(loss, argnums=2)(jnp.ones(3), jnp.ones(3), jnp.int32(2))
+    with pytest.raises(TypeError, match=r"per_example_grads differentiates args\[2\]"):
+        per_example_grads(loss, argnums=2, batch_argnums=1)(*args)
+    with pytest.raises(TypeError, match=r"clipped_grad_sum .* has dtype int32"):
+        clipped_grad_sum(loss, 1.0, argnums=(0, 2), batch_argnums=1)(*args)
+
+
+def test_batch_vmap_as_a_decorator_with_options():
+    @batch_vmap(in_axes=(0, None), batch_size=2)
+    def scaled(x, k):
+        return x * k
+
+    np.testing.assert_allclose(scaled(jnp.arange(5.0), 3.0), 3.0 * np.arange(5.0))
+
+
+def test_last_batch_size_for_a_fixed_batch_size():
+    from chunkvmap import last_batch_size, per_example_grads
+
+    f = batch_vmap(jnp.sin, batch_size=3)
+    assert last_batch_size(f) is None  # not called yet
+    f(jnp.ones(10))
+    assert last_batch_size(f) == 3
+    f(jnp.ones(2))
+    assert last_batch_size(f) == 2  # min(batch_size, N)
+
+    def fun(c):
+        return c * 2
+
+    batch_map(fun, jnp.ones((7, 2)), batch_size=4)
+    assert last_batch_size(fun) == 4
+    grads = per_example_grads(lambda w, x: (w * x).sum(), chunk_size=4)
+    grads(jnp.ones(3), jnp.ones((10, 3)))
+    assert last_batch_size(grads) == 4
