@@ -119,7 +119,11 @@ class _GradSetup:
         check_callable(name, "fun", fun)
         self.name = name
         self.argnums, self.single = check_argnums(name, "argnums", argnums)
-        self.batch_argnums, _ = check_argnums(name, "batch_argnums", batch_argnums)
+        self.batch_argnums = (
+            None
+            if batch_argnums is None
+            else check_argnums(name, "batch_argnums", batch_argnums)[0]
+        )
         self.mapper = Mapper(ChunkOptions.make(name, **options))
 
     def resolve(self, args: tuple) -> tuple[tuple[int, ...], tuple]:
@@ -138,14 +142,20 @@ class _GradSetup:
                         f"args[{i}] out of argnums. (Inside a pytree argument, "
                         f"non-float leaves are simply not differentiated.)"
                     )
-        mapped = resolve_argnums(self.name, "batch_argnums", self.batch_argnums, nargs)
+        if self.batch_argnums is None:  # every argument not differentiated
+            mapped = tuple(i for i in range(nargs) if i not in diff)
+        else:
+            mapped = resolve_argnums(
+                self.name, "batch_argnums", self.batch_argnums, nargs
+            )
         return diff, tuple(0 if i in mapped else None for i in range(nargs))
 
     def map(self, fn: Any, args: tuple, kwargs: dict, in_axes: tuple, **options: Any):
-        """`fn(*args, kwargs)` (the keyword arguments as one unmapped last argument)
-        mapped over `in_axes`, with the transform's options (changed by `options`)."""
+        """`fn(*args, **kwargs)` mapped over `in_axes` (keyword arguments over their
+        leading axis, as in `jax.vmap`), with the transform's options (changed by
+        `options`)."""
         opts = self.mapper.options.replace(**options) if options else None
-        return self.mapper(fn, (*args, kwargs), {}, (*in_axes, None), 0, opts)
+        return self.mapper(fn, args, kwargs, in_axes, 0, opts)
 
 
 def per_example_grads(
@@ -153,7 +163,7 @@ def per_example_grads(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
-    batch_argnums: int | Sequence[int] = 1,
+    batch_argnums: int | Sequence[int] | None = None,
     batch_size: int | str | None = None,
     shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
@@ -165,10 +175,13 @@ def per_example_grads(
     """Per-example gradients, `batch_size` examples at a time.
 
     `per_example_grads(fun, argnums, batch_argnums=b)(*args, **kwargs)` equals
-    `jax.vmap(jax.grad(ft.partial(fun, **kwargs), argnums), in_axes)(*args)` where
-    `in_axes` maps the arguments in `batch_argnums` over their leading axis and
-    broadcasts the others (keyword arguments are broadcast, not mapped):
-    `fun` is the loss of a single example (e.g. `fun(params, example)`), and the result
+    `jax.vmap(jax.grad(fun, argnums), in_axes)(*args, **kwargs)` where `in_axes` maps
+    the arguments in `batch_argnums` over their leading axis and broadcasts the
+    others. By default (`batch_argnums=None`) every positional argument that is not
+    differentiated is mapped: `loss(params, x, y)` gets one `(x, y)` pair per
+    example. Keyword arguments are mapped over their leading axis, as `jax.vmap`
+    maps them (pass values shared by every example positionally, outside
+    `batch_argnums`). `fun` is the loss of a single example, and the result
     holds one gradient per example along a new leading axis. The examples are
     evaluated in chunks of `batch_size` (see `chunkvmap.batch_vmap`), so the working
     memory is that of `batch_size` gradients plus the `N` stacked results.
@@ -186,7 +199,8 @@ def per_example_grads(
         ints (negative counts from the end).
       has_aux: `fun` returns `(loss, aux)`; the per-example `aux` is returned too.
       batch_argnums: which positional argument(s) hold the examples along their
-        leading axis. Keyword arguments are passed to every example unchanged.
+        leading axis; the others are passed to every example unchanged. None (the
+        default): every positional argument not in `argnums`.
       batch_size: examples per chunk (None: one `jax.vmap`; `"auto"`: from
         `memory_limit`).
       shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
@@ -230,7 +244,7 @@ def per_example_grads(
 
     def call(args: tuple, kwargs: dict) -> Any:
         diff, in_axes = setup.resolve(args)
-        grad_fn = _filtered_grad(_kwargs_last(fun), diff, setup.single, has_aux)
+        grad_fn = _filtered_grad(fun, diff, setup.single, has_aux)
         return setup.map(grad_fn, args, kwargs, in_axes)
 
     return setup.mapper.transform(call, fun)
@@ -287,7 +301,7 @@ def clipped_grad_sum(
     l2_clip_norm: Any,
     *,
     argnums: int | Sequence[int] = 0,
-    batch_argnums: int | Sequence[int] = 1,
+    batch_argnums: int | Sequence[int] | None = None,
     batch_size: int | str | None = None,
     return_norms: bool = False,
     shard: bool | str | tuple[str, ...] = False,
@@ -319,8 +333,10 @@ def clipped_grad_sum(
       fun: the per-example loss, `fun(params, example, ...)` returning a scalar.
       l2_clip_norm: the clipping norm, a positive scalar (it may be traced).
       argnums: the argument(s) to differentiate (int or sequence of ints).
-      batch_argnums: the argument(s) holding the examples along their leading axis.
-        Keyword arguments are passed to every example unchanged.
+      batch_argnums: the argument(s) holding the examples along their leading axis;
+        the others are passed to every example unchanged. None (the default): every
+        positional argument not in `argnums`. Keyword arguments are mapped over
+        their leading axis, as in `jax.vmap`.
       batch_size: examples per chunk (None: one `jax.vmap`; `"auto"`: from
         `memory_limit`).
       return_norms: also return the `N` unclipped per-example gradient norms.
@@ -373,9 +389,9 @@ def clipped_grad_sum(
     def call(args: tuple, kwargs: dict) -> Any:
         diff, in_axes = setup.resolve(args)
         size = _axes.mapped_size(
-            *_mapped_leaves(name, args, in_axes), None, transform=name
+            *_mapped_leaves(name, args, in_axes, kwargs), None, transform=name
         )
-        grad_fn = _filtered_grad(_kwargs_last(fun), diff, setup.single, False)
+        grad_fn = _filtered_grad(fun, diff, setup.single, False)
         count = jnp.asarray(size, jnp.int32)
         if size == 0:  # the empty sum: zeros (a Poisson-sampled lot may be empty)
             total = _zero_grads(grad_fn, kwargs, args, in_axes)
@@ -383,9 +399,9 @@ def clipped_grad_sum(
                 return total, count, jnp.zeros(0, jnp.float32)
             return total, count
 
-        def example(*inputs: Any) -> Any:
-            *example_args, index, kw = inputs
-            grads, norm = _clip(grad_fn(*example_args, kw), l2_clip_norm)
+        def example(*inputs: Any, **kw: Any) -> Any:
+            *example_args, index = inputs
+            grads, norm = _clip(grad_fn(*example_args, **kw), l2_clip_norm)
             return grads, norm, index
 
         def summarise(chunk: Any) -> Any:
@@ -419,40 +435,30 @@ def _zero_grads(grad_fn: Callable[..., Any], kwargs: dict, args: tuple, in_axes)
     """Zero gradients (None where not differentiated) for one abstract example."""
     mapped = [i for i, a in enumerate(in_axes) if a is not None]
 
-    def one_example(*examples: Any) -> Any:
+    def one_example(examples: list, kw: dict) -> Any:
         full = list(args)
         for i, e in zip(mapped, examples):
             full[i] = e
-        return grad_fn(*full, kwargs)
+        return grad_fn(*full, **kw)
 
-    avals = [
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), args[i])
-        for i in mapped
-    ]
-    shapes = jax.eval_shape(one_example, *avals)
+    def example(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x))
+
+    avals = [jax.tree.map(example, args[i]) for i in mapped]
+    shapes = jax.eval_shape(one_example, avals, jax.tree.map(example, kwargs))
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
-def _kwargs_last(fun: Callable[..., Any]) -> Callable[..., Any]:
-    """`fun` taking its keyword arguments as a dict after the positional ones, so that
-    they travel to every example as one unmapped argument (and `args[i]` in messages
-    is the user's argument `i`)."""
-
-    def call(*args: Any) -> Any:
-        *positional, kwargs = args
-        return fun(*positional, **kwargs)
-
-    return call
-
-
 def _mapped_leaves(
-    name: str, args: tuple, in_axes: tuple
+    name: str, args: tuple, in_axes: tuple, kwargs: dict
 ) -> tuple[list[str], list, list]:
     """Key paths, leaves and axes of the mapped arguments (for the size check)."""
     paths, leaves, axes = [], [], []
-    for i, (arg, axis) in enumerate(zip(args, in_axes)):
+    named = [(f"args[{i}]", a, x) for i, (a, x) in enumerate(zip(args, in_axes))]
+    named += [(f"kwargs[{k!r}]", v, 0) for k, v in kwargs.items()]
+    for root, arg, axis in named:
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            paths.append(f"args[{i}]" + jax.tree_util.keystr(path))
+            paths.append(root + jax.tree_util.keystr(path))
             leaves.append(leaf)
             axes.append(
                 _axes.canonical_in_axis(

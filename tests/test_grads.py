@@ -111,19 +111,32 @@ def test_argnums_and_has_aux(argnums):
     tree_allclose(out, expected)
 
 
-def test_keyword_arguments_reach_every_example_unmapped():
+def test_keyword_arguments_are_mapped_as_in_jax_vmap():
+    # One rule across the library (issue 15): keyword arguments are mapped over their
+    # leading axis, as jax.vmap maps them; shared values go positionally.
     x, y = data(5)
+    scales = jnp.linspace(0.5, 2.0, 5)
 
     def f(params, x, y, *, scale):
         return scale * loss(params, x, y)
 
-    out = per_example_grads(f, batch_argnums=(1, 2), batch_size=2)(
-        PARAMS, x, y, scale=3.0
-    )
-    expected = jax.vmap(jax.grad(lambda p, x, y: f(p, x, y, scale=3.0)), (None, 0, 0))(
-        PARAMS, x, y
-    )
+    out = per_example_grads(f, batch_size=2)(PARAMS, x, y, scale=scales)
+    expected = jax.vmap(jax.grad(f), (None, 0, 0))(PARAMS, x, y, scale=scales)
     tree_allclose(out, expected)
+
+
+def test_every_argument_not_differentiated_is_mapped_by_default():
+    # Issue 15: loss(params, x, y) with the default batch_argnums maps x and y (it
+    # used to map x only and hand all of y to every example: a silent wrong answer).
+    x, y = data(6)
+    out = per_example_grads(loss, batch_size=4)(PARAMS, x, y)
+    tree_allclose(out, jax.vmap(jax.grad(loss), (None, 0, 0))(PARAMS, x, y))
+    total, count = clipped_grad_sum(loss, 0.5, batch_size=4)(PARAMS, x, y)
+    expected, _ = hand_clipped_sum(loss, 0.5, (PARAMS, x, y), (None, 0, 0))
+    tree_allclose(total, expected, rtol=1e-5, atol=1e-6)
+    # Shared values: name the mapped ones.
+    shared = per_example_grads(loss, batch_argnums=1, batch_size=4)(PARAMS, x, y[0])
+    tree_allclose(shared, jax.vmap(jax.grad(loss), (None, 0, None))(PARAMS, x, y[0]))
 
 
 def test_per_example_grads_under_jit_and_sharded():
@@ -503,32 +516,29 @@ def test_clipped_sum_with_several_argnums(argnums):
     assert np.all(np.asarray(expected[1]) > np.asarray(alone) + 1e-3)
 
 
-def test_clipped_sum_keyword_arguments_are_broadcast():
+def test_clipped_sum_keyword_arguments_are_mapped():
     n = 6
     x, y = np_data(n)
-    # Leading axis of size N: a mapped keyword argument would give another result.
     offset = np.linspace(-1.0, 1.0, n * SIZES[-1], dtype=np.float32).reshape(n, -1)
+    scale = np.linspace(0.5, 2.0, n, dtype=np.float32)
 
     def f(params, x, y, *, offset, scale):
-        return scale * jnp.sum((mlp(params, x) + offset.mean(0) - y) ** 2)
+        return scale * jnp.sum((mlp(params, x) + offset - y) ** 2)
+
+    def positional(params, x, y, offset, scale):
+        return f(params, x, y, offset=offset, scale=scale)
 
     chunked = {
-        b: clipped_grad_sum(
-            f, 12.0, batch_argnums=(1, 2), batch_size=b, return_norms=True
-        )
-        for b in (4, None)
+        b: clipped_grad_sum(f, 12.0, batch_size=b, return_norms=True) for b in (4, None)
     }
-    expected = hand_clipped_sum(
-        f, 12.0, (PARAMS, x, y), (None, 0, 0), offset=offset, scale=0.5
-    )
+    mapped = (None, 0, 0, 0, 0)
+    expected = hand_clipped_sum(positional, 12.0, (PARAMS, x, y, offset, scale), mapped)
     for g in chunked.values():
-        check_clipped(g(PARAMS, x, y, offset=offset, scale=0.5), expected, n)
-    # Another value of a keyword argument, same function: not a cached constant.
-    out = chunked[4](PARAMS, x, y, offset=-offset, scale=2.0)
-    expected = hand_clipped_sum(
-        f, 12.0, (PARAMS, x, y), (None, 0, 0), offset=-offset, scale=2.0
-    )
-    check_clipped(out, expected, n)
+        check_clipped(g(PARAMS, x, y, offset=offset, scale=scale), expected, n)
+    # Other values, same function: not a cached constant.
+    out = chunked[4](PARAMS, x, y, offset=-offset, scale=2 * scale)
+    args = (PARAMS, x, y, -offset, 2 * scale)
+    check_clipped(out, hand_clipped_sum(positional, 12.0, args, mapped), n)
 
 
 def test_clipped_sum_in_float64():
