@@ -178,6 +178,15 @@ class _Call:
     fixed: dict[int | str, Any]  # excluded arguments and None arguments
     num_args: int
     kwarg_names: list[str]
+    excluded: frozenset[int | str] = frozenset()
+
+    def where(self, sig: Any) -> str:
+        """`jnp.vectorize`'s words for this function, for its messages."""
+        text = sig and sig.text
+        return (
+            f"on vectorized function with excluded={frozenset(self.excluded)!r} and "
+            f"signature={text!r}"
+        )
 
     def rebuild(self, values: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
         """`pyfunc`'s positional and keyword arguments for one example's `values`."""
@@ -217,6 +226,9 @@ def _split(
     elif len(sig.inputs) != len(values):
         listed = ", ".join(names) or "none"
         raise TypeError(
+            f"wrong number of positional arguments: expected {len(sig.inputs)}, got "
+            f"{len(values)} on vectorized function with excluded="
+            f"{frozenset(excluded)!r} and signature={sig.text!r}. "
             f"{_NAME} with signature={sig.text!r} expects {len(sig.inputs)} vectorised "
             f"argument(s), but got {len(values)} ({listed}; excluded="
             f"{set(excluded) or '{}'}). Keyword arguments not in excluded are "
@@ -224,11 +236,14 @@ def _split(
         )
     else:
         core = list(sig.inputs)
+    none_at = {i for i, (x, d) in enumerate(zip(values, core)) if x is None and d}
     call_names, call_keys, arrays, call_core = [], [], [], []
     for name, key, x, dims in zip(names, keys, values, core):
         if x is None:  # None is passed through, as an excluded argument
             if dims:
                 raise ValueError(
+                    f"Cannot pass None at locations {none_at} with signature="
+                    f"{sig and sig.text!r}. "
                     f"{_NAME} got None for {name}, whose core dimensions in "
                     f"signature={sig and sig.text!r} are {dims}: None can only be "
                     f"passed for an argument with core dimensions '()'."
@@ -248,7 +263,14 @@ def _split(
         call_keys.append(key)
         call_core.append(dims)
     return _Call(
-        call_names, call_keys, arrays, call_core, fixed, len(args), list(kwargs)
+        call_names,
+        call_keys,
+        arrays,
+        call_core,
+        fixed,
+        len(args),
+        list(kwargs),
+        frozenset(excluded),
     )
 
 
@@ -263,6 +285,8 @@ def _analyse(call: _Call, sig: _Signature | None):
     for name, x, dims in zip(call.names, call.arrays, call.core):
         if x.ndim < len(dims):
             raise ValueError(
+                f"input with shape {tuple(x.shape)} does not have enough dimensions "
+                f"for all core dimensions {dims} {call.where(sig)}. "
                 f"{_NAME} {name} has shape {tuple(x.shape)}, which has too few "
                 f"dimensions for its core dimensions {dims} in signature="
                 f"{sig and sig.text!r}: expected at least {len(dims)} dimension(s)."
@@ -270,18 +294,21 @@ def _analyse(call: _Call, sig: _Signature | None):
         loop_ndim = x.ndim - len(dims)
         loops.append(tuple(x.shape[:loop_ndim]))
         for dim, size in zip(dims, x.shape[loop_ndim:]):
-            _record_size(sizes, dim, size, f"{name} (shape {tuple(x.shape)})", sig)
+            where = f"{name} (shape {tuple(x.shape)})"
+            _record_size(sizes, dim, size, where, sig, call)
     loop_shape = _broadcast(call, loops)
     _check_rank_promotion(call, loops, sig)
     return loop_shape, loops, {d: s for d, (s, _) in sizes.items()}
 
 
-def _record_size(sizes, dim: str, size: int, where: str, sig) -> None:
+def _record_size(sizes, dim: str, size: int, where: str, sig, call) -> None:
     if dim not in sizes:
         sizes[dim] = (size, where)
     elif sizes[dim][0] != size:
         first, first_where = sizes[dim]
         raise ValueError(
+            f"inconsistent size for core dimension {dim!r}: {size} vs {first} "
+            f"{call.where(sig)}. "
             f"{_NAME} core dimension {dim!r} of signature={sig.text!r} has "
             f"inconsistent sizes: {first} in {first_where}, but {size} in {where}. "
             f"Core dimensions are not broadcast; they must match exactly."
@@ -297,6 +324,7 @@ def _broadcast(call: _Call, loops: list[tuple[int, ...]]) -> tuple[int, ...]:
         if len(sizes) > 1:
             listed = ", ".join(f"{n} {s}" for n, s in zip(call.names, loops))
             raise ValueError(
+                f"Incompatible shapes for broadcasting: shapes={list(loops)}. "
                 f"{_NAME} cannot broadcast the loop (non-core) dimensions of its "
                 f"vectorised arguments: loop dimension {d - ndim} has sizes "
                 f"{sorted(sizes)}. Loop shapes: {listed}."
@@ -315,7 +343,10 @@ def _check_rank_promotion(call: _Call, loops, sig: _Signature | None) -> None:
     if len(ranks) <= 1:
         return
     loop_shapes = ", ".join(f"{n} {s}" for n, s in zip(call.names, loops))
+    shapes = [tuple(x.shape) for x in call.arrays]
     msg = (
+        f"operands with shapes {shapes} require rank promotion for jnp.vectorize "
+        f"function with signature {sig and sig.text!r}. "
         f"{_NAME} arguments with loop (non-core) dimensions of different ranks need "
         f"rank promotion (signature={sig and sig.text!r}; shapes: "
         f"{_shape_list(call)}; loop shapes: {loop_shapes}). Add the leading size-1 "
@@ -341,7 +372,7 @@ def _checked(
         f_args, f_kwargs = call.rebuild(values)
         out = pyfunc(*f_args, **f_kwargs)
         if sig is not None:
-            _check_outputs(out, sig, sizes)
+            _check_outputs(out, sig, sizes, call)
         return out
 
     return example
@@ -353,7 +384,7 @@ def _describe(out: Any) -> str:
     return f"a value of type {type(out).__name__}"
 
 
-def _check_outputs(out: Any, sig: _Signature, sizes: dict[str, int]) -> None:
+def _check_outputs(out: Any, sig: _Signature, sizes: dict[str, int], call) -> None:
     expected = len(sig.outputs)
     if expected > 1 and not isinstance(out, tuple):
         raise TypeError(
@@ -373,12 +404,14 @@ def _check_outputs(out: Any, sig: _Signature, sizes: dict[str, int]) -> None:
         where = f"output {k} (shape {shape} per example)"
         if len(shape) != len(dims):
             raise ValueError(
+                f"output shape {shape} does not match core dimensions {dims} "
+                f"{call.where(sig)}. "
                 f"{_NAME} {where} does not match its core dimensions {dims} in "
                 f"signature={sig.text!r}: expected {len(dims)} dimension(s) per "
                 f"example, got {len(shape)}."
             )
         for dim, size in zip(dims, shape):
-            _record_size(seen, dim, size, where, sig)
+            _record_size(seen, dim, size, where, sig, call)
 
 
 # --------------------------------------------------------------------------------------

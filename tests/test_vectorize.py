@@ -1,6 +1,7 @@
 """batch_vectorize against jnp.vectorize: broadcasting, signatures, excluded, errors,
 rank promotion, composition, and the no-broadcast-copy memory claim."""
 
+import functools as ft
 import math
 import re
 import warnings
@@ -648,3 +649,31 @@ def test_no_broadcast_copies():
         lambda u, v: jnp.sort(u * v)[-1], signature="(k),(k)->()", batch_size=batch
     )
     assert temp_bytes(f, full, full) <= 8 * batch * k * 4
+
+
+# jnp.vectorize's own wording first, chunkvmap's explanation after (issue 15): code and
+# tests that match on jnp.vectorize's messages keep working.
+JNP_ERRORS = {
+    "none": lambda v: v(lambda x, y: x, signature="(n),(n)->(n)")(jnp.ones(3), None),
+    "rank": lambda v: v(lambda x, y: x + y)(jnp.ones((2, 3)), jnp.ones(3)),
+    "nargs": lambda v: v(lambda x, y: x, signature="(n),(n)->(n)")(jnp.ones(3)),
+    "core": lambda v: v(jnp.dot, signature="(n),(n)->()")(jnp.ones(3), jnp.ones(4)),
+    "ndim": lambda v: v(jnp.dot, signature="(m,n),(n)->(m)")(jnp.ones(3), jnp.ones(3)),
+    "loop": lambda v: v(lambda x, y: x * y)(jnp.ones((2, 3)), jnp.ones((4, 3))),
+    "out": lambda v: v(lambda x, e: x, signature="(n)->(m,m)", excluded={1})(
+        jnp.ones(3), 0
+    ),
+}
+
+
+@pytest.mark.parametrize("case", JNP_ERRORS)
+def test_errors_start_with_jnp_vectorize_wording(case):
+    with pytest.raises((TypeError, ValueError)) as expected:
+        JNP_ERRORS[case](jnp.vectorize)
+    chunked = ft.partial(batch_vectorize, batch_size=2)
+    with pytest.raises(expected.type) as ours:
+        JNP_ERRORS[case](chunked)
+    # Up to jnp.vectorize's own pointer to the config option, if any.
+    theirs = str(expected.value).split(" Set the jax_numpy_rank_promotion")[0]
+    assert str(ours.value).startswith(theirs.rstrip(".")), (str(ours.value), theirs)
+    assert "batch_vectorize" in str(ours.value)
