@@ -178,13 +178,13 @@ class _Call:
     fixed: dict[int | str, Any]  # excluded arguments and None arguments
     num_args: int
     kwarg_names: list[str]
-    excluded: frozenset[int | str] = frozenset()
+    shown: Any = frozenset()  # `excluded` as the user passed it (for messages)
 
     def where(self, sig: Any) -> str:
         """`jnp.vectorize`'s words for this function, for its messages."""
         text = sig and sig.text
         return (
-            f"on vectorized function with excluded={frozenset(self.excluded)!r} and "
+            f"on vectorized function with excluded={self.shown!r} and "
             f"signature={text!r}"
         )
 
@@ -202,6 +202,7 @@ def _split(
     sig: _Signature | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    shown: Any = frozenset(),
 ) -> _Call:
     names: list[str] = []
     keys: list[int | str] = []
@@ -228,7 +229,7 @@ def _split(
         raise TypeError(
             f"wrong number of positional arguments: expected {len(sig.inputs)}, got "
             f"{len(values)} on vectorized function with excluded="
-            f"{frozenset(excluded)!r} and signature={sig.text!r}. "
+            f"{shown!r} and signature={sig.text!r}. "
             f"{_NAME} with signature={sig.text!r} expects {len(sig.inputs)} vectorised "
             f"argument(s), but got {len(values)} ({listed}; excluded="
             f"{set(excluded) or '{}'}). Keyword arguments not in excluded are "
@@ -270,7 +271,7 @@ def _split(
         fixed,
         len(args),
         list(kwargs),
-        frozenset(excluded),
+        shown,
     )
 
 
@@ -638,7 +639,7 @@ def batch_vectorize(
       Array([2., 2.], dtype=float32)
     """
     check_callable(_NAME, "pyfunc", pyfunc)
-    excluded = _check_excluded(excluded)
+    shown, excluded = excluded, _check_excluded(excluded)
     sig = _parse_signature(signature)
     options = ChunkOptions.make(
         _NAME,
@@ -653,7 +654,7 @@ def batch_vectorize(
     mapper = Mapper(options)
 
     def vectorized(args: tuple, kwargs: dict) -> Any:
-        call = _split(excluded, sig, args, kwargs)
+        call = _split(excluded, sig, args, kwargs, shown)
         loop_shape, loops, sizes = _analyse(call, sig)
         example = _checked(pyfunc, call, sig, sizes)
         size = math.prod(loop_shape)
