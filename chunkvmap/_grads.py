@@ -13,6 +13,7 @@ differentiated and get `None` in the gradient, as with `equinox.filter_grad`.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -119,6 +120,7 @@ class _GradSetup:
         check_callable(name, "fun", fun)
         self.name = name
         self.argnums, self.single = check_argnums(name, "argnums", argnums)
+        self.warned = False
         self.batch_argnums = (
             None
             if batch_argnums is None
@@ -148,7 +150,41 @@ class _GradSetup:
             mapped = resolve_argnums(
                 self.name, "batch_argnums", self.batch_argnums, nargs
             )
+            self._warn_if_ambiguous(args, diff, mapped)
         return diff, tuple(0 if i in mapped else None for i in range(nargs))
+
+    def _warn_if_ambiguous(self, args: tuple, diff: tuple, mapped: tuple) -> None:
+        """Warn (once per transform) when an argument left out of `batch_argnums`
+        looks like one value per example: a leading axis of the examples' size."""
+        if self.warned:
+            return
+        sizes = {
+            np.shape(x)[0]
+            for i in mapped
+            for x in jax.tree.leaves(args[i])
+            if np.ndim(x) > 0
+        }
+        if len(sizes) != 1 or (n := sizes.pop()) <= 1:
+            return
+        shared = [
+            i
+            for i, a in enumerate(args)
+            if i not in mapped
+            and i not in diff
+            and any(np.ndim(x) > 0 and np.shape(x)[0] == n for x in jax.tree.leaves(a))
+        ]
+        if shared:
+            self.warned = True
+            suggest = tuple(sorted({*mapped, *shared}))
+            warnings.warn(
+                f"{self.name} passes {', '.join(f'args[{i}]' for i in shared)} "
+                f"whole to every example (it is not in batch_argnums="
+                f"{self.batch_argnums!r}), but its leading axis has the size of the "
+                f"examples' axis, {n}. If it holds one value per example, map it: "
+                f"batch_argnums={suggest} (or leave batch_argnums out: every argument "
+                f"that is not differentiated is then mapped). Warned once.",
+                stacklevel=4,
+            )
 
     def map(self, fn: Any, args: tuple, kwargs: dict, in_axes: tuple, **options: Any):
         """`fn(*args, **kwargs)` mapped over `in_axes` (keyword arguments over their

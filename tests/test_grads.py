@@ -654,3 +654,21 @@ def test_clipped_sum_sharded_over_an_explicit_mesh(n):
     # Per-device sums are added in another order than one vmap's sum.
     check_clipped(out, expected, n)
     assert 0 < int((expected[1] > 12.0).sum()) < n
+
+
+def test_a_shared_argument_shaped_like_the_examples_warns_once():
+    # Issue 15: y left out of batch_argnums but with N rows is probably per example.
+    x, y = data(6)
+
+    def against_the_mean(params, x, ys):  # legitimately shared, but looks per example
+        return loss(params, x, ys.mean(0))
+
+    grads = per_example_grads(against_the_mean, batch_argnums=1, batch_size=4)
+    with pytest.warns(UserWarning, match=r"args\[2\] whole .* batch_argnums=\(1, 2\)"):
+        out = grads(PARAMS, x, y)
+    tree_allclose(
+        out, jax.vmap(jax.grad(against_the_mean), (None, 0, None))(PARAMS, x, y)
+    )
+    grads(PARAMS, x, y)  # once: no second warning (warnings are errors in the suite)
+    # Not ambiguous: nothing shaped like the examples is left out.
+    per_example_grads(loss, batch_argnums=(1, 2), batch_size=4)(PARAMS, x, y)
