@@ -175,3 +175,9 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(dist, workdir):
         assert ROOT not in path.parents, file  # ...not the source tree
     assert found["y"] == [1.0, 5.0, 9.0, 13.0, 17.0], found
 
+
+def test_install_instructions_name_the_wheel_that_is_built(dist):
+    for page in ("README.md", "docs/index.md"):
+        text = (ROOT / page).read_text()
+        assert f'pip install "dist/{dist["wheel"].name}[flax,equinox]"' in text, page
+        assert "Once published" in text, page  # `pip install chunkvmap` is not yet
