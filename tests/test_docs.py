@@ -76,16 +76,3 @@ def test_site_builds_strictly(tmp_path):
     api = (tmp_path / "site" / "api" / "core" / "index.html").read_text()
     assert "batch_size" in api and "chunk_reduction" in api  # rendered docstrings
 
-
-def test_sharding_page_snippets_run(capsys):
-    """The code on docs/sharding.md (up to the example, which is a fragment of
-    examples/data_parallel.py, run by its own test) runs and prints what it says."""
-    text = (ROOT / "docs" / "sharding.md").read_text()
-    text = text[: text.index("## Example:")]
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 2, blocks
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, "docs/sharding.md", "exec"), namespace)
-    printed = capsys.readouterr().out.splitlines()
-    assert printed == ["float32[1024@data,8@model]", "P('data', 'model')"], printed
