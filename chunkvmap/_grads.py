@@ -294,7 +294,8 @@ def _global_norm(tree: Any) -> jax.Array:
     """The L2 norm of all leaves together, accumulated in at least float32.
 
     Zero-safe under differentiation too: the square root is only taken of positive
-    values, so a zero gradient gives norm 0 and finite derivatives.
+    values, so a zero gradient gives norm 0 and finite derivatives. A gradient with a
+    NaN has a NaN norm.
     """
     leaves = jax.tree.leaves(tree)
     if not leaves:
@@ -304,7 +305,10 @@ def _global_norm(tree: Any) -> jax.Array:
     acc = jnp.float64 if wide else jnp.float32
     total = sum(jnp.sum(jnp.square(jnp.abs(x).astype(acc))) for x in leaves)
     positive = total > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, total, 1)), 0)
+    norm = jnp.where(positive, jnp.sqrt(jnp.where(positive, total, 1)), 0)
+    # A NaN gradient has a NaN norm (so it is never summed unclipped as if its norm
+    # were 0): the clipped sum is then NaN, as the unchunked reference gives.
+    return jnp.where(jnp.isnan(total), total, norm)
 
 
 def _clip(tree: Any, l2_clip_norm: Any) -> tuple[Any, jax.Array]:

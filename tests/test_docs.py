@@ -75,4 +75,3 @@ def test_site_builds_strictly(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     api = (tmp_path / "site" / "api" / "core" / "index.html").read_text()
     assert "batch_size" in api and "chunk_reduction" in api  # rendered docstrings
-

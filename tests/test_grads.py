@@ -672,3 +672,17 @@ def test_a_shared_argument_shaped_like_the_examples_warns_once():
     grads(PARAMS, x, y)  # once: no second warning (warnings are errors in the suite)
     # Not ambiguous: nothing shaped like the examples is left out.
     per_example_grads(loss, batch_argnums=(1, 2), batch_size=4)(PARAMS, x, y)
+
+
+def test_a_nan_gradient_is_not_summed_unclipped():
+    # Found by tests/test_hostile.py: a NaN total used to give norm 0, and the
+    # example's finite parts entered the sum unclipped (breaking DP's clipping bound).
+    def f(w, x):
+        return jnp.sum(w * x)
+
+    x = np.array([[np.nan, 100.0, 0.0], [0.3, 0.4, 0.0]], np.float32)
+    total, _, norms = clipped_grad_sum(f, 1.0, return_norms=True, batch_size=1)(
+        np.ones(3, np.float32), x
+    )
+    assert np.isnan(norms[0]) and np.isclose(norms[1], 0.5)
+    assert np.all(np.isnan(total))  # as jax.vmap(jax.grad) + clip + sum gives

@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -116,7 +117,11 @@ class Case:
 
 def _run(thunk):
     try:
-        return True, thunk()
+        with warnings.catch_warnings():
+            # The gradient functions' documented warning for a shared argument shaped
+            # like the examples (a hint, not a failure): hostile calls make them.
+            warnings.filterwarnings("ignore", r".* whole to every example", UserWarning)
+            return True, thunk()
     except Exception as e:  # noqa: BLE001 - every outcome is examined
         return False, e
 
@@ -1057,10 +1062,7 @@ def param_value(kind: str) -> Any:
 
 
 def grads_params(draw, make) -> Case:
-    kinds = PARAM_KINDS
-    if make is cgs_case:  # Known bug: NaN gradients are not clipped (norm 0)
-        kinds = [k for k in kinds if k not in ("nan", "inf")]
-    kind = draw(st.sampled_from(kinds))
+    kind = draw(st.sampled_from(PARAM_KINDS))
     n = count(draw)
     case = make(
         loss,
@@ -1164,9 +1166,9 @@ def test_per_example_grads_calls(kind, data):
 def test_clipped_grad_sum_calls(kind, data):
     draw = data.draw
     if kind == "norms":
-        # Known bug: an example whose gradient has a NaN gets the norm 0 (and its
-        # finite components are summed unclipped), where the oracle's norm is NaN.
-        kind_x = draw(st.sampled_from(["float", "zero", "int", "keys"]))
+        # NaN and inf examples included: a NaN gradient used to get the norm 0 (and
+        # its finite components were summed unclipped); its norm is now NaN.
+        kind_x = draw(st.sampled_from(["float", "zero", "int", "keys", "nan", "inf"]))
         case = cgs_case(
             loss,
             (W, mapped_value(kind_x, count(draw))),
