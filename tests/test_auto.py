@@ -23,7 +23,7 @@ PARAMS = init_mlp(jax.random.key(0), (32, 256, 256, 10))
 X = jnp.linspace(-1.0, 1.0, 2000 * 32, dtype=jnp.float32).reshape(2000, 32)
 
 
-@pytest.mark.parametrize("limit", ["256KiB", "1MiB", 3_000_000])
+@pytest.mark.parametrize("limit", ["256KiB", 3_000_000])
 def test_chosen_size_fits_the_budget_by_the_same_estimate(limit, monkeypatch):
     searches = record_auto_searches(monkeypatch)
     fn = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit=limit)

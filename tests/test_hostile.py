@@ -58,8 +58,8 @@ def profile(examples: int):
     )
 
 
-OPTION_EXAMPLES = 12  # per entry point: malformed (or unusual but valid) options
-CALL_EXAMPLES = 4  # per entry point and kind of malformed call
+OPTION_EXAMPLES = 8  # per entry point: malformed (or unusual but valid) options
+CALL_EXAMPLES = 3  # per entry point and kind of malformed call
 # Flax linen transforms trace and compile init and apply for each case: fewer.
 LINEN_OPTION_EXAMPLES, LINEN_CALL_EXAMPLES = 8, 3
 

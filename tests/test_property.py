@@ -11,7 +11,7 @@ from .helpers import tree_allclose
 
 
 settings.register_profile(
-    "chunkvmap", derandomize=True, deadline=None, database=None, max_examples=25
+    "chunkvmap", derandomize=True, deadline=None, database=None, max_examples=15
 )
 settings.load_profile("chunkvmap")
 
