@@ -9,10 +9,13 @@ import importlib.metadata
 
 from ._batch_map import batch_map as batch_map
 from ._batch_vmap import batch_vmap as batch_vmap
-from ._grads import (
+from ._clipping import (
+    AuxiliaryOutput as AuxiliaryOutput,
+    ClippedGrad as ClippedGrad,
+    clipped_grad as clipped_grad,
     clipped_grad_sum as clipped_grad_sum,
-    per_example_grads as per_example_grads,
 )
+from ._grads import per_example_grads as per_example_grads
 from ._jacobians import batch_jacfwd as batch_jacfwd, batch_jacrev as batch_jacrev
 from ._memory import last_batch_size as last_batch_size
 from ._options import identity as identity
@@ -25,11 +28,14 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "AuxiliaryOutput",
+    "ClippedGrad",
     "batch_jacfwd",
     "batch_jacrev",
     "batch_map",
     "batch_vectorize",
     "batch_vmap",
+    "clipped_grad",
     "clipped_grad_sum",
     "identity",
     "last_batch_size",

@@ -253,11 +253,16 @@ class Mapper:
     transform is built, so that static errors are raised then, naming it."""
 
     def __init__(
-        self, options: ChunkOptions, axis_name: Any = None, axis_size: Any = None
+        self,
+        options: ChunkOptions,
+        axis_name: Any = None,
+        axis_size: Any = None,
+        spmd_axis_name: Any = None,
     ):
         name = options.name
         self.options = options
         self.axis_name = axis_name
+        self.spmd_axis_name = spmd_axis_name
         self.axis_size = _axes.check_positive_int(
             "axis_size", axis_size, allow_zero=True, transform=name
         )
@@ -292,6 +297,7 @@ class Mapper:
             options or self.options,
             self.auto,
             arg_names,
+            self.spmd_axis_name,
         )
 
     def transform(
@@ -315,13 +321,15 @@ def vmap_call(
     options: ChunkOptions,
     auto: _memory.AutoBatch | None,
     arg_names: Any = None,
+    spmd_axis_name: Any = None,
 ) -> Any:
     """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by `options`.
 
     `in_axes` and `out_axes` are checked specs (`out_axes` may also be a function of
     the output's abstract pytree returning the spec, for adapters whose output axes
     depend on the output); keyword arguments are mapped over their leading axis.
-    `arg_names` names the positional arguments in messages (default `args[i]`).
+    `arg_names` names the positional arguments in messages (default `args[i]`);
+    `spmd_axis_name` is `jax.vmap`'s (each chunk's mapped axis is sharded over it).
     """
     name = options.name
     leaves, paths, axes, treedef = _flatten_inputs(
@@ -329,9 +337,14 @@ def vmap_call(
     )
     size = _axes.mapped_size(paths, leaves, axes, axis_size, transform=name)
     if options.plain and not callable(out_axes):
-        out = jax.vmap(f, in_axes, out_axes, axis_name=axis_name, axis_size=axis_size)(
-            *args, **kwargs
-        )
+        out = jax.vmap(
+            f,
+            in_axes,
+            out_axes,
+            axis_name=axis_name,
+            axis_size=axis_size,
+            spmd_axis_name=spmd_axis_name,
+        )(*args, **kwargs)
         return (
             out if options.chunk_reduction is identity else options.chunk_reduction(out)
         )
@@ -343,17 +356,29 @@ def vmap_call(
         for i, (x, a) in enumerate(zip(leaves, axes))
         if a is not None or isinstance(x, jax.Array)
     ]
-    body = _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options)
+    body = _trace(
+        f,
+        leaves,
+        axes,
+        dyn,
+        treedef,
+        out_axes,
+        (axis_name, spmd_axis_name),
+        size,
+        options,
+    )
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
     key += (_static_key(leaves, dyn),)
     inputs = _chunked.Inputs(leaves, paths, dyn, size, key)
     return _chunked.evaluate(body, inputs, options, auto, axis_name)
 
 
-def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options):
+def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
     """`f` traced once (under `jax.jit`, so every later use reuses the trace), and
-    one chunk of `jax.vmap(f)` described as a `_loop.Body`."""
+    one chunk of `jax.vmap(f)` described as a `_loop.Body` (`axis_names` is the pair
+    `(axis_name, spmd_axis_name)` of `jax.vmap`)."""
     name = options.name
+    axis_name, spmd_axis_name = axis_names
     out_box: list[Any] = []
 
     def f_flat(*dyn_leaves):
@@ -387,6 +412,7 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options):
             out_axes=0,
             axis_name=axis_name,
             axis_size=size if no_mapped_arg else None,
+            spmd_axis_name=spmd_axis_name,
         ),
         *dyn_leaves,
     )
@@ -401,6 +427,7 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_name, size, options):
             out_axes=list(out_axes_flat),
             axis_name=axis_name,
             axis_size=length if no_mapped_arg else None,
+            spmd_axis_name=spmd_axis_name,
         )
         return vf(*[chunk_leaves[i] for i in dyn])
 

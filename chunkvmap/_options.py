@@ -154,6 +154,7 @@ class ChunkOptions:
         *,
         batch_size: Any = None,
         chunk_size: Any = None,
+        microbatch_size: Any = None,
         reduction: Any = None,
         chunk_reduction: Any = identity,
         remat: Any = True,
@@ -163,14 +164,22 @@ class ChunkOptions:
         progress: Any = False,
     ) -> ChunkOptions:
         """The validated options of the transform `name` (errors name `name`)."""
-        arg = "batch_size"
-        if chunk_size is not None:
-            if batch_size is not None:
-                raise TypeError(
-                    f"{name} got both batch_size={batch_size!r} and its alias "
-                    f"chunk_size={chunk_size!r}; pass only one."
-                )
-            batch_size, arg = chunk_size, "chunk_size"
+        given = {
+            arg: value
+            for arg, value in (
+                ("batch_size", batch_size),
+                ("chunk_size", chunk_size),
+                ("microbatch_size", microbatch_size),
+            )
+            if value is not None
+        }
+        if len(given) > 1:
+            (a, value_a), (b, value_b) = list(given.items())[:2]
+            raise TypeError(
+                f"{name} got both {a}={value_a!r} and its alias {b}={value_b!r}; pass "
+                f"only one."
+            )
+        arg, batch_size = next(iter(given.items()), ("batch_size", None))
         batch_size = _check_batch_size(name, arg, batch_size)
         check_callable(name, "reduction", reduction, allow_none=True)
         check_callable(name, "chunk_reduction", chunk_reduction)

@@ -909,7 +909,8 @@ def clipped_oracle(
         for g in leaves
     )
     norms = jnp.sqrt(squares)
-    scale = jnp.float32(clip) / jnp.maximum(norms, jnp.float32(clip))
+    # jax-privacy's clip_pytree (nan_safe=False): a NaN norm scales by 0
+    scale = jnp.nan_to_num(jnp.minimum(1, jnp.float32(clip) / norms), posinf=0.0)
     total = jax.tree.map(lambda g: jnp.tensordot(scale.astype(g.dtype), g, 1), grads)
     out = (total, jnp.asarray(n, jnp.int32))
     return (*out, norms) if return_norms else out

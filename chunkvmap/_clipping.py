@@ -1,0 +1,660 @@
+"""Clipped per-example gradient sums (DP-SGD): `clipped_grad` and `clipped_grad_sum`.
+
+`clipped_grad` has the signature, options and return values of jax-privacy's
+`jax_privacy.clipping.clipped_grad` (2.0), so that a DP-SGD program switches by changing
+one import; `clipped_grad_sum` is chunkvmap's compact form (every non-differentiated
+argument mapped, the count returned). One implementation serves both (`_clipped_sums`):
+the gradient of one example is computed, optionally transformed, cast and made NaN-safe,
+clipped, and returned with the example's extras (value, unclipped norm, aux); the
+`batch_vmap` pipeline evaluates examples in chunks and folds each chunk's summary with
+`jnp.add`. A chunk's summary is the sum of its clipped gradients and its extras written
+at their examples' positions, so at most `batch_size` gradients exist at once, any `N`
+works, and the chunks are contiguous (`microbatch_size` is an alias of `batch_size`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools as ft
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _axes, _memory
+from ._grads import GradSetup, filtered_value_and_grad, resolve_argnums
+from ._options import check_bool, check_callable, identity
+
+
+AuxiliaryOutput = collections.namedtuple(
+    "AuxiliaryOutput", ["values", "grad_norms", "aux"]
+)
+AuxiliaryOutput.__doc__ = """The per-example outputs of `clipped_grad`, each with a
+leading axis of the examples, or None when not requested: `values` (the loss of each
+example), `grad_norms` (the L2 norm of each example's gradient, before the
+pre-clipping transform and before clipping) and `aux` (`fun`'s auxiliary output with
+`has_aux`). The fields of jax-privacy's `AuxiliaryOutput`."""
+
+_RELATIONS = ("ADD_OR_REMOVE_ONE", "REPLACE_ONE", "REPLACE_SPECIAL")
+
+
+class ClippedGrad:
+    """The function `clipped_grad` returns: call it like `fun`, and ask it for its
+    sensitivity (jax-privacy's `BoundedSensitivityCallable`).
+
+    Attributes:
+      l2_norm_bound: the bound on the L2 norm of each example's contribution to the
+        sum: `1` with `rescale_to_unit_norm`, else `l2_clip_norm`, divided by
+        `normalize_by`.
+      has_aux: whether the function returns `(grad_sum, AuxiliaryOutput)`.
+    """
+
+    def __init__(self, fun: Callable[..., Any], l2_norm_bound: Any, has_aux: bool):
+        self.fun = fun
+        self.l2_norm_bound = l2_norm_bound
+        self.has_aux = has_aux
+        ft.update_wrapper(self, fun)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fun(*args, **kwargs)
+
+    def sensitivity(self, neighboring_relation: Any = None) -> Any:
+        """The L2 sensitivity of the clipped sum under `neighboring_relation`.
+
+        Args:
+          neighboring_relation: a `dp_accounting.NeighboringRelation` (or its name as
+            a string, so dp-accounting need not be installed): `ADD_OR_REMOVE_ONE`
+            and `REPLACE_SPECIAL` (the default, None) give `l2_norm_bound`,
+            `REPLACE_ONE` twice that (one example removed and another added).
+
+        Returns:
+          The sensitivity, a number (or a traced scalar for a traced clip norm).
+        """
+        if neighboring_relation is None:
+            relation = "REPLACE_SPECIAL"
+        else:
+            relation = getattr(neighboring_relation, "name", neighboring_relation)
+        if isinstance(relation, str) and relation.upper() in _RELATIONS:
+            relation = relation.upper()
+            return self.l2_norm_bound * (2 if relation == "REPLACE_ONE" else 1)
+        raise ValueError(
+            f"clipped_grad sensitivity: unsupported neighboring_relation="
+            f"{neighboring_relation!r}; expected a dp_accounting.NeighboringRelation "
+            f"(or its name): one of {', '.join(_RELATIONS)}."
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ClippedGrad({getattr(self, '__name__', self.fun)!s}, l2_norm_bound="
+            f"{self.l2_norm_bound!r}, has_aux={self.has_aux})"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Norms and clipping of one example's gradient.
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """The L2 norm of all leaves together, accumulated in at least float32.
+
+    Zero-safe under differentiation: the square root is only taken of positive values,
+    so a zero gradient gives norm 0 and finite derivatives. A gradient with a NaN has a
+    NaN norm; one with an infinity (and no NaN) an infinite norm.
+    """
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    # float32, or float64 when a leaf has double precision (real or complex).
+    wide = any(jnp.finfo(x.dtype).dtype.itemsize > 4 for x in leaves)
+    acc = jnp.float64 if wide else jnp.float32
+    total = sum(jnp.sum(jnp.square(jnp.abs(x).astype(acc))) for x in leaves)
+    positive = total > 0
+    norm = jnp.where(positive, jnp.sqrt(jnp.where(positive, total, 1)), 0)
+    return jnp.where(jnp.isnan(total), total, norm)
+
+
+def clip_scale(norm: jax.Array, clip: Any, rescale_to_unit_norm: bool) -> jax.Array:
+    """The factor that clips a tree of L2 norm `norm` to `clip` (jax-privacy's rule).
+
+    `min(1, clip / norm)`, divided by `clip` with `rescale_to_unit_norm` (by `norm`
+    when `clip` is 0); a zero norm leaves the tree unchanged; a NaN or infinite
+    factor becomes 0 (NaN norms, `clip = norm = inf`, and the unit rescaling of an
+    infinite clip), and a negative `clip` counts as 0. Every division is guarded, so
+    the factor has finite derivatives.
+    """
+    clip = jnp.maximum(jnp.asarray(clip, norm.dtype), 0)
+    positive = norm > 0  # False for 0 and NaN
+    safe_norm = jnp.where(positive, norm, 1)
+    at_zero = jnp.where(clip > 0, jnp.inf, jnp.nan)  # clip / 0 (0 / 0 is NaN)
+    bad = jnp.where(norm == 0, at_zero, jnp.nan)
+    scale = jnp.minimum(1, jnp.where(positive, clip / safe_norm, bad))
+    if rescale_to_unit_norm:
+        clip_positive = clip > 0
+        inverse = jnp.where(positive, 1 / safe_norm, jnp.where(norm == 0, jnp.inf, bad))
+        scale = jnp.where(
+            clip_positive, scale / jnp.where(clip_positive, clip, 1), inverse
+        )
+    return jnp.nan_to_num(scale, nan=0.0, posinf=0.0)
+
+
+def _nan_to_zero(x: jax.Array) -> jax.Array:
+    return jnp.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Clipping:
+    """What is done to each example's gradient, and which extras are returned."""
+
+    l2_clip_norm: Any
+    rescale_to_unit_norm: bool = False
+    nan_safe: bool = True
+    dtype: Any = None
+    pre_clipping_transform: Callable[[Any], Any] = identity
+    keep_batch_dim: bool = False
+    return_values: bool = False
+    return_grad_norms: bool = False
+    has_aux: bool = False
+    prng_argnum: int | None = None
+    # jax-privacy's call rules: `is_padding_example=` is accepted, and the
+    # differentiated arguments may not hold examples.
+    jax_privacy: bool = False
+
+    def clip(self, grads: Any, pad: Any) -> Any:
+        """One example's gradient, transformed, cast, made NaN-safe and clipped (zero
+        for a padding example)."""
+        tree = self.pre_clipping_transform(grads)
+        if self.dtype is not None:
+            tree = jax.tree.map(lambda x: jnp.asarray(x).astype(self.dtype), tree)
+        if self.nan_safe:
+            tree = jax.tree.map(_nan_to_zero, tree)
+        scale = clip_scale(
+            global_norm(tree), self.l2_clip_norm, self.rescale_to_unit_norm
+        )
+        tree = jax.tree.map(lambda x: x * scale.astype(x.dtype), tree)
+        if pad is not None:  # zero, even where the gradient is NaN
+            tree = jax.tree.map(lambda x: jnp.where(pad, jnp.zeros_like(x), x), tree)
+        return tree
+
+
+def _squeeze_leading_one(x: Any) -> Any:
+    """An aux leaf of one example without the size-1 batch axis `fun` kept."""
+    if np.ndim(x) >= 1 and np.shape(x)[0] == 1:
+        return jnp.squeeze(x, 0)
+    return x
+
+
+def _clipped_sums(
+    setup: GradSetup,
+    fun: Callable[..., Any],
+    config: _Clipping,
+    args: tuple,
+    kwargs: dict,
+) -> tuple[Any, AuxiliaryOutput, int]:
+    """The clipped gradient sum of a call, its per-example extras, and `N`."""
+    name = setup.name
+    kwargs = dict(kwargs)
+    padding = kwargs.pop("is_padding_example", None) if config.jax_privacy else None
+    diff, in_axes = setup.resolve(args)
+    batch_args = [i for i, a in enumerate(in_axes) if a is not None]
+    if config.jax_privacy and set(diff) & set(batch_args):
+        shared = sorted(set(diff) & set(batch_args))
+        raise ValueError(
+            f"{name} cannot clip gradients with respect to an argument that holds "
+            f"the examples: argnums and batch_argnums share {shared}."
+        )
+    size = _axes.mapped_size(
+        *_mapped_leaves(name, args, in_axes, kwargs), None, transform=name
+    )
+    args, in_axes = list(args), list(in_axes)
+    if config.prng_argnum is not None:  # one key per example, split from the given one
+        (k,) = resolve_argnums(name, "prng_argnum", (config.prng_argnum,), len(args))
+        if k in diff or k in batch_args:
+            raise ValueError(
+                f"{name} prng_argnum={config.prng_argnum} is also in "
+                f"{'argnums' if k in diff else 'batch_argnums'}; the key argument "
+                f"must be passed whole (it is split into one key per example)."
+            )
+        args[k] = jax.tree.map(lambda key: jax.random.split(key, size), args[k])
+        in_axes[k] = 0
+    # Example indices place the extras (when any are asked for) in the output.
+    per_example = config.return_values or config.return_grad_norms or config.has_aux
+    extra = [jnp.arange(size, dtype=jnp.int32)] if per_example else []
+    if padding is not None:
+        padding = _check_padding(name, padding, size)
+        extra.append(padding)
+
+    value_and_grad = filtered_value_and_grad(
+        fun if config.has_aux else lambda *a, **k: (fun(*a, **k), None),
+        diff,
+        setup.single,
+        has_aux=True,
+    )
+
+    def example(*inputs: Any, **kw: Any) -> Any:
+        inputs = list(inputs)
+        pad = inputs.pop() if padding is not None else None
+        index = inputs.pop() if per_example else None
+        if config.keep_batch_dim:  # jax-privacy's default: a batch of one example
+            for i in batch_args:
+                inputs[i] = jax.tree.map(lambda x: jnp.expand_dims(x, 0), inputs[i])
+        (value, aux), grads = value_and_grad(*inputs, **kw)
+        if config.keep_batch_dim:
+            aux = jax.tree.map(_squeeze_leading_one, aux)
+        extras = AuxiliaryOutput(
+            value if config.return_values else None,
+            global_norm(grads) if config.return_grad_norms else None,
+            aux if config.has_aux else None,
+        )
+        return config.clip(grads, pad), extras, index
+
+    all_args, all_axes = (*args, *extra), (*in_axes, *[0] * len(extra))
+    if size == 0:  # the empty sum (a Poisson-sampled lot may be empty)
+        grads, extras, _ = jax.tree.map(
+            lambda a: jnp.zeros(a.shape, a.dtype),
+            _one_example_avals(example, all_args, kwargs, all_axes),
+        )
+        empty = jax.tree.map(lambda x: jnp.zeros((0, *x.shape), x.dtype), extras)
+        return grads, empty, size
+
+    def summarise(chunk: Any) -> Any:
+        clipped, extras, index = chunk
+        total = jax.tree.map(lambda g: g.sum(0), clipped)
+        if index is None:
+            return total, extras  # no extras: None fields
+
+        # The chunk's extras at their examples' positions: N values per chunk,
+        # negligible next to its B x params gradients.
+        def place(e: jax.Array) -> jax.Array:
+            whole = jnp.zeros((size, *e.shape[1:]), e.dtype)
+            return whole.at[index].set(e, indices_are_sorted=True, unique_indices=True)
+
+        return total, jax.tree.map(place, extras)
+
+    total, extras = setup.map(
+        example,
+        tuple(all_args),
+        kwargs,
+        tuple(all_axes),
+        reduction=jnp.add,
+        chunk_reduction=summarise,
+    )
+    return total, extras, size
+
+
+def _check_padding(name: str, padding: Any, size: int) -> jax.Array:
+    shape, dtype = np.shape(padding), jnp.result_type(padding)
+    if shape != (size,) or not (
+        jnp.issubdtype(dtype, jnp.bool_) or jnp.issubdtype(dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"{name} is_padding_example must be a boolean vector with one entry per "
+            f"example, shape ({size},), but got shape {shape} and dtype {dtype}."
+        )
+    return jnp.asarray(padding).astype(bool)
+
+
+def _one_example_avals(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, in_axes: Sequence[Any]
+) -> Any:
+    """The output types of `fn` on one (abstract) example of `args` and `kwargs`."""
+    mapped = [i for i, a in enumerate(in_axes) if a is not None]
+
+    def one_example(examples: list, kw: dict) -> Any:
+        full = list(args)
+        for i, e in zip(mapped, examples):
+            full[i] = e
+        return fn(*full, **kw)
+
+    def example(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x))
+
+    avals = [jax.tree.map(example, args[i]) for i in mapped]
+    return jax.eval_shape(one_example, avals, jax.tree.map(example, kwargs))
+
+
+def _mapped_leaves(
+    name: str, args: tuple, in_axes: tuple, kwargs: dict
+) -> tuple[list[str], list, list]:
+    """Key paths, leaves and axes of the mapped arguments (for the size check)."""
+    paths, leaves, axes = [], [], []
+    named = [(f"args[{i}]", a, x) for i, (a, x) in enumerate(zip(args, in_axes))]
+    named += [(f"kwargs[{k!r}]", v, 0) for k, v in kwargs.items()]
+    for root, arg, axis in named:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            paths.append(root + jax.tree_util.keystr(path))
+            leaves.append(leaf)
+            axes.append(
+                _axes.canonical_in_axis(
+                    axis, leaf, paths[-1], transform=name, arg="batch_argnums"
+                )
+            )
+    return paths, leaves, axes
+
+
+# --------------------------------------------------------------------------------------
+# The public functions.
+
+
+def _check_clip_norm(name: str, value: Any, *, strict: bool) -> None:
+    """A concrete clip norm must be a real scalar: positive and finite when `strict`
+    (`clipped_grad_sum`), non-negative (inf allowed) otherwise (jax-privacy's rule). A
+    traced clip norm (e.g. a schedule) cannot be checked."""
+    try:
+        number = float(np.asarray(value))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name} l2_clip_norm must be a {'positive' if strict else 'non-negative'} "
+            f"number, but got l2_clip_norm={value!r} of type {type(value).__name__}."
+        ) from None
+    if isinstance(value, str) or np.ndim(value) != 0:
+        raise TypeError(
+            f"{name} l2_clip_norm must be a scalar number, but got "
+            f"l2_clip_norm={value!r}."
+        )
+    if strict and not (number > 0 and np.isfinite(number)):
+        raise ValueError(
+            f"{name} l2_clip_norm must be a positive, finite scalar, but got "
+            f"l2_clip_norm={value!r}."
+        )
+    if not strict and not number >= 0:
+        raise ValueError(
+            f"{name} l2_clip_norm must be non-negative (0 clips every gradient to "
+            f"zero, inf leaves them unclipped), but got l2_clip_norm={value!r}."
+        )
+
+
+def clipped_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    l2_clip_norm: Any,
+    rescale_to_unit_norm: bool = False,
+    normalize_by: Any = 1.0,
+    batch_argnums: int | Sequence[int] = 1,
+    keep_batch_dim: bool = True,
+    return_values: bool = False,
+    return_grad_norms: bool = False,
+    pre_clipping_transform: Callable[[Any], Any] = identity,
+    microbatch_size: int | str | None = None,
+    nan_safe: bool = True,
+    dtype: Any = None,
+    prng_argnum: int | None = None,
+    spmd_axis_name: Any = None,
+    batch_size: int | str | None = None,
+    chunk_size: int | str | None = None,
+    memory_limit: int | str | None = None,
+    shard: bool | str | tuple[str, ...] = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    progress: Any = False,
+) -> ClippedGrad:
+    """The sum of per-example clipped gradients: jax-privacy's `clipped_grad`, for any
+    batch size.
+
+    A drop-in for `jax_privacy.clipping.clipped_grad` (2.0): the same signature,
+    options and results. For every example (a slice along the leading axis of the
+    arguments in `batch_argnums`) the gradient of `fun` with respect to `argnums` is
+    computed, transformed by `pre_clipping_transform`, cast to `dtype`, made NaN-safe,
+    clipped to L2 norm `l2_clip_norm`, and summed over the examples; the sum is divided
+    by `normalize_by`. Examples are evaluated in chunks of `microbatch_size` (alias
+    `batch_size`, `chunk_size`): any number of examples works (no divisibility, no
+    padding), chunks are contiguous, and at most `microbatch_size` gradients exist at
+    once, so memory does not grow with the batch. `microbatch_size="auto"` picks the
+    largest chunk that fits `memory_limit`.
+
+    Padding is never needed, but `is_padding_example=` (a boolean vector, one entry
+    per example) is accepted at call time with jax-privacy's meaning: padded examples
+    contribute nothing to the sum (their values, norms and aux are still computed).
+
+    Only floating-point leaves of the differentiated arguments are differentiated
+    (others get None), so Equinox modules work as parameters directly.
+
+    Args:
+      fun: the loss, `fun(params, batch, ...)` returning a scalar (or `(scalar, aux)`
+        with `has_aux`); with `keep_batch_dim` it sees a batch of one example.
+      argnums: the argument(s) to differentiate (int or sequence of ints); they may
+        not be in `batch_argnums`.
+      has_aux: `fun` returns `(loss, aux)`; the per-example `aux` is returned in
+        `AuxiliaryOutput.aux`.
+      l2_clip_norm: the clip norm: a non-negative scalar (0 gives zero, inf no
+        clipping; it may be traced, and a negative traced value counts as 0).
+      rescale_to_unit_norm: divide each clipped gradient by `l2_clip_norm` (the sum
+        then has sensitivity 1).
+      normalize_by: divide the sum by this positive value.
+      batch_argnums: the argument(s) holding the examples along their leading axis
+        (jax-privacy's default, 1: `fun(params, batch)`); others are passed whole.
+        Keyword arguments are mapped over their leading axis, as in `jax.vmap`.
+      keep_batch_dim: pass each example with a leading axis of size 1 (the default);
+        False passes single examples (or groups, for per-user clipping). Aux leaves
+        of shape `(1, ...)` per example lose that axis.
+      return_values: also return the per-example losses.
+      return_grad_norms: also return the per-example gradient norms (before the
+        pre-clipping transform and clipping; in at least float32).
+      pre_clipping_transform: applied to each example's gradient before clipping.
+      microbatch_size: examples per chunk (None: one `jax.vmap` over all examples;
+        `"auto"`: from `memory_limit`).
+      nan_safe: replace NaN and infinite gradient entries by 0 before clipping, so the
+        sensitivity holds whatever the inputs.
+      dtype: cast each gradient to this dtype before clipping and summing.
+      prng_argnum: the argument holding a PRNG key (or a pytree of keys): it is split
+        into one key per example (`jax.random.split(key, N)`, as jax-privacy does).
+      spmd_axis_name: as in `jax.vmap` (the mapped axis of each chunk is sharded over
+        this mesh axis).
+      batch_size: an alias of `microbatch_size`.
+      chunk_size: an alias of `microbatch_size`.
+      memory_limit: the budget for `microbatch_size="auto"`.
+      shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
+      mesh: the mesh for `shard` (see `batch_vmap`).
+      remat: checkpoint each chunk (matters only when differentiating the result).
+      progress: a host progress bar over the chunks (see `batch_vmap`).
+
+    Returns:
+      A `ClippedGrad`, callable like `fun`. It returns the clipped sum (structured like
+      the differentiated argument(s)), or `(sum, AuxiliaryOutput(values, grad_norms,
+      aux))` when `has_aux`, `return_values` or `return_grad_norms` is set (fields not
+      asked for are None). Its `l2_norm_bound` and `sensitivity(neighboring_relation)`
+      give the sum's sensitivity.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import clipped_grad
+      >>> f = lambda param, data: 0.5 * jnp.mean((data - param) ** 2)
+      >>> g = clipped_grad(f, l2_clip_norm=jnp.inf, microbatch_size=2)
+      >>> g(3.0, jnp.array([0.0, 7.0, -2.0]))
+      Array(4., dtype=float32)
+      >>> g = clipped_grad(f, l2_clip_norm=1.0, return_grad_norms=True)
+      >>> total, aux = g(3.0, jnp.array([0.0, 7.0, -2.0]))
+      >>> total, aux.grad_norms
+      (Array(1., dtype=float32), Array([3., 4., 5.], dtype=float32))
+    """
+    name = "clipped_grad"
+    _check_clip_norm(name, l2_clip_norm, strict=False)
+    for arg, value in (
+        ("has_aux", has_aux),
+        ("rescale_to_unit_norm", rescale_to_unit_norm),
+        ("keep_batch_dim", keep_batch_dim),
+        ("return_values", return_values),
+        ("return_grad_norms", return_grad_norms),
+        ("nan_safe", nan_safe),
+    ):
+        check_bool(name, arg, value)
+    check_callable(name, "pre_clipping_transform", pre_clipping_transform)
+    if not isinstance(normalize_by, numbers.Real) or not normalize_by > 0:
+        raise ValueError(
+            f"{name} normalize_by must be a positive number, but got "
+            f"normalize_by={normalize_by!r}."
+        )
+    if dtype is not None:
+        dtype = _check_dtype(name, dtype)
+    if prng_argnum is not None and (
+        isinstance(prng_argnum, bool) or not isinstance(prng_argnum, numbers.Integral)
+    ):
+        raise TypeError(
+            f"{name} prng_argnum must be an int or None, but got "
+            f"prng_argnum={prng_argnum!r}."
+        )
+    setup = GradSetup(
+        name,
+        fun,
+        argnums,
+        batch_argnums,
+        spmd_axis_name=spmd_axis_name,
+        batch_size=batch_size,
+        chunk_size=chunk_size,
+        microbatch_size=microbatch_size,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        memory_limit=memory_limit,
+        progress=progress,
+    )
+    config = _Clipping(
+        l2_clip_norm,
+        rescale_to_unit_norm=rescale_to_unit_norm,
+        nan_safe=nan_safe,
+        dtype=dtype,
+        pre_clipping_transform=pre_clipping_transform,
+        keep_batch_dim=keep_batch_dim,
+        return_values=return_values,
+        return_grad_norms=return_grad_norms,
+        has_aux=has_aux,
+        prng_argnum=prng_argnum,
+        jax_privacy=True,
+    )
+    with_aux = has_aux or return_values or return_grad_norms
+
+    def call(args: tuple, kwargs: dict) -> Any:
+        total, extras, _ = _clipped_sums(setup, fun, config, args, kwargs)
+        if normalize_by != 1.0:
+            total = jax.tree.map(lambda x: x / normalize_by, total)
+        return (total, extras) if with_aux else total
+
+    bound = (1.0 if rescale_to_unit_norm else l2_clip_norm) / normalize_by
+    clipped = ClippedGrad(setup.mapper.transform(call, fun), bound, with_aux)
+    _memory.register(clipped, setup.mapper.auto)  # for last_batch_size(clipped)
+    return clipped
+
+
+def _check_dtype(name: str, dtype: Any) -> Any:
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"{name} dtype must be a floating-point dtype or None, but got "
+            f"dtype={dtype!r}."
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        raise TypeError(
+            f"{name} dtype must be a floating-point dtype or None, but got "
+            f"dtype={dtype.name}."
+        )
+    return dtype
+
+
+def clipped_grad_sum(
+    fun: Callable[..., Any],
+    l2_clip_norm: Any,
+    *,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] | None = None,
+    batch_size: int | str | None = None,
+    return_norms: bool = False,
+    shard: bool | str | tuple[str, ...] = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
+    progress: Any = False,
+    chunk_size: int | str | None = None,
+) -> Callable[..., Any]:
+    """The sum of per-example gradients, each clipped to L2 norm `l2_clip_norm`.
+
+    This is the aggregation step of DP-SGD: for every example `i` the gradient `g_i` of
+    `fun` is scaled by `min(1, l2_clip_norm / ||g_i||)` (the global L2 norm over all
+    leaves of the differentiated arguments), and the clipped gradients are summed. It
+    runs chunk by chunk: each chunk of `batch_size` examples computes, clips and sums
+    its gradients, and the chunk sums are added up, so peak memory is
+    O(`batch_size` x parameters), never O(N x parameters) as with
+    `optax.contrib.differentially_private_aggregate` on stacked gradients. Unlike
+    `optax.microbatching.micro_grad`, `N` need not be divisible by `batch_size`.
+
+    The compact form of `clipped_grad` (the same implementation): `fun` is the loss of
+    one example, every argument not differentiated is mapped by default, the count is
+    returned, and gradients are not made NaN-safe: a NaN gradient gives a NaN norm and
+    NaN entries in the sum, so a diverging model is seen, not hidden. Zero gradients are
+    safe (their norm is 0 and they are left unscaled, with no 0/0), the sum keeps each
+    parameter's dtype (norms are accumulated in at least float32), and, as in
+    `per_example_grads`, only floating-point arrays are differentiated (other leaves
+    get None), so Equinox modules and Flax variables work as parameters. Zero examples
+    give zero sums and a count of 0 (a Poisson-sampled lot may be empty).
+
+    Args:
+      fun: the per-example loss, `fun(params, example, ...)` returning a scalar.
+      l2_clip_norm: the clipping norm, a positive scalar (it may be traced).
+      argnums: the argument(s) to differentiate (int or sequence of ints).
+      batch_argnums: the argument(s) holding the examples along their leading axis;
+        the others are passed to every example unchanged. None (the default): every
+        positional argument not in `argnums`. Keyword arguments are mapped over
+        their leading axis, as in `jax.vmap`.
+      batch_size: examples per chunk (None: one `jax.vmap`; `"auto"`: from
+        `memory_limit`).
+      return_norms: also return the `N` unclipped per-example gradient norms.
+      shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
+      mesh: the mesh for `shard` (see `batch_vmap`).
+      remat: checkpoint each chunk (matters only when differentiating the result).
+      memory_limit: the budget for `batch_size="auto"`.
+      progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size` (pass one of them).
+
+    Returns:
+      A function of `fun`'s arguments returning `(grad_sum, count)` — the clipped sum
+      (structured like the differentiated argument(s)) and the number of examples as an
+      int32 scalar — or `(grad_sum, count, norms)` with `return_norms`, where `norms`
+      has shape `(N,)`. For the DP-SGD update add Gaussian noise of standard deviation
+      `noise_multiplier * l2_clip_norm` to `grad_sum` and divide by the lot size: the
+      fixed lot size (`count`) with fixed-size lots, the *expected* lot size with
+      Poisson sampling. A traced `l2_clip_norm` cannot be checked here; it must be
+      positive.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import clipped_grad_sum
+      >>> def loss(w, x):
+      ...     return jnp.dot(w, x)  # the gradient of example x is x itself
+      >>> x = jnp.array([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0]])  # norms 5, 0.5, 0
+      >>> total, count, norms = clipped_grad_sum(loss, 1.0, batch_size=2,
+      ...                                        return_norms=True)(jnp.ones(2), x)
+      >>> total, count, norms
+      (Array([0.90000004, 1.2       ], dtype=float32), Array(3, dtype=int32),
+       Array([5. , 0.5, 0. ], dtype=float32))
+    """
+    name = "clipped_grad_sum"
+    _check_clip_norm(name, l2_clip_norm, strict=True)
+    check_bool(name, "return_norms", return_norms)
+    setup = GradSetup(
+        name,
+        fun,
+        argnums,
+        batch_argnums,
+        batch_size=batch_size,
+        chunk_size=chunk_size,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        memory_limit=memory_limit,
+        progress=progress,
+    )
+    config = _Clipping(l2_clip_norm, nan_safe=False, return_grad_norms=return_norms)
+
+    def call(args: tuple, kwargs: dict) -> Any:
+        total, extras, size = _clipped_sums(setup, fun, config, args, kwargs)
+        count = jnp.asarray(size, jnp.int32)
+        return (total, count, extras.grad_norms) if return_norms else (total, count)
+
+    return setup.mapper.transform(call, fun)
