@@ -343,6 +343,11 @@ def _check_clip_norm(name: str, value: Any, *, strict: bool) -> None:
     """A concrete clip norm must be a real scalar: positive and finite when `strict`
     (`clipped_grad_sum`), non-negative (inf allowed) otherwise (jax-privacy's rule). A
     traced clip norm (e.g. a schedule) cannot be checked."""
+    if isinstance(value, (str, bytes, bool, np.bool_)):
+        raise TypeError(
+            f"{name} l2_clip_norm must be a {'positive' if strict else 'non-negative'} "
+            f"number, but got l2_clip_norm={value!r} of type {type(value).__name__}."
+        )
     try:
         number = float(np.asarray(value))
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
@@ -352,7 +357,7 @@ def _check_clip_norm(name: str, value: Any, *, strict: bool) -> None:
             f"{name} l2_clip_norm must be a {'positive' if strict else 'non-negative'} "
             f"number, but got l2_clip_norm={value!r} of type {type(value).__name__}."
         ) from None
-    if isinstance(value, str) or np.ndim(value) != 0:
+    if np.ndim(value) != 0:
         raise TypeError(
             f"{name} l2_clip_norm must be a scalar number, but got "
             f"l2_clip_norm={value!r}."

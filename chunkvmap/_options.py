@@ -96,6 +96,11 @@ def _check_shard(name: str, shard: Any, mesh: Any) -> Any:
             f"names (the axes the examples are split over), but got shard={shard!r} "
             f"of type {type(shard).__name__}."
         )
+    if isinstance(shard, tuple) and len(set(shard)) != len(shard):
+        raise ValueError(
+            f"{name} got shard={shard!r}, which names a mesh axis more than once: "
+            f"name each axis the examples are split over once."
+        )
     if mesh is None:
         return shard
     if not isinstance(mesh, Mesh):

@@ -10,6 +10,7 @@ the process that owns that device.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,18 @@ def check_progress(name: str, progress: Any) -> None:
             f"tqdm-like bar with an update() method, but got progress={progress!r} of "
             f"type {type(progress).__name__}."
         )
+    if callable(progress) and not _is_bar(progress) and not isinstance(progress, bool):
+        try:
+            inspect.signature(progress).bind(0, 0)
+        except TypeError:
+            raise TypeError(
+                f"{name} progress must be called as progress(done, total), but "
+                f"{getattr(progress, '__qualname__', progress)!s} cannot take two "
+                f"positional arguments (its signature is "
+                f"{inspect.signature(progress)})."
+            ) from None
+        except ValueError:  # no signature to inspect (some builtins): trusted
+            pass
 
 
 def _is_bar(x: Any) -> bool:

@@ -361,6 +361,7 @@ COMMON_OPTIONS: list[tuple[str, Any, Any]] = [
     ("shard", (), TypeError),
     ("shard", ("x", 1), TypeError),
     ("shard", "nope", ValueError),
+    ("shard", ("x", "x"), ValueError),  # an axis named twice
     ("mesh", "mesh", TypeError),
     ("mesh", 1, TypeError),
     ("mesh_without_shard", MESH1, ValueError),
@@ -387,14 +388,12 @@ COMMON_OPTIONS: list[tuple[str, Any, Any]] = [
     ("remat", False, None),
     ("remat", jax.checkpoint_policies.dots_saveable, None),
     ("progress", lambda done, total: None, None),
+    ("progress", lambda done: None, TypeError),  # called as progress(done, total)
+    ("progress", lambda done, total, extra: None, TypeError),
     ("auto_memory_limit", "1MiB", None),
     ("shard_even", 8, None),  # 8 examples over 8 devices
     ("shard_mesh2", "x", None),  # 8 examples over the 4 devices of axis x
 ]
-# Known bug: shard=("x", "x") (a repeated mesh axis) is not rejected: a misleading
-# "cannot split 8 examples evenly over the 64 devices", or JAX's DuplicateSpecError.
-# Known bug: progress=<callable of the wrong arity> fails inside the compiled loop with
-# a JaxRuntimeError ("INTERNAL: CpuCallback error ...").
 
 REDUCTION_OPTIONS: list[tuple[str, Any, Any]] = [
     ("reduction", "sum", TypeError),
@@ -1005,6 +1004,9 @@ CLIP_OPTIONS = [
     ("l2_clip_norm", None, TypeError),
     ("l2_clip_norm", [1.0], TypeError),
     ("l2_clip_norm", np.array([1.0, 2.0]), TypeError),
+    ("l2_clip_norm", "0.5", TypeError),
+    ("l2_clip_norm", b"0.5", TypeError),
+    ("l2_clip_norm", True, TypeError),
     ("l2_clip_norm", jnp.float32(0.5), None),
     ("l2_clip_norm", np.float64(2.0), None),
     ("l2_clip_norm", 1e-30, None),
@@ -1013,8 +1015,6 @@ CLIP_OPTIONS = [
     ("return_norms", 1, TypeError),
     ("return_norms", True, None),
 ]
-# Known bug: l2_clip_norm="0.5" (a str, also b"0.5") and l2_clip_norm=True are
-# accepted as numbers.
 
 
 @profile(OPTION_EXAMPLES)
@@ -1025,10 +1025,9 @@ def test_clipped_grad_sum_options(data):
 
 # Parameters: bare float arrays, pytrees of them, NaN/inf, other float dtypes; integer,
 # bool and key parameters are errors (as in jax.grad).
-# Known bug: a bare Python float parameter (argnums pointing at 2.0) silently gets the
-# gradient None, where jax.grad returns the gradient: left out.
 PARAM_KINDS = [
     "float",
+    "py_float",
     "list",
     "dict",
     "nan",
@@ -1056,6 +1055,7 @@ def param_value(kind: str) -> Any:
         "complex": W.astype(np.complex64),
         "int": np.arange(3, dtype=np.int32),
         "py_int": 2,
+        "py_float": 2.0,  # differentiated, as jax.grad does (a constant in a pytree)
         "bool": np.array([True, False]),
         "key": KEYS[0],
         "zero_size": floats(0),
