@@ -149,6 +149,8 @@ def _map_call(
         for x, p in zip(leaves, paths)
     ]
     size = _axes.mapped_size(paths, leaves, axes, None, transform=name)
+    if size == 0 and options.reduction is not None:
+        raise _chunked.zero_examples(name)  # before fun meets an empty chunk
     if strip_dim0:
         if size == 0 and options.reduction is None:
             return _empty(fun, leaves, treedef, options)
