@@ -228,10 +228,7 @@ def _clipped_sums(
         extra.append(padding)
 
     value_and_grad = filtered_value_and_grad(
-        fun if config.has_aux else lambda *a, **k: (fun(*a, **k), None),
-        diff,
-        setup.single,
-        has_aux=True,
+        fun, diff, setup.single, config.has_aux, name
     )
 
     def example(*inputs: Any, **kw: Any) -> Any:
@@ -241,7 +238,8 @@ def _clipped_sums(
         if config.keep_batch_dim:  # jax-privacy's default: a batch of one example
             for i in batch_args:
                 inputs[i] = jax.tree.map(lambda x: jnp.expand_dims(x, 0), inputs[i])
-        (value, aux), grads = value_and_grad(*inputs, **kw)
+        value, grads = value_and_grad(*inputs, **kw)
+        value, aux = value if config.has_aux else (value, None)
         if config.keep_batch_dim:
             aux = jax.tree.map(_squeeze_leading_one, aux)
         extras = AuxiliaryOutput(

@@ -70,14 +70,47 @@ def _differentiable(x: Any) -> bool:
     return False
 
 
+def _describe(value: Any) -> str:
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"a value of type {type(value).__name__}"
+
+
+def check_loss(name: str, fun: Any, out: Any, has_aux: bool) -> None:
+    """`out` must be a real scalar (or `(scalar, aux)` with `has_aux`), as `jax.grad`
+    requires; the error names the entry point and the user's function."""
+    fun_name = getattr(fun, "__qualname__", None) or repr(fun)
+    if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            f"{name} has_aux=True expects {fun_name} to return a pair (loss, aux), "
+            f"but it returned {_describe(out)}."
+        )
+    loss = out[0] if has_aux else out
+    ok = isinstance(loss, (jax.Array, np.ndarray, np.generic, float))
+    if ok and not isinstance(loss, float):
+        ok = np.shape(loss) == () and jnp.issubdtype(loss.dtype, jnp.floating)
+    if not ok:
+        raise TypeError(
+            f"{name} differentiates {fun_name}, which must return a real scalar loss "
+            f"(a float array of shape ()){' as the first of (loss, aux)' * has_aux}, "
+            f"but it returned {_describe(loss)}. Per-example gradients need one "
+            f"scalar per example: reduce the loss to a scalar inside the function."
+        )
+
+
 def filtered_value_and_grad(
-    fun: Callable[..., Any], argnums: tuple[int, ...], single: bool, has_aux: bool
+    fun: Callable[..., Any],
+    argnums: tuple[int, ...],
+    single: bool,
+    has_aux: bool,
+    name: str = "per_example_grads",
 ) -> Callable[..., Any]:
     """`jax.value_and_grad(fun, argnums, has_aux)` w.r.t. the floating-point leaves
     only.
 
     `argnums` are non-negative here. The gradient has the structure of the
     differentiated arguments, with None at every leaf that is not differentiated.
+    `fun`'s output is checked first (`check_loss`: errors name `name` and `fun`).
     """
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
@@ -96,7 +129,9 @@ def filtered_value_and_grad(
                 it = iter(values)
                 full = [next(it) if m else x for x, m in zip(leaves, mask)]
                 new_args[i] = jax.tree.unflatten(treedef, full)
-            return fun(*new_args, **kwargs)
+            out = fun(*new_args, **kwargs)
+            check_loss(name, fun, out, has_aux)
+            return out
 
         value, grads = jax.value_and_grad(inner, has_aux=has_aux)(diff)
         trees = []

@@ -1128,18 +1128,32 @@ def grads_argnums(draw, make) -> Case:
     )
 
 
+BAD_LOSSES = {  # not a real scalar (or not (loss, aux) with has_aux): TypeError
+    "vector": lambda w, x: w * x,
+    "none": lambda w, x: None,
+    "str": lambda w, x: "loss",
+    "int": lambda w, x: jnp.sum(w * x).astype(jnp.int32),
+    "complex": lambda w, x: jnp.sum(w * x).astype(jnp.complex64),
+}
+
+
 def peg_aux(draw) -> Case:
-    # Known bug: a function that is not (loss, aux) with has_aux=True, or whose loss
-    # is not a real scalar (a vector, None, a str, an int, a complex), or whose aux
-    # holds a str, raises jax.grad's message ("Gradient only defined for scalar-output
-    # functions", "expected function with aux output to return a two-element tuple"
-    # citing jax._src) without naming per_example_grads: only valid (loss, aux) here.
     n = count(draw)
-    kind = draw(st.sampled_from(["float", "nan", "zero", "keys", "int"]))
+    bad = draw(st.sampled_from([None, *BAD_LOSSES, "not_a_pair"]))
+    kinds = ["float", "nan", "zero", "keys", "int"] if bad is None else ["float"]
+    kind = draw(st.sampled_from(kinds))
+    if bad is None:
+        fun, has_aux = loss_aux, True
+    elif bad == "not_a_pair":
+        fun, has_aux = loss_aux, False  # returns (loss, aux) without has_aux
+    else:
+        fun, has_aux = BAD_LOSSES[bad], draw(st.booleans())
+        if has_aux:  # the bad loss as the first of a pair
+            fun = (lambda g: lambda w, x: (g(w, x), x))(fun)
     return peg_case(
-        loss_aux,
+        fun,
         (W, mapped_value(kind, n)),
-        has_aux=True,
+        has_aux=has_aux,
         batch_size=draw(st.sampled_from(BATCH_SIZES)),
     )
 
