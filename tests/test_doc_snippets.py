@@ -280,6 +280,18 @@ def check_per_example_gradients(run: Page) -> None:
     tree_allclose(ns["grads"], per_example_grads_of(ns))
     total = reference_clipped_sum(ns["loss"], 1.0, ns["params"], ns["x"], ns["y"])
     tree_allclose(ns["total"], total, rtol=1e-4, atol=1e-5)
+    ns = namespace(run, "grad_fn = clipped_grad(")  # jax-privacy's conventions
+    x, y, grad_fn = ns["x"], ns["y"], ns["grad_fn"]
+
+    def one(w, x, y):  # the snippet's loss of a batch of one example
+        return ns["loss"](w, (x[None], y[None]))
+
+    total = reference_clipped_sum(one, 5.0, jnp.zeros(2), x, y)
+    tree_allclose(ns["total"], total, rtol=1e-5, atol=1e-6)
+    tree_allclose(ns["aux"].grad_norms, jnp.linalg.norm(x, axis=1), rtol=1e-6)
+    assert grad_fn.l2_norm_bound == 5.0  # as the page says of the relations
+    assert grad_fn.sensitivity("ADD_OR_REMOVE_ONE") == 5.0
+    assert grad_fn.sensitivity("REPLACE_ONE") == 10.0
     ns = namespace(run, "batch_jacrev(")
     tree_allclose(ns["J"], jax.jit(jax.jacrev(ns["f"]))(ns["x"]))
     ns = namespace(run, "batch_vectorize(")
