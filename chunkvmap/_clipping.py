@@ -14,12 +14,11 @@ works, and the chunks are contiguous (`microbatch_size` is an alias of `batch_si
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools as ft
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,14 +29,31 @@ from ._grads import GradSetup, filtered_value_and_grad, resolve_argnums
 from ._options import check_bool, check_callable, identity
 
 
-AuxiliaryOutput = collections.namedtuple(
-    "AuxiliaryOutput", ["values", "grad_norms", "aux"]
-)
-AuxiliaryOutput.__doc__ = """The per-example outputs of `clipped_grad`, each with a
-leading axis of the examples, or None when not requested: `values` (the loss of each
-example), `grad_norms` (the L2 norm of each example's gradient, before the
-pre-clipping transform and before clipping) and `aux` (`fun`'s auxiliary output with
-`has_aux`). The fields of jax-privacy's `AuxiliaryOutput`."""
+class AuxiliaryOutput(NamedTuple):
+    """The per-example outputs of `clipped_grad` (jax-privacy's fields).
+
+    Each field has a leading axis of the examples, or is None when not requested.
+
+    Attributes:
+      values: the loss of each example (`return_values=True`).
+      grad_norms: the L2 norm of each example's gradient, before the pre-clipping
+        transform and before clipping, in at least float32 (`return_grad_norms=True`).
+      aux: `fun`'s auxiliary output for each example (`has_aux=True`).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import clipped_grad
+      >>> f = lambda w, x: jnp.sum(x @ w)  # x: a batch of one example
+      >>> _, aux = clipped_grad(f, l2_clip_norm=1.0, return_grad_norms=True)(
+      ...     jnp.ones(2), jnp.array([[3.0, 4.0], [0.0, 1.0]]))
+      >>> aux.grad_norms, aux.values is None
+      (Array([5., 1.], dtype=float32), True)
+    """
+
+    values: Any = None
+    grad_norms: Any = None
+    aux: Any = None
+
 
 _RELATIONS = ("ADD_OR_REMOVE_ONE", "REPLACE_ONE", "REPLACE_SPECIAL")
 
@@ -51,6 +67,15 @@ class ClippedGrad:
         sum: `1` with `rescale_to_unit_norm`, else `l2_clip_norm`, divided by
         `normalize_by`.
       has_aux: whether the function returns `(grad_sum, AuxiliaryOutput)`.
+      fun: the chunked function that computes the clipped sum.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import clipped_grad
+      >>> g = clipped_grad(lambda w, x: jnp.sum(w * x), l2_clip_norm=2.0,
+      ...                  normalize_by=4.0)
+      >>> g.l2_norm_bound, g.sensitivity(), g.sensitivity("REPLACE_ONE")
+      (0.5, 0.5, 1.0)
     """
 
     def __init__(self, fun: Callable[..., Any], l2_norm_bound: Any, has_aux: bool):
@@ -489,11 +514,7 @@ def clipped_grad(
     ):
         check_bool(name, arg, value)
     check_callable(name, "pre_clipping_transform", pre_clipping_transform)
-    if not isinstance(normalize_by, numbers.Real) or not normalize_by > 0:
-        raise ValueError(
-            f"{name} normalize_by must be a positive number, but got "
-            f"normalize_by={normalize_by!r}."
-        )
+    _check_normalize_by(name, normalize_by)
     if dtype is not None:
         dtype = _check_dtype(name, dtype)
     if prng_argnum is not None and (
@@ -543,6 +564,20 @@ def clipped_grad(
     clipped = ClippedGrad(setup.mapper.transform(call, fun), bound, with_aux)
     _memory.register(clipped, setup.mapper.auto)  # for last_batch_size(clipped)
     return clipped
+
+
+def _check_normalize_by(name: str, value: Any) -> None:
+    """A positive real scalar (a number, or a concrete NumPy or JAX scalar)."""
+    try:
+        ok = not isinstance(value, (str, bytes, bool, np.bool_)) and np.ndim(value) == 0
+        ok = ok and float(np.asarray(value)) > 0
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} normalize_by must be a positive number, but got "
+            f"normalize_by={value!r}."
+        )
 
 
 def _check_dtype(name: str, dtype: Any) -> Any:
