@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from . import _axes, _ghost, _memory
 from ._grads import GradSetup, filtered_value_and_grad, resolve_argnums
@@ -342,6 +343,8 @@ def _ghost_sums(
     pe = [k for k, x in enumerate(leaves) if x.rule == _ghost.PER_EXAMPLE]
     ghost = [k for k, x in enumerate(leaves) if x.rule in (_ghost.GHOST, _ghost.INSTANTIATED)]
     probe_avals = analysis.probe_avals()
+    wide = any(jnp.finfo(x.dtype).dtype.itemsize > 4 for x in leaves)
+    acc = jnp.float64 if wide else jnp.float32  # as in global_norm
     per_example = bool(extra) and (
         config.return_values or config.return_grad_norms or config.has_aux
     )
@@ -368,9 +371,6 @@ def _ghost_sums(
         )(probes, [values[positions[k]] for k in pe])
         leaf_acts = [[acts[(u.path, u.side)] for u in leaves[k].uses] for k in ghost]
         leaf_deltas = [[deltas[u.path] for u in leaves[k].uses] for k in ghost]
-        acc = jnp.float64 if any(
-            jnp.finfo(x.dtype).dtype.itemsize > 4 for x in leaves
-        ) else jnp.float32
         square = jnp.zeros((), acc)
         for k, a, d in zip(ghost, leaf_acts, leaf_deltas):
             square = square + _ghost.ghost_sq_norm(leaves[k], a, d).astype(acc)
@@ -379,6 +379,12 @@ def _ghost_sums(
         norm = _norm_of_square(square)
         scale = clip_scale(norm, config.l2_clip_norm, config.rescale_to_unit_norm)
         keep = jnp.ones((), bool) if pad is None else ~pad
+        finite = jnp.ones((), bool)
+        if config.nan_safe:  # non-finite examples are clipped in `nan_safe_fix`
+            finite = jnp.isfinite(square)
+            for x in jax.tree.leaves((leaf_acts, leaf_deltas, pe_grads)):
+                finite = finite & jnp.all(jnp.isfinite(x))
+            keep = keep & finite
         value, aux = traced.out_tree.unflatten(outs)
         if config.keep_batch_dim:
             aux = jax.tree.map(_squeeze_leading_one, aux)
@@ -387,19 +393,53 @@ def _ghost_sums(
             norm if config.return_grad_norms else None,
             aux if config.has_aux else None,
         )
-        return (scale, keep, leaf_acts, leaf_deltas, pe_grads), extras, index
+        parts = (scale, keep, finite, pad, leaf_acts, leaf_deltas, pe_grads)
+        return parts, extras, index
+
+    def nan_safe_fix(parts: Any) -> tuple[list, jax.Array]:
+        """The clipped sum of a chunk's non-finite (and not padding) examples, and
+        their norms, from their gradients formed one example at a time, clipped
+        exactly as `method="vmap"` does (cast, non-finite entries zeroed)."""
+        _, _, finite, pad, leaf_acts, leaf_deltas, pe_grads = parts
+        chosen = ~finite if pad is None else ~finite & ~pad
+
+        def one(carry: list, xs: Any) -> Any:
+            sel, acts, deltas, pe_g = xs
+            grads: list[Any] = [None] * len(leaves)
+            for k, a, d in zip(ghost, acts, deltas):
+                grads[k] = _ghost.instantiate(leaves[k], a, d)
+            for k, g in zip(pe, pe_g):
+                grads[k] = g
+            for k, leaf in enumerate(leaves):
+                if grads[k] is None:
+                    grads[k] = jnp.zeros(leaf.shape, leaf.dtype)
+            clipped = config.clip(grads, None)
+            carry = [
+                c + jnp.where(sel, x, jnp.zeros((), x.dtype))
+                for c, x in zip(carry, clipped)
+            ]
+            return carry, global_norm(grads)
+
+        init = [
+            jnp.zeros(x.shape, config.dtype or x.dtype) for x in leaves
+        ]
+        return lax.scan(one, init, (chosen, leaf_acts, leaf_deltas, pe_grads))
 
     def summarise(chunk: Any) -> Any:
-        (scale, keep, leaf_acts, leaf_deltas, pe_grads), extras, index = chunk
+        parts, extras, index = chunk
+        scale, keep, finite, pad, leaf_acts, leaf_deltas, pe_grads = parts
+
+        def mask(x: jax.Array) -> jax.Array:  # keep[i], shaped to broadcast with x
+            return keep.reshape((-1,) + (1,) * (x.ndim - 1))
 
         def scaled(x: jax.Array) -> jax.Array:  # c_i x_i, zero for padding
-            shape = (-1,) + (1,) * (x.ndim - 1)
-            s = scale.astype(x.dtype).reshape(shape)
-            return jnp.where(keep.reshape(shape), x * s, jnp.zeros((), x.dtype))
+            s = scale.astype(x.dtype).reshape(mask(x).shape)
+            return jnp.where(mask(x), x * s, jnp.zeros((), x.dtype))
 
         totals: list[Any] = [None] * len(leaves)
         for k, a, d in zip(ghost, leaf_acts, leaf_deltas):
-            totals[k] = _ghost.ghost_sum(leaves[k], a, [scaled(x) for x in d])
+            kept = [jnp.where(mask(x), x, jnp.zeros((), x.dtype)) for x in a]
+            totals[k] = _ghost.ghost_sum(leaves[k], kept, [scaled(x) for x in d])
         for k, g in zip(pe, pe_grads):
             totals[k] = scaled(g).sum(0)
         for k, leaf in enumerate(leaves):
@@ -407,6 +447,19 @@ def _ghost_sums(
                 totals[k] = jnp.zeros(leaf.shape, leaf.dtype)
         if config.dtype is not None:
             totals = [t.astype(config.dtype) for t in totals]
+        if config.nan_safe:
+            chosen = ~finite if pad is None else ~finite & ~pad
+
+            def skip(parts: Any) -> Any:
+                zeros = [jnp.zeros(t.shape, t.dtype) for t in totals]
+                return zeros, jnp.zeros(finite.shape, acc)
+
+            fixed, norms = lax.cond(jnp.any(chosen), nan_safe_fix, skip, parts)
+            totals = [t + f for t, f in zip(totals, fixed)]
+            if extras.grad_norms is not None:
+                extras = extras._replace(
+                    grad_norms=jnp.where(chosen, norms, extras.grad_norms)
+                )
         if index is None:
             return totals, extras
         return totals, jax.tree.map(ft.partial(_place, size, index), extras)

@@ -565,3 +565,81 @@ class GhostReport:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def ghost_report(
+    fun: Callable[..., Any],
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    **kwargs: Any,
+) -> GhostReport:
+    """Which rule `method="ghost"` applies to each parameter leaf of `fun`, and why.
+
+    `fun` is traced once on ONE example's arguments, exactly as it receives them
+    (with `clipped_grad`'s default `keep_batch_dim=True`, pass the example with its
+    leading axis of size 1). Every floating-point leaf of the arguments `argnums`
+    gets one of the rules:
+
+    * `"ghost"`: every use is an operand of a `dot_general` (through `transpose`,
+      `convert_element_type`, `copy`) whose other operand depends on the example,
+      and (sum of positions)^2 <= the leaf's size: ghost norms, never the
+      per-example gradient;
+    * `"instantiated"`: the same uses, but the mixed rule (T^2 > size, or a reshape
+      between the leaf and its dots) forms that leaf's per-example gradient from the
+      activations and cotangents;
+    * `"per-example"`: any other use (gather, convolution, elementwise, inside
+      `custom_jvp`/`scan`/`cond`/`while`, ...): exact per-example gradients;
+    * `"unused"`: the loss does not use the leaf.
+
+    Args:
+      fun: the per-example loss.
+      *args: one example's positional arguments (parameters included).
+      argnums: the differentiated argument(s).
+      batch_argnums: the arguments that hold the example (None: every argument not
+        in `argnums`); keyword arguments always do.
+      has_aux: `fun` returns `(loss, aux)`.
+      **kwargs: one example's keyword arguments.
+
+    Returns:
+      A `GhostReport`: `print` it for a table; `.rows` holds `(path, shape, rule,
+      reason)`, `.as_dict()` maps key paths such as `"args[0]['w']"` to rules.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import ghost_report
+      >>> def loss(p, x):
+      ...     return jnp.sum(jnp.tanh(x @ p["w"] + p["b"]))
+      >>> report = ghost_report(loss, {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)},
+      ...                       jnp.ones(3))
+      >>> report.as_dict()
+      {"args[0]['b']": 'per-example', "args[0]['w']": 'ghost'}
+    """
+    from ._grads import check_argnums, resolve_argnums
+
+    name = "ghost_report"
+    if not callable(fun):
+        raise TypeError(f"{name} fun must be callable, but got {fun!r}.")
+    nums, _ = check_argnums(name, "argnums", argnums)
+    diff = resolve_argnums(name, "argnums", nums, len(args))
+    if batch_argnums is None:
+        mapped = tuple(i for i in range(len(args)) if i not in diff)
+    else:
+        nums, _ = check_argnums(name, "batch_argnums", batch_argnums)
+        mapped = resolve_argnums(name, "batch_argnums", nums, len(args))
+    args = tuple(
+        jnp.asarray(a) if i in diff and isinstance(a, (float, complex)) else a
+        for i, a in enumerate(args)
+    )
+    traced = Traced(
+        fun,
+        args,
+        kwargs,
+        diff,
+        mapped,
+        strip=False,
+        has_aux=has_aux,
+        keep_batch_dim=False,
+    )
+    return traced.report()
