@@ -333,15 +333,21 @@ def _ghost_sums(
         keep_batch_dim=config.keep_batch_dim,
     )
     value = traced.value_aval
-    if value is None or value.shape != () or not jnp.issubdtype(value.dtype, jnp.floating):
+    if (
+        value is None
+        or value.shape != ()
+        or not jnp.issubdtype(value.dtype, jnp.floating)
+    ):
         raise TypeError(
-            f"{name} fun must return a real scalar loss{' (and aux)' if config.has_aux else ''}, "
-            f"but it returns {value}."
+            f"{name} fun must return a real scalar loss (with aux: as the first "
+            f"element), but it returns {value}."
         )
     analysis = traced.analysis
     leaves = analysis.leaves
     pe = [k for k, x in enumerate(leaves) if x.rule == _ghost.PER_EXAMPLE]
-    ghost = [k for k, x in enumerate(leaves) if x.rule in (_ghost.GHOST, _ghost.INSTANTIATED)]
+    ghost = [
+        k for k, x in enumerate(leaves) if x.rule in (_ghost.GHOST, _ghost.INSTANTIATED)
+    ]
     probe_avals = analysis.probe_avals()
     wide = any(jnp.finfo(x.dtype).dtype.itemsize > 4 for x in leaves)
     acc = jnp.float64 if wide else jnp.float32  # as in global_norm
@@ -366,9 +372,9 @@ def _ghost_sums(
             return outs[0], (outs, acts)
 
         probes = {p: jnp.zeros(a.shape, a.dtype) for p, a in probe_avals.items()}
-        (deltas, pe_grads), (outs, acts) = jax.grad(
-            loss, argnums=(0, 1), has_aux=True
-        )(probes, [values[positions[k]] for k in pe])
+        (deltas, pe_grads), (outs, acts) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
+            probes, [values[positions[k]] for k in pe]
+        )
         leaf_acts = [[acts[(u.path, u.side)] for u in leaves[k].uses] for k in ghost]
         leaf_deltas = [[deltas[u.path] for u in leaves[k].uses] for k in ghost]
         square = jnp.zeros((), acc)
@@ -420,9 +426,7 @@ def _ghost_sums(
             ]
             return carry, global_norm(grads)
 
-        init = [
-            jnp.zeros(x.shape, config.dtype or x.dtype) for x in leaves
-        ]
+        init = [jnp.zeros(x.shape, config.dtype or x.dtype) for x in leaves]
         return lax.scan(one, init, (chosen, leaf_acts, leaf_deltas, pe_grads))
 
     def summarise(chunk: Any) -> Any:

@@ -386,7 +386,10 @@ def ghost_sq_norm(leaf: Leaf, acts: Sequence[Any], deltas: Sequence[Any]) -> Any
         for v in range(u, n):
             (au, du, _), (av, dv, _) = specs[u], specs[v]
             if u == v:  # the other copy of the same use gets new position letters
-                rename = {c: pool[used + i] for i, c in enumerate(sorted(set(au) - set(w_letters)))}
+                rename = {
+                    c: pool[used + i]
+                    for i, c in enumerate(sorted(set(au) - set(w_letters)))
+                }
                 av = "".join(rename.get(c, c) for c in au)
                 dv = "".join(rename.get(c, c) for c in du)
             term = jnp.einsum(
@@ -443,7 +446,7 @@ class Traced:
     ):
         self.diff = tuple(diff)
         self.arg_defs = []
-        arrays, avals, positions, paths, example_positions = [], [], [], [], []
+        avals, positions, paths, example_positions = [], [], [], []
         named = [(f"args[{i}]", a, i in mapped) for i, a in enumerate(args)]
         named.append(("kwargs", kwargs, True))
         self.diff_masks: list[list[bool]] = []
@@ -498,7 +501,9 @@ class Traced:
         for (treedef, is_arr), arg in zip(self.arg_defs, [*args, kwargs]):
             leaves = jax.tree.leaves(arg)
             rebuilt.append(
-                treedef.unflatten([next(it) if a else x for x, a in zip(leaves, is_arr)])
+                treedef.unflatten(
+                    [next(it) if a else x for x, a in zip(leaves, is_arr)]
+                )
             )
         return rebuilt[:-1], rebuilt[-1]
 
