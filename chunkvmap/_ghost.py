@@ -540,13 +540,24 @@ class Traced:
 
 
 class GhostReport:
-    """Which rule `method="ghost"` uses for each differentiated leaf, and why.
+    """Which rule `method="ghost"` uses for each differentiated leaf, and why; made
+    by `ghost_report`.
 
-    Attributes:
+    Args:
       rows: `(path, shape, rule, reason)` per floating-point leaf, where rule is
         `"ghost"` (ghost norm), `"instantiated"` (that leaf's per-example gradient is
         formed from its activations and cotangents: the mixed rule), `"per-example"`
         (exact per-example gradients, vmapped) or `"unused"` (zero gradient).
+
+    Returns:
+      The report: `print` it for a table, `rule(path)` for one leaf's rule,
+      `as_dict()` for all of them.
+
+    Examples:
+      >>> from chunkvmap import GhostReport
+      >>> report = GhostReport([("args[0]['w']", (3, 2), "ghost", "1 dot")])
+      >>> report.rule("args[0]['w']")
+      'ghost'
     """
 
     def __init__(self, rows: list[tuple[str, tuple, str, str]]):
