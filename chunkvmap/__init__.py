@@ -15,6 +15,7 @@ from ._clipping import (
     clipped_grad as clipped_grad,
     clipped_grad_sum as clipped_grad_sum,
 )
+from ._ghost import GhostReport as GhostReport, ghost_report as ghost_report
 from ._grads import per_example_grads as per_example_grads
 from ._jacobians import batch_jacfwd as batch_jacfwd, batch_jacrev as batch_jacrev
 from ._memory import last_batch_size as last_batch_size
@@ -30,6 +31,7 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
 __all__ = [
     "AuxiliaryOutput",
     "ClippedGrad",
+    "GhostReport",
     "batch_jacfwd",
     "batch_jacrev",
     "batch_map",
@@ -37,6 +39,7 @@ __all__ = [
     "batch_vmap",
     "clipped_grad",
     "clipped_grad_sum",
+    "ghost_report",
     "identity",
     "last_batch_size",
     "per_example_grads",

@@ -23,8 +23,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from . import _axes, _memory
+from . import _axes, _ghost, _memory
 from ._grads import GradSetup, filtered_value_and_grad, resolve_argnums
 from ._options import check_bool, check_callable, identity
 
@@ -137,6 +138,11 @@ def global_norm(tree: Any) -> jax.Array:
     wide = any(jnp.finfo(x.dtype).dtype.itemsize > 4 for x in leaves)
     acc = jnp.float64 if wide else jnp.float32
     total = sum(jnp.sum(jnp.square(jnp.abs(x).astype(acc))) for x in leaves)
+    return _norm_of_square(total)
+
+
+def _norm_of_square(total: jax.Array) -> jax.Array:
+    """`sqrt(total)`, zero-safe under differentiation, NaN kept."""
     positive = total > 0
     norm = jnp.where(positive, jnp.sqrt(jnp.where(positive, total, 1)), 0)
     return jnp.where(jnp.isnan(total), total, norm)
@@ -187,6 +193,7 @@ class _Clipping:
     # jax-privacy's call rules: `is_padding_example=` is accepted, and the
     # differentiated arguments may not hold examples.
     jax_privacy: bool = False
+    method: str = "vmap"
 
     def clip(self, grads: Any, pad: Any) -> Any:
         """One example's gradient, transformed, cast, made NaN-safe and clipped (zero
@@ -252,6 +259,11 @@ def _clipped_sums(
         padding = _check_padding(name, padding, size)
         extra.append(padding)
 
+    if config.method == "ghost" and size > 0:
+        return _ghost_sums(
+            setup, fun, config, args, in_axes, kwargs, diff, batch_args, extra, size
+        )
+
     value_and_grad = filtered_value_and_grad(
         fun, diff, setup.single, config.has_aux, name
     )
@@ -291,11 +303,7 @@ def _clipped_sums(
 
         # The chunk's extras at their examples' positions: N values per chunk,
         # negligible next to its B x params gradients.
-        def place(e: jax.Array) -> jax.Array:
-            whole = jnp.zeros((size, *e.shape[1:]), e.dtype)
-            return whole.at[index].set(e, indices_are_sorted=True, unique_indices=True)
-
-        return total, jax.tree.map(place, extras)
+        return total, jax.tree.map(ft.partial(_place, size, index), extras)
 
     total, extras = setup.map(
         example,
@@ -306,6 +314,188 @@ def _clipped_sums(
         chunk_reduction=summarise,
     )
     return total, extras, size
+
+
+def _place(size: int, index: jax.Array, e: jax.Array) -> jax.Array:
+    """A chunk's per-example extras at their examples' positions (N values)."""
+    whole = jnp.zeros((size, *e.shape[1:]), e.dtype)
+    return whole.at[index].set(e, indices_are_sorted=True, unique_indices=True)
+
+
+def _ghost_sums(
+    setup: GradSetup,
+    fun: Callable[..., Any],
+    config: _Clipping,
+    args: list,
+    in_axes: list,
+    kwargs: dict,
+    diff: tuple[int, ...],
+    batch_args: list[int],
+    extra: list,
+    size: int,
+) -> tuple[Any, AuxiliaryOutput, int]:
+    """`_clipped_sums` by ghost clipping (`_ghost`): the same results, without
+    per-example gradients of the leaves that only enter dot products."""
+    name = setup.name
+    args = list(args)
+    for i in diff:  # a bare Python number is differentiated, as jax.grad does
+        if isinstance(args[i], (float, complex)):
+            args[i] = jnp.asarray(args[i])
+    traced = _ghost.Traced(
+        fun,
+        args,
+        kwargs,
+        diff,
+        batch_args,
+        strip=True,
+        has_aux=config.has_aux,
+        keep_batch_dim=config.keep_batch_dim,
+    )
+    value = traced.value_aval
+    if (
+        value is None
+        or value.shape != ()
+        or not jnp.issubdtype(value.dtype, jnp.floating)
+    ):
+        raise TypeError(
+            f"{name} fun must return a real scalar loss (with aux: as the first "
+            f"element), but it returns {value}."
+        )
+    analysis = traced.analysis
+    leaves = analysis.leaves
+    pe = [k for k, x in enumerate(leaves) if x.rule == _ghost.PER_EXAMPLE]
+    ghost = [
+        k for k, x in enumerate(leaves) if x.rule in (_ghost.GHOST, _ghost.INSTANTIATED)
+    ]
+    probe_avals = analysis.probe_avals()
+    wide = any(jnp.finfo(x.dtype).dtype.itemsize > 4 for x in leaves)
+    acc = jnp.float64 if wide else jnp.float32  # as in global_norm
+    per_example = bool(extra) and (
+        config.return_values or config.return_grad_norms or config.has_aux
+    )
+    has_pad = len(extra) > int(per_example)
+    n_args = len(args)
+
+    def example(*inputs: Any, **kw: Any) -> Any:
+        inputs = list(inputs)
+        pad = inputs.pop() if has_pad else None
+        index = inputs.pop() if per_example else None
+        values = traced.arrays(inputs[:n_args], kw)
+        positions = analysis.diff_positions
+
+        def loss(probes: dict, pe_values: list) -> Any:
+            vals = list(values)
+            for k, v in zip(pe, pe_values):
+                vals[positions[k]] = v
+            outs, acts = analysis.evaluate(vals, probes)
+            return outs[0], (outs, acts)
+
+        probes = {p: jnp.zeros(a.shape, a.dtype) for p, a in probe_avals.items()}
+        (deltas, pe_grads), (outs, acts) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
+            probes, [values[positions[k]] for k in pe]
+        )
+        leaf_acts = [[acts[(u.path, u.side)] for u in leaves[k].uses] for k in ghost]
+        leaf_deltas = [[deltas[u.path] for u in leaves[k].uses] for k in ghost]
+        square = jnp.zeros((), acc)
+        for k, a, d in zip(ghost, leaf_acts, leaf_deltas):
+            square = square + _ghost.ghost_sq_norm(leaves[k], a, d).astype(acc)
+        for g in pe_grads:
+            square = square + jnp.sum(jnp.square(jnp.abs(g).astype(acc)))
+        norm = _norm_of_square(square)
+        scale = clip_scale(norm, config.l2_clip_norm, config.rescale_to_unit_norm)
+        keep = jnp.ones((), bool) if pad is None else ~pad
+        finite = jnp.ones((), bool)
+        if config.nan_safe:  # non-finite examples are clipped in `nan_safe_fix`
+            finite = jnp.isfinite(square)
+            for x in jax.tree.leaves((leaf_acts, leaf_deltas, pe_grads)):
+                finite = finite & jnp.all(jnp.isfinite(x))
+            keep = keep & finite
+        value, aux = traced.out_tree.unflatten(outs)
+        if config.keep_batch_dim:
+            aux = jax.tree.map(_squeeze_leading_one, aux)
+        extras = AuxiliaryOutput(
+            value if config.return_values else None,
+            norm if config.return_grad_norms else None,
+            aux if config.has_aux else None,
+        )
+        parts = (scale, keep, finite, pad, leaf_acts, leaf_deltas, pe_grads)
+        return parts, extras, index
+
+    def nan_safe_fix(parts: Any) -> tuple[list, jax.Array]:
+        """The clipped sum of a chunk's non-finite (and not padding) examples, and
+        their norms, from their gradients formed one example at a time, clipped
+        exactly as `method="vmap"` does (cast, non-finite entries zeroed)."""
+        _, _, finite, pad, leaf_acts, leaf_deltas, pe_grads = parts
+        chosen = ~finite if pad is None else ~finite & ~pad
+
+        def one(carry: list, xs: Any) -> Any:
+            sel, acts, deltas, pe_g = xs
+            grads: list[Any] = [None] * len(leaves)
+            for k, a, d in zip(ghost, acts, deltas):
+                grads[k] = _ghost.instantiate(leaves[k], a, d)
+            for k, g in zip(pe, pe_g):
+                grads[k] = g
+            for k, leaf in enumerate(leaves):
+                if grads[k] is None:
+                    grads[k] = jnp.zeros(leaf.shape, leaf.dtype)
+            clipped = config.clip(grads, None)
+            carry = [
+                c + jnp.where(sel, x, jnp.zeros((), x.dtype))
+                for c, x in zip(carry, clipped)
+            ]
+            return carry, global_norm(grads)
+
+        init = [jnp.zeros(x.shape, config.dtype or x.dtype) for x in leaves]
+        return lax.scan(one, init, (chosen, leaf_acts, leaf_deltas, pe_grads))
+
+    def summarise(chunk: Any) -> Any:
+        parts, extras, index = chunk
+        scale, keep, finite, pad, leaf_acts, leaf_deltas, pe_grads = parts
+
+        def mask(x: jax.Array) -> jax.Array:  # keep[i], shaped to broadcast with x
+            return keep.reshape((-1,) + (1,) * (x.ndim - 1))
+
+        def scaled(x: jax.Array) -> jax.Array:  # c_i x_i, zero for padding
+            s = scale.astype(x.dtype).reshape(mask(x).shape)
+            return jnp.where(mask(x), x * s, jnp.zeros((), x.dtype))
+
+        totals: list[Any] = [None] * len(leaves)
+        for k, a, d in zip(ghost, leaf_acts, leaf_deltas):
+            kept = [jnp.where(mask(x), x, jnp.zeros((), x.dtype)) for x in a]
+            totals[k] = _ghost.ghost_sum(leaves[k], kept, [scaled(x) for x in d])
+        for k, g in zip(pe, pe_grads):
+            totals[k] = scaled(g).sum(0)
+        for k, leaf in enumerate(leaves):
+            if totals[k] is None:  # unused: a zero gradient
+                totals[k] = jnp.zeros(leaf.shape, leaf.dtype)
+        if config.dtype is not None:
+            totals = [t.astype(config.dtype) for t in totals]
+        if config.nan_safe:
+            chosen = ~finite if pad is None else ~finite & ~pad
+
+            def skip(parts: Any) -> Any:
+                zeros = [jnp.zeros(t.shape, t.dtype) for t in totals]
+                return zeros, jnp.zeros(finite.shape, acc)
+
+            fixed, norms = lax.cond(jnp.any(chosen), nan_safe_fix, skip, parts)
+            totals = [t + f for t, f in zip(totals, fixed)]
+            if extras.grad_norms is not None:
+                extras = extras._replace(
+                    grad_norms=jnp.where(chosen, norms, extras.grad_norms)
+                )
+        if index is None:
+            return totals, extras
+        return totals, jax.tree.map(ft.partial(_place, size, index), extras)
+
+    totals, extras = setup.map(
+        example,
+        (*args, *extra),
+        kwargs,
+        (*in_axes, *[0] * len(extra)),
+        reduction=jnp.add,
+        chunk_reduction=summarise,
+    )
+    return traced.grads_tree(totals, setup.single), extras, size
 
 
 def _check_padding(name: str, padding: Any, size: int) -> jax.Array:
@@ -422,6 +612,7 @@ def clipped_grad(
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
     progress: Any = False,
+    method: str = "vmap",
 ) -> ClippedGrad:
     """The sum of per-example clipped gradients: jax-privacy's `clipped_grad`, for any
     batch size.
@@ -504,6 +695,7 @@ def clipped_grad(
     """
     name = "clipped_grad"
     _check_clip_norm(name, l2_clip_norm, strict=False)
+    _check_method(name, method, pre_clipping_transform)
     for arg, value in (
         ("has_aux", has_aux),
         ("rescale_to_unit_norm", rescale_to_unit_norm),
@@ -551,6 +743,7 @@ def clipped_grad(
         has_aux=has_aux,
         prng_argnum=prng_argnum,
         jax_privacy=True,
+        method=method,
     )
     with_aux = has_aux or return_values or return_grad_norms
 
@@ -577,6 +770,26 @@ def _check_normalize_by(name: str, value: Any) -> None:
         raise ValueError(
             f"{name} normalize_by must be a positive number, but got "
             f"normalize_by={value!r}."
+        )
+
+
+_METHODS = ("vmap", "ghost")
+
+
+def _check_method(
+    name: str, method: Any, pre_clipping_transform: Any = identity
+) -> None:
+    if not isinstance(method, str) or method not in _METHODS:
+        raise ValueError(
+            f"{name} method must be one of {', '.join(map(repr, _METHODS))}, but got "
+            f"method={method!r}."
+        )
+    if method == "ghost" and pre_clipping_transform is not identity:
+        raise ValueError(
+            f"{name} method='ghost' cannot apply pre_clipping_transform="
+            f"{pre_clipping_transform!r}: ghost clipping never forms the per-example "
+            f"gradients a transform would act on. Use method='vmap' (the default) "
+            f"with a pre-clipping transform."
         )
 
 
@@ -610,6 +823,7 @@ def clipped_grad_sum(
     memory_limit: int | str | None = None,
     progress: Any = False,
     chunk_size: int | str | None = None,
+    method: str = "vmap",
 ) -> Callable[..., Any]:
     """The sum of per-example gradients, each clipped to L2 norm `l2_clip_norm`.
 
@@ -675,6 +889,7 @@ def clipped_grad_sum(
     name = "clipped_grad_sum"
     _check_clip_norm(name, l2_clip_norm, strict=True)
     check_bool(name, "return_norms", return_norms)
+    _check_method(name, method)
     setup = GradSetup(
         name,
         fun,
@@ -688,7 +903,9 @@ def clipped_grad_sum(
         memory_limit=memory_limit,
         progress=progress,
     )
-    config = _Clipping(l2_clip_norm, nan_safe=False, return_grad_norms=return_norms)
+    config = _Clipping(
+        l2_clip_norm, nan_safe=False, return_grad_norms=return_norms, method=method
+    )
 
     def call(args: tuple, kwargs: dict) -> Any:
         total, extras, size = _clipped_sums(setup, fun, config, args, kwargs)
