@@ -374,9 +374,9 @@ def vmap_call(
 
 
 def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
-    """`f` traced once (under `jax.jit`, so every later use reuses the trace), and
-    one chunk of `jax.vmap(f)` described as a `_loop.Body` (`axis_names` is the pair
-    `(axis_name, spmd_axis_name)` of `jax.vmap`)."""
+    """`f` traced once, vmapped over one chunk (under `jax.jit`, so that the loop
+    reuses the trace), and that chunk of `jax.vmap(f)` described as a `_loop.Body`
+    (`axis_names` is the pair `(axis_name, spmd_axis_name)` of `jax.vmap`)."""
     name = options.name
     axis_name, spmd_axis_name = axis_names
     out_box: list[Any] = []
@@ -434,15 +434,11 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
     # The length the loop's chunks will have (when it is known now).
     batch = options.batch_size
     length = batch if isinstance(batch, int) and 0 < batch < size else size
-    dyn_leaves = [leaves[i] for i in dyn]
-    plain = _loop.sharding_in_types(dyn_leaves)
-    # Sharding types say nothing about the output structure, and jax.vmap rejects
-    # some that chunkvmap lays out itself (unmapped inputs sharded over the mesh axes
-    # of the mapped ones): learn it from plain shapes (the loop takes the sharding
-    # types of the values themselves).
-    chunk_avals = [
-        _chunk_aval(x, a, length, plain) for x, a in zip(dyn_leaves, dyn_axes)
-    ]
+    # Plain shapes, without sharding types: those say nothing about the output
+    # structure, and jax.vmap rejects some that chunkvmap lays out itself (unmapped
+    # inputs sharded over the mesh axes of the mapped ones); the loop takes the
+    # sharding types of the values themselves.
+    chunk_avals = [_chunk_aval(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
     mapped_avals = jax.eval_shape(vmapped(0, length), *chunk_avals)
     out_avals = [_loop.drop_leading(a) for a in mapped_avals]
     (out_tree,) = out_box
@@ -473,10 +469,9 @@ def check_outputs(name: str, f: Any, out: Any) -> None:
 _JAX_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
-def _chunk_aval(x: Any, axis: int | None, length: int, plain: bool) -> Any:
-    """The type of a chunk of `length` examples of leaf `x` (mapped along `axis`),
-    without its sharding type when `plain`."""
-    del plain  # (the sharding type is never kept: see the caller)
+def _chunk_aval(x: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
+    """The plain type (no sharding) of a chunk of `length` examples of leaf `x`,
+    mapped along `axis` (None: `x` itself)."""
     aval = jax.typeof(x)
     shape = list(aval.shape)
     if axis is not None:
