@@ -5,10 +5,10 @@ cold (`jax.clear_caches()` before each measurement), for `jax.vmap`,
 `lax.map(batch_size=B)` and `chunkvmap.batch_vmap(batch_size=B)` on a deep per-example
 function (a tanh MLP of `--layers` layers of width `--width`), with N a multiple of B
 (no remainder) and not (a remainder), forward and under `jax.grad` (of the mean output
-with respect to the parameters). Reported: the median of `--repeats` cold
-measurements of each stage, and ratios against `lax.map` measured in the same run
-(issue 17's targets: trace + lower of chunkvmap within 1.1x of lax.map's without a
-remainder; trace + lower + compile with a remainder <= 0.7x).
+with respect to the parameters). Reported: the best of `--repeats` cold
+measurements of each stage (the methods take turns), and ratios against `lax.map`
+measured in the same run (issue 17's targets: trace + lower of chunkvmap within 1.1x of
+lax.map's without a remainder; trace + lower + compile with a remainder <= 0.7x).
 
     python benchmarks/bench_compile.py [--out benchmarks/results/compile.md]
 """
@@ -16,7 +16,6 @@ remainder; trace + lower + compile with a remainder <= 0.7x).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import jax
@@ -45,20 +44,31 @@ def program(transform, mode: str):
     return jax.grad(lambda p, x: jnp.mean(mapped(p, x)))
 
 
-def stages(fn, args, repeats: int) -> tuple[float, float, float]:
-    """Median seconds of trace, lower and compile, each measurement cold."""
-    times = []
+def stages(fn, args) -> tuple[float, float, float]:
+    """Seconds of trace, lower and compile, measured cold."""
+    jax.clear_caches()
+    t0 = time.perf_counter()
+    traced = jax.jit(fn).trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    lowered.compile()
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2
+
+
+def best(fns: dict, args, repeats: int) -> dict:
+    """name -> the fastest of `repeats` cold measurements of each stage; the methods
+    take turns within each repeat, so that a slow spell of a shared machine does not
+    fall on one of them only."""
+    times: dict = {name: [] for name in fns}
     for _ in range(repeats):
-        jax.clear_caches()
-        t0 = time.perf_counter()
-        traced = jax.jit(fn).trace(*args)
-        t1 = time.perf_counter()
-        lowered = traced.lower()
-        t2 = time.perf_counter()
-        lowered.compile()
-        t3 = time.perf_counter()
-        times.append((t1 - t0, t2 - t1, t3 - t2))
-    return tuple(statistics.median(t[k] for t in times) for k in range(3))  # pyright: ignore[reportReturnType]
+        for name, fn in fns.items():
+            times[name].append(stages(fn, args))
+    return {
+        name: tuple(min(t[k] for t in ts) for k in range(3))
+        for name, ts in times.items()
+    }
 
 
 def main(argv=None):
@@ -83,8 +93,8 @@ def main(argv=None):
     emit()
     emit(
         f"{machine()}. A tanh MLP of {args.layers} layers of width {args.width} per "
-        f"example, B = {b}; seconds are the median of {args.repeats} cold "
-        "measurements (`jax.clear_caches()` before each) of "
+        f"example, B = {b}; seconds are the best of {args.repeats} cold "
+        "measurements, the methods taking turns, (`jax.clear_caches()` before each) of "
         "`jax.jit(fn).trace(*args)`, `.lower()` and `.compile()`; ratios are against "
         "`lax.map(batch_size=B)` in the same run. grad: `jax.grad` of the mean "
         "output with respect to the parameters."
@@ -103,10 +113,8 @@ def main(argv=None):
     for mode in args.modes:
         for n in args.sizes:
             x = jax.random.normal(jax.random.key(1), (n, args.width))
-            rows = {
-                name: stages(program(table[name], mode), (params, x), args.repeats)
-                for name in names
-            }
+            fns = {name: program(table[name], mode) for name in names}
+            rows = best(fns, (params, x), args.repeats)
             base = rows["lax.map"]
             for name, (tr, lo, co) in rows.items():
                 emit(
