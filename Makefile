@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench docs clean
+.PHONY: demo test bench bench-gpu docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_core.py --out benchmarks/results/core.md --plots benchmarks/results
 	$(BIN)/python benchmarks/bench_memory.py --out benchmarks/results/memory.md --plots benchmarks/results
 	$(BIN)/python benchmarks/bench_sharding.py --out benchmarks/results/sharding.md
+	$(BIN)/python benchmarks/bench_compile.py --out benchmarks/results/compile.md
+
+# On a machine with a GPU: the headline workloads until jax.vmap runs out of memory,
+# under 4 minutes (`python benchmarks/gpu.py --quick` is the CPU smoke test).
+bench-gpu: $(VENV)/.installed
+	mkdir -p benchmarks/results
+	$(BIN)/python benchmarks/gpu.py --out benchmarks/results/gpu.md
 
 # The documentation site (mkdocs-material + mkdocstrings), built strictly: any warning
 # (a broken link, a docstring mkdocstrings cannot parse) fails the build.

@@ -374,9 +374,9 @@ def vmap_call(
 
 
 def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
-    """`f` traced once (under `jax.jit`, so every later use reuses the trace), and
-    one chunk of `jax.vmap(f)` described as a `_loop.Body` (`axis_names` is the pair
-    `(axis_name, spmd_axis_name)` of `jax.vmap`)."""
+    """`f` traced once, vmapped over one chunk (under `jax.jit`, so that the loop
+    reuses the trace), and that chunk of `jax.vmap(f)` described as a `_loop.Body`
+    (`axis_names` is the pair `(axis_name, spmd_axis_name)` of `jax.vmap`)."""
     name = options.name
     axis_name, spmd_axis_name = axis_names
     out_box: list[Any] = []
@@ -393,43 +393,61 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
         return out_leaves
 
     # Named after the user's function, so JAX's own messages point at it.
-    f_flat = jax.jit(ft.wraps(f, updated=())(f_flat))
+    f_flat = ft.wraps(f, updated=())(f_flat)
     dyn_axes = tuple(axes[i] for i in dyn)
     no_mapped_arg = all(a is None for a in dyn_axes)
-    # Abstract evaluation under vmap (so collectives over axis_name resolve): it learns
-    # the output structure and fills JAX's trace cache for the real evaluation.
-    dyn_leaves = [leaves[i] for i in dyn]
-    if _loop.sharding_in_types(dyn_leaves):
-        # Sharding types say nothing about the output structure, and jax.vmap
-        # rejects some that chunkvmap lays out itself (unmapped inputs sharded over
-        # the mesh axes of the mapped ones): learn it from plain shapes (the loop
-        # takes the sharding types of the values themselves).
-        dyn_leaves = [_plain_aval(x) for x in dyn_leaves]
-    mapped_avals = jax.eval_shape(
-        jax.vmap(
-            f_flat,
-            in_axes=dyn_axes,
-            out_axes=0,
-            axis_name=axis_name,
-            axis_size=size if no_mapped_arg else None,
-            spmd_axis_name=spmd_axis_name,
-        ),
-        *dyn_leaves,
-    )
+    # One chunk is `jax.jit(jax.vmap(f_flat))`, one jitted function per (output axes,
+    # chunk length): tracing it once for the output structure (below) fills JAX's
+    # trace cache, so the loop's chunk reuses that trace instead of tracing `f` (or
+    # batching its jaxpr) again. The trace is vmapped, so collectives over
+    # `axis_name` resolve. With every output along axis 0 (known before tracing
+    # when `out_axes` is 0, the default) that first trace is the chunk itself, and
+    # `f` is traced and batched in one pass. Other output axes are known only from
+    # the output's structure: `f_flat` is then jitted on its own, so that the chunk
+    # with the final output axes batches the cached trace instead of tracing `f` a
+    # second time.
+    if not (isinstance(out_axes, int) and out_axes == 0):
+        f_flat = jax.jit(f_flat)
+    jitted: dict[tuple, Callable[..., Any]] = {}
+
+    def vmapped(flat_out_axes: Any, length: int) -> Callable[..., Any]:
+        key = (flat_out_axes, length)
+        if key not in jitted:
+            jitted[key] = jax.jit(
+                ft.wraps(f, updated=())(
+                    jax.vmap(
+                        f_flat,
+                        in_axes=dyn_axes,
+                        out_axes=(
+                            flat_out_axes
+                            if isinstance(flat_out_axes, int)
+                            else list(flat_out_axes)
+                        ),
+                        axis_name=axis_name,
+                        axis_size=length if no_mapped_arg else None,
+                        spmd_axis_name=spmd_axis_name,
+                    )
+                )
+            )
+        return jitted[key]
+
+    # The length the loop's chunks will have (when it is known now).
+    batch = options.batch_size
+    length = batch if isinstance(batch, int) and 0 < batch < size else size
+    # Plain shapes, without sharding types: those say nothing about the output
+    # structure, and jax.vmap rejects some that chunkvmap lays out itself (unmapped
+    # inputs sharded over the mesh axes of the mapped ones); the loop takes the
+    # sharding types of the values themselves.
+    chunk_avals = [_chunk_aval(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
+    mapped_avals = jax.eval_shape(vmapped(0, length), *chunk_avals)
     out_avals = [_loop.drop_leading(a) for a in mapped_avals]
     (out_tree,) = out_box
     out_axes_flat = _flat_out_axes(name, out_axes, out_tree, out_avals)
+    # Every output along axis 0 (the usual case): the traced function is the chunk.
+    flat_out_axes = 0 if all(a == 0 for a in out_axes_flat) else tuple(out_axes_flat)
 
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
-        vf = jax.vmap(
-            f_flat,
-            in_axes=dyn_axes,
-            out_axes=list(out_axes_flat),
-            axis_name=axis_name,
-            axis_size=length if no_mapped_arg else None,
-            spmd_axis_name=spmd_axis_name,
-        )
-        return vf(*[chunk_leaves[i] for i in dyn])
+        return vmapped(flat_out_axes, length)(*[chunk_leaves[i] for i in dyn])
 
     return _loop.Body(options, chunk_fn, axes, out_tree, out_avals, out_axes_flat)
 
@@ -451,9 +469,14 @@ def check_outputs(name: str, f: Any, out: Any) -> None:
 _JAX_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
-def _plain_aval(x: Any) -> jax.ShapeDtypeStruct:
+def _chunk_aval(x: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
+    """The plain type (no sharding) of a chunk of `length` examples of leaf `x`,
+    mapped along `axis` (None: `x` itself)."""
     aval = jax.typeof(x)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    shape = list(aval.shape)
+    if axis is not None:
+        shape[axis] = length
+    return jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=aval.weak_type)
 
 
 def _flat_out_axes(name: str, out_axes: Any, out_tree: Any, out_avals: list) -> list:

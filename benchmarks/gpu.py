@@ -1,0 +1,596 @@
+"""GPU benchmark: the headline workloads as N grows until `jax.vmap` runs out of memory.
+
+One prepared script for a GPU that is lent for a few minutes (`make bench-gpu`, under
+4 minutes on one H200). Four workloads, each against `jax.vmap` and
+`lax.map(batch_size=B)` on the same inputs:
+
+  per_example_grads  per-example gradients of an MLP, stacked (N x params):
+                     `chunkvmap.per_example_grads`;
+  clipped_sum        DP-SGD's sum of per-example gradients clipped to L2 norm 1:
+                     `chunkvmap.clipped_grad_sum`, `chunkvmap.clipped_grad`, and
+                     jax-privacy's `clipping.clipped_grad` (whole batch, and with
+                     `microbatch_size=B`, which needs B to divide N);
+  ensemble           the forward pass of N stacked models on one shared batch:
+                     `chunkvmap.batch_vmap` over the stacked parameters;
+  grad_through_map   `jax.grad` through a chunked forward pass (per-example sequences):
+                     `jax.grad` of a mean over `chunkvmap.batch_vmap`.
+
+For each workload, `jax.vmap` runs first over growing N; the sizes stop at the first N
+where it runs out of memory (its error is caught and recorded as OOM), and every other
+method then runs over the same sizes. Each method is compiled (compile time), checked
+against `jax.vmap` when both ran, then timed (median of `--repeats` runs after one
+warm-up). Reported: XLA's compiled temp memory (`memory_analysis()`), the device's
+`memory_stats()["peak_bytes_in_use"]` where the backend has it (None on CPU), and
+throughput in examples per second, as ratios against `jax.vmap` measured in the same
+run. Results go to `benchmarks/results/gpu.md` (or `--out`), rewritten after every
+workload so that a run cut short keeps what it measured.
+
+Off CPU, each (workload, method) runs in its own process (`--isolate`), so that the
+peak-memory counter (a running maximum per process) belongs to that method alone and an
+out-of-memory failure cannot disturb the next method. `--quick` runs tiny sizes, one
+repeat, in one process on CPU in a few seconds: the suite runs it so that a lent GPU is
+never wasted on a script error. Nothing here needs the network.
+
+    python benchmarks/gpu.py [--quick] [--out benchmarks/results/gpu.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Sizes: (examples N, chunk size B, model). The full sizes are for one H200 (139 GiB):
+# jax.vmap's stacked gradients of the 1.6M-parameter MLP need ~6 MiB per example, so
+# its clipped sum runs out of memory between N = 4096 and 65536; the ensemble's and
+# the sequence model's activations likewise.
+FULL = {
+    "mlp": [512, 1024, 1024, 10],
+    "sizes": [1024, 4096, 16384, 65536],
+    "batch": 256,
+    "ensemble_mlp": [256, 512, 512, 10],
+    "ensemble_inputs": 4096,
+    "ensemble_sizes": [256, 1024, 4096, 16384],
+    "ensemble_batch": 256,
+    "seq_mlp": [256, 1024, 1024, 1024, 1],
+    "seq_len": 256,
+    "repeats": 5,
+}
+QUICK = {
+    "mlp": [8, 16, 4],
+    "sizes": [40],
+    "batch": 16,
+    "ensemble_mlp": [4, 8, 2],
+    "ensemble_inputs": 6,
+    "ensemble_sizes": [40],
+    "ensemble_batch": 16,
+    "seq_mlp": [4, 8, 1],
+    "seq_len": 3,
+    "repeats": 1,
+}
+
+WORKLOADS = ["per_example_grads", "clipped_sum", "ensemble", "grad_through_map"]
+
+
+# --------------------------------------------------------------------------------------
+# The workloads (jax is imported lazily: the parent of isolated runs never starts a
+# backend, which would take the GPU's memory from its children).
+
+
+def _mlp_fns():
+    import jax.numpy as jnp
+
+    def init(rand, sizes, count=None):
+        """MLP parameters (a list of (w, b)); `count` stacked models when given."""
+        lead = () if count is None else (count,)
+        return [
+            (rand.normal((*lead, a, b)) / a**0.5, rand.zeros((*lead, b)))
+            for a, b in zip(sizes[:-1], sizes[1:])
+        ]
+
+    def mlp(params, x):
+        for w, b in params[:-1]:
+            x = jnp.tanh(x @ w + b)
+        w, b = params[-1]
+        return x @ w + b
+
+    return init, mlp
+
+
+class Rand:
+    """Random inputs: `jax.random` on the device (inside one jitted function per
+    size), or NumPy on the host for the quick sizes (no compile at all)."""
+
+    def __init__(self, host: bool):
+        import jax
+
+        self.host = host
+        self.key = None if host else jax.random.key(0)
+        self.rng = __import__("numpy").random.default_rng(0) if host else None
+
+    @classmethod
+    def make(cls, cfg: dict) -> Rand:
+        return cls(host=cfg is QUICK)
+
+    def _next(self):
+        import jax
+
+        self.key, key = jax.random.split(self.key)
+        return key
+
+    def normal(self, shape):
+        import jax
+        import jax.numpy as jnp
+
+        if self.host:
+            return self.rng.standard_normal(shape).astype("float32")
+        return jax.random.normal(self._next(), shape, jnp.float32)
+
+    def zeros(self, shape):
+        import jax.numpy as jnp
+        import numpy as np
+
+        return np.zeros(shape, "float32") if self.host else jnp.zeros(shape)
+
+    def randint(self, shape, high):
+        import jax
+
+        if self.host:
+            return self.rng.integers(0, high, shape).astype("int32")
+        return jax.random.randint(self._next(), shape, 0, high)
+
+
+def jax_privacy_clipping():
+    """jax-privacy's `clipping` module, or None when it is not importable."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from jax_privacy import clipping
+    except Exception:  # not installed, or broken against this jax
+        return None
+    return clipping
+
+
+def _under_jax_privacy_settings(fn):
+    """`fn` run as jax-privacy needs: standard dtype promotion (it adds booleans to
+    floats) and its DeprecationWarnings silenced."""
+    import jax
+
+    def run(*args):
+        with warnings.catch_warnings(), jax.numpy_dtype_promotion("standard"):
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return fn(*args)
+
+    return run
+
+
+def workload(name: str, cfg: dict) -> tuple[Callable[[int], tuple], dict]:
+    """`(make_inputs(n), methods)`: the inputs for N = n and name -> fn(*inputs)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import chunkvmap
+
+    init, mlp = _mlp_fns()
+    b = cfg["ensemble_batch"] if name == "ensemble" else cfg["batch"]
+
+    if name in ("per_example_grads", "clipped_sum"):
+        sizes = cfg["mlp"]
+
+        def loss(p, x, y):
+            return -jax.nn.log_softmax(mlp(p, x))[y]
+
+        grad = jax.grad(loss)
+
+        def make(n):
+            rand = Rand.make(cfg)
+            x, y = rand.normal((n, sizes[0])), rand.randint((n,), sizes[-1])
+            return init(rand, sizes), x, y
+
+        if name == "per_example_grads":
+            return make, {
+                "jax.vmap": lambda p, x, y: jax.vmap(grad, (None, 0, 0))(p, x, y),
+                "lax.map": lambda p, x, y: lax.map(
+                    lambda xy: grad(p, *xy), (x, y), batch_size=b
+                ),
+                "chunkvmap.per_example_grads": chunkvmap.per_example_grads(
+                    loss, batch_argnums=(1, 2), batch_size=b
+                ),
+            }
+
+        def clip(g):
+            norm = jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(g)))
+            return jax.tree.map(lambda leaf: leaf / jnp.maximum(norm, 1.0), g)
+
+        def sum0(tree):
+            return jax.tree.map(lambda leaf: leaf.sum(0), tree)
+
+        def clipped(p, x, y):
+            return clip(grad(p, x, y))
+
+        summed = chunkvmap.clipped_grad_sum(
+            loss, 1.0, batch_argnums=(1, 2), batch_size=b
+        )
+
+        def loss_xy(p, xy):
+            return loss(p, *xy)
+
+        drop_in = chunkvmap.clipped_grad(
+            loss_xy, l2_clip_norm=1.0, keep_batch_dim=False, microbatch_size=b
+        )
+        methods = {
+            "jax.vmap": lambda p, x, y: sum0(jax.vmap(clipped, (None, 0, 0))(p, x, y)),
+            "lax.map": lambda p, x, y: sum0(
+                lax.map(lambda xy: clipped(p, *xy), (x, y), batch_size=b)
+            ),
+            "chunkvmap.clipped_grad_sum": lambda p, x, y: summed(p, x, y)[0],
+            "chunkvmap.clipped_grad": lambda p, x, y: drop_in(p, (x, y)),
+        }
+        clipping = jax_privacy_clipping()
+        if clipping is not None:
+            whole = clipping.clipped_grad(
+                loss_xy, l2_clip_norm=1.0, keep_batch_dim=False
+            )
+            micro = clipping.clipped_grad(
+                loss_xy, l2_clip_norm=1.0, keep_batch_dim=False, microbatch_size=b
+            )
+            methods["jax_privacy.clipped_grad"] = _under_jax_privacy_settings(
+                lambda p, x, y: whole(p, (x, y))
+            )
+            methods["jax_privacy.clipped_grad(microbatch)"] = (
+                _under_jax_privacy_settings(lambda p, x, y: micro(p, (x, y)))
+            )
+        return make, methods
+
+    if name == "ensemble":
+        sizes, m = cfg["ensemble_mlp"], cfg["ensemble_inputs"]
+
+        def make(n):
+            rand = Rand.make(cfg)
+            return init(rand, sizes, count=n), rand.normal((m, sizes[0]))
+
+        return make, {
+            "jax.vmap": lambda p, x: jax.vmap(mlp, (0, None))(p, x),
+            "lax.map": lambda p, x: lax.map(lambda q: mlp(q, x), p, batch_size=b),
+            "chunkvmap.batch_vmap": chunkvmap.batch_vmap(mlp, (0, None), batch_size=b),
+        }
+
+    if name == "grad_through_map":
+        sizes, t = cfg["seq_mlp"], cfg["seq_len"]
+
+        def f(p, x):  # one example: a sequence of t vectors
+            return jnp.mean(mlp(p, x) ** 2)
+
+        def make(n):
+            rand = Rand.make(cfg)
+            return init(rand, sizes), rand.normal((n, t, sizes[0]))
+
+        chunked = chunkvmap.batch_vmap(f, (None, 0), batch_size=b)
+        return make, {
+            "jax.vmap": jax.grad(lambda p, x: jax.vmap(f, (None, 0))(p, x).mean()),
+            "lax.map": jax.grad(
+                lambda p, x: lax.map(lambda xi: f(p, xi), x, batch_size=b).mean()
+            ),
+            "chunkvmap.batch_vmap": jax.grad(lambda p, x: chunked(p, x).mean()),
+        }
+
+    raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+
+
+def method_names(name: str, cfg: dict) -> list[str]:
+    """The methods of a workload, `jax.vmap` first (it decides the sizes)."""
+    return list(workload(name, cfg)[1])
+
+
+# --------------------------------------------------------------------------------------
+# Measuring one method at one size.
+
+
+def is_oom(error: BaseException) -> bool:
+    text = f"{type(error).__name__} {error}"
+    return any(
+        s in text
+        for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
+    ) or isinstance(error, MemoryError)
+
+
+def measure(fn, args, repeats: int) -> dict:
+    """Compile, run and time `fn(*args)`; a dict of the numbers, and `result`."""
+    import jax
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    analysis = compiled.memory_analysis()
+    temp = getattr(analysis, "temp_size_in_bytes", None)
+    result = jax.block_until_ready(compiled(*args))  # the warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "status": "ok",
+        "compile_s": compile_s,
+        "temp_bytes": temp,
+        "peak_bytes": stats.get("peak_bytes_in_use"),
+        "run_s": statistics.median(times),
+        "result": result,
+    }
+
+
+def fingerprint(tree) -> list[list[float]]:
+    """Per leaf: its L2 norm and a fixed pseudo-random projection (fused by XLA, so
+    nothing of the leaf's size is built): comparable across processes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def one(leaf, xp=jnp):
+        leaf = leaf.astype(xp.float32)
+        phase = sum(
+            xp.indices(leaf.shape, sparse=True)[k] * (0.7 + 0.31 * k)
+            for k in range(leaf.ndim)
+        )
+        return [xp.sqrt(xp.sum(leaf**2)), xp.sum(leaf * xp.cos(phase))]
+
+    leaves = jax.tree.leaves(tree)
+    if sum(x.size for x in leaves) < 2**20:  # small: NumPy on the host, no compile
+        values = [one(np.asarray(x), np) for x in jax.device_get(leaves)]
+    else:
+        values = jax.jit(lambda xs: [one(x) for x in xs])(leaves)
+    return [[float(v) for v in pair] for pair in values]
+
+
+def fingerprint_err(a: list, b: list) -> float:
+    """The largest difference of two fingerprints, relative to `b`'s leaf norms."""
+    if len(a) != len(b):
+        return float("inf")
+    return max(
+        (
+            max(abs(x[0] - y[0]), abs(x[1] - y[1])) / (y[0] + 1e-30)
+            for x, y in zip(a, b)
+        ),
+        default=0.0,
+    )
+
+
+def run_method(name, method, sizes, cfg) -> list[dict]:
+    """One method of workload `name` over `sizes` (ascending); after an OOM the
+    larger sizes are recorded as OOM without running."""
+    import jax
+
+    make, methods = workload(name, cfg)
+    if cfg is QUICK:  # NumPy inputs, moved to the device
+        make = (lambda mk: lambda n: jax.device_put(mk(n)))(make)
+    else:
+        make = jax.jit(make, static_argnums=0)  # one compile per size, not per op
+    fn = methods[method]
+    b = cfg["ensemble_batch"] if name == "ensemble" else cfg["batch"]
+    rows, failed = [], None
+    for n in sizes:
+        row = {"workload": name, "method": method, "n": n, "b": b}
+        rows.append(row)
+        if failed is not None:
+            row["status"] = failed
+            continue
+        if method.endswith("(microbatch)") and n % b:
+            row["status"] = "n/a (B must divide N)"
+            continue
+        try:
+            args = make(n)
+            row.update(measure(fn, args, cfg["repeats"]))
+            row["fingerprint"] = fingerprint(row.pop("result"))
+            del args
+        except Exception as error:  # noqa: BLE001 - every failure is recorded
+            if is_oom(error):
+                row["status"] = failed = "OOM"
+            else:
+                first = (str(error).strip().splitlines() or [""])[0][:120]
+                row["status"] = f"error: {type(error).__name__}: {first}"
+                print(traceback.format_exc(), file=sys.stderr, flush=True)
+    return rows
+
+
+def device_info() -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    return {
+        "device": f"{device.device_kind} ({jax.default_backend()}, "
+        f"{jax.device_count()} device(s))",
+        "jax": jax.__version__,
+        "memory_stats": device.memory_stats() is not None,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Orchestration: in one process (`--quick`, CPU), or one child process per method.
+
+
+def sizes_until_oom(rows: list[dict]) -> list[int]:
+    """jax.vmap's sizes up to and including its first OOM."""
+    out = []
+    for row in rows:
+        out.append(row["n"])
+        if row.get("status") == "OOM":
+            break
+    return out
+
+
+def child(args) -> None:
+    """`--child WORKLOAD METHOD`: print one JSON line per size, then the device."""
+    cfg = QUICK if args.quick else FULL
+    rows = run_method(args.child[0], args.child[1], args.sizes, cfg)
+    print(json.dumps({"rows": rows, "info": device_info()}), flush=True)
+
+
+def run_isolated(name, method, sizes, args, deadline) -> tuple[list[dict], dict]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, method]
+    cmd += ["--sizes", *map(str, sizes)] + (["--quick"] if args.quick else [])
+    left = deadline - time.monotonic()
+    skipped = [{"workload": name, "method": method, "n": n} for n in sizes]
+    if left < 5:
+        return [dict(r, status="skipped (time budget)") for r in skipped], {}
+    try:
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=left,
+            cwd=HERE,
+            env=args.child_env,
+        )
+    except subprocess.TimeoutExpired:
+        return [dict(r, status="timeout (time budget)") for r in skipped], {}
+    sys.stderr.write(proc.stderr)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            out = json.loads(line)
+            return out["rows"], out["info"]
+    status = "OOM" if "RESOURCE_EXHAUSTED" in proc.stderr else "crashed"
+    return [dict(r, status=f"{status} (exit {proc.returncode})") for r in skipped], {}
+
+
+def _mib(x):
+    return "–" if x is None else f"{x / 2**20:.4g}"
+
+
+def render(rows: list[dict], info: dict, cfg: dict, args, seconds: float) -> str:
+    import platform
+
+    lines = [
+        "# chunkvmap on one accelerator: the headline workloads until jax.vmap "
+        "runs out of memory",
+        "",
+        f"Device: {info.get('device', '?')}; jax {info.get('jax', '?')}; "
+        f"host: {platform.machine()}, {os.cpu_count()} CPU core(s); "
+        f"{'quick sizes (CPU smoke test)' if args.quick else 'full sizes'}; "
+        f"{seconds:.0f} s in all. Throughput is examples (ensemble: models) per "
+        "second, median of "
+        f"{cfg['repeats']} run(s) after a warm-up; ratios are against `jax.vmap` "
+        "at the same N in the same run (throughput / vmap > 1: faster; "
+        "temp / vmap < 1: less memory). temp: XLA's "
+        "compiled temp memory; peak: `memory_stats()['peak_bytes_in_use']` of the "
+        "process that ran the method ("
+        + ("one process per method" if args.isolate else "one process for all")
+        + "; – where the backend has no memory stats). "
+        f"MLP {cfg['mlp']}, ensemble MLP {cfg['ensemble_mlp']} on "
+        f"{cfg['ensemble_inputs']} shared inputs, sequence model {cfg['seq_mlp']} "
+        f"over {cfg['seq_len']} steps per example.",
+    ]
+    if jax_privacy_note := info.get("jax_privacy"):
+        lines += ["", jax_privacy_note]
+    for name in WORKLOADS:
+        mine = [r for r in rows if r["workload"] == name]
+        if not mine:
+            continue
+        vmap = {r["n"]: r for r in mine if r["method"] == "jax.vmap"}
+        lines += [
+            "",
+            f"## {name}",
+            "",
+            "| N | B | method | status | compile s | temp MiB | temp / vmap "
+            "| peak MiB | examples/s | throughput / vmap | max rel err vs vmap |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sorted(mine, key=lambda r: r["n"]):
+            ok = r.get("status") == "ok"
+            ref = vmap.get(r["n"], {})
+            ref_ok = ref.get("status") == "ok"
+            tput = r["n"] / r["run_s"] if ok else None
+            cells = [
+                r["n"],
+                r.get("b", "–"),
+                r["method"],
+                r.get("status", "?"),
+                f"{r['compile_s']:.2f}" if ok else "–",
+                _mib(r.get("temp_bytes")) if ok else "–",
+                f"{r['temp_bytes'] / max(ref['temp_bytes'], 1):.3f}"
+                if ok and ref_ok and r.get("temp_bytes") is not None
+                else "–",
+                _mib(r.get("peak_bytes")) if ok else "–",
+                f"{tput:.4g}" if ok else "–",
+                f"{ref['run_s'] / r['run_s']:.2f}" if ok and ref_ok else "–",
+                f"{fingerprint_err(r['fingerprint'], ref['fingerprint']):.1e}"
+                if ok and ref_ok
+                else "–",
+            ]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, CPU")
+    parser.add_argument(
+        "--out", default=os.path.join(HERE, "results", "gpu.md"), help="markdown file"
+    )
+    parser.add_argument("--workloads", nargs="+", default=WORKLOADS)
+    parser.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one process per method (default: on, except with --quick)",
+    )
+    parser.add_argument(
+        "--budget", type=float, default=220.0, help="seconds for the whole run"
+    )
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args)
+    if args.isolate is None:
+        args.isolate = not args.quick
+    if args.isolate:
+        # This process only orchestrates: it must never start the accelerator's
+        # backend (which would take its memory from the children).
+        args.child_env = dict(os.environ)
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    cfg = QUICK if args.quick else FULL
+    start = time.monotonic()
+    deadline = start + args.budget
+    rows: list[dict] = []
+    info: dict = {}
+    if not args.isolate:
+        info = device_info()
+    if jax_privacy_clipping() is None:
+        info["jax_privacy"] = (
+            "jax-privacy is not importable here: its `clipped_grad` rows are skipped."
+        )
+        print(info["jax_privacy"], flush=True)
+    for name in args.workloads:
+        sizes = cfg["ensemble_sizes"] if name == "ensemble" else cfg["sizes"]
+        for method in method_names(name, cfg):
+            print(f"{name}: {method} over N = {sizes}", flush=True)
+            if args.isolate:
+                got, child_info = run_isolated(name, method, sizes, args, deadline)
+                info.update(child_info)
+            else:
+                got = run_method(name, method, sizes, cfg)
+            rows += got
+            if method == "jax.vmap":
+                sizes = sizes_until_oom(got)
+        text = render(rows, info, cfg, args, time.monotonic() - start)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            fh.write(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    main()

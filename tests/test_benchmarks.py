@@ -1,0 +1,63 @@
+"""The GPU benchmark script runs: `benchmarks/gpu.py --quick` on CPU, so that a lent
+GPU is never wasted on a script error (issue 17)."""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+
+GPU = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("bench_gpu", GPU)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_benchmark_quick(tmp_path):
+    """Every workload gets a row for every method, all of them run and agree with
+    jax.vmap, and nothing failed."""
+    out = tmp_path / "gpu.md"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(GPU), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "Traceback" not in text and "error:" not in text
+    assert "jax 0." in text and "Device: cpu" in text
+    gpu = _module()
+    for name in gpu.WORKLOADS:
+        assert f"## {name}" in text
+        section = text.split(f"## {name}")[1].split("\n## ")[0]
+        for method in gpu.method_names(name, gpu.QUICK):
+            rows = [r for r in section.splitlines() if f"| {method} |" in r]
+            assert rows, (name, method)
+            for row in rows:
+                cells = [c.strip() for c in row.strip("|").split("|")]
+                if cells[3].startswith("n/a"):  # jax-privacy's microbatches
+                    continue
+                assert cells[3] == "ok", row
+                assert float(cells[-1]) < 1e-4, row  # agrees with jax.vmap
+
+
+def test_gpu_benchmark_sizes_stop_at_the_first_oom():
+    gpu = _module()
+    rows = [
+        {"n": 1, "status": "ok"},
+        {"n": 4, "status": "OOM"},
+        {"n": 16, "status": "OOM"},
+    ]
+    assert gpu.sizes_until_oom(rows) == [1, 4]
+    assert gpu.is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating"))
+    assert not gpu.is_oom(ValueError("shapes do not match"))
