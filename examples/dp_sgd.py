@@ -22,6 +22,7 @@ sub-lots whose sizes are powers of 8 (`chunkvmap.demo.sub_lots`: every example o
 none padded) and compiles a handful of programs whatever the lot sizes.
 
     python examples/dp_sgd.py [--epochs 30] [--lot-size 512] [--batch-size 64]
+        [--learning-rate 3e-3]
 """
 
 from __future__ import annotations
@@ -106,12 +107,13 @@ def main(argv=None) -> dict[str, float]:
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--lot-size", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
     args = parser.parse_args(argv)
 
     x_train, x_test, y_train, y_test = load_digits(seed=0)
     lot = min(args.lot_size, len(x_train))
     q = lot / len(x_train)
-    optimizer = optax.adam(3e-3)
+    optimizer = optax.adam(args.learning_rate)
     dp, optax_step, chunkvmap_step, whole_lot = make_steps(optimizer, args.batch_size)
     params = init_mlp(jax.random.key(0), (64, 256, 256, 10))
     x0, y0 = jnp.asarray(x_train[:lot]), jnp.asarray(y_train[:lot])
