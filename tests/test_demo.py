@@ -26,19 +26,36 @@ def standard_promotion():
 
 def test_demo_trains_compares_and_plots(tmp_path, capsys):
     plot = tmp_path / "memory.png"
-    argv = ["--epochs", "2", "--examples", "512", "--repeats", "1"]
-    argv += ["--lot-size", "128", "--batch-size", "32", "--plot", str(plot)]
+    argv = ["--epochs", "2", "--examples", "256", "--plot-up-to", "256"]
+    argv += ["--lot-size", "128", "--batch-size", "32", "--repeats", "1"]
+    argv += ["--method", "vmap", "--plot", str(plot)]  # vmap: compiles faster
     assert demo.main(argv) == 0
     out = capsys.readouterr().out
     accuracy = float(out.split("test accuracy after 2 epochs: ")[1].split()[0])
     assert accuracy > 0.3  # 2 noisy epochs: far above chance (0.1)
-    rows = [
-        line for line in out.splitlines() if line.strip().startswith(("256", "512"))
-    ]
-    assert len(rows) == 2
-    for row in rows:  # chunkvmap needs less memory than jax.vmap at every N
-        assert float(row.split("|")[3].strip().rstrip("x")) > 1.0
+    assert "none padded" in out
+    epsilon = float(out.split("privacy: epsilon = ")[1].split()[0])
+    assert 0 < epsilon < 100
+    rows = {
+        line.split("|")[0].strip(): line.split("|")
+        for line in out.splitlines()
+        if line.count("|") == 6
+    }
+    assert len(rows) == 7  # the header and six methods
+    # Against jax.vmap: chunkvmap needs less memory, ghost less still.
+    chunked = float(rows["chunkvmap.clipped_grad"][3].strip().rstrip("x"))
+    ghost = float(rows["method='ghost'"][3].strip().rstrip("x"))
+    assert 1.0 < chunked < ghost
+    assert "'auto' chose" in out
     assert plot.stat().st_size > 10_000
+
+
+def test_sub_lots_cover_every_size_with_powers_of_eight():
+    for size in range(600):
+        parts = demo.sub_lots(size)
+        assert sum(parts) == size
+        assert set(parts) <= {1, 8, 64, 512}
+    assert demo.sub_lots(259) == [64, 64, 64, 64, 1, 1, 1]
 
 
 @pytest.mark.parametrize(
@@ -49,6 +66,7 @@ def test_demo_trains_compares_and_plots(tmp_path, capsys):
         (["--clip", "-1"], "--clip: expected a finite number >= 0, got -1.0"),
         (["--noise", "nan"], "--noise: expected a finite number >= 0, got nan"),
         (["--examples", "100"], "--examples must be at least 256, got 100"),
+        (["--method", "fast"], "--method: invalid choice: 'fast'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
@@ -75,7 +93,10 @@ def test_dp_sgd_example_matches_optax_with_less_memory(capsys):
     spec = importlib.util.spec_from_file_location("dp_sgd", ROOT / "examples/dp_sgd.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    result = module.main(["--epochs", "2", "--lot-size", "256", "--batch-size", "32"])
+    # Few steps: optax's step compiles once per lot size.
+    argv = ["--epochs", "2", "--lot-size", "512", "--batch-size", "64"]
+    result = module.main([*argv, "--learning-rate", "1e-2"])
+    assert "no padding" in capsys.readouterr().out
     assert result["memory_ratio"] > 3
     # Same initialisation, same batches, same noise: the two trainings agree.
     assert abs(result["acc_optax only"] - result["acc_chunkvmap"]) < 0.02
