@@ -161,6 +161,26 @@ def test_equinox_module_and_nan_safe():
     assert rules == {"ghost", "per-example"}  # weights ghost, biases per-example
 
 
+def test_prng_argnum():
+    """Regression: with `prng_argnum`, the key argument is split into one key per
+    example (mapped) but passed to `fun` without a batch axis; ghost traced it with
+    all N keys ("normal accepts a single key, but was given a key array of shape
+    (5,)")."""
+
+    def loss(p, xy, key):
+        x, y = xy
+        noise = 0.1 * jax.random.normal(key, x.shape)
+        return jnp.sum((jnp.tanh((x + noise) @ p["w0"] + p["b0"][None]) - y) ** 2)
+
+    p = mlp_params((3, 2))
+    k = keys(3, 5)
+    xy = (jax.random.normal(k[0], (5, 3)), jax.random.normal(k[1], (5, 2)))
+    opts = dict(l2_clip_norm=0.5, return_values=True, prng_argnum=2, batch_size=2)
+    expected = clipped_grad(loss, **opts)(p, xy, k[2])
+    actual = jax.jit(clipped_grad(loss, **opts, method="ghost"))(p, xy, k[2])
+    tree_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
 # -- memory ----------------------------------------------------------------------------
 
 
