@@ -29,6 +29,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_core.py --out benchmarks/results/core.md --plots benchmarks/results
 	$(BIN)/python benchmarks/bench_memory.py --out benchmarks/results/memory.md --plots benchmarks/results
 	$(BIN)/python benchmarks/bench_sharding.py --out benchmarks/results/sharding.md
+	$(BIN)/python benchmarks/bench_clipping.py --out benchmarks/results/clipping.md
 
 # The documentation site (mkdocs-material + mkdocstrings), built strictly: any warning
 # (a broken link, a docstring mkdocstrings cannot parse) fails the build.
