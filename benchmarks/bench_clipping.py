@@ -11,7 +11,8 @@ Two tables, every number of one table measured in the same run:
 
 Each method is compiled once (XLA's compiled temp memory, `memory_analysis()`), run
 twice to warm up, then timed: the best of `--repeats` runs (the machine may be shared;
-the best run is the least disturbed). With `--quick`, tiny sizes (a few seconds).
+the best run is the least disturbed). With `--quick`, a tiny MLP only (seconds: the
+compiles are its time; `--with-block` adds a tiny transformer block).
 
     python benchmarks/bench_clipping.py [--quick] [--out benchmarks/results/clipping.md]
 """
@@ -167,7 +168,10 @@ def rel_err(a, b):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
+    parser.add_argument("--quick", action="store_true", help="a tiny MLP (seconds)")
+    parser.add_argument(
+        "--with-block", action="store_true", help="with --quick: the block too"
+    )
     parser.add_argument("--sizes", type=int, nargs="+")
     parser.add_argument("--microbatches", type=int, nargs="+")
     parser.add_argument("--layers", type=int, nargs="+")
@@ -212,6 +216,8 @@ def main():
             "block",
         ),
     }
+    if args.quick and not args.with_block:  # its three compiles double --quick's time
+        del models[next(reversed(models))]
 
     def batch(kind, n):
         if kind == "mlp":
@@ -251,7 +257,7 @@ def main():
         "memory: XLA's compiled temp bytes. Gradients of `l2_clip_norm=1` clipped "
         "sums; the non-private reference is `jax.grad` of the mean loss over the "
         "whole batch. 'max rel err' compares each method's gradient with "
-        "chunkvmap's `method=\"vmap\"` (largest abs difference / largest abs entry, "
+        'chunkvmap\'s `method="vmap"` (largest abs difference / largest abs entry, '
         "per leaf)."
     )
 

@@ -1,4 +1,5 @@
-"""`benchmarks/bench_clipping.py --quick` runs and writes every method's rows."""
+"""`benchmarks/bench_clipping.py --quick` runs and writes every method's rows (its
+time is 4 compiles and the imports: 8 s on a loaded 2-core CPU)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ def test_quick_run_has_every_method(tmp_path):
         cwd=ROOT / "benchmarks",
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=60,  # 8 s measured; the machine is shared
         check=True,
     )
-    table = out.read_text()
-    a, b = table.split("## (b)")
+    a, b = out.read_text().split("## (b)")
     for method in ("jax-privacy", "chunkvmap vmap", "chunkvmap ghost"):
-        assert f"| 16 | 8 | {method} |" in a, method
-    for model in ("MLP 16-32-32-4", "transformer block T=4"):
-        for method in ("non-private jax.grad", 'method="vmap"', 'method="ghost"'):
-            assert f"| {model}" in b and f"| {method} |" in b, (model, method)
-        assert b.count(f"| {model}") == 3, model
+        assert f"| 16 | 8 | {method} | " in a, method
     assert "n/a" not in a  # 16 % 8 == 0: jax-privacy runs
+    for row in (
+        "| whole batch | non-private jax.grad |",
+        '| 8 | method="vmap" |',
+        '| 8 | method="ghost" |',
+    ):
+        assert f"| MLP 16-32-32-4 | 16 {row}" in b, row
