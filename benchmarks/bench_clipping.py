@@ -10,7 +10,7 @@ Two tables, every number of one table measured in the same run:
       (multi-head attention, layer norms, an MLP, the embedding tied to the output).
 
 Each method is compiled once (XLA's compiled temp memory, `memory_analysis()`), run
-twice to warm up, then timed: the best of `--repeats` runs (the machine may be shared;
+once to warm up, then timed: the best of `--repeats` runs (the machine may be shared;
 the best run is the least disturbed). With `--quick`, a tiny MLP only (seconds: the
 compiles are its time; `--with-block` adds a tiny transformer block).
 
@@ -20,6 +20,7 @@ compiles are its time; `--with-block` adds a tiny transformer block).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
 
@@ -145,8 +146,7 @@ def measure(fn, args, repeats):
         warnings.simplefilter("ignore", DeprecationWarning)
         exe = jax.jit(fn).lower(*args).compile()
         temp = exe.memory_analysis().temp_size_in_bytes
-        result = jax.block_until_ready(exe(*args))
-        jax.block_until_ready(exe(*args))
+        result = jax.block_until_ready(exe(*args))  # the warm-up run
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -244,16 +244,25 @@ def main():
                         results[(model, n, mb, name)] = fn
                         continue
                     temp, s, out = measure(fn, call, args.repeats)
+                    print(f"  {model}, N={n}, B={mb}, {name}: {s * 1e3:.1f} ms, "
+                          f"{temp / 2**20:.2f} MiB", file=sys.stderr)  # fmt: skip
                     base = out if base is None else base
                     results[(model, n, mb, name)] = (temp, s, rel_err(out, base))
     elapsed = time.perf_counter() - t_start
+    argv, command = sys.argv[1:], []
+    while argv:  # the command line, without --out
+        if argv[0] == "--out" or argv[0].startswith("--out="):
+            argv = argv[2:] if argv[0] == "--out" else argv[1:]
+        else:
+            command.append(argv.pop(0))
+    command = " ".join(command)
 
     emit("# Clipped per-example gradients: chunkvmap, ghost clipping, jax-privacy")
     emit()
     emit(
-        f"{machine()}. `python benchmarks/bench_clipping.py"
-        f"{' --quick' if args.quick else ''}` ({elapsed:.0f} s). Time: best of "
-        f"{args.repeats} runs after two warm-up runs, each method compiled once; "
+        f"{machine()}. `python benchmarks/bench_clipping.py {command}` "
+        f"({elapsed:.0f} s). Time: best of "
+        f"{args.repeats} runs after a warm-up run, each method compiled once; "
         "memory: XLA's compiled temp bytes. Gradients of `l2_clip_norm=1` clipped "
         "sums; the non-private reference is `jax.grad` of the mean loss over the "
         "whole batch. 'max rel err' compares each method's gradient with "
