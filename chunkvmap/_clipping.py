@@ -364,10 +364,13 @@ def _ghost_sums(
         args,
         kwargs,
         diff,
-        batch_args,
+        # the examples' arguments, and the per-example keys of prng_argnum (split
+        # into one key per example, but passed to `fun` without a batch axis)
+        [i for i, a in enumerate(in_axes) if a is not None],
         strip=True,
         has_aux=config.has_aux,
         keep_batch_dim=config.keep_batch_dim,
+        expand=batch_args,
     )
     value = traced.value_aval
     if (

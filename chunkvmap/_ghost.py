@@ -428,8 +428,10 @@ class Traced:
 
     `args`/`kwargs` are a call's arguments; with `strip`, the mapped ones (`mapped`
     argument numbers, and every keyword argument) hold the examples along axis 0,
-    which is removed for the trace. The differentiated leaves are the floating-point
-    leaves of the arguments `diff`.
+    which is removed for the trace. With `keep_batch_dim`, the arguments `expand`
+    (default: `mapped`) get a leading axis of size 1 back when `fun` is called: a
+    per-example PRNG key (`prng_argnum`) is mapped but not expanded. The
+    differentiated leaves are the floating-point leaves of the arguments `diff`.
     """
 
     def __init__(
@@ -443,8 +445,10 @@ class Traced:
         strip: bool,
         has_aux: bool,
         keep_batch_dim: bool,
+        expand: Sequence[int] | None = None,
     ):
         self.diff = tuple(diff)
+        expand = tuple(mapped if expand is None else expand)
         self.arg_defs = []
         avals, positions, paths, example_positions = [], [], [], []
         named = [(f"args[{i}]", a, i in mapped) for i, a in enumerate(args)]
@@ -481,7 +485,7 @@ class Traced:
         def one(values: list) -> Any:
             new_args, new_kwargs = self.rebuild(args, kwargs, values)
             if keep_batch_dim:
-                for i in mapped:
+                for i in expand:
                     new_args[i] = jax.tree.map(
                         lambda x: jnp.expand_dims(x, 0), new_args[i]
                     )
