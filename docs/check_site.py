@@ -1,0 +1,112 @@
+"""Open every page of the built documentation site in headless Chromium.
+
+    python docs/check_site.py [SITE_DIR]     # default: site/
+
+Serves SITE_DIR on localhost (http.server in a thread) and loads each of its HTML
+pages in Chromium through Playwright (Debian's /usr/bin/chromium, or $CHROMIUM; no
+browser is downloaded). A page fails if it logs a console error or throws, if an
+image did not load (naturalWidth == 0), or if a mermaid diagram is still source text
+(a `mermaid` block with no <svg> in it). Prints one line per page and exits non-zero
+if any page fails. `make docs` runs it after building the site.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import pathlib
+import shutil
+import sys
+import threading
+
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+
+# Run inside each page once it has loaded (and its images have settled).
+_PAGE_CHECK = """
+async () => {
+  const imgs = Array.from(document.images);
+  await Promise.all(imgs.map(img => img.complete ? null :
+    new Promise(r => { img.addEventListener('load', r); img.addEventListener('error', r); })));
+  const broken = imgs.filter(img => img.naturalWidth === 0)
+                     .map(img => img.getAttribute('src'));
+  const mermaid = Array.from(document.querySelectorAll(
+      '.mermaid, pre.mermaid, code.language-mermaid, div.language-mermaid'))
+    .filter(el => !el.querySelector('svg'))
+    .map(el => el.textContent.trim().split('\\n')[0].slice(0, 60));
+  return {broken, mermaid, images: imgs.length};
+}
+"""
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def check_site(site: pathlib.Path) -> list[str]:
+    from playwright.sync_api import sync_playwright
+
+    pages = sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html"))
+    if not pages:
+        return [f"no HTML pages under {site}"]
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}/"
+    failures = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(
+                executable_path=CHROMIUM, args=["--no-sandbox"], headless=True
+            )
+            for rel in pages:
+                page = browser.new_page()
+                errors = []
+                page.on(
+                    "console",
+                    lambda m, errors=errors: errors.append(f"console: {m.text}")
+                    if m.type == "error"
+                    else None,
+                )
+                page.on("pageerror", lambda e, errors=errors: errors.append(f"js: {e}"))
+                page.on(
+                    "requestfailed",
+                    lambda r, errors=errors: errors.append(
+                        f"request failed: {r.url} ({r.failure})"
+                    ),
+                )
+                response = page.goto(base + rel, wait_until="load", timeout=30_000)
+                if response is None or not response.ok:
+                    errors.append(f"HTTP {response.status if response else 'none'}")
+                result = page.evaluate(_PAGE_CHECK)
+                errors += [f"broken image: {src}" for src in result["broken"]]
+                errors += [f"mermaid not rendered: {t!r}" for t in result["mermaid"]]
+                page.close()
+                status = "FAIL" if errors else "ok"
+                print(f"{status:4} {rel} ({result['images']} images)")
+                for e in errors:
+                    print(f"       {e}")
+                    failures.append(f"{rel}: {e}")
+            browser.close()
+    finally:
+        server.shutdown()
+    return failures
+
+
+def main(argv: list[str]) -> int:
+    site = pathlib.Path(argv[1] if len(argv) > 1 else "site")
+    if not site.is_dir():
+        print(f"{site} is not a directory: build the site first (mkdocs build)")
+        return 2
+    failures = check_site(site)
+    n = len(list(site.rglob("*.html")))
+    if failures:
+        print(f"{len(failures)} problem(s) on {n} page(s) of {site}")
+        return 1
+    print(f"all {n} pages of {site} load in Chromium without errors")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
