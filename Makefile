@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench bench-gpu docs clean
+.PHONY: demo test bench bench-gpu docs diagrams clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,9 +41,22 @@ bench-gpu: $(VENV)/.installed
 	$(BIN)/python benchmarks/gpu.py --out benchmarks/results/gpu.md
 
 # The documentation site (mkdocs-material + mkdocstrings), built strictly: any warning
-# (a broken link, a docstring mkdocstrings cannot parse) fails the build.
+# (a broken link, a docstring mkdocstrings cannot parse) fails the build. Then every
+# built page is opened in headless Chromium (docs/check_site.py: no console error, no
+# broken image, every diagram an SVG). Chromium is Debian's package, installed here only
+# if missing; playwright (the docs extra) drives it and downloads no browser.
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	@command -v chromium >/dev/null || { apt-get update && apt-get install -y chromium; } \
+	  || sudo sh -c 'apt-get update && apt-get install -y chromium'
+	$(BIN)/python docs/check_site.py site
+
+# Re-render the diagrams of docs/diagrams/*.mmd to the committed SVGs (needs node/npx
+# and Chromium; see CONTRIBUTING.md).
+diagrams:
+	cd docs/diagrams && for f in *.mmd; do \
+	  PUPPETEER_SKIP_DOWNLOAD=1 npx -y @mermaid-js/mermaid-cli@11.17.0 -p puppeteer-config.json \
+	    -c mermaid-config.json -b white -i $$f -o $${f%.mmd}.svg || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis site

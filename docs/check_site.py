@@ -20,6 +20,7 @@ import shutil
 import sys
 import threading
 
+
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
 # Run inside each page once it has loaded (and its images have settled).
@@ -27,7 +28,10 @@ _PAGE_CHECK = """
 async () => {
   const imgs = Array.from(document.images);
   await Promise.all(imgs.map(img => img.complete ? null :
-    new Promise(r => { img.addEventListener('load', r); img.addEventListener('error', r); })));
+    new Promise(r => {
+      img.addEventListener('load', r);
+      img.addEventListener('error', r);
+    })));
   const broken = imgs.filter(img => img.naturalWidth === 0)
                      .map(img => img.getAttribute('src'));
   const mermaid = Array.from(document.querySelectorAll(
@@ -44,6 +48,14 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        # A page closed while a request was still being served (the search index):
+        # the browser's side, not a problem of the site.
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
 def check_site(site: pathlib.Path) -> list[str]:
     from playwright.sync_api import sync_playwright
 
@@ -51,7 +63,7 @@ def check_site(site: pathlib.Path) -> list[str]:
     if not pages:
         return [f"no HTML pages under {site}"]
     handler = functools.partial(_QuietHandler, directory=str(site))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _Server(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}/"
     failures = []
@@ -65,9 +77,11 @@ def check_site(site: pathlib.Path) -> list[str]:
                 errors = []
                 page.on(
                     "console",
-                    lambda m, errors=errors: errors.append(f"console: {m.text}")
-                    if m.type == "error"
-                    else None,
+                    lambda m, errors=errors: (
+                        errors.append(f"console: {m.text}")
+                        if m.type == "error"
+                        else None
+                    ),
                 )
                 page.on("pageerror", lambda e, errors=errors: errors.append(f"js: {e}"))
                 page.on(

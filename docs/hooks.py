@@ -43,9 +43,9 @@ def folded_results(relpath: str) -> str:
     if not path.is_file():
         raise PluginError(f"benchmarks page: {relpath} does not exist")
     lines = path.read_text().splitlines()
-    title = relpath
+    title = f"Full tables: `{relpath}`"
     if lines and lines[0].startswith("# "):
-        title = f"{lines[0][2:].strip()} (`{relpath}`)"
+        title = f"{lines[0][2:].strip()}: `{relpath}`"
         lines = lines[1:]
     body = []
     for line in lines:
