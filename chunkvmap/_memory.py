@@ -135,26 +135,31 @@ def choose_batch_size(
             f"reduce the per-example cost."
         )
     second = min(size, 16)
-    best = second if probe(second) <= limit else 1
+    # The answer lies in [best, fail): `best` fits, `fail` (or anything larger) did not.
+    best, fail = (second, size + 1) if probe(second) <= limit else (1, second)
     slope = (seen[second] - one) / (second - 1)
     if slope <= 0:
         guess = size
     else:
-        guess = max(1, min(size, 1 + int((limit - one) / slope)))
-    while len(seen) < _MAX_PROBES and guess > best and guess not in seen:
+        guess = 1 + int((limit - one) / slope)
+    while len(seen) < _MAX_PROBES and best + 1 < fail:
+        # Never beyond a size known not to fit: the estimate is not linear in B (one
+        # chunk of all N examples drops the loop), so an extrapolation can overshoot.
+        guess = max(best + 1, min(fail - 1, guess))
         used = probe(guess)
         if used <= limit:
             best = guess
-            if guess == size or used >= 0.95 * limit:
+            if used >= 0.95 * limit:
                 break
             local = (used - one) / (guess - 1)
             step = int((limit - used) / local) if local > 0 else size
-            guess = min(size, guess + max(1, step))
+            guess = guess + max(1, step)
         else:
             # Interpolate between the largest size that fits and this one.
+            fail = guess
             fits = seen[best]
             local = (used - fits) / (guess - best)
-            guess = min(guess - 1, best + int((limit - fits) / local))
+            guess = best + int((limit - fits) / local)
     logger.info(
         "%s batch_size='auto': chose %d of %d examples for a budget of %d bytes "
         "(probes: %s)",

@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import pytest
 
 import chunkvmap
-from chunkvmap import _memory, batch_map, batch_vmap, last_batch_size
+from chunkvmap import (
+    _memory,
+    batch_map,
+    batch_vmap,
+    last_batch_size,
+    per_example_grads,
+)
 
 from .helpers import (
     check_auto_choice,
@@ -238,3 +244,33 @@ def test_auto_cache_accounts_for_static_arguments(monkeypatch):
                 lambda a: batch_vmap(g, (0, None), batch_size=b)(a, n), x
             ),
         )
+
+
+def test_auto_takes_the_largest_size_below_one_that_does_not_fit():
+    # Issue 17: one chunk of all N examples drops the loop and needs far more memory
+    # than N - 1 examples in chunks; the search used to stop at the size it had
+    # interpolated to (26 of 128) after that probe, deep in CPU's slow small-chunk
+    # range, though 127 fits.
+    keys = jax.random.split(jax.random.key(0), 3)
+    widths = [32, 64, 64, 10]
+    params = [
+        (jax.random.normal(k, (a, b)) / a**0.5, jnp.zeros(b))
+        for k, a, b in zip(keys, widths[:-1], widths[1:])
+    ]
+
+    def loss(params, x, y):
+        for w, b in params[:-1]:
+            x = jnp.tanh(x @ w + b)
+        w, b = params[-1]
+        return -jax.nn.log_softmax(x @ w + b)[y]
+
+    x, y = jnp.ones((128, 32)), jnp.zeros(128, jnp.int32)
+
+    def temp(b):
+        return temp_bytes(per_example_grads(loss, batch_size=b), params, x, y)
+
+    below, whole = temp(127), temp(128)
+    assert whole > 4 * below  # the jump the search must not be misled by
+    f = per_example_grads(loss, batch_size="auto", memory_limit=2 * below)
+    f(params, x, y)
+    assert last_batch_size(f) == 127
