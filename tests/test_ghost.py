@@ -404,3 +404,57 @@ def test_bad_method():
             mlp_loss, l2_clip_norm=1.0, method="ghost", pre_clipping_transform=abs
         )
     assert "ghost_report" in chunkvmap.__all__
+
+
+def test_options_as_with_vmap():
+    """method="ghost" under the pipeline's options: "auto", progress, remat=False,
+    an Explicit data axis, shard=True on an Auto mesh, and jax.grad through the
+    clipped sum (all against method="vmap")."""
+    rng = np.random.default_rng(0)
+    p = {
+        "w1": rng.normal(size=(8, 16)).astype(np.float32),
+        "b1": np.zeros(16, np.float32),
+        "w2": rng.normal(size=(16, 3)).astype(np.float32),
+    }
+
+    def loss(p, x, y):
+        return jnp.sum((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
+
+    x = rng.normal(size=(24, 8)).astype(np.float32)
+    y = rng.normal(size=(24, 3)).astype(np.float32)
+
+    def clipped(method, **opts):
+        return chunkvmap.clipped_grad_sum(
+            loss, 0.5, return_norms=True, method=method, **opts
+        )
+
+    expected = clipped("vmap", batch_size=5)(p, x, y)
+    calls = []
+
+    def report(done, total):
+        calls.append((done, total))
+
+    auto = clipped("ghost", batch_size="auto", memory_limit="64KiB")
+    tree_allclose(auto(p, x, y), expected, rtol=1e-5, atol=1e-5)
+    assert 1 <= chunkvmap.last_batch_size(auto) <= 24
+    reported = clipped("ghost", batch_size=5, remat=False, progress=report)
+    tree_allclose(jax.jit(reported)(p, x, y), expected, rtol=1e-5, atol=1e-5)
+    assert calls[-1] == (5, 5)
+    explicit = jax.make_mesh((8,), ("data",), (jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(explicit):
+        data = jax.sharding.NamedSharding(explicit, jax.P("data"))
+        xs, ys = jax.device_put((x, y), data)
+        out = jax.jit(clipped("ghost", batch_size=2))(p, xs, ys)
+    tree_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    auto_mesh = jax.make_mesh((8,), ("data",), (jax.sharding.AxisType.Auto,))
+    out = clipped("ghost", batch_size=2, shard=True, mesh=auto_mesh)(p, x, y)
+    tree_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+    def outer(method):
+        def f(x):
+            total = clipped(method, batch_size=5)(p, x, y)[0]
+            return sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(total))
+
+        return jax.grad(f)(x)
+
+    tree_allclose(outer("ghost"), outer("vmap"), rtol=1e-4, atol=1e-5)
