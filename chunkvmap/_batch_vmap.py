@@ -260,6 +260,17 @@ class Mapper:
         spmd_axis_name: Any = None,
     ):
         name = options.name
+        for arg, value in (
+            ("axis_name", axis_name),
+            ("spmd_axis_name", spmd_axis_name),
+        ):
+            try:
+                hash(value)
+            except TypeError:
+                raise TypeError(
+                    f"{name} {arg} must be a hashable name (a str, as in jax.vmap), "
+                    f"but got {arg}={value!r} of type {type(value).__name__}."
+                ) from None
         self.options = options
         self.axis_name = axis_name
         self.spmd_axis_name = spmd_axis_name

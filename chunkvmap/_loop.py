@@ -207,7 +207,24 @@ def summary_avals(
                 f"axis: for a chunk of {lengths[0]} examples it returns "
                 f"{_aval_str(first)}, for {length} examples {_aval_str(other)}.{hint}"
             )
-    folded = jax.eval_shape(ft.partial(fold, reduction), first, first)
+
+    def combine(a: Any, b: Any) -> Any:
+        out = fold(reduction, a, b)
+        for leaf in jax.tree.leaves(out):
+            if not isinstance(leaf, jax.Array):
+                raise TypeError(f"it returned a value of type {type(leaf).__name__}")
+        return out
+
+    try:
+        folded = jax.eval_shape(combine, first, first)
+    except Exception as e:  # not traceable (np.add, max), or not array-valued
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TypeError(
+            f"{name} reduction={reduction!r} must be a JAX-traceable function of two "
+            f"chunk summaries returning one of the same structure (e.g. jnp.add, "
+            f"jnp.maximum), but applying it to two summaries of {_aval_str(first)} "
+            f"failed: {type(e).__name__}: {first_line}"
+        ) from None
     same = jax.tree.structure(first) == jax.tree.structure(folded) and all(
         (a.shape, a.dtype) == (b.shape, b.dtype)
         for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(folded))

@@ -402,9 +402,10 @@ REDUCTION_OPTIONS: list[tuple[str, Any, Any]] = [
     ("chunk_reduction", "sum", TypeError),
     ("keeps_axis", chunkvmap.identity, ValueError),  # reduction without summary
     ("reduce", jnp.maximum, None),
+    ("reduction", np.add, TypeError),  # not traceable
+    ("reduction", max, TypeError),
+    ("reduction", lambda a, b: "sum", TypeError),  # not array-valued
 ]
-# Known bug: a reduction that is not traceable (np.add, max) or returns a non-array
-# fails with a JAX tracer error naming chunkvmap's private `fold` (_loop.py).
 
 
 def apply_option(option: str, value: Any, n: int) -> tuple[dict, int]:
@@ -494,11 +495,11 @@ BV_OPTIONS = [
     ("axis_size", True, TypeError),
     ("axis_size", 7, ValueError),
     ("axis_name", "i", ValueError),  # collectives would only see one chunk
+    ("axis_name", ["i"], TypeError),  # unhashable
     ("f", 3, TypeError),
     ("f", None, TypeError),
 ]
 # Known bug: in_axes=np.int64(0) is accepted where jax.vmap raises TypeError.
-# Known bug: axis_name=["i"] (unhashable) raises a bare "unhashable type: 'list'".
 # Known bug: out_axes=None for a mapped output raises JAX's "at vmap out_axes[0], got
 # axis spec None but output was batched on axis 0" (no batch_vmap) at every size.
 
