@@ -134,9 +134,7 @@ def global_norm(tree: Any) -> jax.Array:
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.zeros((), jnp.float32)
-    # float32, or float64 when a leaf has double precision (real or complex).
-    wide = any(jnp.finfo(x.dtype).dtype.itemsize > 4 for x in leaves)
-    acc = jnp.float64 if wide else jnp.float32
+    acc = _ghost.accumulation_dtype([x.dtype for x in leaves])
     total = sum(jnp.sum(jnp.square(jnp.abs(x).astype(acc))) for x in leaves)
     return _norm_of_square(total)
 
@@ -194,6 +192,11 @@ class _Clipping:
     # differentiated arguments may not hold examples.
     jax_privacy: bool = False
     method: str = "vmap"
+
+    @property
+    def per_example(self) -> bool:
+        """Whether any per-example extra (value, norm, aux) is returned."""
+        return self.return_values or self.return_grad_norms or self.has_aux
 
     def prepare(self, grads: Any, pad: Any) -> tuple[Any, jax.Array]:
         """One example's gradient, transformed, cast and made NaN-safe, and the
@@ -271,7 +274,7 @@ def _clipped_sums(
         args[k] = jax.tree.map(lambda key: jax.random.split(key, size), args[k])
         in_axes[k] = 0
     # Example indices place the extras (when any are asked for) in the output.
-    per_example = config.return_values or config.return_grad_norms or config.has_aux
+    per_example = config.per_example
     extra = [jnp.arange(size, dtype=jnp.int32)] if per_example else []
     if padding is not None:
         padding = _check_padding(name, padding, size)
@@ -389,12 +392,9 @@ def _ghost_sums(
         k for k, x in enumerate(leaves) if x.rule in (_ghost.GHOST, _ghost.INSTANTIATED)
     ]
     probe_avals = analysis.probe_avals()
-    wide = any(jnp.finfo(x.dtype).dtype.itemsize > 4 for x in leaves)
-    acc = jnp.float64 if wide else jnp.float32  # as in global_norm
-    per_example = bool(extra) and (
-        config.return_values or config.return_grad_norms or config.has_aux
-    )
-    has_pad = len(extra) > int(per_example)
+    acc = _ghost.accumulation_dtype([x.dtype for x in leaves])  # as global_norm's
+    per_example = config.per_example
+    has_pad = len(extra) > int(per_example)  # the indices, then the padding flags
     n_args = len(args)
 
     def example(*inputs: Any, **kw: Any) -> Any:

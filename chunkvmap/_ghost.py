@@ -347,7 +347,9 @@ class Analysis:
 # Norms and sums from activations and cotangents.
 
 
-def _wide(dtypes: Sequence[Any]) -> Any:
+def accumulation_dtype(dtypes: Sequence[Any]) -> Any:
+    """Where squared norms are summed: float32, or float64 when any of `dtypes` has
+    double precision (real or complex)."""
     wide = any(jnp.finfo(d).dtype.itemsize > 4 for d in dtypes)
     return jnp.float64 if wide else jnp.float32
 
@@ -366,7 +368,9 @@ def instantiate(leaf: Leaf, acts: Sequence[Any], deltas: Sequence[Any]) -> Any:
 def ghost_sq_norm(leaf: Leaf, acts: Sequence[Any], deltas: Sequence[Any]) -> Any:
     """`||G||^2` of one example's gradient of a ghost leaf, by its rule, accumulated
     in at least float32."""
-    acc = _wide([leaf.dtype, *(a.dtype for a in acts), *(d.dtype for d in deltas)])
+    acc = accumulation_dtype(
+        [leaf.dtype, *(a.dtype for a in acts), *(d.dtype for d in deltas)]
+    )
     if leaf.rule == INSTANTIATED:
         g = instantiate(leaf, acts, deltas)
         return jnp.sum(jnp.square(g.astype(acc)))
