@@ -236,6 +236,5 @@ def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
         return fun_flat(*chunk_leaves)
 
-    return _loop.Body(
-        options, chunk_fn, axes, out_tree, out_avals, [0] * len(out_avals)
-    )
+    signature = _loop.Signature(out_tree, out_avals, [0] * len(out_avals))
+    return _loop.Body(options, chunk_fn, axes, lambda: signature)

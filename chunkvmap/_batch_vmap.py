@@ -407,60 +407,99 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
     f_flat = ft.wraps(f, updated=())(f_flat)
     dyn_axes = tuple(axes[i] for i in dyn)
     no_mapped_arg = all(a is None for a in dyn_axes)
-    # One chunk is `jax.jit(jax.vmap(f_flat))`, one jitted function per (output axes,
-    # chunk length): tracing it once for the output structure (below) fills JAX's
-    # trace cache, so the loop's chunk reuses that trace instead of tracing `f` (or
-    # batching its jaxpr) again. The trace is vmapped, so collectives over
-    # `axis_name` resolve. With every output along axis 0 (known before tracing
-    # when `out_axes` is 0, the default) that first trace is the chunk itself, and
-    # `f` is traced and batched in one pass. Other output axes are known only from
-    # the output's structure: `f_flat` is then jitted on its own, so that the chunk
-    # with the final output axes batches the cached trace instead of tracing `f` a
-    # second time.
-    if not (isinstance(out_axes, int) and out_axes == 0):
-        f_flat = jax.jit(f_flat)
+
+    # The leaves go to jax.vmap in one list per input axis (`in_axes` one entry per
+    # list), not one argument each: broadcasting a per-argument `in_axes` costs
+    # jax.vmap time per leaf, noticeable on models of hundreds of leaves.
+    groups: dict[int | None, list[int]] = {}
+    for k, a in enumerate(dyn_axes):
+        groups.setdefault(a, []).append(k)
+    group_axes, group_index = tuple(groups), list(groups.values())
+
+    def vmap_flat(fn: Callable[..., Any], flat_out_axes: Any, length: int):
+        def grouped(*lists):
+            flat = [None] * len(dyn_axes)
+            for index, values in zip(group_index, lists):
+                for k, v in zip(index, values):
+                    flat[k] = v
+            return fn(*flat)
+
+        mapped = jax.vmap(
+            ft.wraps(f, updated=())(grouped),
+            in_axes=group_axes,
+            out_axes=(
+                flat_out_axes if isinstance(flat_out_axes, int) else list(flat_out_axes)
+            ),
+            axis_name=axis_name,
+            axis_size=length if no_mapped_arg else None,
+            spmd_axis_name=spmd_axis_name,
+        )
+
+        def call(*dyn_leaves):
+            return mapped(*[[dyn_leaves[k] for k in index] for index in group_index])
+
+        return call
+
+    # Every output along axis 0 (`out_axes=0`, the default): a loop that needs no
+    # output type before it runs traces `jax.vmap(f)` in place (`Body.inline`), once,
+    # as `lax.map` does, and records the signature as it goes.
+    signature: list[_loop.Signature] = []
+    inline = None
+    if isinstance(out_axes, int) and out_axes == 0:
+
+        def inline(chunk_leaves: list[Any], length: int) -> list[Any]:
+            outs = vmap_flat(f_flat, 0, length)(*[chunk_leaves[i] for i in dyn])
+            if not signature:
+                out_avals = [_loop.drop_leading(jax.typeof(y)) for y in outs]
+                signature.append(
+                    _loop.Signature(out_box[0], out_avals, [0] * len(outs))
+                )
+            return outs
+
+    # Otherwise one chunk is `jax.jit(jax.vmap(f_flat))`, one jitted function per
+    # (output axes, chunk length): tracing it once for the output structure (in
+    # `describe`) fills JAX's trace cache, so the loop's chunk reuses that trace
+    # instead of tracing `f` (or batching its jaxpr) again. The trace is vmapped, so
+    # collectives over `axis_name` resolve. With every output along axis 0 that first
+    # trace is the chunk itself, and `f` is traced and batched in one pass. Other
+    # output axes are known only from the output's structure: `f_flat` is then jitted
+    # on its own, so that the chunk with the final output axes batches the cached
+    # trace instead of tracing `f` a second time.
+    traced = f_flat if inline is not None else jax.jit(f_flat)
     jitted: dict[tuple, Callable[..., Any]] = {}
 
     def vmapped(flat_out_axes: Any, length: int) -> Callable[..., Any]:
         key = (flat_out_axes, length)
         if key not in jitted:
             jitted[key] = jax.jit(
-                ft.wraps(f, updated=())(
-                    jax.vmap(
-                        f_flat,
-                        in_axes=dyn_axes,
-                        out_axes=(
-                            flat_out_axes
-                            if isinstance(flat_out_axes, int)
-                            else list(flat_out_axes)
-                        ),
-                        axis_name=axis_name,
-                        axis_size=length if no_mapped_arg else None,
-                        spmd_axis_name=spmd_axis_name,
-                    )
-                )
+                ft.wraps(f, updated=())(vmap_flat(traced, flat_out_axes, length))
             )
         return jitted[key]
 
-    # The length the loop's chunks will have (when it is known now).
-    batch = options.batch_size
-    length = batch if isinstance(batch, int) and 0 < batch < size else size
-    # Plain shapes, without sharding types: those say nothing about the output
-    # structure, and jax.vmap rejects some that chunkvmap lays out itself (unmapped
-    # inputs sharded over the mesh axes of the mapped ones); the loop takes the
-    # sharding types of the values themselves.
-    chunk_avals = [_chunk_aval(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
-    mapped_avals = jax.eval_shape(vmapped(0, length), *chunk_avals)
-    out_avals = [_loop.drop_leading(a) for a in mapped_avals]
-    (out_tree,) = out_box
-    out_axes_flat = _flat_out_axes(name, out_axes, out_tree, out_avals)
-    # Every output along axis 0 (the usual case): the traced function is the chunk.
-    flat_out_axes = 0 if all(a == 0 for a in out_axes_flat) else tuple(out_axes_flat)
+    def describe() -> _loop.Signature:
+        if signature:
+            return signature[0]
+        # The length the loop's chunks will have (when it is known now).
+        batch = options.batch_size
+        length = batch if isinstance(batch, int) and 0 < batch < size else size
+        # Plain shapes, without sharding types: those say nothing about the output
+        # structure, and jax.vmap rejects some that chunkvmap lays out itself
+        # (unmapped inputs sharded over the mesh axes of the mapped ones); the loop
+        # takes the sharding types of the values themselves.
+        chunk_avals = [_chunk_aval(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
+        mapped_avals = jax.eval_shape(vmapped(0, length), *chunk_avals)
+        out_avals = [_loop.drop_leading(a) for a in mapped_avals]
+        out_axes_flat = _flat_out_axes(name, out_axes, out_box[0], out_avals)
+        signature.append(_loop.Signature(out_box[0], out_avals, out_axes_flat))
+        return signature[0]
 
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
-        return vmapped(flat_out_axes, length)(*[chunk_leaves[i] for i in dyn])
+        out_axes_flat = describe().out_axes
+        # Every output along axis 0 (the usual case): the traced function is the chunk.
+        flat = 0 if all(a == 0 for a in out_axes_flat) else tuple(out_axes_flat)
+        return vmapped(flat, length)(*[chunk_leaves[i] for i in dyn])
 
-    return _loop.Body(options, chunk_fn, axes, out_tree, out_avals, out_axes_flat)
+    return _loop.Body(options, chunk_fn, axes, describe, inline)
 
 
 def check_outputs(name: str, f: Any, out: Any) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools as ft
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,13 +56,19 @@ class Plan:
 
     def start(self, i: Any) -> Any:
         """First example of chunk `i`; the last chunk is the window `[N - B, N)`."""
+        # lax, not jnp, on the traced index: this is traced once per loop, and jnp's
+        # operators cost noticeably more Python per call.
+        first = lax.mul(i, np.array(self.batch, i.dtype))
         if self.rem == 0:
-            return i * self.batch
-        return jnp.minimum(i * self.batch, self.size - self.batch)
+            return first
+        return lax.min(first, np.array(self.size - self.batch, i.dtype))
 
     def chunk(self, leaves: Sequence[Any], axes: Sequence[int | None], i: Any):
         """The inputs of chunk `i` (read at `offset + start(i)`)."""
-        return take(leaves, axes, self.offset + self.start(i), self.batch)
+        start = self.start(i)
+        if not (isinstance(self.offset, int) and self.offset == 0):
+            start = self.offset + start
+        return take(leaves, axes, start, self.batch)
 
     def whole(self, leaves: Sequence[Any], axes: Sequence[int | None]) -> list[Any]:
         """The leaves restricted to the plan's N examples (one chunk, no loop)."""
@@ -238,23 +244,54 @@ def summary_avals(
     return first
 
 
-@dataclasses.dataclass(frozen=True)
+class Signature(NamedTuple):
+    """A chunk function's outputs: their structure, per-example types and canonical
+    output axes (None: unmapped)."""
+
+    out_tree: Any
+    out_avals: Sequence[Any]
+    out_axes: Sequence[int | None]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Body:
     """What every chunk evaluates, and how the chunks' outputs combine.
 
     `chunk_fn(chunk_leaves, length)` maps the flat input leaves of a chunk (mapped along
     `axes`) to its flat outputs (mapped along `out_axes`, of per-example types
-    `out_avals`, structured by `out_tree`). Without `options.reduction` the outputs
-    are stacked; with it, `options.chunk_reduction` summarises each chunk and
-    `options.reduction` folds the summaries; `options.remat` checkpoints each chunk.
+    `out_avals`, structured by `out_tree`: the `signature()`, asked for when first
+    needed). Without `options.reduction` the outputs are stacked; with it,
+    `options.chunk_reduction` summarises each chunk and `options.reduction` folds the
+    summaries; `options.remat` checkpoints each chunk.
+
+    `inline`, when given, is a chunk function whose outputs are all mapped along axis
+    0 and which traces the user's function in place: a loop that needs no output type
+    before it runs (stacked, without remainder) calls it, so the function is traced
+    once, inside the loop, with no separate trace for the signature first (which
+    `inline` records as it traces).
     """
 
     options: ChunkOptions
     chunk_fn: ChunkFn
     axes: Sequence[int | None]
-    out_tree: Any
-    out_avals: Sequence[Any]
-    out_axes: Sequence[int | None]
+    signature: Callable[[], Signature]
+    inline: ChunkFn | None = None
+
+    @ft.cached_property
+    def _signature(self) -> Signature:
+        return self.signature()
+
+    @property
+    def out_tree(self) -> Any:
+        return self._signature.out_tree
+
+    @property
+    def out_avals(self) -> Sequence[Any]:
+        return self._signature.out_avals
+
+    @property
+    def out_axes(self) -> Sequence[int | None]:
+        return self._signature.out_axes
 
     @property
     def name(self) -> str:
@@ -317,13 +354,30 @@ class Body:
           evaluated. Reverse mode carries the output cotangent through the loop, so
           gradients need one output-sized buffer more than forward evaluation.
         """
-        chunk_fn, axes, out_axes = self.chunk_fn, self.axes, self.out_axes
-        out_avals = self.out_avals
+        axes = self.axes
         if plan.single:
-            outs = chunk_fn(plan.whole(leaves, axes), plan.size)
+            outs = (self.inline or self.chunk_fn)(plan.whole(leaves, axes), plan.size)
             report(0)
             return outs
         size, batch = plan.size, plan.batch
+        if self.inline is not None and plan.rem == 0 and not sharding_in_types(leaves):
+            # Every output along axis 0 and nothing to preallocate: the chunks are the
+            # scan's `ys`, and the function is traced in the loop itself.
+            inline = self.inline
+
+            @ft.partial(checkpointed, remat=self.remat)
+            def evaluate_inline(i):
+                return inline(plan.chunk(leaves, axes, i), batch)
+
+            def inline_body(carry, i):
+                ys = evaluate_inline(i)
+                report(i)
+                return carry, ys
+
+            with jax.named_scope("chunkvmap"):
+                _, stacked = lax.scan(inline_body, (), jnp.arange(plan.num_chunks))
+            return [y.reshape(size, *y.shape[2:]) for y in stacked]
+        chunk_fn, out_axes, out_avals = self.chunk_fn, self.out_axes, self.out_avals
 
         @ft.partial(checkpointed, remat=self.remat)
         def evaluate(i):
