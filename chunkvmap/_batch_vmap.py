@@ -385,8 +385,9 @@ def vmap_call(
 
 
 def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
-    """`f` traced once, vmapped over one chunk (under `jax.jit`, so that the loop
-    reuses the trace), and that chunk of `jax.vmap(f)` described as a `_loop.Body`
+    """One chunk of `jax.vmap(f)` described as a `_loop.Body`, for `f` to be traced
+    once: in the loop itself when every output is along axis 0 (`Body.inline`), else
+    under `jax.jit` first, for the output structure, and the loop reuses that trace
     (`axis_names` is the pair `(axis_name, spmd_axis_name)` of `jax.vmap`)."""
     name = options.name
     axis_name, spmd_axis_name = axis_names
