@@ -77,7 +77,7 @@ def main(argv=None):
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 1000])
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--modes", nargs="+", default=["forward", "grad"])
     parser.add_argument("--methods", nargs="+", help="a subset of the methods")
     parser.add_argument("--out", help="also write the table to this markdown file")
