@@ -33,6 +33,11 @@ def methods(batch: int):
             lambda p, x: jax.lax.map(lambda xi: f(p, xi), x, batch_size=batch)
         ),
         "batch_vmap": lambda f: batch_vmap(f, (None, 0), batch_size=batch),
+        # Without the per-chunk checkpoint (which keeps gradient memory flat in N):
+        # what that checkpoint costs to trace and lower.
+        "batch_vmap(remat=False)": lambda f: batch_vmap(
+            f, (None, 0), batch_size=batch, remat=False
+        ),
     }
 
 

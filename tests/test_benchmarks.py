@@ -61,3 +61,36 @@ def test_gpu_benchmark_sizes_stop_at_the_first_oom():
     assert gpu.sizes_until_oom(rows) == [1, 4]
     assert gpu.is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating"))
     assert not gpu.is_oom(ValueError("shapes do not match"))
+
+
+def test_compile_benchmark_runs(tmp_path):
+    """`benchmarks/bench_compile.py` on a tiny model: a row per mode, size and method,
+    with lax.map as the baseline (ratio 1.00)."""
+    script = GPU.parent / "bench_compile.py"
+    out = tmp_path / "compile.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            *("--layers", "3", "--width", "4", "--sizes", "16", "12"),
+            *("--batch-size", "4", "--repeats", "1", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [
+        r
+        for r in out.read_text().splitlines()
+        if r.startswith("| forward") or r.startswith("| grad")
+    ]
+    methods = ["jax.vmap", "lax.map", "batch_vmap", "batch_vmap(remat=False)"]
+    assert len(rows) == 2 * 2 * len(methods), rows
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3] in methods
+        assert all(float(c) > 0 for c in cells[4:])
+        if cells[3] == "lax.map":
+            assert cells[-3:] == ["1.00", "1.00", "1.00"]

@@ -7,7 +7,7 @@ import pytest
 
 from chunkvmap import batch_vmap
 
-from .helpers import TraceCounter, tree_allclose
+from .helpers import TraceCounter, jaxpr_eqns, tree_allclose
 
 
 SIZES = [1, 7, 12, 64]  # one, prime, divisible, large
@@ -314,3 +314,33 @@ def test_axis_size_zero(b):
     c = jnp.ones(2)
     out = batch_vmap(lambda v: v * 2.0, in_axes=None, axis_size=0, batch_size=b)(c)
     tree_allclose(out, jax.vmap(lambda v: v * 2.0, in_axes=None, axis_size=0)(c))
+
+
+@pytest.mark.parametrize("n", [1000, 1003])  # without and with a remainder
+@pytest.mark.parametrize("out_axes", [0, (0, 1)])
+def test_stacked_outputs_trace_f_once_and_once_in_the_program(out_axes, n):
+    """Outputs all along axis 0 without a remainder: `jax.vmap(f)` is traced inside
+    the loop (no separate trace for the output structure, no jitted call); other
+    output axes or a remainder: traced once under jit for the structure, and the
+    loop reuses that trace. Either way f is traced once (under grad too) and its
+    one `sin` appears once in the program."""
+
+    def f(v):
+        return jnp.sin(v), jnp.cos(v[:2])
+
+    x = np.linspace(0, 1, n * 3, dtype=np.float32).reshape(n, 3)
+    counted = TraceCounter(f)
+    fn = batch_vmap(counted, out_axes=out_axes, batch_size=10)
+    jaxpr = jax.make_jaxpr(fn)(x)
+    assert counted.count == 1
+    eqns = jaxpr_eqns(jaxpr)
+    assert sum(e.primitive.name == "sin" for e in eqns) == 1
+    inlined = out_axes == 0 and n % 10 == 0
+    assert any(e.primitive.name == "jit" for e in eqns) != inlined
+    expected = jax.vmap(f, out_axes=out_axes)(x)
+    tree_allclose(fn(x), expected)
+    counted = TraceCounter(f)
+    fn = batch_vmap(counted, out_axes=out_axes, batch_size=10)
+    grad = jax.jit(jax.grad(lambda x: sum(y.sum() for y in fn(x))))
+    jax.make_jaxpr(grad)(x)
+    assert counted.count == 1
