@@ -359,10 +359,10 @@ def vmap_call(
     if options.plain and not callable(out_axes):
         # One jax.vmap, with the chunked path's checks of f's output (made while
         # jax.vmap traces f, so they cost no extra trace).
-        unmapped: dict[str, str] = {}
-        with _mapped_output_errors(name, f, lambda: unmapped):
+        checked, unmapped_outputs = _checked(f, name, out_axes, out_names)
+        with _mapped_output_errors(name, f, unmapped_outputs):
             out = jax.vmap(
-                _checked(f, name, out_axes, unmapped, out_names),
+                checked,
                 in_axes,
                 out_axes,
                 axis_name=axis_name,
@@ -487,6 +487,8 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
 def check_outputs(name: str, f: Any, out: Any) -> None:
     """A TypeError naming the user's function `f` and the output's path when `out`
     has a leaf that is not a JAX type (as `jax.vmap` raises, in its terms)."""
+    if all(isinstance(leaf, JAX_TYPES) for leaf in jax.tree.leaves(out)):
+        return
     for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
         if not isinstance(leaf, JAX_TYPES):
             raise TypeError(
@@ -523,29 +525,37 @@ def _checked(
     f: Callable[..., Any],
     name: str,
     out_axes: Any,
-    unmapped: dict[str, str],
     out_names: Callable[[Any], list[str]],
-) -> Callable[..., Any]:
+) -> tuple[Callable[..., Any], Callable[[], dict[str, str]]]:
     """`f` with its output checked as the chunked path checks it (JAX types only,
-    `out_axes` a prefix of the output with axes in range), for one plain `jax.vmap`;
-    records in `unmapped` the outputs whose axis is None: `jax.vmap`'s path of each
-    to its name by `out_names`."""
+    `out_axes` a prefix of the output with axes in range), for one plain `jax.vmap`,
+    and a function giving, once it has run, `jax.vmap`'s path of each output whose
+    axis is None and its name by `out_names`."""
+    traced: list[Any] = []  # the abstract output and its axes
 
     @ft.wraps(f, updated=())
     def checked(*args: Any, **kwargs: Any) -> Any:
         out = f(*args, **kwargs)
         check_outputs(name, f, out)
-        leaves, out_tree = jax.tree.flatten(out)
-        avals = [jax.typeof(y) for y in leaves]
-        axes = _flat_out_axes(name, out_axes, out_tree, avals)
-        paths = jax.tree_util.tree_flatten_with_path(out)[0]
-        unmapped.clear()
-        for (p, _), shown, a in zip(paths, out_names(out), axes):
-            if a is None:
-                unmapped[jax.tree_util.keystr(p)] = shown
+        if not (isinstance(out_axes, int) and out_axes == 0):  # 0 fits any output
+            leaves, out_tree = jax.tree.flatten(out)
+            avals = [jax.typeof(y) for y in leaves]
+            axes = _flat_out_axes(name, out_axes, out_tree, avals)
+            traced[:] = [out_tree.unflatten(avals), axes]
         return out
 
-    return checked
+    def unmapped_outputs() -> dict[str, str]:
+        if not traced:
+            return {}
+        out, axes = traced
+        paths = jax.tree_util.tree_flatten_with_path(out)[0]
+        return {
+            jax.tree_util.keystr(p): shown
+            for (p, _), shown, a in zip(paths, out_names(out), axes)
+            if a is None
+        }
+
+    return checked, unmapped_outputs
 
 
 # jax.vmap's messages for an output given out_axes None that depends on the examples.
