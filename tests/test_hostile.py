@@ -21,7 +21,8 @@ built with NumPy and kept tiny. `COUNTS` tallies the cases per entry point and o
 the last test checks that every entry point both matched and raised.
 
 Documented deviations from an oracle are kept out of the generators; each exclusion is
-marked `# Known deviation` with its reason.
+marked `# Known deviation` with its reason. `REGRESSIONS` runs each formerly known bug
+(issue 15) at three chunk sizes, whatever the generators happen to draw.
 """
 
 from __future__ import annotations
