@@ -25,10 +25,14 @@ def is_none(x: Any) -> bool:
 
 
 def is_axis(x: Any) -> bool:
-    """An axis of an axis spec: an int (not a bool) or None."""
-    return x is None or (
-        isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-    )
+    """An axis of an axis spec: a Python int (not a bool) or None. NumPy integers are
+    not axes, as in `jax.vmap` (and `nn.vmap`, `nnx.vmap`, `eqx.filter_vmap`)."""
+    return x is None or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _numpy_hint(x: Any) -> str:
+    """A hint for a NumPy integer where an axis is expected (it looks like one)."""
+    return " (use int(...): NumPy integers are not axes)" * isinstance(x, np.integer)
 
 
 def check_axes_spec(
@@ -46,7 +50,8 @@ def check_axes_spec(
         raise TypeError(
             f"{transform} {name} must be an int, None, or a tuple of entries "
             f"corresponding to the positional arguments passed to the function, "
-            f"but got {name}={spec!r} of type {type(spec).__name__}."
+            f"but got {name}={spec!r} of type {type(spec).__name__}"
+            f"{_numpy_hint(spec)}."
         )
     leaves = jax.tree.leaves(spec, is_leaf=is_none)
     bad = [leaf for leaf in leaves if not is_axis(leaf)]
@@ -54,10 +59,26 @@ def check_axes_spec(
         raise TypeError(
             f"{transform} {name} must be an int, None, or a pytree prefix whose "
             f"leaves are ints or None, but got {name}={spec!r} containing "
-            + ", ".join(f"{b!r} ({type(b).__name__})" for b in bad)
+            + ", ".join(f"{b!r} ({type(b).__name__}){_numpy_hint(b)}" for b in bad)
             + "."
         )
     return jax.tree.map(lambda a: None if a is None else int(a), spec, is_leaf=is_none)
+
+
+def check_arity(
+    transform: str,
+    in_axes: AxisSpec,
+    args: tuple,
+    called: str = "the function was called",
+) -> None:
+    """A tuple `in_axes` has one entry per positional argument, else a ValueError
+    (`called` says what was called, as the user knows it)."""
+    if isinstance(in_axes, tuple) and len(in_axes) != len(args):
+        raise ValueError(
+            f"{transform} in_axes must have one entry per positional argument, but "
+            f"in_axes={in_axes!r} has {len(in_axes)} entries and {called} with "
+            f"{len(args)} positional argument(s)."
+        )
 
 
 def split_by_prefix(

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _axes, _cache, _chunked, _loop, _memory
+from ._batch_vmap import check_outputs
 from ._options import ChunkOptions, check_bool, check_callable, identity
 
 
@@ -154,7 +155,7 @@ def _map_call(
     if strip_dim0:
         if size == 0 and options.reduction is None:
             return _empty(fun, leaves, treedef, options)
-        fun = _strip_dim0(fun)
+        fun = _strip_dim0(name, fun)
     body = _trace(fun, leaves, axes, treedef, size, options)
     key = (treedef, tuple(jax.typeof(x) for x in leaves))
     inputs = _chunked.Inputs(leaves, paths, range(len(leaves)), size, key)
@@ -177,11 +178,14 @@ def _flatten_xs(name: str, xs: Any) -> tuple[list[Any], list[str], Any]:
     return leaves, paths, treedef
 
 
-def _strip_dim0(fun: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`fun` of one example as a function of a chunk of one (as in `lax.map`)."""
+def _strip_dim0(name: str, fun: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`fun` of one example as a function of a chunk of one (as in `lax.map`), its
+    output checked first (messages name `fun`, as does the chunk function)."""
 
+    @_cache.wraps(fun)
     def chunk_fun(chunk: Any) -> Any:
         out = fun(jax.tree.map(lambda a: a[0], chunk))
+        check_outputs(name, fun, out)
         return jax.tree.map(lambda y: jnp.expand_dims(y, 0), out)
 
     return chunk_fun
@@ -191,7 +195,13 @@ def _empty(fun, leaves, treedef, options) -> Any:
     """`strip_dim0` with zero examples: the output types of one example, stacked 0
     times (`fun` of single examples cannot be called on an empty chunk)."""
     example = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in leaves]
-    out = jax.eval_shape(lambda *ls: fun(jax.tree.unflatten(treedef, ls)), *example)
+
+    def one(*example_leaves: Any) -> Any:
+        out = fun(jax.tree.unflatten(treedef, example_leaves))
+        check_outputs(options.name, fun, out)
+        return out
+
+    out = jax.eval_shape(one, *example)
     out = jax.tree.map(lambda a: _loop.zeros((0, *a.shape), a), out)
     chunk_reduction = options.chunk_reduction
     return out if chunk_reduction is identity else chunk_reduction(out)
@@ -204,6 +214,7 @@ def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
 
     def fun_flat(*chunk_leaves):
         out = fun(jax.tree.unflatten(treedef, chunk_leaves))
+        check_outputs(name, fun, out)
         out_leaves, out_tree = jax.tree.flatten(out)
         length = jnp.shape(chunk_leaves[0])[0]
         for p, y in zip(jax.tree_util.tree_flatten_with_path(out)[0], out_leaves):

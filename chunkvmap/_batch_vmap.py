@@ -9,7 +9,9 @@ gradient, Jacobian, vectorize and adapter front ends reuse it with their own opt
 
 from __future__ import annotations
 
+import contextlib
 import functools as ft
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -293,10 +295,12 @@ class Mapper:
         out_axes: Any,
         options: ChunkOptions | None = None,
         arg_names: Any = None,
+        out_names: Callable[[Any], list[str]] | None = None,
     ) -> Any:
         """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by this
         transform's options (or `options`, a variant of them, e.g. with a reduction
-        of the transform's own); `arg_names` names the arguments in messages."""
+        of the transform's own); `arg_names` names the arguments in messages, and
+        `out_names(out)` the leaves of `f`'s output `out` (default `out_paths`)."""
         return vmap_call(
             f,
             args,
@@ -309,6 +313,7 @@ class Mapper:
             self.auto,
             arg_names,
             self.spmd_axis_name,
+            out_names,
         )
 
     def transform(
@@ -333,29 +338,37 @@ def vmap_call(
     auto: _memory.AutoBatch | None,
     arg_names: Any = None,
     spmd_axis_name: Any = None,
+    out_names: Callable[[Any], list[str]] | None = None,
 ) -> Any:
     """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by `options`.
 
     `in_axes` and `out_axes` are checked specs (`out_axes` may also be a function of
     the output's abstract pytree returning the spec, for adapters whose output axes
     depend on the output); keyword arguments are mapped over their leading axis.
-    `arg_names` names the positional arguments in messages (default `args[i]`);
+    `arg_names` names the positional arguments in messages (default `args[i]`),
+    `out_names(out)` the leaves of an output `out` of `f` (default `out_paths`:
+    adapters whose `f` wraps the user's function name the user's outputs);
     `spmd_axis_name` is `jax.vmap`'s (each chunk's mapped axis is sharded over it).
     """
     name = options.name
+    out_names = out_names or out_paths
     leaves, paths, axes, treedef = _flatten_inputs(
         name, in_axes, args, kwargs, arg_names
     )
     size = _axes.mapped_size(paths, leaves, axes, axis_size, transform=name)
     if options.plain and not callable(out_axes):
-        out = jax.vmap(
-            f,
-            in_axes,
-            out_axes,
-            axis_name=axis_name,
-            axis_size=axis_size,
-            spmd_axis_name=spmd_axis_name,
-        )(*args, **kwargs)
+        # One jax.vmap, with the chunked path's checks of f's output (made while
+        # jax.vmap traces f, so they cost no extra trace).
+        checked, unmapped_outputs = _checked(f, name, out_axes, out_names)
+        with _mapped_output_errors(name, f, unmapped_outputs):
+            out = jax.vmap(
+                checked,
+                in_axes,
+                out_axes,
+                axis_name=axis_name,
+                axis_size=axis_size,
+                spmd_axis_name=spmd_axis_name,
+            )(*args, **kwargs)
         return (
             out if options.chunk_reduction is identity else options.chunk_reduction(out)
         )
@@ -381,7 +394,15 @@ def vmap_call(
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
     key += (_static_key(leaves, dyn),)
     inputs = _chunked.Inputs(leaves, paths, dyn, size, key)
-    return _chunked.evaluate(body, inputs, options, auto, axis_name)
+
+    def unmapped_outputs() -> dict[str, str]:
+        # The chunk's jax.vmap maps f's flat outputs: it says `out_axes[k]`.
+        names = out_names(body.out_tree.unflatten(body.out_avals))
+        axes = body.out_axes
+        return {f"[{k}]": p for k, (p, a) in enumerate(zip(names, axes)) if a is None}
+
+    with _mapped_output_errors(name, f, unmapped_outputs):
+        return _chunked.evaluate(body, inputs, options, auto, axis_name)
 
 
 def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
@@ -506,18 +527,113 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
 def check_outputs(name: str, f: Any, out: Any) -> None:
     """A TypeError naming the user's function `f` and the output's path when `out`
     has a leaf that is not a JAX type (as `jax.vmap` raises, in its terms)."""
+    if all(isinstance(leaf, JAX_TYPES) for leaf in jax.tree.leaves(out)):
+        return
     for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-        if not isinstance(leaf, _JAX_TYPES):
-            function = getattr(f, "__qualname__", None) or getattr(f, "__name__", f)
+        if not isinstance(leaf, JAX_TYPES):
             raise TypeError(
-                f"{name}: the function {function} returned a value of type "
+                f"{name}: the function {function_name(f)} returned a value of type "
                 f"{type(leaf).__name__} at out{jax.tree_util.keystr(path)}, which "
                 f"is not a valid JAX type: return arrays, numbers, or pytrees of "
                 f"them."
             )
 
 
-_JAX_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+JAX_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def function_name(f: Any) -> str:
+    """The user's function as messages name it: its qualified name, a partial's
+    function, or the type of a callable object (an Equinox Module, say)."""
+    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
+    if isinstance(name, str):
+        return name
+    if isinstance(f, ft.partial):
+        return f"partial({function_name(f.func)})"
+    return type(f).__qualname__
+
+
+def out_paths(out: Any, root: str = "out") -> list[str]:
+    """`out[...]`, the path of each leaf of an output, as messages show it."""
+    return [
+        root + jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(out)[0]
+    ]
+
+
+def _checked(
+    f: Callable[..., Any],
+    name: str,
+    out_axes: Any,
+    out_names: Callable[[Any], list[str]],
+) -> tuple[Callable[..., Any], Callable[[], dict[str, str]]]:
+    """`f` with its output checked as the chunked path checks it (JAX types only,
+    `out_axes` a prefix of the output with axes in range), for one plain `jax.vmap`,
+    and a function giving, once it has run, `jax.vmap`'s path of each output whose
+    axis is None and its name by `out_names`."""
+    traced: list[Any] = []  # the abstract output and its axes
+
+    @ft.wraps(f, updated=())
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = f(*args, **kwargs)
+        check_outputs(name, f, out)
+        if not (isinstance(out_axes, int) and out_axes == 0):  # 0 fits any output
+            leaves, out_tree = jax.tree.flatten(out)
+            avals = [jax.typeof(y) for y in leaves]
+            axes = _flat_out_axes(name, out_axes, out_tree, avals)
+            traced[:] = [out_tree.unflatten(avals), axes]
+        return out
+
+    def unmapped_outputs() -> dict[str, str]:
+        if not traced:
+            return {}
+        out, axes = traced
+        paths = jax.tree_util.tree_flatten_with_path(out)[0]
+        return {
+            jax.tree_util.keystr(p): shown
+            for (p, _), shown, a in zip(paths, out_names(out), axes)
+            if a is None
+        }
+
+    return checked, unmapped_outputs
+
+
+# jax.vmap's messages for an output given out_axes None that depends on the examples.
+_BATCHED_AT = re.compile(
+    r"at vmap out_axes(.*), got axis spec None but output was batched on axis -?\d+"
+)
+_BATCHED_NAMED = re.compile(
+    r"vmap has mapped output \(axis_name=.*\) but out_axes is None"
+)
+
+
+@contextlib.contextmanager
+def _mapped_output_errors(
+    name: str, f: Any, unmapped_outputs: Callable[[], dict[str, str]]
+):
+    """jax.vmap's error for an output that `out_axes` leaves unmapped but that
+    varies across examples, in the user's terms (`unmapped_outputs()` maps jax.vmap's
+    path of each unmapped output to the user's name of it)."""
+    try:
+        yield
+    except ValueError as e:
+        at = _BATCHED_AT.fullmatch(str(e))
+        if at is None and not _BATCHED_NAMED.fullmatch(str(e)):
+            raise
+        unmapped = unmapped_outputs()
+        if at is not None and at.group(1) in unmapped:
+            where = [unmapped[at.group(1)]]
+        elif at is None and unmapped:  # with an axis_name: no path
+            where = list(unmapped.values())
+        else:  # not one of f's outputs (a jax.vmap inside f, say)
+            raise
+        raise ValueError(
+            f"{name} out_axes gives {' or '.join(where)} the axis None (the same "
+            f"value for every example), but the function {function_name(f)} "
+            f"returns a value there that depends on the mapped arguments. Give it "
+            f"an int axis in out_axes (e.g. 0), or return a value that does not "
+            f"vary across examples."
+        ) from None
 
 
 def _chunk_aval(x: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
@@ -535,10 +651,7 @@ def _flat_out_axes(name: str, out_axes: Any, out_tree: Any, out_avals: list) -> 
     out = out_tree.unflatten(out_avals)
     if callable(out_axes):
         out_axes = out_axes(out)
-    paths = [
-        "out" + jax.tree_util.keystr(p)
-        for p, _ in jax.tree_util.tree_flatten_with_path(out)[0]
-    ]
+    paths = out_paths(out)
     spec = _axes.broadcast_axes(
         "out_axes", out_axes, out, "function's output", transform=name
     )
@@ -556,12 +669,7 @@ def _flatten_inputs(
     Paths read `args[i]...` and `kwargs['k']...`, or `arg_names[i]...` for positional
     argument `i` when given (adapters that regroup the user's arguments name them as
     the user passed them)."""
-    if isinstance(in_axes, tuple) and len(in_axes) != len(args):
-        raise ValueError(
-            f"{name} in_axes must have one entry per positional argument, but "
-            f"in_axes={in_axes!r} has {len(in_axes)} entries and the function was "
-            f"called with {len(args)} positional argument(s)."
-        )
+    _axes.check_arity(name, in_axes, args)
     arg_axes = _axes.broadcast_axes(
         "in_axes", in_axes, args, "positional arguments", transform=name
     )

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._batch_vmap import Mapper
+from ._batch_vmap import Mapper, function_name
 from ._options import ChunkOptions, check_bool, check_callable
 
 
@@ -70,20 +70,24 @@ def _differentiable(x: Any) -> bool:
     return False
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
+    """A value as messages describe it: arrays by shape and dtype, sequences by
+    length, anything else by type."""
     if isinstance(value, (jax.Array, np.ndarray, np.generic)):
         return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} element(s)"
     return f"a value of type {type(value).__name__}"
 
 
 def check_loss(name: str, fun: Any, out: Any, has_aux: bool) -> None:
     """`out` must be a real scalar (or `(scalar, aux)` with `has_aux`), as `jax.grad`
     requires; the error names the entry point and the user's function."""
-    fun_name = getattr(fun, "__qualname__", None) or repr(fun)
+    fun_name = function_name(fun)
     if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise TypeError(
             f"{name} has_aux=True expects {fun_name} to return a pair (loss, aux), "
-            f"but it returned {_describe(out)}."
+            f"but it returned {describe(out)}."
         )
     loss = out[0] if has_aux else out
     ok = isinstance(loss, (jax.Array, np.ndarray, np.generic, float))
@@ -93,7 +97,7 @@ def check_loss(name: str, fun: Any, out: Any, has_aux: bool) -> None:
         raise TypeError(
             f"{name} differentiates {fun_name}, which must return a real scalar loss "
             f"(a float array of shape ()){' as the first of (loss, aux)' * has_aux}, "
-            f"but it returned {_describe(loss)}. Per-example gradients need one "
+            f"but it returned {describe(loss)}. Per-example gradients need one "
             f"scalar per example: reduce the loss to a scalar inside the function."
         )
 

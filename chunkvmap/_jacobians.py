@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._batch_vmap import Mapper
-from ._grads import check_argnums, resolve_argnums
+from ._batch_vmap import JAX_TYPES, Mapper, check_outputs, function_name
+from ._grads import check_argnums, describe, resolve_argnums
 from ._options import ChunkOptions, check_bool, check_callable
 
 
@@ -30,11 +30,15 @@ class _JacSetup:
         argnums: Any,
         has_aux: Any,
         holomorphic: Any,
+        unwrap_numpy_int: bool,
         **options: Any,
     ):
         check_callable(name, "fun", fun)
         self.name = name
         self.argnums, self.single = check_argnums(name, "argnums", argnums)
+        # Whether a NumPy integer `argnums` gives a bare Jacobian (jax.jacfwd) or a
+        # 1-tuple (jax.jacrev unwraps a Python int only).
+        self.single = self.single and (unwrap_numpy_int or isinstance(argnums, int))
         check_bool(name, "has_aux", has_aux)
         check_bool(name, "holomorphic", holomorphic)
         self.mapper = Mapper(ChunkOptions.make(name, **options))
@@ -50,6 +54,7 @@ class _JacSetup:
 def _dyn_args(name: str, argnums_t: tuple[int, ...], single: bool, args: tuple):
     """The differentiated arguments (one, or a tuple) and a function of them."""
     argnums = resolve_argnums(name, "argnums", argnums_t, len(args))
+    _check_differentiated(name, [(f"args[{i}]", args[i]) for i in argnums])
     dyn = args[argnums[0]] if single else tuple(args[i] for i in argnums)
 
     def with_dyn(fun: Callable[..., Any], kwargs: dict[str, Any]):
@@ -63,6 +68,51 @@ def _dyn_args(name: str, argnums_t: tuple[int, ...], single: bool, args: tuple):
         return f
 
     return dyn, with_dyn
+
+
+def _check_differentiated(name: str, named_args: list[tuple[str, Any]]) -> None:
+    """The differentiated arguments are arrays or pytrees of them, with at least one
+    leaf (as `jax.jacfwd` / `jax.jacrev` require), else an error naming them."""
+    count = 0
+    for root, value in named_args:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            count += 1
+            if not isinstance(leaf, JAX_TYPES):
+                raise TypeError(
+                    f"{name} differentiates {root}, which must be an array or a "
+                    f"pytree of arrays, but {root}{jax.tree_util.keystr(path)} is a "
+                    f"value of type {type(leaf).__name__}. Pass it in an argument "
+                    f"not in argnums."
+                )
+    if not count:
+        listed = ", ".join(f"{root}={value!r}" for root, value in named_args)
+        raise ValueError(
+            f"{name} has nothing to differentiate: the arguments in argnums hold no "
+            f"array ({listed})."
+        )
+
+
+def _checked(name: str, fun: Callable[..., Any], has_aux: bool, aux_is_mapped: bool):
+    """`fun` with its output checked: `(output, aux)` with `has_aux` (a list pair is
+    read as a tuple, as JAX does), and JAX types only in the output (and in `aux`
+    when `aux_is_mapped`: `jax.jacfwd` maps it through `jax.vmap`, `jax.jacrev`
+    passes it through)."""
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = fun(*args, **kwargs)
+        if not has_aux:
+            check_outputs(name, fun, out)
+            return out
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(
+                f"{name} has_aux=True expects {function_name(fun)} to return a pair "
+                f"(output, aux), but it returned {describe(out)}."
+            )
+        out = tuple(out)
+        check_outputs(name, fun, out if aux_is_mapped else (out[0],))
+        return out
+
+    return checked
 
 
 def _basis(leaves: Sequence[Any], index: jax.Array, dtypes: Sequence[Any]) -> list:
@@ -163,6 +213,7 @@ def batch_jacfwd(
         argnums,
         has_aux,
         holomorphic,
+        unwrap_numpy_int=True,
         batch_size=batch_size,
         chunk_size=chunk_size,
         shard=shard,
@@ -171,12 +222,13 @@ def batch_jacfwd(
         memory_limit=memory_limit,
         progress=progress,
     )
+    checked = _checked(name, fun, has_aux, aux_is_mapped=True)
 
     def jacobian(args: tuple, kwargs: dict) -> Any:
         dyn, with_dyn = _dyn_args(name, setup.argnums, setup.single, args)
         in_leaves, in_tree = jax.tree.flatten(dyn)
         _check_dtypes(name, "input", in_leaves, holomorphic)
-        lin = jax.linearize(with_dyn(fun, kwargs), dyn, has_aux=has_aux)
+        lin = jax.linearize(with_dyn(checked, kwargs), dyn, has_aux=has_aux)
         out, push = lin[0], lin[1]
         dtypes = [jnp.result_type(x) for x in in_leaves]
 
@@ -261,6 +313,7 @@ def batch_jacrev(
         argnums,
         has_aux,
         holomorphic,
+        unwrap_numpy_int=False,
         batch_size=batch_size,
         chunk_size=chunk_size,
         shard=shard,
@@ -270,6 +323,7 @@ def batch_jacrev(
         progress=progress,
     )
     check_bool(name, "allow_int", allow_int)
+    checked = _checked(name, fun, has_aux, aux_is_mapped=False)
 
     def jacobian(args: tuple, kwargs: dict) -> Any:
         dyn, with_dyn = _dyn_args(name, setup.argnums, setup.single, args)
@@ -287,11 +341,17 @@ def batch_jacrev(
         def f(diff_leaves: list[Any]) -> Any:
             it = iter(diff_leaves)
             full = [x if i else next(it) for x, i in zip(in_leaves, ints)]
-            return with_dyn(fun, kwargs)(in_tree.unflatten(full))
+            return with_dyn(checked, kwargs)(in_tree.unflatten(full))
 
         res = jax.vjp(f, diff, has_aux=has_aux)
         out, pull = res[0], res[1]
         out_leaves, out_tree = jax.tree.flatten(out)
+        if not out_leaves:
+            raise ValueError(
+                f"{name}: the function {function_name(fun)} returned "
+                f"{out!r}{' as its output (of output, aux)' * has_aux}, which holds "
+                f"no array: there is no output to differentiate."
+            )
         _check_dtypes(name, "output", out_leaves, holomorphic)
         dtypes = [jnp.result_type(y) for y in out_leaves]
 

@@ -13,17 +13,27 @@ from typing import Any
 
 import jax
 
-from . import _axes
-from ._batch_vmap import Mapper
+from . import _axes, _cache
+from ._batch_vmap import Mapper, out_paths
 from ._options import ChunkOptions, identity
 
 
 class StatefulMap:
     """An adapter's validated chunking (made when the adapter is built, so errors
-    name it then), mapping functions that return `(outputs, state)`."""
+    name it then), mapping functions that return `(outputs, state)`; messages name
+    the outputs `out...` and the state `state_root...` (how the user knows it)."""
 
-    def __init__(self, name: str, *, axis_name: Any, axis_size: Any, **options: Any):
+    def __init__(
+        self,
+        name: str,
+        *,
+        axis_name: Any,
+        axis_size: Any,
+        state_root: str = "state",
+        **options: Any,
+    ):
         self.mapper = Mapper(ChunkOptions.make(name, **options), axis_name, axis_size)
+        self.state_root = state_root
 
     @property
     def axis_size(self) -> int | None:
@@ -51,27 +61,35 @@ class StatefulMap:
         )
         stacked = options.replace(reduction=None, chunk_reduction=identity)
 
-        def run(f, out_spec, opts):
-            return mapper(f, args, {}, in_axes, out_spec, opts)
+        def state_paths(state: Any) -> list[str]:
+            return out_paths(state, self.state_root)
+
+        def both_paths(out: Any) -> list[str]:
+            return out_paths(out[0]) + state_paths(out[1])
+
+        def run(f, out_spec, opts, names):
+            return mapper(f, args, {}, in_axes, out_spec, opts, out_names=names)
 
         if options.reduction is None:
-            y, state = run(fn, (out_axes, state_axes), stacked)
+            y, state = run(fn, (out_axes, state_axes), stacked, both_paths)
             chunk_reduction = options.chunk_reduction
             return (y if chunk_reduction is identity else chunk_reduction(y)), state
 
         state_tree: list[Any] = []
 
+        @_cache.wraps(fn)  # messages name the user's function, as `fn` does
         def outputs_only(*a):
             y, state = fn(*a)
             state_tree[:] = [jax.tree.structure(state)]
             return y
 
-        y = run(outputs_only, out_axes, options)
+        y = run(outputs_only, out_axes, options, out_paths)
         (treedef,) = state_tree
         if treedef.num_leaves == 0:
             return y, treedef.unflatten([])
         # The second pass is reported by nobody: progress counts the evaluation's
         # chunks.
         quiet = stacked.replace(progress=False, reporter=None)
-        state = run(lambda *a: fn(*a)[1], state_axes, quiet)
+        state_only = _cache.wraps(fn)(lambda *a: fn(*a)[1])
+        state = run(state_only, state_axes, quiet, state_paths)
         return y, state

@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._batch_vmap import Mapper
+from . import _cache
+from ._batch_vmap import Mapper, check_outputs
 from ._options import ChunkOptions, check_callable
 
 
@@ -366,12 +367,15 @@ def _checked(
     sig: _Signature | None,
     sizes: dict[str, int],
 ) -> Callable[..., Any]:
-    """One example: `pyfunc` on the vectorised `values`, outputs checked against
-    the signature."""
+    """One example: `pyfunc` on the vectorised `values`, outputs checked (JAX types,
+    as every entry point checks them, and against the signature). Named like
+    `pyfunc`, as is every function wrapping it, so that messages name it."""
 
+    @_cache.wraps(pyfunc)
     def example(*values: Any) -> Any:
         f_args, f_kwargs = call.rebuild(values)
         out = pyfunc(*f_args, **f_kwargs)
+        check_outputs(_NAME, pyfunc, out)
         if sig is not None:
             _check_outputs(out, sig, sizes, call)
         return out
@@ -492,6 +496,7 @@ def _chunked(
         in_axes.append(0)
     loop_strides = _strides(loop_shape)
 
+    @_cache.wraps(example)
     def one(*values: Any) -> Any:
         if partial:
             k, values = values[-1], values[:-1]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from . import _axes, _cache, _memory
 from ._axes import is_none
-from ._batch_vmap import Mapper
+from ._batch_vmap import Mapper, function_name, out_paths
 from ._options import ChunkOptions, identity
 
 
@@ -245,6 +245,7 @@ def filter_batch_vmap(
         _check_spec("in_axes", tuple(in_axes.values()))
     _check_spec("out_axes", out_axes)
     chunking = _Chunking(
+        function_name(fun),
         axis_name,
         axis_size,
         batch_size=batch_size,
@@ -267,9 +268,11 @@ def filter_batch_vmap(
 class _Chunking:
     """The validated chunking of one `filter_batch_vmap` (errors name it when it is
     built) and, through `_cache.memo`, its eager caches. Hashed by identity: it is a
-    static field of the wrapper Module."""
+    static field of the wrapper Module. `fun_name` names the user's function in
+    messages."""
 
-    def __init__(self, axis_name: Any, axis_size: Any, **options: Any):
+    def __init__(self, fun_name: str, axis_name: Any, axis_size: Any, **options: Any):
+        self.fun_name = fun_name
         self.mapper = Mapper(ChunkOptions.make(_NAME, **options), axis_name, axis_size)
         self.options = self.mapper.options
         self.axis_size = self.mapper.axis_size
@@ -293,12 +296,27 @@ class _Chunking:
         # The cached call must not refer to `self`, the cache's weak key.
         mapper = self.mapper
 
+        def inner(fun_parts: Any, dyn: Any, static: Any) -> Any:
+            return _inner(fun_parts, dyn, static, out_axes)
+
+        # Messages (the core's and JAX's) name the user's function.
+        inner.__name__ = inner.__qualname__ = self.fun_name
+
         def call(args: tuple, kwargs: dict) -> Any:
-            inner = ft.partial(_inner, out_axes=out_axes)
             in_axes = (None, dyn_axes, None)
-            # Messages name the user's arguments: `args` is (fun, dynamic, static).
+            # Messages name the user's arguments: `args` is (fun, dynamic, static),
+            # and outputs: `_inner` returns (mapped, unmapped arrays, static).
             names = ("fun", "args", "args")
-            return mapper(inner, args, kwargs, in_axes, _core_out_axes, core, names)
+            return mapper(
+                inner,
+                args,
+                kwargs,
+                in_axes,
+                _core_out_axes,
+                core,
+                names,
+                out_names=_user_out_names,
+            )
 
         def build():
             return call if options.shard else _cache.EagerCache(call)
@@ -319,6 +337,13 @@ def _core_out_axes(triple: Any) -> Any:
     _, axes = static.value
     flat = [a for a in jax.tree.leaves(axes, is_leaf=is_none) if a is not None]
     return (jax.tree.structure(mapped).unflatten(flat), None, None)
+
+
+def _user_out_names(triple: Any) -> list[str]:
+    """The user's name of each leaf of `_inner`'s output: its mapped and unmapped
+    arrays are the user's output, partitioned (same structure, same paths)."""
+    mapped, unmapped_arrays, _ = triple
+    return out_paths(mapped) + out_paths(unmapped_arrays)
 
 
 def _user_output(triple: Any) -> Any:

@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from . import _axes, _memory
+from ._batch_vmap import check_outputs
 from ._flax import lift_transform, pack
 from ._options import identity
 from ._stateful import StatefulMap
@@ -159,20 +160,15 @@ def _mapped_length(
     return _axes.mapped_size(paths, leaves, axes, size, transform=_NAME)
 
 
-def _check_in_axes_matches(in_axes: Any, args: tuple) -> None:
-    """The user's `in_axes` against the method's positional arguments.
-
-    Not left to the core: the core's own count check sees the tuple that `_lifted`
-    passes it (collections, RNG keys, arguments, keyword arguments), never the
-    user's `in_axes`, which also excludes the Module; without this check a mismatch
-    would surface as a pytree-prefix error from `_mapped_length`.
-    """
-    if isinstance(in_axes, tuple) and len(in_axes) != len(args):
-        raise ValueError(
-            f"{_NAME} in_axes must have one entry per positional argument (after the "
-            f"module), but in_axes={in_axes!r} has {len(in_axes)} entries and the "
-            f"method was called with {len(args)} positional argument(s)."
-        )
+def _method_name(target: Any, methods: Any) -> str:
+    """The user's method, as messages name it (`Dense.__call__`)."""
+    if isinstance(target, ft.partial):
+        target = target.func
+    owner = getattr(target, "__qualname__", None) or repr(target)
+    if not isinstance(target, type):  # a method, decorated in its class body
+        return owner
+    names = ["__call__"] if methods is None else list(methods)
+    return owner + "." + (names[0] if len(names) == 1 else "{" + ",".join(names) + "}")
 
 
 # --------------------------------------------------------------------------------------
@@ -189,8 +185,10 @@ def _lifted(
     axis_size: int | None,
     metadata_params: Mapping[Any, Any],
     options: StatefulMap,
+    method: str,
 ) -> Callable[..., Any]:
-    """A scope function `fn(scope, *args, **kwargs)` vectorised in chunks."""
+    """A scope function `fn(scope, *args, **kwargs)` vectorised in chunks (`method`
+    names the user's method in messages)."""
     var_in, var_out = _check_variable_axes(variable_axes)
     in_filters, in_group_axes = tuple(var_in), tuple(var_in.values())
     out_filters, out_group_axes = tuple(var_out), tuple(var_out.values())
@@ -205,7 +203,11 @@ def _lifted(
             g if a is None else meta.remove_axis(g, a, params)
             for g, a in zip(variable_groups, in_group_axes)
         )
-        _check_in_axes_matches(in_axes, args)
+        # The user's in_axes against the method's arguments, before the core sees
+        # them regrouped (collections, RNG keys, arguments, keyword arguments).
+        _axes.check_arity(
+            _NAME, in_axes, args, "the method was called (after the module)"
+        )
         size = _mapped_length(
             variable_groups, in_group_axes, args, in_axes, kw, axis_size
         )
@@ -218,7 +220,11 @@ def _lifted(
             restore()  # every trace starts from the same RNG counters
             scope = scope_fn(variable_groups, rng_groups)
             y = fn(scope, *args, **kw)
+            check_outputs(_NAME, per_example, y)
             return y, repack_fn(scope)
+
+        # Messages (the core's and JAX's) name the user's method.
+        per_example.__name__ = per_example.__qualname__ = method
 
         y, vars_out = options(
             per_example,
@@ -414,6 +420,7 @@ def batch_vmap(
         )
     options = StatefulMap(
         _NAME,
+        state_root="variables",
         chunk_size=chunk_size,
         reduction=reduction,
         chunk_reduction=chunk_reduction,
@@ -442,6 +449,7 @@ def batch_vmap(
         axis_size=options.axis_size,
         metadata_params=metadata_params,
         options=options,
+        method=_method_name(target, methods),
     )
     _memory.register(transformed, options.mapper.auto)  # for last_batch_size
     return transformed

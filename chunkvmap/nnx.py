@@ -35,7 +35,8 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
     ) from e
 import jax
 
-from . import _axes, _memory
+from . import _axes, _cache, _memory
+from ._batch_vmap import check_outputs
 from ._flax import clear_non_graph_nodes, is_graph_node
 from ._options import identity
 from ._stateful import StatefulMap
@@ -173,6 +174,16 @@ def _resolve_kwargs(f: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
             f"functools.partial."
         )
     return bound.args
+
+
+def _check_prefix(arg: str, spec: Any, tree: Any, what: str) -> None:
+    """`spec` (`in_axes` / `out_axes`) a prefix of `tree`, checked before NNX matches
+    them (its error names neither this transform nor the argument)."""
+    if _is_spec_leaf(spec):
+        return
+    if arg == "in_axes":
+        _axes.check_arity(_NAME, spec, tree)
+    _axes.split_by_prefix(arg, spec, tree, what, transform=_NAME)
 
 
 def _check_no_graph_nodes(out: Any) -> None:
@@ -369,6 +380,7 @@ def batch_vmap(
     out_axes = _check_spec("out_axes", out_axes)
     options = StatefulMap(
         _NAME,
+        state_root="args",
         chunk_size=chunk_size,
         reduction=reduction,
         chunk_reduction=chunk_reduction,
@@ -390,9 +402,11 @@ def _transform(f: Callable[..., Any], in_axes: Any, out_axes: Any, options: Any)
     reduction = options.mapper.options.reduction
     jax_in_axes, jax_out_axes = _jax_axes(in_axes), _jax_axes(out_axes)
 
+    @_cache.wraps(f)  # messages (the core's and JAX's) name the user's function
     def per_example(*pure_args: Any) -> tuple[Any, Any]:
         args = nnx.from_tree(pure_args, ctxtag=_TAG, is_inner=True)
         out = f(*args)
+        _check_prefix("out_axes", out_axes, out, "function's output")
         args_out = clear_non_graph_nodes(args)
         pure_args_out, pure_out = nnx.to_tree(
             (args_out, out),
@@ -400,6 +414,7 @@ def _transform(f: Callable[..., Any], in_axes: Any, out_axes: Any, options: Any)
             split_fn=_split,
             ctxtag=_TAG,
         )
+        check_outputs(_NAME, f, pure_out)
         if reduction is not None:
             _check_no_graph_nodes(pure_out)
         return pure_out, _drop_unchanged(pure_args_out, pure_args)
@@ -408,6 +423,7 @@ def _transform(f: Callable[..., Any], in_axes: Any, out_axes: Any, options: Any)
     @nnx.update_context(_TAG)
     def batched(*args: Any, **kwargs: Any) -> Any:
         args = _resolve_kwargs(f, args, kwargs)
+        _check_prefix("in_axes", in_axes, args, "positional arguments")
         pure_args = nnx.to_tree(args, prefix=in_axes, split_fn=_split, ctxtag=_TAG)
         pure_out, pure_args_out = options(
             per_example, pure_args, jax_in_axes, jax_out_axes, jax_in_axes

@@ -20,8 +20,9 @@ hypothesis draws its details: chunk size, number of examples, axes, dtypes. Inpu
 built with NumPy and kept tiny. `COUNTS` tallies the cases per entry point and outcome;
 the last test checks that every entry point both matched and raised.
 
-Cases that expose known library bugs are kept out of the generators; each exclusion is
-marked `# Known bug:` with what it would hit.
+Documented deviations from an oracle are kept out of the generators; each exclusion is
+marked `# Known deviation` with its reason. `REGRESSIONS` runs each formerly known bug
+(issue 15) at three chunk sizes, whatever the generators happen to draw.
 """
 
 from __future__ import annotations
@@ -498,10 +499,12 @@ BV_OPTIONS = [
     ("axis_name", ["i"], TypeError),  # unhashable
     ("f", 3, TypeError),
     ("f", None, TypeError),
+    # As jax.vmap: NumPy integers are not axes; None for a mapped output is an error.
+    ("in_axes", np.int64(0), TypeError),
+    ("in_axes", (np.int32(0),), TypeError),
+    ("out_axes", np.int64(0), TypeError),
+    ("out_axes", None, ValueError),
 ]
-# Known bug: in_axes=np.int64(0) is accepted where jax.vmap raises TypeError.
-# Known bug: out_axes=None for a mapped output raises JAX's "at vmap out_axes[0], got
-# axis spec None but output was batched on axis 0" (no batch_vmap) at every size.
 
 
 def build_bv_option(opts: dict, n: int, option=None, value=None) -> Case:
@@ -515,8 +518,6 @@ def build_bv_option(opts: dict, n: int, option=None, value=None) -> Case:
         return bv_case(touch_all, (x,), axis_size=value, **opts)
     if option in ("in_axes", "out_axes"):
         axes = {"in_axes": 0, "out_axes": 0, option: value}
-        # Known bug: with batch_size=None, malformed out_axes reach jax.vmap, whose
-        # message does not name batch_vmap (and may cite jax._src): chunked only.
         return bv_case(jnp.sin, (x,), **axes, **opts)
     return bv_case(jnp.sin, (x,), **opts)
 
@@ -527,7 +528,10 @@ def test_batch_vmap_options(data):
     draw = data.draw
     table = COMMON_OPTIONS + REDUCTION_OPTIONS + BV_OPTIONS
     option, value, error = draw(st.sampled_from(table))
-    if option in ("in_axes", "out_axes", "axis_size", "axis_name", "f"):
+    if option in ("in_axes", "out_axes"):  # every size: None is one jax.vmap
+        opts, n = {"batch_size": draw(st.sampled_from(BATCH_SIZES))}, count(draw, 4, 6)
+        case = build_bv_option(opts, n, option, value)
+    elif option in ("axis_size", "axis_name", "f"):
         opts, n = {"batch_size": draw(st.sampled_from(CHUNKED))}, count(draw, 4, 6)
         case = build_bv_option(opts, n, option, value)
     else:
@@ -587,14 +591,10 @@ def bv_outputs(draw) -> Case:
             ]
         )
     )
-    # Known bug: with batch_size=None a non-JAX output (str, object) reaches jax.vmap,
-    # whose "Output from batched function ... is not a valid JAX type" does not name
-    # batch_vmap: chunked sizes only for those.
-    sizes = CHUNKED if kind in ("str", "obj", "dict_str") else BATCH_SIZES
     x = mapped_value(
         draw(st.sampled_from(["float", "nan", "zero", "keys", "int"])), count(draw)
     )
-    return bv_case(returns(kind), (x,), batch_size=draw(st.sampled_from(sizes)))
+    return bv_case(returns(kind), (x,), batch_size=draw(st.sampled_from(BATCH_SIZES)))
 
 
 def bv_out_axes(draw) -> Case:
@@ -602,12 +602,13 @@ def bv_out_axes(draw) -> Case:
     two = draw(st.booleans())
     f = (lambda v: (v * 2, v.sum())) if two else (lambda v: v * 2)
     spec = draw(
-        st.sampled_from([0, 1, -1, -2, 2, -3, (0,), (0, 0), (1, 0), [0, 0], (0, (0,))])
+        st.sampled_from(
+            [0, 1, -1, -2, 2, -3, (0,), (0, 0), (1, 0), [0, 0], (0, (0,)), None]
+            + [(0, None), (None, 0), {"a": 0}]
+        )
     )
-    # Known bug: malformed out_axes with batch_size=None surface jax.vmap's messages
-    # (no batch_vmap, may cite jax._src): chunked sizes only.
     return bv_case(
-        f, (floats(n, 3),), out_axes=spec, batch_size=draw(st.sampled_from(CHUNKED))
+        f, (floats(n, 3),), out_axes=spec, batch_size=draw(st.sampled_from(BATCH_SIZES))
     )
 
 
@@ -774,6 +775,8 @@ def bm_outputs(draw) -> Case:
                 "ragged",
                 "nested_none",
                 "str",
+                "obj",
+                "function",
                 "py_const",
                 "int_const",
                 "dict_str",
@@ -782,8 +785,6 @@ def bm_outputs(draw) -> Case:
             ]
         )
     )
-    # Known bug: fun returning a Python object trips a DeprecationWarning ("ndim
-    # requires ndarray or scalar arguments") in batch_map's output check: left out.
     n = count(draw, 2, 5)
     fun = {
         "summed": lambda c: c.sum(),
@@ -801,9 +802,11 @@ def bm_outputs(draw) -> Case:
 
 def bm_strip(draw) -> Case:
     kind = draw(st.sampled_from(["float", "nan", "zero", "keys", "int", "bool"]))
-    out = draw(st.sampled_from(["array", "none", "ragged", "nested_none"]))
-    # Known bug: strip_dim0=True with a fun returning a str / object raises JAX's
-    # "asarray: expected ArrayLike" / "expand_dims requires ndarray" (no batch_map).
+    out = draw(
+        st.sampled_from(
+            ["array", "none", "ragged", "nested_none", "str", "obj", "dict_str"]
+        )
+    )
     return bm_case(
         returns(out), mapped_value(kind, count(draw)), strip=True, batch_size=1
     )
@@ -863,7 +866,7 @@ def loss_aux(w, x, **kw):
 
 
 def grad_in_axes(nargs, argnums, batch_argnums):
-    diff = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    diff = (argnums,) if isinstance(argnums, (int, np.integer)) else tuple(argnums)
     diff = tuple(a % nargs for a in diff)
     if batch_argnums is None:
         return tuple(None if i in diff else 0 for i in range(nargs))
@@ -952,9 +955,11 @@ ARGNUMS_OPTIONS = [
     ("batch_argnums", (1,), None),
     ("batch_argnums", (1, 2), None),
     ("batch_argnums", -1, None),
+    # As jax.grad / jax.jacfwd (a bare result) and jax.jacrev (a 1-tuple: it unwraps
+    # Python ints only).
+    ("argnums", np.int64(0), None),
+    ("argnums", (np.int32(0), 2), None),
 ]
-# Known bug: argnums=np.int64(0) is accepted (jax.grad raises); for batch_jacrev it
-# also returns a bare Jacobian where jax.jacrev returns a 1-tuple.
 
 
 def grads_option(draw, name: str, extra: list) -> Case:
@@ -1271,9 +1276,6 @@ def test_jacobian_options(name, data):
     check(jac_option(data.draw, name))
 
 
-# Known bug: a str / object / None input raises "data type 's' not understood" /
-# "Cannot determine dtype" (no batch_jac*) or, for None, returns None where jax.jacfwd
-# raises; left out.
 JAC_INPUTS = [
     "vector",
     "matrix",
@@ -1292,6 +1294,10 @@ JAC_INPUTS = [
     "dict",
     "f64",
     "bf16",
+    "str",
+    "obj",
+    "none",
+    "dict_none",
 ]
 
 
@@ -1314,6 +1320,10 @@ def jac_input(kind: str) -> Any:
         "dict": {"a": floats(2), "b": (floats(3),)},
         "f64": floats(3).astype(np.float64),
         "bf16": jnp.asarray(floats(3), jnp.bfloat16),
+        "str": "text",
+        "obj": OBJ,
+        "none": None,
+        "dict_none": {"a": floats(2), "b": None},
     }[kind]
 
 
@@ -1343,13 +1353,14 @@ def jac_inputs(draw, name) -> Case:
 
 
 def jac_outputs(draw, name) -> Case:
-    # Known bug: a function returning a str / object (and, for batch_jacrev, None)
-    # raises JAX's "is not a valid JAX type" without naming batch_jac* (batch_jacrev
-    # returns None for None where jax.jacrev raises): left out.
     kind = draw(
         st.sampled_from(
             [
                 "array",
+                "str",
+                "obj",
+                "none",
+                "dict_str",
                 "py_const",
                 "ragged",
                 "nested_none",
@@ -1369,10 +1380,20 @@ def jac_outputs(draw, name) -> Case:
 
 
 def jac_aux(draw, name) -> Case:
-    # Known bug: has_aux=True with a function that returns no pair raises JAX's
-    # message citing jax._src; a str aux is returned where jax.jacfwd raises.
-    aux = draw(st.sampled_from([floats(2), 1.5, None, (floats(1), {"a": 2})]))
-    fun = lambda v: (jnp.sin(v), aux)  # noqa: E731
+    aux = draw(
+        st.sampled_from(
+            [floats(2), 1.5, None, (floats(1), {"a": 2}), "text", OBJ, "no_pair"]
+            + ["triple", "bare"]
+        )
+    )
+    if isinstance(aux, str) and aux in ("no_pair", "triple", "bare"):
+        fun = {
+            "no_pair": lambda v: [jnp.sin(v)],
+            "triple": lambda v: (jnp.sin(v), v, v),
+            "bare": jnp.sin,
+        }[aux]
+    else:
+        fun = lambda v: (jnp.sin(v), aux)  # noqa: E731
     return jac_case(
         name,
         fun,
@@ -1554,12 +1575,13 @@ def touch_each(*args: Any) -> tuple:
 
 
 def vec_outputs(draw) -> Case:
-    # Known bug: a str / object output raises jax.vmap's message (no batch_vectorize)
-    # with batch_size=None or >= N, and names the private `_chunked.<locals>.one`
-    # when chunked: left out.
     # (jnp.vectorize returns an array or a tuple of arrays: no nested pytrees.)
     # (jnp.vectorize itself fails on a None output: "expand_dims requires ndarray".)
-    kind = draw(st.sampled_from(["array", "py_const", "int_const", "pair", "keys"]))
+    kind = draw(
+        st.sampled_from(
+            ["array", "py_const", "int_const", "pair", "keys", "str", "obj", "dict_str"]
+        )
+    )
     f = {
         "pair": lambda v: (v * 2, v > 1),
         "keys": lambda v: jax.random.key(v.astype(jnp.int32)),
@@ -1668,13 +1690,12 @@ EQX_OPTIONS = [
     ("out_axes", 1.0, TypeError),
     ("out_axes", (0, 0), ValueError),
     ("out_axes", 2, ValueError),
+    ("out_axes", None, ValueError),  # a mapped output
     ("axis_size", -1, ValueError),
     ("axis_size", "3", TypeError),
     ("axis_size", 9, ValueError),
     ("fun", 3, TypeError),
 ]
-# Known bug: out_axes=None for a mapped output raises JAX's "at vmap out_axes[0], got
-# axis spec None ..." without naming filter_batch_vmap.
 # Deliberate: keyword arguments raise RuntimeError, as eqx.filter_vmap does.
 
 
@@ -1690,11 +1711,12 @@ def test_filter_batch_vmap_options(data):
         case = Case(EQX, lambda: chunkvmap.eqx.filter_batch_vmap(value), None)
         case.expect = REJECT
     elif option in ("in_axes", "out_axes", "axis_size"):
+        sizes = BATCH_SIZES if option != "axis_size" else CHUNKED
         case = eqx_case(
             jnp.sin,
             (floats(n, 3),),
             **{option: value},
-            batch_size=draw(st.sampled_from(CHUNKED)),
+            batch_size=draw(st.sampled_from(sizes)),
         )
     else:
         opts, n = apply_option(option, value, n)
@@ -1875,13 +1897,12 @@ LINEN_OPTIONS = [
     ("in_axes", (0, 0), ValueError),
     ("out_axes", 1.0, TypeError),
     ("out_axes", 2, ValueError),
+    ("out_axes", None, ValueError),  # a mapped output
+    ("out_axes", np.int64(0), TypeError),
     ("axis_size", -1, ValueError),
     ("axis_size", 9, ValueError),
     ("target", 3, TypeError),
 ]
-# Known bug: out_axes=None for a mapped output raises JAX's "at vmap out_axes[0] ..."
-# without naming chunkvmap.linen.batch_vmap; with batch_size=None an out-of-range
-# out_axes raises JAX's "axis 3 is out of bounds for array of dimension 2".
 
 
 @profile(LINEN_OPTION_EXAMPLES)
@@ -1898,12 +1919,13 @@ def test_linen_options(data):
         lift = dict(SHARED, **{option: value})
         case = linen_case(Dense, (floats(n, 3),), batch_size=2, **lift)
     elif option in ("metadata_params", "in_axes", "out_axes", "axis_size"):
+        sizes = BATCH_SIZES if option in ("in_axes", "out_axes") else CHUNKED
         case = linen_case(
             Dense,
             (floats(n, 3),),
             **SHARED,
             **{option: value},
-            batch_size=draw(st.sampled_from(CHUNKED)),
+            batch_size=draw(st.sampled_from(sizes)),
         )
     else:
         opts, n = apply_option(option, value, n)
@@ -1982,11 +2004,10 @@ def linen_ensembles(draw) -> Case:
 
 
 def linen_outputs(draw) -> Case:
-    # Known bug: a str / object output raises jax.vmap's message with batch_size=None
-    # and names the private `_lifted.<locals>.body.<locals>.per_example` when chunked.
     kind = draw(
         st.sampled_from(
             ["array", "none", "py_const", "int_const", "ragged", "nested_none"]
+            + ["str", "obj", "dict_str"]
         )
     )
     return linen_case(
@@ -2002,7 +2023,7 @@ def linen_axes(draw) -> Case:
     n = count(draw, 2, 4)
     # Deliberate (as jax.vmap): a list in_axes reads as a tuple; nn.vmap rejects it.
     in_axes = draw(st.sampled_from([0, 1, -1, 2, -3, (0,), (1, 0), (0, None)]))
-    out_axes = draw(st.sampled_from([0, 1, -1, -2, 2]))
+    out_axes = draw(st.sampled_from([0, 1, -1, -2, 2, -3, None]))
     args = (
         (floats(n, 2, 3),)
         if not isinstance(in_axes, (tuple, list)) or len(in_axes) == 1
@@ -2014,7 +2035,7 @@ def linen_axes(draw) -> Case:
         **SHARED,
         in_axes=in_axes,
         out_axes=out_axes,
-        batch_size=draw(st.sampled_from(CHUNKED)),
+        batch_size=draw(st.sampled_from(BATCH_SIZES)),
     )
 
 
@@ -2067,16 +2088,16 @@ NNX_OPTIONS = [
     ("in_axes", 2, ValueError),
     ("in_axes", (nnx.StateAxes({nnx.Param: "x"}), 0), TypeError),
     ("out_axes", 1.0, TypeError),
+    ("in_axes", (None, 0, 0), ValueError),  # one entry more than the arguments
+    ("in_axes", (None,), ValueError),  # one entry fewer
     ("out_axes", 2, ValueError),
+    ("out_axes", None, ValueError),  # a mapped output
     ("axis_size", -1, ValueError),
     ("axis_size", "3", TypeError),
     ("axis_size", 9, ValueError),
     ("f", 3, TypeError),
     ("bound_method", None, TypeError),
 ]
-# Known bug: an in_axes tuple longer than the arguments raises NNX's "pytree structure
-# error: different lengths of tuple" without naming chunkvmap.nnx.batch_vmap.
-# Known bug: out_axes=None for a mapped output raises JAX's message (no name).
 
 
 @profile(OPTION_EXAMPLES)
@@ -2095,8 +2116,9 @@ def test_nnx_options(data):
     elif option in ("in_axes", "out_axes", "axis_size"):
         f = apply_model if isinstance(value, tuple) else jnp.sin
         make = (lambda: (linear(), x)) if isinstance(value, tuple) else (lambda: (x,))
+        sizes = BATCH_SIZES if option != "axis_size" else CHUNKED
         case = nnx_case(
-            f, make, **{option: value}, batch_size=draw(st.sampled_from(CHUNKED))
+            f, make, **{option: value}, batch_size=draw(st.sampled_from(sizes))
         )
     else:
         opts, n = apply_option(option, value, n)
@@ -2169,11 +2191,10 @@ def nnx_models(draw) -> Case:
 
 
 def nnx_outputs(draw) -> Case:
-    # Known bug: a str / object output raises jax.vmap's message with batch_size=None
-    # and names the private `_transform.<locals>.per_example` when chunked.
     kind = draw(
         st.sampled_from(
             ["array", "none", "py_const", "int_const", "ragged", "nested_none"]
+            + ["str", "obj", "dict_str"]
         )
     )
     x = floats(count(draw), 3)
@@ -2185,17 +2206,19 @@ def nnx_outputs(draw) -> Case:
 def nnx_axes(draw) -> Case:
     n = count(draw, 2, 4)
     # Deliberate (as jax.vmap): a list in_axes reads as a tuple; nnx.vmap rejects it.
-    # Known bug: an in_axes / out_axes tuple of the wrong length raises NNX's
-    # "pytree structure error: different lengths of tuple" (no name): left out.
-    in_axes = draw(st.sampled_from([0, 1, -1, 2, -3, (0, None), (1, 0)]))
-    out_axes = draw(st.sampled_from([0, 1, -1, 2, (0, 1), (1, 0)]))
+    in_axes = draw(
+        st.sampled_from([0, 1, -1, 2, -3, (0, None), (1, 0), (0,), (0, 0, 0)])
+    )
+    out_axes = draw(
+        st.sampled_from([0, 1, -1, 2, (0, 1), (1, 0), (0,), (0, 0, 0), (0, None)])
+    )
     x, y = floats(n, 2, 3), floats(2, n)
     return nnx_case(
         lambda a, b: (a * 2, b),
         lambda: (x, y),
         in_axes=in_axes,
         out_axes=out_axes,
-        batch_size=draw(st.sampled_from(CHUNKED)),
+        batch_size=draw(st.sampled_from(BATCH_SIZES)),
     )
 
 
@@ -2212,6 +2235,223 @@ NNX_CALLS = {
 @given(data=st.data())
 def test_nnx_calls(kind, data):
     check(NNX_CALLS[kind](data.draw))
+
+
+# --------------------------------------------------------------------------------------
+# Formerly known bugs, each run at several chunk sizes (the generators above draw
+# them too, but a few examples from a long table need not reach every one).
+
+
+def two_outputs(v):
+    return v * 2, v.sum()
+
+
+def strip_input(batch_size):
+    """strip_dim0 needs batch_size=1: the sizes pick inputs instead (3, 0 or 1
+    examples; with 0, fun is only traced for its output types)."""
+    return floats({None: 3, 2: 0}.get(batch_size, 1), 3)
+
+
+def linen_out_axes(out_axes, bs):
+    return linen_case(
+        Dense, (floats(3, 3),), **SHARED, out_axes=out_axes, batch_size=bs
+    )
+
+
+REGRESSIONS: dict[str, Callable[[Any], Case]] = {
+    # batch_vmap: NumPy integer axes (jax.vmap: TypeError), out_axes=None for a
+    # mapped output, and malformed out_axes / non-JAX outputs with batch_size=None.
+    "bv_in_axes_np_int": lambda bs: bv_case(
+        jnp.sin, (floats(4, 3),), in_axes=np.int64(0), batch_size=bs
+    ),
+    "bv_in_axes_np_int_tuple": lambda bs: bv_case(
+        jnp.sin, (floats(4, 3),), in_axes=(np.int32(0),), batch_size=bs
+    ),
+    "bv_out_axes_np_int": lambda bs: bv_case(
+        jnp.sin, (floats(4, 3),), out_axes=np.int64(0), batch_size=bs
+    ),
+    "bv_out_axes_none": lambda bs: bv_case(
+        jnp.sin, (floats(4, 3),), out_axes=None, batch_size=bs
+    ),
+    "bv_out_axes_none_second": lambda bs: bv_case(
+        two_outputs, (floats(4, 3),), out_axes=(0, None), batch_size=bs
+    ),
+    "bv_out_axes_none_unmapped": lambda bs: bv_case(
+        lambda v, w: (v * 2, w),
+        (floats(4, 3), floats(2)),
+        (0, None),
+        (0, None),
+        batch_size=bs,
+    ),
+    "bv_out_axes_range": lambda bs: bv_case(
+        jnp.sin, (floats(4, 3),), out_axes=2, batch_size=bs
+    ),
+    "bv_out_axes_range_neg": lambda bs: bv_case(
+        jnp.sin, (floats(4, 3),), out_axes=-3, batch_size=bs
+    ),
+    "bv_out_axes_structure": lambda bs: bv_case(
+        two_outputs, (floats(4, 3),), out_axes=(0, (0,)), batch_size=bs
+    ),
+    "bv_out_axes_length": lambda bs: bv_case(
+        jnp.sin, (floats(4, 3),), out_axes=(0, 0), batch_size=bs
+    ),
+    "bv_out_axes_dict": lambda bs: bv_case(
+        two_outputs, (floats(4, 3),), out_axes={"a": 0}, batch_size=bs
+    ),
+    "bv_out_str": lambda bs: bv_case(returns("str"), (floats(3, 3),), batch_size=bs),
+    "bv_out_obj": lambda bs: bv_case(returns("obj"), (floats(3, 3),), batch_size=bs),
+    "bv_out_dict_str": lambda bs: bv_case(
+        returns("dict_str"), (floats(3, 3),), batch_size=bs
+    ),
+    "bv_out_function": lambda bs: bv_case(
+        returns("function"), (floats(3, 3),), batch_size=bs
+    ),
+    # batch_map: Python objects and strings returned (with and without strip_dim0).
+    "bm_out_obj": lambda bs: bm_case(
+        returns("obj"), floats(3, 3), expect=REJECT, batch_size=bs
+    ),
+    "bm_out_function": lambda bs: bm_case(
+        returns("function"), floats(3, 3), expect=REJECT, batch_size=bs
+    ),
+    "bm_out_dict_str": lambda bs: bm_case(
+        returns("dict_str"), floats(3, 3), expect=REJECT, batch_size=bs
+    ),
+    "bm_strip_str": lambda bs: bm_case(
+        returns("str"), strip_input(bs), strip=True, batch_size=1
+    ),
+    "bm_strip_obj": lambda bs: bm_case(
+        returns("obj"), strip_input(bs), strip=True, batch_size=1
+    ),
+    "bm_strip_dict_str": lambda bs: bm_case(
+        returns("dict_str"), strip_input(bs), strip=True, batch_size=1
+    ),
+    # Gradients and Jacobians: NumPy integer argnums, as jax.grad / jacfwd / jacrev.
+    **{
+        f"{short}_argnums_np_int{suffix}": (
+            lambda bs, make=make, argnums=argnums: make(
+                lambda w, x, y: jnp.sum(jnp.sin(w)) * jnp.sum(x) * jnp.sum(y),
+                (W, floats(3, 3), floats(3)),
+                argnums=argnums,
+                batch_size=bs,
+            )
+        )
+        for short, make in (("peg", peg_case), ("cgs", cgs_case))
+        for suffix, argnums in (("", np.int64(0)), ("_tuple", (np.int32(0), 2)))
+    },
+    **{
+        f"{name}_argnums_np_int{suffix}": (
+            lambda bs, name=name, argnums=argnums: jac_case(
+                name,
+                lambda a, b: jnp.sin(a) * jnp.sum(b),
+                (floats(3), floats(2)),
+                argnums=argnums,
+                batch_size=bs,
+            )
+        )
+        for name in ("batch_jacfwd", "batch_jacrev")
+        for suffix, argnums in (("", np.int64(0)), ("_tuple", (np.int64(1), 0)))
+    },
+    # Jacobians: non-array inputs, non-array outputs, has_aux without a pair.
+    **{
+        f"{name}_{what}_{kind}": (
+            lambda bs, name=name, what=what, kind=kind: (
+                jac_case(name, jac_fun, (jac_input(kind),), batch_size=bs)
+                if what == "input"
+                else jac_case(name, returns(kind), (floats(3),), batch_size=bs)
+            )
+        )
+        for name in ("batch_jacfwd", "batch_jacrev")
+        for what, kinds in (
+            ("input", ("str", "obj", "none", "dict_none")),
+            ("output", ("str", "obj", "none", "dict_str", "nested_none")),
+        )
+        for kind in kinds
+    },
+    **{
+        f"{name}_aux_{kind}": (
+            lambda bs, name=name, fun=fun: jac_case(
+                name, fun, (floats(3),), has_aux=True, batch_size=bs
+            )
+        )
+        for name in ("batch_jacfwd", "batch_jacrev")
+        for kind, fun in (
+            ("bare", jnp.sin),
+            ("list", lambda v: [jnp.sin(v)]),
+            ("triple", lambda v: (jnp.sin(v), v, v)),
+            ("str", lambda v: (jnp.sin(v), "text")),
+            ("obj", lambda v: (jnp.sin(v), OBJ)),
+            ("none", lambda v: (jnp.sin(v), None)),
+            ("py_float", lambda v: (jnp.sin(v), 1.5)),
+        )
+    },
+    # batch_vectorize: non-array outputs at every size.
+    **{
+        f"vec_out_{kind}": (
+            lambda bs, kind=kind: vec_case(
+                returns(kind), (floats(3, 2),), batch_size=bs
+            )
+        )
+        for kind in ("str", "obj", "dict_str")
+    },
+    # Adapters: out_axes=None for a mapped output; non-array outputs; wrong lengths.
+    "eqx_out_axes_none": lambda bs: eqx_case(
+        jnp.sin, (floats(3, 3),), out_axes=None, batch_size=bs
+    ),
+    "eqx_out_axes_none_second": lambda bs: eqx_case(
+        two_outputs, (floats(3, 3),), out_axes=(0, None), batch_size=bs
+    ),
+    "linen_out_axes_none": lambda bs: linen_out_axes(None, bs),
+    "linen_out_axes_range": lambda bs: linen_out_axes(2, bs),
+    "linen_out_axes_range_neg": lambda bs: linen_out_axes(-3, bs),
+    "linen_out_axes_np_int": lambda bs: linen_out_axes(np.int64(0), bs),
+    **{
+        f"linen_out_{kind}": (
+            lambda bs, kind=kind: linen_case(
+                Returns,
+                (floats(3, 3),),
+                fields={"kind": kind},
+                **SHARED,
+                batch_size=bs,
+            )
+        )
+        for kind in ("str", "obj", "dict_str")
+    },
+    "nnx_out_axes_none": lambda bs: nnx_case(
+        jnp.sin, lambda: (floats(3, 3),), out_axes=None, batch_size=bs
+    ),
+    **{
+        f"nnx_out_{kind}": (
+            lambda bs, kind=kind: nnx_case(
+                returns(kind), lambda: (floats(3, 3),), batch_size=bs
+            )
+        )
+        for kind in ("str", "obj", "dict_str")
+    },
+    **{
+        f"nnx_{arg}_length_{len(spec)}": (
+            lambda bs, arg=arg, spec=spec: nnx_case(
+                lambda a, b: (a * 2, b),
+                lambda: (floats(3, 2), floats(3)),
+                **{arg: spec},
+                batch_size=bs,
+            )
+        )
+        for arg in ("in_axes", "out_axes")
+        for spec in ((0,), (0, 0, 0))
+    },
+    "nnx_in_axes_model_length": lambda bs: nnx_case(
+        apply_model,
+        lambda: (linear(), floats(3, 3)),
+        in_axes=(None, 0, 0),
+        batch_size=bs,
+    ),
+}
+
+
+@pytest.mark.parametrize("batch_size", [None, 2, 10**9])
+@pytest.mark.parametrize("which", list(REGRESSIONS))
+def test_formerly_known_bugs(which, batch_size):
+    check(REGRESSIONS[which](batch_size))
 
 
 # --------------------------------------------------------------------------------------
