@@ -248,4 +248,4 @@ def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
         return fun_flat(*chunk_leaves)
 
     signature = _loop.Signature(out_tree, out_avals, [0] * len(out_avals))
-    return _loop.Body(options, chunk_fn, axes, lambda: signature)
+    return _loop.Body(options, chunk_fn, axes, lambda trace: signature)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _axes, _cache, _chunked, _loop, _memory
+from ._cache import function_name
 from ._options import ChunkOptions, check_callable, identity
 
 
@@ -396,6 +397,10 @@ def vmap_call(
     inputs = _chunked.Inputs(leaves, paths, dyn, size, key)
 
     def unmapped_outputs() -> dict[str, str]:
+        # Before f's output is known, the error came from inside f (a jax.vmap of
+        # its own): nothing to rename, and no second trace of f.
+        if body.signature(False) is None:
+            return {}
         # The chunk's jax.vmap maps f's flat outputs: it says `out_axes[k]`.
         names = out_names(body.out_tree.unflatten(body.out_avals))
         axes = body.out_axes
@@ -407,7 +412,8 @@ def vmap_call(
 
 def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
     """One chunk of `jax.vmap(f)` described as a `_loop.Body`, for `f` to be traced
-    once: in the loop itself when every output is along axis 0 (`Body.inline`), else
+    once: in the loop itself where the loop needs no output type first (every output
+    along axis 0, stacked without remainder, no sharding types: `Body.inline`), else
     under `jax.jit` first, for the output structure, and the loop reuses that trace
     (`axis_names` is the pair `(axis_name, spmd_axis_name)` of `jax.vmap`)."""
     name = options.name
@@ -426,7 +432,7 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
         return out_leaves
 
     # Named after the user's function, so JAX's own messages point at it.
-    f_flat = ft.wraps(f, updated=())(f_flat)
+    f_flat = _cache.wraps(f)(f_flat)
     dyn_axes = tuple(axes[i] for i in dyn)
     no_mapped_arg = all(a is None for a in dyn_axes)
 
@@ -447,7 +453,7 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
             return fn(*flat)
 
         mapped = jax.vmap(
-            ft.wraps(f, updated=())(grouped),
+            _cache.wraps(f)(grouped),
             in_axes=group_axes,
             out_axes=(
                 flat_out_axes if isinstance(flat_out_axes, int) else list(flat_out_axes)
@@ -462,20 +468,25 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
 
         return call
 
+    signature: list[_loop.Signature] = []  # once f has been traced
+
+    def record(mapped_avals: list[Any], flat_out_axes: list[int | None]) -> None:
+        out_avals = [_loop.drop_leading(a) for a in mapped_avals]
+        signature.append(_loop.Signature(out_box[0], out_avals, flat_out_axes))
+
     # Every output along axis 0 (`out_axes=0`, the default): a loop that needs no
     # output type before it runs traces `jax.vmap(f)` in place (`Body.inline`), once,
-    # as `lax.map` does, and records the signature as it goes.
-    signature: list[_loop.Signature] = []
+    # as `lax.map` does, and records the signature as it goes. Once f has been traced
+    # (a second loop: an "auto" measurement, say) the jitted chunk below serves it
+    # from JAX's cache instead.
     inline = None
     if isinstance(out_axes, int) and out_axes == 0:
 
         def inline(chunk_leaves: list[Any], length: int) -> list[Any]:
+            if signature:
+                return chunk_fn(chunk_leaves, length)
             outs = vmap_flat(f_flat, 0, length)(*[chunk_leaves[i] for i in dyn])
-            if not signature:
-                out_avals = [_loop.drop_leading(jax.typeof(y)) for y in outs]
-                signature.append(
-                    _loop.Signature(out_box[0], out_avals, [0] * len(outs))
-                )
+            record([jax.typeof(y) for y in outs], [0] * len(outs))
             return outs
 
     # Otherwise one chunk is `jax.jit(jax.vmap(f_flat))`, one jitted function per
@@ -494,13 +505,13 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
         key = (flat_out_axes, length)
         if key not in jitted:
             jitted[key] = jax.jit(
-                ft.wraps(f, updated=())(vmap_flat(traced, flat_out_axes, length))
+                _cache.wraps(f)(vmap_flat(traced, flat_out_axes, length))
             )
         return jitted[key]
 
-    def describe() -> _loop.Signature:
-        if signature:
-            return signature[0]
+    def describe(trace: bool = True) -> _loop.Signature | None:
+        if signature or not trace:
+            return signature[0] if signature else None
         # The length the loop's chunks will have (when it is known now).
         batch = options.batch_size
         length = batch if isinstance(batch, int) and 0 < batch < size else size
@@ -511,17 +522,17 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
         chunk_avals = [_chunk_aval(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
         mapped_avals = jax.eval_shape(vmapped(0, length), *chunk_avals)
         out_avals = [_loop.drop_leading(a) for a in mapped_avals]
-        out_axes_flat = _flat_out_axes(name, out_axes, out_box[0], out_avals)
-        signature.append(_loop.Signature(out_box[0], out_avals, out_axes_flat))
+        record(mapped_avals, _flat_out_axes(name, out_axes, out_box[0], out_avals))
         return signature[0]
 
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
-        out_axes_flat = describe().out_axes
+        out_axes_flat = body.out_axes
         # Every output along axis 0 (the usual case): the traced function is the chunk.
         flat = 0 if all(a == 0 for a in out_axes_flat) else tuple(out_axes_flat)
         return vmapped(flat, length)(*[chunk_leaves[i] for i in dyn])
 
-    return _loop.Body(options, chunk_fn, axes, describe, inline)
+    body = _loop.Body(options, chunk_fn, axes, describe, inline)
+    return body
 
 
 def check_outputs(name: str, f: Any, out: Any) -> None:
@@ -540,17 +551,6 @@ def check_outputs(name: str, f: Any, out: Any) -> None:
 
 
 JAX_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
-
-
-def function_name(f: Any) -> str:
-    """The user's function as messages name it: its qualified name, a partial's
-    function, or the type of a callable object (an Equinox Module, say)."""
-    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
-    if isinstance(name, str):
-        return name
-    if isinstance(f, ft.partial):
-        return f"partial({function_name(f.func)})"
-    return type(f).__qualname__
 
 
 def out_paths(out: Any, root: str = "out") -> list[str]:
@@ -573,7 +573,7 @@ def _checked(
     axis is None and its name by `out_names`."""
     traced: list[Any] = []  # the abstract output and its axes
 
-    @ft.wraps(f, updated=())
+    @_cache.wraps(f)
     def checked(*args: Any, **kwargs: Any) -> Any:
         out = f(*args, **kwargs)
         check_outputs(name, f, out)

@@ -123,9 +123,29 @@ def memo(owner: Any, key: Hashable, build: Callable[[], Any]) -> Any:
     return entries.get_or_build(key, build)
 
 
+def function_name(f: Any) -> str:
+    """The user's function as messages name it: its qualified name, a partial's
+    function, or the type of a callable object (an Equinox Module, say)."""
+    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
+    if isinstance(name, str):
+        return name
+    if isinstance(f, ft.partial):
+        return f"partial({function_name(f.func)})"
+    return type(f).__qualname__
+
+
 def wraps(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
-    """`functools.wraps` without copying `fun.__dict__` (an Equinox Module's fields)."""
-    return ft.wraps(fun, updated=())
+    """`functools.wraps` without copying `fun.__dict__` (an Equinox Module's fields);
+    a wrapper of a function without a name of its own (a partial, a callable object)
+    takes `function_name(fun)`, so that messages never name the wrapper."""
+
+    def decorate(wrapper: Callable[..., Any]) -> Any:
+        wrapper = ft.wraps(fun, updated=())(wrapper)
+        if not isinstance(getattr(fun, "__qualname__", None), str):
+            wrapper.__name__ = wrapper.__qualname__ = function_name(fun)
+        return wrapper
+
+    return decorate
 
 
 def transform(

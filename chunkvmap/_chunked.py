@@ -1,9 +1,10 @@
-"""Chunked evaluation: run one traced `Body` over the inputs, choosing how.
+"""Chunked evaluation: run one `Body` over the inputs, choosing how.
 
-A front end has traced the user's function once and described a chunk of it as a
-`_loop.Body`; here the evaluation is chosen: one vmap (the chunk is everything), stacked
-or folded chunks (`_loop`), per-device chunks (`_sharding`), after a `batch_size="auto"`
-search (`_memory`) when asked. Progress hooks are attached here.
+A front end has described a chunk of the user's function as a `_loop.Body` (traced
+already, or traced in the loop on first use); here the evaluation is chosen: one vmap
+(the chunk is everything), stacked or folded chunks (`_loop`), per-device chunks
+(`_sharding`), after a `batch_size="auto"` search (`_memory`) when asked. Progress
+hooks are attached here.
 """
 
 from __future__ import annotations

@@ -259,8 +259,9 @@ class Body:
 
     `chunk_fn(chunk_leaves, length)` maps the flat input leaves of a chunk (mapped along
     `axes`) to its flat outputs (mapped along `out_axes`, of per-example types
-    `out_avals`, structured by `out_tree`: the `signature()`, asked for when first
-    needed). Without `options.reduction` the outputs are stacked; with it,
+    `out_avals`, structured by `out_tree`: `signature(True)`, asked for when first
+    needed; `signature(False)` is the signature if it is known already, else None).
+    Without `options.reduction` the outputs are stacked; with it,
     `options.chunk_reduction` summarises each chunk and `options.reduction` folds the
     summaries; `options.remat` checkpoints each chunk.
 
@@ -274,12 +275,14 @@ class Body:
     options: ChunkOptions
     chunk_fn: ChunkFn
     axes: Sequence[int | None]
-    signature: Callable[[], Signature]
+    signature: Callable[[bool], Signature | None]
     inline: ChunkFn | None = None
 
     @ft.cached_property
     def _signature(self) -> Signature:
-        return self.signature()
+        signature = self.signature(True)
+        assert signature is not None
+        return signature
 
     @property
     def out_tree(self) -> Any:

@@ -344,3 +344,37 @@ def test_stacked_outputs_trace_f_once_and_once_in_the_program(out_axes, n):
     grad = jax.jit(jax.grad(lambda x: sum(y.sum() for y in fn(x))))
     jax.make_jaxpr(grad)(x)
     assert counted.count == 1
+
+
+def test_later_loops_reuse_the_first_trace():
+    """After f is traced once (inline, or for the output structure), later loops of
+    the same call (an "auto" measurement, a sharded evaluation with a remainder) use
+    the jitted chunk, which JAX's cache serves, instead of tracing f in place again;
+    an error from a jax.vmap inside f is JAX's own, with no second trace of f."""
+    count = [0]
+
+    def f(v):
+        count[0] += 1
+        return jnp.sin(v) * 2
+
+    def traces(fn, x):
+        count[0] = 0
+        jax.make_jaxpr(fn)(x)
+        return count[0]
+
+    x = jnp.ones((64, 3))
+    assert traces(batch_vmap(f, batch_size=8), x) == 1
+    assert traces(batch_vmap(f, batch_size="auto", memory_limit=10**6), x) <= 3
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    for n, most in [(9, 3), (8, 2)]:
+        fn = batch_vmap(f, batch_size=2, shard="d", mesh=mesh)
+        assert traces(fn, jnp.ones((n, 3))) <= most
+
+    def g(v):
+        count[0] += 1
+        return jax.vmap(lambda a: a * 2, out_axes=None)(v)
+
+    count[0] = 0
+    with pytest.raises(ValueError, match="at vmap out_axes, got axis spec None"):
+        jax.make_jaxpr(batch_vmap(g, batch_size=2))(jnp.ones((6, 3)))
+    assert count[0] == 1

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 import warnings
@@ -2418,6 +2419,14 @@ REGRESSIONS: dict[str, Callable[[Any], Case]] = {
     },
     "nnx_out_axes_none": lambda bs: nnx_case(
         jnp.sin, lambda: (floats(3, 3),), out_axes=None, batch_size=bs
+    ),
+    # A function without a name of its own (a partial): messages name it, never the
+    # adapter's inner function.
+    "nnx_out_axes_none_partial": lambda bs: nnx_case(
+        functools.partial(lambda s, v: (v * s, v.sum()), 2.0),
+        lambda: (floats(3, 3),),
+        out_axes=(0, None),
+        batch_size=bs,
     ),
     **{
         f"nnx_out_{kind}": (
