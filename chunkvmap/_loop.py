@@ -364,22 +364,7 @@ class Body:
             return outs
         size, batch = plan.size, plan.batch
         if self.inline is not None and plan.rem == 0 and not sharding_in_types(leaves):
-            # Every output along axis 0 and nothing to preallocate: the chunks are the
-            # scan's `ys`, and the function is traced in the loop itself.
-            inline = self.inline
-
-            @ft.partial(checkpointed, remat=self.remat)
-            def evaluate_inline(i):
-                return inline(plan.chunk(leaves, axes, i), batch)
-
-            def inline_body(carry, i):
-                ys = evaluate_inline(i)
-                report(i)
-                return carry, ys
-
-            with jax.named_scope("chunkvmap"):
-                _, stacked = lax.scan(inline_body, (), jnp.arange(plan.num_chunks))
-            return [y.reshape(size, *y.shape[2:]) for y in stacked]
+            return self._inline_stacked(leaves, plan, report)
         chunk_fn, out_axes, out_avals = self.chunk_fn, self.out_axes, self.out_avals
 
         @ft.partial(checkpointed, remat=self.remat)
@@ -436,6 +421,49 @@ class Body:
         with jax.named_scope("chunkvmap"):
             buffers, _ = lax.scan(body, buffers, jnp.arange(plan.num_chunks))
         return buffers
+
+    def _inline_stacked(
+        self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
+    ) -> list[Any]:
+        """`stacked` when every output is along axis 0 and `B` divides `N`: the
+        chunks' outputs are the scan's `ys` (nothing to preallocate), and the function
+        is traced in the loop itself (`inline`).
+
+        A leaf mapped along axis 0 and read from its start is the scan's `xs`,
+        reshaped to `(N / B, B, ...)` (free); the others are sliced at the chunk's
+        start. `xs` run faster on XLA's CPU backend than a `dynamic_slice` at a
+        traced offset (up to 2x on a memory-heavy function), and reverse mode
+        forwards them as residuals instead of saving copies, so memory is the same.
+        """
+        inline, axes, size, batch = self.inline, self.axes, plan.size, plan.batch
+        assert inline is not None
+        num = plan.num_chunks
+        from_start = isinstance(plan.offset, int) and plan.offset == 0
+        split = [
+            j
+            for j, (x, a) in enumerate(zip(leaves, axes))
+            if from_start and a == 0 and x.shape[0] == size
+        ]
+        sliced = [None if j in split else a for j, a in enumerate(axes)]
+        xs = [lax.reshape(leaves[j], (num, batch, *leaves[j].shape[1:])) for j in split]
+        slicing = any(a is not None for a in sliced)
+
+        @ft.partial(checkpointed, remat=self.remat)
+        def evaluate(i, chunks):
+            chunk = plan.chunk(leaves, sliced, i) if slicing else list(leaves)
+            for j, c in zip(split, chunks):
+                chunk[j] = c
+            return inline(chunk, batch)
+
+        def body(carry, i_chunks):
+            i, chunks = i_chunks
+            ys = evaluate(i, chunks)
+            report(i)
+            return carry, ys
+
+        with jax.named_scope("chunkvmap"):
+            _, stacked = lax.scan(body, (), (jnp.arange(num), xs))
+        return [y.reshape(size, *y.shape[2:]) for y in stacked]
 
     def reduced(
         self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
