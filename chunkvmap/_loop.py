@@ -3,7 +3,9 @@
 * the plan (`Plan`): how many chunks, how large the remainder, where the examples
   start (a device of a sharded evaluation reads its share in place);
 * slicing (`take`): a chunk is a `dynamic_slice` of the original input along its own
-  mapped axis, so inputs are never transposed, reshaped or copied;
+  mapped axis, so inputs are never transposed or copied (in the stacked loop without
+  remainder, a leaf mapped along axis 0 is instead the scan's `xs`, a free reshape to
+  `(N / B, B, ...)`);
 * the loop (`stacked`, `reduced`): a `lax.scan` over chunk indices, each chunk
   checkpointed for reverse mode (`checkpointed`);
 * the remainder: when `B` does not divide `N`, the last chunk is the window of the last
