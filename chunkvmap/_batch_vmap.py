@@ -470,8 +470,7 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
 
     signature: list[_loop.Signature] = []  # once f has been traced
 
-    def record(mapped_avals: list[Any], flat_out_axes: list[int | None]) -> None:
-        out_avals = [_loop.drop_leading(a) for a in mapped_avals]
+    def record(out_avals: list[Any], flat_out_axes: list[int | None]) -> None:
         signature.append(_loop.Signature(out_box[0], out_avals, flat_out_axes))
 
     # Every output along axis 0 (`out_axes=0`, the default): a loop that needs no
@@ -486,7 +485,7 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
             if signature:
                 return chunk_fn(chunk_leaves, length)
             outs = vmap_flat(f_flat, 0, length)(*[chunk_leaves[i] for i in dyn])
-            record([jax.typeof(y) for y in outs], [0] * len(outs))
+            record([_loop.drop_leading(jax.typeof(y)) for y in outs], [0] * len(outs))
             return outs
 
     # Otherwise one chunk is `jax.jit(jax.vmap(f_flat))`, one jitted function per
@@ -522,7 +521,7 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
         chunk_avals = [_chunk_aval(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
         mapped_avals = jax.eval_shape(vmapped(0, length), *chunk_avals)
         out_avals = [_loop.drop_leading(a) for a in mapped_avals]
-        record(mapped_avals, _flat_out_axes(name, out_axes, out_box[0], out_avals))
+        record(out_avals, _flat_out_axes(name, out_axes, out_box[0], out_avals))
         return signature[0]
 
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:

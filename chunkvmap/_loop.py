@@ -261,8 +261,9 @@ class Body:
 
     `chunk_fn(chunk_leaves, length)` maps the flat input leaves of a chunk (mapped along
     `axes`) to its flat outputs (mapped along `out_axes`, of per-example types
-    `out_avals`, structured by `out_tree`: `signature(True)`, asked for when first
-    needed; `signature(False)` is the signature if it is known already, else None).
+    `out_avals`, structured by `out_tree`: `signature(True)`, traced for when first
+    needed and kept by the front end; `signature(False)` is the signature if it is
+    known already, else None).
     Without `options.reduction` the outputs are stacked; with it,
     `options.chunk_reduction` summarises each chunk and `options.reduction` folds the
     summaries; `options.remat` checkpoints each chunk.
@@ -280,9 +281,9 @@ class Body:
     signature: Callable[[bool], Signature | None]
     inline: ChunkFn | None = None
 
-    @ft.cached_property
+    @property
     def _signature(self) -> Signature:
-        signature = self.signature(True)
+        signature = self.signature(True)  # the front end keeps it once known
         assert signature is not None
         return signature
 
