@@ -12,6 +12,7 @@ from ._batch_vmap import batch_vmap as batch_vmap
 from ._clipping import (
     AuxiliaryOutput as AuxiliaryOutput,
     ClippedGrad as ClippedGrad,
+    GhostFallbackWarning as GhostFallbackWarning,
     clipped_grad as clipped_grad,
     clipped_grad_sum as clipped_grad_sum,
 )
@@ -31,6 +32,7 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
 __all__ = [
     "AuxiliaryOutput",
     "ClippedGrad",
+    "GhostFallbackWarning",
     "GhostReport",
     "batch_jacfwd",
     "batch_jacrev",

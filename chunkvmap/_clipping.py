@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools as ft
 import numbers
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -26,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from . import _axes, _ghost, _memory
+from ._batch_vmap import function_name
 from ._grads import GradSetup, filtered_value_and_grad, resolve_argnums
 from ._options import check_bool, check_callable, identity
 
@@ -281,9 +283,11 @@ def _clipped_sums(
         extra.append(padding)
 
     if config.method == "ghost" and size > 0:
-        return _ghost_sums(
+        ghost = _ghost_sums(
             setup, fun, config, args, in_axes, kwargs, diff, batch_args, extra, size
         )
+        if ghost is not None:
+            return ghost
 
     value_and_grad = filtered_value_and_grad(
         fun, diff, setup.single, config.has_aux, name
@@ -354,9 +358,10 @@ def _ghost_sums(
     batch_args: list[int],
     extra: list,
     size: int,
-) -> tuple[Any, AuxiliaryOutput, int]:
+) -> tuple[Any, AuxiliaryOutput, int] | None:
     """`_clipped_sums` by ghost clipping (`_ghost`): the same results, without
-    per-example gradients of the leaves that only enter dot products."""
+    per-example gradients of the leaves whose uses have rules; None when no leaf has
+    a ghost norm (the per-example path is then the cheaper one)."""
     name = setup.name
     args = list(args)
     for i in diff:  # a bare Python number is differentiated, as jax.grad does
@@ -385,13 +390,17 @@ def _ghost_sums(
             f"{name} fun must return a real scalar loss (with aux: as the first "
             f"element), but it returns {value}."
         )
-    analysis = traced.analysis
-    leaves = analysis.leaves
+    plan = traced.plan
+    report = traced.report()
+    _warn_fallback(setup, fun, report)
+    if report.runs == "vmap":
+        return None  # nothing to gain: the per-example path itself
+    leaves = plan.leaves
     pe = [k for k, x in enumerate(leaves) if x.rule == _ghost.PER_EXAMPLE]
-    ghost = [
+    ruled = [
         k for k, x in enumerate(leaves) if x.rule in (_ghost.GHOST, _ghost.INSTANTIATED)
     ]
-    probe_avals = analysis.probe_avals()
+    probe_avals = plan.probe_avals()
     acc = _ghost.accumulation_dtype([x.dtype for x in leaves])  # as global_norm's
     per_example = config.per_example
     has_pad = len(extra) > int(per_example)  # the indices, then the padding flags
@@ -402,24 +411,22 @@ def _ghost_sums(
         pad = inputs.pop() if has_pad else None
         index = inputs.pop() if per_example else None
         values = traced.arrays(inputs[:n_args], kw)
-        positions = analysis.diff_positions
+        positions = plan.diff_positions
 
         def loss(probes: dict, pe_values: list) -> Any:
             vals = list(values)
             for k, v in zip(pe, pe_values):
                 vals[positions[k]] = v
-            outs, acts = analysis.evaluate(vals, probes)
-            return outs[0], (outs, acts)
+            outs, records = plan.run(vals, probes)
+            return outs[0], (outs, records)
 
         probes = {p: jnp.zeros(a.shape, a.dtype) for p, a in probe_avals.items()}
-        (deltas, pe_grads), (outs, acts) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
-            probes, [values[positions[k]] for k in pe]
-        )
-        leaf_acts = [[acts[(u.path, u.side)] for u in leaves[k].uses] for k in ghost]
-        leaf_deltas = [[deltas[u.path] for u in leaves[k].uses] for k in ghost]
+        (deltas, pe_grads), (outs, records) = jax.grad(
+            loss, argnums=(0, 1), has_aux=True
+        )(probes, [values[positions[k]] for k in pe])
         square = jnp.zeros((), acc)
-        for k, a, d in zip(ghost, leaf_acts, leaf_deltas):
-            square = square + _ghost.ghost_sq_norm(leaves[k], a, d).astype(acc)
+        for k in ruled:
+            square = square + plan.sq_norm(k, records, deltas, acc).astype(acc)
         for g in pe_grads:
             square = square + jnp.sum(jnp.square(jnp.abs(g).astype(acc)))
         norm = _norm_of_square(square)
@@ -428,8 +435,9 @@ def _ghost_sums(
         finite = jnp.ones((), bool)
         if config.nan_safe:  # non-finite examples are clipped in `nan_safe_fix`
             finite = jnp.isfinite(square)
-            for x in jax.tree.leaves((leaf_acts, leaf_deltas, pe_grads)):
-                finite = finite & jnp.all(jnp.isfinite(x))
+            for x in jax.tree.leaves((records, deltas, pe_grads)):
+                if jnp.issubdtype(x.dtype, jnp.inexact):
+                    finite = finite & jnp.all(jnp.isfinite(x))
             keep = keep & finite
         value, aux = traced.out_tree.unflatten(outs)
         if config.keep_batch_dim:
@@ -439,21 +447,21 @@ def _ghost_sums(
             norm if config.return_grad_norms else None,
             aux if config.has_aux else None,
         )
-        parts = (scale, keep, finite, pad, leaf_acts, leaf_deltas, pe_grads)
+        parts = (scale, keep, finite, pad, records, deltas, pe_grads)
         return parts, extras, index
 
     def nan_safe_fix(parts: Any) -> tuple[list, jax.Array]:
         """The clipped sum of a chunk's non-finite (and not padding) examples, and
         their norms, from their gradients formed one example at a time, clipped
         exactly as `method="vmap"` does (cast, non-finite entries zeroed)."""
-        _, _, finite, pad, leaf_acts, leaf_deltas, pe_grads = parts
+        _, _, finite, pad, records, deltas, pe_grads = parts
         chosen = ~finite if pad is None else ~finite & ~pad
 
         def one(carry: list, xs: Any) -> Any:
-            sel, acts, deltas, pe_g = xs
+            sel, recs, dels, pe_g = xs
             grads: list[Any] = [None] * len(leaves)
-            for k, a, d in zip(ghost, acts, deltas):
-                grads[k] = _ghost.instantiate(leaves[k], a, d)
+            for k in ruled:
+                grads[k] = plan.instantiate(k, recs, dels)
             for k, g in zip(pe, pe_g):
                 grads[k] = g
             for k, leaf in enumerate(leaves):
@@ -467,23 +475,27 @@ def _ghost_sums(
             return carry, global_norm(grads)
 
         init = [jnp.zeros(x.shape, config.dtype or x.dtype) for x in leaves]
-        return lax.scan(one, init, (chosen, leaf_acts, leaf_deltas, pe_grads))
+        return lax.scan(one, init, (chosen, records, deltas, pe_grads))
 
     def summarise(chunk: Any) -> Any:
         parts, extras, index = chunk
-        scale, keep, finite, pad, leaf_acts, leaf_deltas, pe_grads = parts
+        scale, keep, finite, pad, records, deltas, pe_grads = parts
 
         def mask(x: jax.Array) -> jax.Array:  # keep[i], shaped to broadcast with x
             return keep.reshape((-1,) + (1,) * (x.ndim - 1))
+
+        def kept(x: jax.Array) -> jax.Array:  # x_i, zero for padding
+            return jnp.where(mask(x), x, jnp.zeros((), x.dtype))
 
         def scaled(x: jax.Array) -> jax.Array:  # c_i x_i, zero for padding
             s = scale.astype(x.dtype).reshape(mask(x).shape)
             return jnp.where(mask(x), x * s, jnp.zeros((), x.dtype))
 
         totals: list[Any] = [None] * len(leaves)
-        for k, a, d in zip(ghost, leaf_acts, leaf_deltas):
-            kept = [jnp.where(mask(x), x, jnp.zeros((), x.dtype)) for x in a]
-            totals[k] = _ghost.ghost_sum(leaves[k], kept, [scaled(x) for x in d])
+        recs = jax.tree.map(kept, records)
+        dels = jax.tree.map(scaled, deltas)
+        for k in ruled:
+            totals[k] = plan.chunk_sum(k, recs, dels)
         for k, g in zip(pe, pe_grads):
             totals[k] = scaled(g).sum(0)
         for k, leaf in enumerate(leaves):
@@ -517,6 +529,47 @@ def _ghost_sums(
         chunk_reduction=summarise,
     )
     return traced.grads_tree(totals, setup.single), extras, size
+
+
+class GhostFallbackWarning(UserWarning):
+    """`method="ghost"` computes per-example gradients for a sizeable share of the
+    parameters (no rule covers one of their uses), or runs as `method="vmap"`
+    because no parameter has a ghost norm. `chunkvmap.ghost_report` shows each
+    leaf's rule and why; filter this warning with `warnings.filterwarnings("ignore",
+    category=chunkvmap.GhostFallbackWarning)` once that is understood."""
+
+
+_FALLBACK_SHARE = 0.05
+
+
+def _warn_fallback(setup: GradSetup, fun: Any, report: _ghost.GhostReport) -> None:
+    """Once per clipping function: say when more than 5% of the parameters fall
+    back to per-example gradients, or when nothing is gained at all."""
+    if setup.ghost_warned:
+        return
+    shares = report.shares()
+    share = shares.get(_ghost.PER_EXAMPLE, 0.0)
+    fallback = report.fallback()
+    if report.runs == "vmap":
+        message = (
+            f"{setup.name} method='ghost': no parameter of {function_name(fun)} has "
+            f"a ghost norm, so it runs as method='vmap' (the same result)."
+        )
+    elif share > _FALLBACK_SHARE:
+        message = (
+            f"{setup.name} method='ghost': {100 * share:.0f}% of the parameters of "
+            f"{function_name(fun)} use per-example gradients (no rule covers one of "
+            f"their uses): {', '.join(fallback)}."
+        )
+    else:
+        return
+    setup.ghost_warned = True
+    warnings.warn(
+        message + " chunkvmap.ghost_report(fun, *one_example) shows each leaf's rule "
+        "and why.",
+        GhostFallbackWarning,
+        stacklevel=4,
+    )
 
 
 def _check_padding(name: str, padding: Any, size: int) -> jax.Array:

@@ -1,37 +1,31 @@
 """Ghost clipping: clipped per-example gradient sums without per-example gradients.
 
 `method="ghost"` of `clipped_grad` and `clipped_grad_sum`. The loss of one example is
-traced once to a jaxpr (`jax.make_jaxpr`; `jit` and `closed_call` sub-jaxprs are
-inlined). Every use of each differentiated leaf is found:
+traced once to a jaxpr; `Plan` walks it (into `jit`, `checkpoint`, `scan` and `cond`
+bodies) and finds every *use* of each differentiated leaf: an equation that a rule of
+`_ghost_rules` covers (contractions, convolutions, embedding lookups, elementwise and
+other linear operations), with the leaf reached through example-independent linear
+steps (the chain). A leaf with any other use (a nonlinearity applied to it, a
+`custom_jvp`/`custom_vjp` function or `while` loop it enters, a scan carry) is a
+*per-example* leaf: its exact gradient is computed per example, as with
+`method="vmap"`.
 
-* a leaf whose every use is an operand of a `dot_general` (reached through layout-only
-  operations: `transpose`, `reshape`, `convert_element_type`, `copy`) whose other
-  operand depends on the example is a *ghost* leaf. Its per-example gradient is
-  `G = sum_u chain_u^T(contraction(a_u, delta_u))` over its uses `u`, from the
-  activation `a_u` (the other operand) and the cotangent `delta_u` of the dot's output;
-* every other float leaf (biases, norm scales, embeddings read by `gather`,
-  convolution kernels, leaves used inside `custom_jvp`/`scan`/`cond`/... bodies,
-  anything unrecognised) is a *per-example* leaf: its exact per-example gradient is
-  computed (vmapped `jax.grad`), as with `method="vmap"`.
-
-Per example, the jaxpr is evaluated by an interpreter that adds a zero "probe" to
-the output of every ghost dot and records its activation; `jax.grad` with respect to
-the probes and the per-example leaves gives every `delta_u` and the per-example
-leaves' gradients in one backward pass. A ghost leaf's squared norm is either the
-ghost norm `sum_{u,v} <G_u, G_v>`, evaluated over pairs of positions (cost ~ T^2 for
-T positions; cross terms between uses are exact), or, when that is dearer than the
-leaf's size (Bu et al.'s mixed rule: ghost iff T^2 <= size), `||G||^2` of `G`
-instantiated for that example ("instantiated"). The clip factors follow; then each
-chunk's clipped sum is one contraction of its stacked activations with its scaled
-cotangents over (examples, positions): what a chunk holds is activations and
-cotangents (a forward pass), never `batch_size x parameters`.
+`Plan.run` evaluates the jaxpr with a zero *probe* added to the output of every use
+and returns the operands each rule records (activations, indices): the
+instrumentation recurses into sub-jaxprs, so that a scan takes its probes as extra
+`xs` and returns its records as extra `ys`, a checkpoint keeps its policy, and a cond
+returns zeros for the branch not taken. `jax.grad` with respect to the probes (and
+the per-example leaves) gives every use's cotangent in one backward pass per example.
+From records and cotangents each leaf gets its squared norm (`sq_norm`: the ghost norm
+or the instantiated gradient, by the mixed rule), and each chunk its clipped sum
+(`chunk_sum`: one transpose per use over the chunk's examples): a chunk holds
+activations and cotangents, never `batch_size x parameters`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,10 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _ghost_rules as rules
+
 
 _INLINE = ("pjit", "jit", "closed_call", "core_call")
-_LAYOUT = ("transpose", "reshape", "convert_element_type", "copy", "copy_p")
-_PERMUTE = ("transpose", "convert_element_type", "copy", "copy_p")
+_REMAT = ("checkpoint", "remat", "remat2")
+_CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
 
 GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED = (
     "ghost",
@@ -64,75 +60,20 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _sub_jaxpr(eqn: Any) -> tuple[Any, Sequence[Any]]:
-    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if isinstance(sub, jcore.ClosedJaxpr):
-        return sub.jaxpr, sub.consts
-    return sub, ()
+def _sub_jaxpr(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
+    """A sub-jaxpr and its constants (a ClosedJaxpr or an open Jaxpr)."""
+    if isinstance(jaxpr, jcore.ClosedJaxpr):
+        return jaxpr.jaxpr, jaxpr.consts
+    return jaxpr, ()
 
 
-@dataclasses.dataclass(frozen=True)
-class Use:
-    """One use of a leaf as an operand of a `dot_general`."""
+def _call_jaxpr(eqn: Any) -> tuple[Any, Sequence[Any]]:
+    return _sub_jaxpr(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")))
 
-    leaf: int  # index into the differentiated leaves
-    chain: tuple  # ((primitive, params), ...) from the leaf to the operand
-    side: int  # 0: the leaf is the lhs, 1: the rhs
-    path: tuple  # where the dot is (equation indices through inlined jaxprs)
-    params: Any  # the dot's parameters
-    act_shape: tuple  # the other operand's shape (one example)
-    positions: int  # product of the other operand's free (non-contracted) dims
 
-    def operand(self, w: Any) -> Any:
-        """The leaf through its chain of layout operations."""
-        for prim, params in self.chain:
-            w = prim.bind(w, **params)
-        return w
-
-    def dot(self, w: Any, a: Any) -> Any:
-        """The dot's output as a (linear) function of the leaf, for activation `a`."""
-        ops = (self.operand(w), a) if self.side == 0 else (a, self.operand(w))
-        return lax.dot_general(
-            *ops,
-            self.params["dimension_numbers"],
-            precision=self.params.get("precision"),
-            preferred_element_type=self.params.get("preferred_element_type"),
-        )
-
-    def permutation(self) -> tuple[int, ...] | None:
-        """Operand axis j is leaf axis perm[j], or None when the chain reshapes."""
-        perm: tuple[int, ...] | None = None
-        for prim, params in self.chain:
-            if prim.name not in _PERMUTE:
-                return None
-            if prim.name == "transpose":
-                p = tuple(params["permutation"])
-                perm = p if perm is None else tuple(perm[i] for i in p)
-        return perm
-
-    def specs(self, leaf_rank: int, letters: str, fresh: str) -> tuple[str, str, str]:
-        """Einsum specs (activation, cotangent, leaf) with `G_u = einsum(a, d -> w)`;
-        the leaf's axes are `letters`, the positions take letters from `fresh`."""
-        perm = self.permutation()
-        perm = tuple(range(leaf_rank)) if perm is None else perm
-        op = [letters[perm[j]] for j in range(leaf_rank)]
-        (lc, rc), (lb, rb) = self.params["dimension_numbers"]
-        wc, ac = (lc, rc) if self.side == 0 else (rc, lc)
-        wb, ab = (lb, rb) if self.side == 0 else (rb, lb)
-        act = []
-        it = iter(fresh)
-        for m in range(len(self.act_shape)):
-            if m in ac:
-                act.append(op[wc[list(ac).index(m)]])
-            elif m in ab:
-                act.append(op[wb[list(ab).index(m)]])
-            else:
-                act.append(next(it))
-        w_free = [op[j] for j in range(leaf_rank) if j not in wc and j not in wb]
-        a_free = [act[m] for m in range(len(act)) if m not in ac and m not in ab]
-        batch = [op[j] for j in wb]
-        out = batch + (w_free + a_free if self.side == 0 else a_free + w_free)
-        return "".join(act), "".join(out), letters[:leaf_rank]
+def _bind_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
+    outs = rules.bind(eqn.primitive, ins, eqn.params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 @dataclasses.dataclass
@@ -143,10 +84,31 @@ class Leaf:
     rule: str = UNUSED
     reason: str = ""
     uses: list = dataclasses.field(default_factory=list)
+    pairs: dict = dataclasses.field(default_factory=dict)  # (i, j) -> rules.Pair
+    costs: tuple[float, float] | None = None  # (ghost, instantiated) flops
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
 
 
-class Analysis:
-    """The ghost plan of one example's loss: a jaxpr, and a rule for every leaf."""
+@dataclasses.dataclass(frozen=True)
+class _Info:
+    """What the analysis knows of a value: the leaf it is a chain of (`origin`:
+    (leaf, chain, levels)), whether it depends on the example, and its value when
+    it is a known constant."""
+
+    origin: Any = None
+    tainted: bool = False
+    const: Any = None
+
+
+_PLAIN = _Info()
+
+
+class Plan:
+    """The ghost plan of one example's loss: a jaxpr, a rule for every leaf, and the
+    instrumented evaluation."""
 
     def __init__(
         self,
@@ -165,16 +127,16 @@ class Analysis:
         for leaf in self.leaves:
             if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
                 self._flag(leaf, "complex-valued (ghost norms are for real leaves)")
-        # var info: (origin, tainted); origin = (leaf index, chain) or None
-        infos: list[tuple[Any, bool]] = [(None, False)] * len(jaxpr.invars)
+        infos = [_PLAIN] * len(jaxpr.invars)
         for k, i in enumerate(self.diff_positions):
-            infos[i] = ((k, ()), False)
+            infos[i] = _Info((k, (), ()))
         for i in example_positions:
-            infos[i] = (None, True)
-        outs = self._walk(jaxpr, infos, ())
-        for origin, _ in outs:
-            if origin is not None:
-                self._flag(self.leaves[origin[0]], "returned by the function")
+            infos[i] = _Info(tainted=True)
+        self.uses: list[rules.Use] = []
+        outs = self._walk(jaxpr, closed.consts, infos, (), True)
+        for info in outs:
+            if info.origin is not None:
+                self._flag(self.leaves[info.origin[0]], "returned by the function")
         for leaf in self.leaves:
             if leaf.rule == PER_EXAMPLE:
                 leaf.uses = []
@@ -182,10 +144,12 @@ class Analysis:
                 self._choose(leaf)
             else:
                 leaf.reason = "not used by the loss (zero gradient)"
-        self.ghost_dots: dict[tuple, list[Use]] = {}
-        for leaf in self.leaves:
-            for use in leaf.uses:
-                self.ghost_dots.setdefault(use.path, []).append(use)
+        self.uses = [u for leaf in self.leaves for u in leaf.uses]
+        self.uses_at: dict[tuple, list[rules.Use]] = {}
+        for u in self.uses:
+            self.uses_at.setdefault(u.path, []).append(u)
+        self.probe_paths = sorted(self.uses_at)
+        self.touched = {p[:n] for p in self.probe_paths for n in range(1, len(p) + 1)}
 
     # -- classification --------------------------------------------------------------
 
@@ -194,157 +158,402 @@ class Analysis:
             leaf.rule, leaf.reason = PER_EXAMPLE, reason
 
     def _choose(self, leaf: Leaf) -> None:
-        """The mixed rule: ghost norms when (sum of positions)^2 <= the leaf's size
-        (and every chain is a permutation), else instantiate."""
-        size = math.prod(leaf.shape)
-        t = sum(u.positions for u in leaf.uses)
-        n = len(leaf.uses)
-        where = f"{n} dot{'s' if n > 1 else ''}, {t} position{'s' if t > 1 else ''}"
-        if any(u.permutation() is None and u.chain for u in leaf.uses):
-            if any(
-                p.name == "reshape" for u in leaf.uses for p, _ in u.chain
-            ):  # einsum specs need axes that map one to one
-                leaf.rule = INSTANTIATED
-                leaf.reason = f"{where}; reached through a reshape"
-                return
-        if t * t <= size:
-            leaf.rule, leaf.reason = GHOST, f"{where}: T^2 = {t * t} <= size {size}"
-        else:
+        """The mixed rule: the ghost norm when every use has a ghost form, every pair
+        a ghost cross term, and their cost (floating-point operations per example)
+        is at most instantiation's; else the gradient is instantiated."""
+        kinds: dict[str, int] = {}
+        for u in leaf.uses:
+            kinds[rules.rule_kind(u)] = kinds.get(rules.rule_kind(u), 0) + 1
+        where = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in kinds.items())
+        for u in leaf.uses:
+            u.layout = rules.layout_of(u.chain, leaf.shape)
+            u.form = u.rule.form(u)
+        inst = leaf.size + sum(_inst_cost(u) for u in leaf.uses)
+        missing = [rules.rule_kind(u) for u in leaf.uses if u.form is None]
+        if missing:
             leaf.rule = INSTANTIATED
-            leaf.reason = f"{where}: T^2 = {t * t} > size {size}"
+            leaf.reason = f"{where}: no ghost norm for {', '.join(sorted(set(missing)))}"
+            return
+        ghost = sum(u.form.build_cost for u in leaf.uses)
+        n = len(leaf.uses)
+        for i in range(n):
+            for j in range(i, n):
+                p = rules.pair(leaf.uses[i].form, leaf.uses[j].form)
+                if p.kind is None:
+                    leaf.rule, leaf.pairs = INSTANTIATED, {}
+                    leaf.reason = f"{where}: no ghost cross term between uses"
+                    return
+                leaf.pairs[(i, j)] = p
+                ghost += p.cost
+        costs = f"ghost {_count(ghost)} vs instantiated {_count(inst)} flops"
+        leaf.costs = (ghost, inst)
+        leaf.rule = GHOST if ghost <= inst else INSTANTIATED
+        leaf.reason = f"{where}: {costs}"
 
-    def _walk(self, jaxpr: Any, infos: Sequence[Any], path: tuple) -> list:
-        env: dict[Any, tuple[Any, bool]] = {}
-        for v in jaxpr.constvars:
-            env[v] = (None, False)
+    # -- analysis ----------------------------------------------------------------------
+
+    def _walk(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        infos: Sequence[_Info],
+        path: tuple,
+        record: bool,
+    ) -> list[_Info]:
+        """The infos of `jaxpr`'s outputs; with `record`, uses and fallbacks are
+        noted (without, only dependence on the example is propagated)."""
+        env: dict[Any, _Info] = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = _Info(const=c)
+        for v in jaxpr.constvars[len(consts) :]:
+            env[v] = _PLAIN
         for v, info in zip(jaxpr.invars, infos):
             env[v] = info
 
-        def read(v: Any) -> tuple[Any, bool]:
+        def read(v: Any) -> _Info:
             if isinstance(v, jcore.Literal):
-                return (None, False)
+                return _Info(const=v.val)
             return env[v]
+
+        def flag(ins: Sequence[_Info], reason: str) -> None:
+            if record:
+                for info in ins:
+                    if info.origin is not None:
+                        self._flag(self.leaves[info.origin[0]], reason)
 
         for k, eqn in enumerate(jaxpr.eqns):
             here = (*path, k)
             ins = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
-            tainted = any(t for _, t in ins)
-            outs: list[tuple[Any, bool]]
-            if name in _INLINE:
-                sub, _ = _sub_jaxpr(eqn)
-                outs = self._walk(sub, ins, here)
-            elif name == "dot_general":
-                for side in (0, 1):
-                    origin = ins[side][0]
-                    if origin is None:
-                        continue
-                    leaf = self.leaves[origin[0]]
-                    other = eqn.invars[1 - side]
-                    if not ins[1 - side][1]:
-                        self._flag(
-                            leaf,
-                            "a dot_general whose other operand does not depend on "
-                            "the example",
-                        )
-                        continue
-                    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-                    ac, ab = (rc, rb) if side == 0 else (lc, lb)
-                    shape = tuple(other.aval.shape)
-                    free = [d for m, d in enumerate(shape) if m not in ac + ab]
-                    leaf.uses.append(
-                        Use(
-                            origin[0],
-                            origin[1],
-                            side,
-                            here,
-                            dict(eqn.params),
-                            shape,
-                            math.prod(free),
-                        )
-                    )
-                outs = [(None, tainted)]
-            elif (
-                name in _LAYOUT
-                and len(eqn.invars) == 1
-                and ins[0][0] is not None
-                and (
-                    name != "convert_element_type"
-                    or jnp.issubdtype(eqn.params["new_dtype"], jnp.floating)
+            tainted = any(i.tainted for i in ins)
+            plain = [_Info(tainted=tainted)] * len(eqn.outvars)
+            if not any(i.origin is not None for i in ins):
+                outs = plain
+            elif name in _INLINE or name in _REMAT:
+                sub, sub_consts = _call_jaxpr(eqn)
+                outs = self._walk(sub, sub_consts, ins, (*here, 0), record)
+            elif name == "scan":
+                outs = self._walk_scan(eqn, ins, here, record)
+            elif name == "cond":
+                outs = self._walk_cond(eqn, ins, here, record)
+            elif name in _CUSTOM:
+                fun = eqn.params.get("name", "")
+                flag(
+                    ins,
+                    f"enters {name} {fun!s} (its own derivative rule: per-example "
+                    f"gradients keep it)".replace("  ", " "),
                 )
-            ):
-                leaf_index, chain = ins[0][0]
-                outs = [((leaf_index, (*chain, (eqn.primitive, eqn.params))), False)]
+                outs = plain
+            elif name == "while":
+                flag(ins, "enters a while loop")
+                outs = plain
             else:
-                for origin, _ in ins:
-                    if origin is not None:
-                        self._flag(self.leaves[origin[0]], f"used by {name}")
-                outs = [(None, tainted)] * len(eqn.outvars)
+                outs = self._walk_eqn(eqn, ins, here, record, tainted)
             for v, info in zip(eqn.outvars, outs):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = info
         return [read(v) for v in jaxpr.outvars]
 
-    # -- evaluation ------------------------------------------------------------------
+    def _walk_eqn(self, eqn, ins, here, record, tainted) -> list[_Info]:
+        name = eqn.primitive.name
+        params = [(s, i.origin) for s, i in enumerate(ins) if i.origin is not None]
+        consts = [i.const for i in ins]
+        if len(params) == 1 and not tainted:
+            slot, (leaf, chain, lv) = params[0]
+            steps = [
+                rules.chain_op(eqn, slot, index, consts)
+                for index in range(len(eqn.outvars))
+            ]
+            if all(s is not None for s in steps):
+                return [_Info((leaf, (*chain, s), lv)) for s in steps]
+        rule = rules.RULES.get(name)
+        if rule is None:
+            if record:
+                for _, origin in params:
+                    self._flag(self.leaves[origin[0]], f"used by {name}")
+            return [_Info(tainted=tainted)] * len(eqn.outvars)
+        taints = [i.tainted for i in ins]
+        for slot, (leaf, chain, lv) in params:
+            reason = rule.accepts(eqn, slot, taints)
+            if not record:
+                continue
+            if reason is not None:
+                self._flag(self.leaves[leaf], reason)
+                continue
+            x = self.leaves[leaf]
+            x.uses.append(
+                rules.Use(
+                    leaf,
+                    here,
+                    eqn,
+                    slot,
+                    chain,
+                    lv,
+                    rule,
+                    rule.record(eqn, slot),
+                    jax.ShapeDtypeStruct(x.shape, x.dtype),
+                )
+            )
+        return [_Info(tainted=tainted)] * len(eqn.outvars)
 
-    def evaluate(self, invals: Sequence[Any], probes: dict) -> tuple[list, dict]:
-        """The jaxpr's outputs at `invals`, with `probes[path]` added to the output of
-        each ghost dot, and the activations `{(path, side): other operand}`."""
-        acts: dict[tuple, Any] = {}
+    def _walk_scan(self, eqn, ins, here, record) -> list[_Info]:
+        p = eqn.params
+        nc, ncar, length = p["num_consts"], p["num_carry"], p["length"]
+        body, body_consts = _sub_jaxpr(p["jaxpr"])
+        consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+        if record:
+            for info in init:
+                if info.origin is not None:
+                    self._flag(self.leaves[info.origin[0]], "carried through a scan")
+        inner_consts = [
+            _Info((i.origin[0], i.origin[1], (*i.origin[2], ("repeat", length))), False)
+            if i.origin is not None
+            else i
+            for i in consts
+        ]
+        inner_xs = [
+            _Info(
+                (
+                    i.origin[0],
+                    (*i.origin[1], rules.Op("stack")),
+                    (*i.origin[2], ("stack", length)),
+                ),
+                False,
+            )
+            if i.origin is not None
+            else _Info(tainted=i.tainted)
+            for i in xs
+        ]
+        carry = [_Info(tainted=i.tainted) for i in init]
+        sub = (*here, 0)
+        for _ in range(ncar + 1):  # the carry's dependence on the example: a fixpoint
+            outs = self._walk(
+                body, body_consts, [*inner_consts, *carry, *inner_xs], sub, False
+            )
+            new = [_Info(tainted=c.tainted or o.tainted) for c, o in zip(carry, outs)]
+            if new == carry:
+                break
+            carry = new
+        outs = self._walk(
+            body, body_consts, [*inner_consts, *carry, *inner_xs], sub, record
+        )
+        if record:
+            for info in outs:
+                if info.origin is not None:
+                    self._flag(self.leaves[info.origin[0]], "returned from a scan body")
+        return [_Info(tainted=o.tainted) for o in outs]
 
-        def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], path: tuple):
-            env: dict[Any, Any] = {}
+    def _walk_cond(self, eqn, ins, here, record) -> list[_Info]:
+        index, ops = ins[0], ins[1:]
+        if record and index.origin is not None:
+            self._flag(self.leaves[index.origin[0]], "used as a cond index")
+        branch_outs = []
+        for b, branch in enumerate(eqn.params["branches"]):
+            sub, sub_consts = _sub_jaxpr(branch)
+            outs = self._walk(sub, sub_consts, ops, (*here, b), record)
+            if record:
+                for info in outs:
+                    if info.origin is not None:
+                        self._flag(
+                            self.leaves[info.origin[0]], "returned from a cond branch"
+                        )
+            branch_outs.append(outs)
+        return [
+            _Info(tainted=index.tainted or any(o.tainted for o in outs))
+            for outs in zip(*branch_outs)
+        ]
 
-            def read(v: Any) -> Any:
-                return v.val if isinstance(v, jcore.Literal) else env[v]
+    # -- the instrumented evaluation -------------------------------------------------
 
-            for v, x in zip(jaxpr.constvars, consts):
-                env[v] = x
-            for v, x in zip(jaxpr.invars, args):
-                env[v] = x
-            for k, eqn in enumerate(jaxpr.eqns):
-                here = (*path, k)
-                ins = [read(v) for v in eqn.invars]
-                if eqn.primitive.name in _INLINE:
-                    sub, sub_consts = _sub_jaxpr(eqn)
-                    outs = run(sub, sub_consts, ins, here)
-                else:
-                    bind = eqn.primitive.get_bind_params(eqn.params)
-                    # (older JAX returns (subfuns, params), newer the params)
-                    subfuns, params = ((), bind) if isinstance(bind, dict) else bind
-                    outs = eqn.primitive.bind(*subfuns, *ins, **params)
-                    if not eqn.primitive.multiple_results:
-                        outs = [outs]
-                    if here in probes:
-                        outs = [outs[0] + probes[here]]
-                        for use in self.ghost_dots[here]:
-                            acts[(here, use.side)] = ins[1 - use.side]
-                for v, x in zip(eqn.outvars, outs):
-                    if not isinstance(v, jcore.DropVar):
-                        env[v] = x
-            return [read(v) for v in jaxpr.outvars]
+    def probe_avals(self) -> dict[tuple, jax.ShapeDtypeStruct]:
+        """The type of each use's probe (its output, with its scans' axes)."""
+        return {p: self.uses_at[p][0].out_aval() for p in self.probe_paths}
 
-        outs = run(self.closed.jaxpr, self.closed.consts, invals, ())
-        return outs, acts
+    def run(self, invals: Sequence[Any], probes: dict) -> tuple[list, dict]:
+        """The jaxpr's outputs at `invals`, with `probes[path]` added to the output
+        of each use, and the operands each use records (`{use.key: [arrays]}`)."""
+        records: dict = {}
+        outs = self._run(
+            self.closed.jaxpr, self.closed.consts, invals, probes, (), 0, records
+        )
+        return outs, records
 
-    def probe_avals(self) -> dict:
-        """The output type of each ghost dot (for the zero probes)."""
-        avals = {}
+    def _inside(self, prefix: tuple) -> tuple[list, list]:
+        """The probe paths and use keys under `prefix`."""
+        n = len(prefix)
+        paths = [p for p in self.probe_paths if p[:n] == prefix]
+        keys = [u.key for u in self.uses if u.path[:n] == prefix]
+        return paths, keys
 
-        def walk(jaxpr: Any, path: tuple) -> None:
-            for k, eqn in enumerate(jaxpr.eqns):
-                here = (*path, k)
-                if eqn.primitive.name in _INLINE:
-                    walk(_sub_jaxpr(eqn)[0], here)
-                elif here in self.ghost_dots:
-                    avals[here] = eqn.outvars[0].aval
+    def _run(self, jaxpr, consts, args, probes, path, depth, records) -> list:
+        env: dict[Any, Any] = {}
 
-        walk(self.closed.jaxpr, ())
-        return avals
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for k, eqn in enumerate(jaxpr.eqns):
+            here = (*path, k)
+            ins = [read(v) for v in eqn.invars]
+            name = eqn.primitive.name
+            if here not in self.touched:
+                outs = _bind_eqn(eqn, ins)
+            elif name in _INLINE:
+                sub, sub_consts = _call_jaxpr(eqn)
+                outs = self._run(
+                    sub, sub_consts, ins, probes, (*here, 0), depth, records
+                )
+            elif name in _REMAT:
+                outs = self._run_remat(eqn, ins, probes, here, depth, records)
+            elif name == "scan":
+                outs = self._run_scan(eqn, ins, probes, here, depth, records)
+            elif name == "cond":
+                outs = self._run_cond(eqn, ins, probes, here, depth, records)
+            else:
+                outs = _bind_eqn(eqn, ins)
+                outs = [outs[0] + probes[here]]
+                for use in self.uses_at[here]:
+                    records[use.key] = [ins[i] for i in use.record]
+            for v, x in zip(eqn.outvars, outs):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def _run_remat(self, eqn, ins, probes, here, depth, records) -> list:
+        sub, sub_consts = _call_jaxpr(eqn)
+        paths, keys = self._inside((*here, 0))
+
+        def body(ins: list, prs: list) -> Any:
+            recs: dict = {}
+            outs = self._run(
+                sub, sub_consts, ins, dict(zip(paths, prs)), (*here, 0), depth, recs
+            )
+            return outs, [recs[k] for k in keys]
+
+        p = eqn.params
+        outs, recs = jax.checkpoint(
+            body, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy")
+        )(list(ins), [probes[q] for q in paths])
+        records.update(zip(keys, recs))
+        return outs
+
+    def _run_scan(self, eqn, ins, probes, here, depth, records) -> list:
+        p = eqn.params
+        nc, ncar = p["num_consts"], p["num_carry"]
+        body, body_consts = _sub_jaxpr(p["jaxpr"])
+        consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+        sub = (*here, 0)
+        paths, keys = self._inside(sub)
+
+        def step(carry: list, x: Any) -> Any:
+            xs_i, prs = x
+            recs: dict = {}
+            outs = self._run(
+                body, body_consts, [*consts, *carry, *xs_i], dict(zip(paths, prs)),
+                sub, depth + 1, recs,
+            )
+            return outs[:ncar], (outs[ncar:], [recs[k] for k in keys])
+
+        carry, (ys, recs) = lax.scan(
+            step,
+            list(init),
+            (list(xs), [probes[q] for q in paths]),
+            length=p["length"],
+            reverse=p["reverse"],
+            unroll=p["unroll"],
+        )
+        records.update(zip(keys, recs))
+        return [*carry, *ys]
+
+    def _run_cond(self, eqn, ins, probes, here, depth, records) -> list:
+        index, ops = ins[0], ins[1:]
+        paths, keys = self._inside(here)
+        by_key = {u.key: u for u in self.uses}
+        branches = eqn.params["branches"]
+
+        def branch(b: int) -> Callable[..., Any]:
+            sub, sub_consts = _sub_jaxpr(branches[b])
+
+            def fn(ops: list, prs: list) -> Any:
+                recs: dict = {}
+                outs = self._run(
+                    sub, sub_consts, ops, dict(zip(paths, prs)), (*here, b), depth,
+                    recs,
+                )
+                full = []
+                for key in keys:
+                    if key in recs:
+                        full.append(recs[key])
+                    else:  # another branch's use: zeros
+                        avals = by_key[key].record_avals(depth)
+                        full.append([jnp.zeros(a.shape, a.dtype) for a in avals])
+                return outs, full
+
+            return fn
+
+        outs, recs = lax.switch(
+            index,
+            [branch(b) for b in range(len(branches))],
+            list(ops),
+            [probes[q] for q in paths],
+        )
+        records.update(zip(keys, recs))
+        return outs
+
+    # -- norms and sums ----------------------------------------------------------------
+
+    def sq_norm(self, k: int, records: dict, deltas: dict, acc: Any) -> Any:
+        """`||G||^2` of one example's gradient of rule leaf `k`, by its rule."""
+        leaf = self.leaves[k]
+        if leaf.rule != GHOST:
+            g = self.instantiate(k, records, deltas)
+            return jnp.sum(jnp.square(g.astype(acc)))
+        arrays = [u.form.build(records[u.key], deltas[u.path]) for u in leaf.uses]
+        total = jnp.zeros((), acc)
+        for (i, j), p in leaf.pairs.items():
+            u, v = leaf.uses[i], leaf.uses[j]
+            term = rules.pair_term(p.kind, u.form, arrays[i], v.form, arrays[j], acc)
+            total = total + (term if i == j else 2 * term)
+        return total
+
+    def instantiate(self, k: int, records: dict, deltas: dict) -> Any:
+        """One example's gradient of rule leaf `k`, from its uses."""
+        total = None
+        for u in self.leaves[k].uses:
+            g = u.instantiate(records[u.key], deltas[u.path])
+            total = g if total is None else total + g
+        return total
+
+    def chunk_sum(self, k: int, records: dict, deltas: dict) -> Any:
+        """`sum_i G_i` of rule leaf `k` over a chunk's stacked records and (scaled)
+        cotangents."""
+        leaf = self.leaves[k]
+        total = jnp.zeros(leaf.shape, leaf.dtype)
+        for u in leaf.uses:
+            total = total + u.chunk_sum(records[u.key], deltas[u.path])
+        return total
+
+
+def _inst_cost(use: rules.Use) -> float:
+    """Floating-point operations to instantiate one use's gradient (one example)."""
+    if use.form is not None:
+        return use.form.inst_cost()
+    shapes = [use.out_aval().shape, *(a.shape for a in use.record_avals())]
+    return float(sum(math.prod(s) for s in shapes))
+
+
+def _count(x: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= size:
+            return f"{x / size:.3g}{unit}"
+    return f"{x:.3g}"
 
 
 # --------------------------------------------------------------------------------------
-# Norms and sums from activations and cotangents.
+# Norms accumulate in at least float32.
 
 
 def accumulation_dtype(dtypes: Sequence[Any]) -> Any:
@@ -352,75 +561,6 @@ def accumulation_dtype(dtypes: Sequence[Any]) -> Any:
     double precision (real or complex)."""
     wide = any(jnp.finfo(d).dtype.itemsize > 4 for d in dtypes)
     return jnp.float64 if wide else jnp.float32
-
-
-def instantiate(leaf: Leaf, acts: Sequence[Any], deltas: Sequence[Any]) -> Any:
-    """One example's gradient of a ghost leaf, from its uses' activations and
-    cotangents (in the leaf's layout and dtype)."""
-    aval = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-    total = None
-    for use, a, d in zip(leaf.uses, acts, deltas):
-        (g,) = jax.linear_transpose(lambda w, a=a, use=use: use.dot(w, a), aval)(d)
-        total = g if total is None else total + g
-    return total
-
-
-def ghost_sq_norm(leaf: Leaf, acts: Sequence[Any], deltas: Sequence[Any]) -> Any:
-    """`||G||^2` of one example's gradient of a ghost leaf, by its rule, accumulated
-    in at least float32."""
-    acc = accumulation_dtype(
-        [leaf.dtype, *(a.dtype for a in acts), *(d.dtype for d in deltas)]
-    )
-    if leaf.rule == INSTANTIATED:
-        g = instantiate(leaf, acts, deltas)
-        return jnp.sum(jnp.square(g.astype(acc)))
-    rank = len(leaf.shape)
-    letters = string.ascii_letters
-    w_letters, pool = letters[:rank], letters[rank:]
-    specs = []
-    used = 0
-    for use in leaf.uses:
-        fresh = pool[used : used + len(use.act_shape)]
-        used += len(use.act_shape)
-        specs.append(use.specs(rank, w_letters, fresh))
-    total = jnp.zeros((), acc)
-    ops = [(a.astype(acc), d.astype(acc)) for a, d in zip(acts, deltas)]
-    n = len(leaf.uses)
-    for u in range(n):
-        for v in range(u, n):
-            (au, du, _), (av, dv, _) = specs[u], specs[v]
-            if u == v:  # the other copy of the same use gets new position letters
-                rename = {
-                    c: pool[used + i]
-                    for i, c in enumerate(sorted(set(au) - set(w_letters)))
-                }
-                av = "".join(rename.get(c, c) for c in au)
-                dv = "".join(rename.get(c, c) for c in du)
-            term = jnp.einsum(
-                f"{au},{du},{av},{dv}->",
-                ops[u][0],
-                ops[u][1],
-                ops[v][0],
-                ops[v][1],
-                optimize="optimal",
-            )
-            total = total + (term if u == v else 2 * term)
-    return total
-
-
-def ghost_sum(leaf: Leaf, acts: Sequence[Any], deltas: Sequence[Any]) -> Any:
-    """`sum_i G_i` over a chunk's stacked activations and (scaled) cotangents: one
-    contraction over the examples and the positions per use."""
-    aval = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-    total = jnp.zeros(leaf.shape, leaf.dtype)
-    for use, a, d in zip(leaf.uses, acts, deltas):
-
-        def batched(w, a=a, use=use):
-            return jax.vmap(use.dot, in_axes=(None, 0))(w, a)
-
-        (g,) = jax.linear_transpose(batched, aval)(d)
-        total = total + g
-    return total
 
 
 # --------------------------------------------------------------------------------------
@@ -500,7 +640,7 @@ class Traced:
         self.out_tree = jax.tree.structure(shape)
         value = jax.tree.leaves(shape)[0] if jax.tree.leaves(shape) else None
         self.value_aval = value
-        self.analysis = Analysis(closed, positions, example_positions, paths)
+        self.plan = Plan(closed, positions, example_positions, paths)
 
     def rebuild(self, args: Sequence[Any], kwargs: dict, values: Sequence[Any]):
         """`(args, kwargs)` with their array leaves replaced by `values`."""
@@ -539,7 +679,11 @@ class Traced:
 
     def report(self) -> GhostReport:
         return GhostReport(
-            [(x.path, x.shape, x.rule, x.reason) for x in self.analysis.leaves]
+            [(x.path, x.shape, x.rule, x.reason) for x in self.plan.leaves],
+            {
+                x.path: sorted({rules.rule_kind(u) for u in x.uses})
+                for x in self.plan.leaves
+            },
         )
 
 
@@ -551,24 +695,39 @@ class GhostReport:
     """Which rule `method="ghost"` uses for each differentiated leaf, and why; made
     by `ghost_report`.
 
-    `print` it for a table, `rule(path)` for one leaf's rule, `as_dict()` for all of
-    them.
+    `print` it for a table and a summary, `rule(path)` for one leaf's rule,
+    `as_dict()` for all of them, `shares()` for the share of the parameters under
+    each rule.
 
     Attributes:
       rows: `(path, shape, rule, reason)` per floating-point leaf, where rule is
-        `"ghost"` (ghost norm), `"instantiated"` (that leaf's per-example gradient is
-        formed from its activations and cotangents: the mixed rule), `"per-example"`
-        (exact per-example gradients, vmapped) or `"unused"` (zero gradient).
+        `"ghost"` (ghost norm: the per-example gradient is never formed),
+        `"instantiated"` (that leaf's per-example gradient is formed from the
+        activations and cotangents of its uses, in the same backward pass: the
+        mixed rule's choice when cheaper, and the rule of biases, scales and other
+        elementwise parameters), `"per-example"` (no rule covers one of its uses:
+        exact per-example gradients, as `method="vmap"`) or `"unused"` (zero
+        gradient).
+      uses: for each leaf's path, the kinds of its uses (`"dense"`, `"conv"`,
+        `"embedding"`, `"elementwise"`, or a primitive's name).
+      runs: `"ghost"` when some leaf has a ghost norm; `"vmap"` when none has, so
+        `method="ghost"` runs the per-example path of `method="vmap"` itself.
 
     Examples:
       >>> from chunkvmap import GhostReport
-      >>> report = GhostReport([("args[0]['w']", (3, 2), "ghost", "1 dot")])
-      >>> report.rule("args[0]['w']")
-      'ghost'
+      >>> report = GhostReport([("args[0]['w']", (3, 2), "ghost", "dense")])
+      >>> report.rule("args[0]['w']"), report.runs
+      ('ghost', 'ghost')
     """
 
-    def __init__(self, rows: list[tuple[str, tuple, str, str]]):
+    def __init__(
+        self,
+        rows: list[tuple[str, tuple, str, str]],
+        uses: dict[str, list[str]] | None = None,
+    ):
         self.rows = rows
+        self.uses = uses or {}
+        self.runs = "ghost" if any(r == GHOST for _, _, r, _ in rows) else "vmap"
 
     def rule(self, path: str) -> str:
         """The rule of the leaf at key path `path` (as in `rows`)."""
@@ -580,11 +739,49 @@ class GhostReport:
     def as_dict(self) -> dict[str, str]:
         return {p: rule for p, _, rule, _ in self.rows}
 
+    def shares(self) -> dict[str, float]:
+        """The share of the parameters (entries of the differentiated leaves) under
+        each rule, and under each kind of use (a leaf used in several ways counts
+        under each kind: `"kind:dense"`, `"kind:embedding"`, ...)."""
+        sizes = {p: math.prod(shape) for p, shape, _, _ in self.rows}
+        total = sum(sizes.values()) or 1
+        out: dict[str, float] = {}
+        for p, _, rule, _ in self.rows:
+            out[rule] = out.get(rule, 0.0) + sizes[p] / total
+        for p, kinds in self.uses.items():
+            if self.rule(p) == PER_EXAMPLE:
+                continue
+            for kind in kinds:
+                key = f"kind:{kind}"
+                out[key] = out.get(key, 0.0) + sizes[p] / total
+        return out
+
+    def fallback(self) -> list[str]:
+        """The paths of the leaves that use per-example gradients."""
+        return [p for p, _, rule, _ in self.rows if rule == PER_EXAMPLE]
+
     def __str__(self) -> str:
         width = max([len(p) for p, *_ in self.rows] + [4])
         lines = [f"{'leaf':<{width}}  {'shape':<14} {'rule':<13} why"]
         for p, shape, rule, reason in self.rows:
             lines.append(f"{p:<{width}}  {str(shape):<14} {rule:<13} {reason}")
+        shares = self.shares()
+        rules_line = ", ".join(
+            f"{r} {100 * shares[r]:.1f}%"
+            for r in (GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED)
+            if r in shares
+        )
+        lines.append(f"parameters by rule: {rules_line}")
+        kinds = sorted(k for k in shares if k.startswith("kind:"))
+        if kinds:
+            lines.append(
+                "parameters by use: "
+                + ", ".join(f"{k[5:]} {100 * shares[k]:.1f}%" for k in kinds)
+            )
+        if self.runs == "vmap":
+            lines.append(
+                "no leaf has a ghost norm: method='ghost' runs as method='vmap'"
+            )
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -602,18 +799,25 @@ def ghost_report(
 
     `fun` is traced once on ONE example's arguments, exactly as it receives them
     (with `clipped_grad`'s default `keep_batch_dim=True`, pass the example with its
-    leading axis of size 1). Every floating-point leaf of the arguments `argnums`
-    gets one of the rules:
+    leading axis of size 1). Every use of every floating-point leaf of the
+    arguments `argnums` is found, through `jit`, `checkpoint`/remat, `scan` (a
+    stacked leaf read through `xs`, or a leaf every iteration reads) and `cond`, and
+    through example-independent linear steps between the leaf and its use
+    (transposes, reshapes that keep axes, slices and splits, broadcasts, constant
+    scales, casts, sharding constraints). The leaf gets one of the rules:
 
-    * `"ghost"`: every use is an operand of a `dot_general` (through `transpose`,
-      `convert_element_type`, `copy`) whose other operand depends on the example,
-      and (sum of positions)^2 <= the leaf's size: ghost norms, never the
-      per-example gradient;
-    * `"instantiated"`: the same uses, but the mixed rule (T^2 > size, or a reshape
-      between the leaf and its dots) forms that leaf's per-example gradient from the
-      activations and cotangents;
-    * `"per-example"`: any other use (gather, convolution, elementwise, inside
-      `custom_jvp`/`scan`/`cond`/`while`, ...): exact per-example gradients;
+    * `"ghost"`: every use has a ghost norm (contractions: `@`, `einsum`,
+      `dot_general`; convolutions, as patches; embedding lookups: `emb[tokens]`,
+      `jnp.take`, `nn.Embed`, `eqx.nn.Embedding`), every pair of uses an exact cross
+      term, and that costs fewer floating-point operations than forming the
+      gradient: the per-example gradient is never formed;
+    * `"instantiated"`: the per-example gradient is formed from the uses'
+      activations and cotangents in the same backward pass (elementwise uses:
+      biases, scales, position tables; `concatenate`, `select_n`, ...; and the
+      mixed rule's choice when cheaper than the ghost norm);
+    * `"per-example"`: some use has no rule (a nonlinearity applied to the leaf, a
+      `custom_jvp`/`custom_vjp` function or a `while` loop it enters, a scan
+      carry): exact per-example gradients, as `method="vmap"`;
     * `"unused"`: the loss does not use the leaf.
 
     Args:
@@ -626,8 +830,9 @@ def ghost_report(
       **kwargs: one example's keyword arguments.
 
     Returns:
-      A `GhostReport`: `print` it for a table; `.rows` holds `(path, shape, rule,
-      reason)`, `.as_dict()` maps each leaf's key path to its rule.
+      A `GhostReport`: `print` it for a table and the share of the parameters under
+      each rule; `.rows` holds `(path, shape, rule, reason)`, `.as_dict()` maps each
+      leaf's key path to its rule, `.runs` says whether the ghost path runs.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -637,7 +842,7 @@ def ghost_report(
       >>> report = ghost_report(loss, {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)},
       ...                       jnp.ones(3))
       >>> report.as_dict()
-      {"args[0]['b']": 'per-example', "args[0]['w']": 'ghost'}
+      {"args[0]['b']": 'instantiated', "args[0]['w']": 'ghost'}
     """
     from ._grads import check_argnums, resolve_argnums
 

@@ -179,6 +179,7 @@ class GradSetup:
         self.name = name
         self.argnums, self.single = check_argnums(name, "argnums", argnums)
         self.warned = False
+        self.ghost_warned = False
         self.batch_argnums = (
             None
             if batch_argnums is None
