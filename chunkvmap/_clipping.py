@@ -390,8 +390,8 @@ def _ghost_sums(
             f"{name} fun must return a real scalar loss (with aux: as the first "
             f"element), but it returns {value}."
         )
-    plan = traced.plan
     report = traced.report()
+    plan = traced.plan
     _warn_fallback(setup, fun, report)
     if report.runs == "vmap":
         return None  # nothing to gain: the per-example path itself
@@ -400,7 +400,6 @@ def _ghost_sums(
     ruled = [
         k for k, x in enumerate(leaves) if x.rule in (_ghost.GHOST, _ghost.INSTANTIATED)
     ]
-    probe_avals = plan.probe_avals()
     acc = _ghost.accumulation_dtype([x.dtype for x in leaves])  # as global_norm's
     per_example = config.per_example
     has_pad = len(extra) > int(per_example)  # the indices, then the padding flags
@@ -411,6 +410,7 @@ def _ghost_sums(
         pad = inputs.pop() if has_pad else None
         index = inputs.pop() if per_example else None
         values = traced.arrays(inputs[:n_args], kw)
+        plan = traced.plan_here(values)
         positions = plan.diff_positions
 
         def loss(probes: dict, pe_values: list) -> Any:
@@ -420,7 +420,7 @@ def _ghost_sums(
             outs, records = plan.run(vals, probes)
             return outs[0], (outs, records)
 
-        probes = {p: jnp.zeros(a.shape, a.dtype) for p, a in probe_avals.items()}
+        probes = plan.probes()
         (deltas, pe_grads), (outs, records) = jax.grad(
             loss, argnums=(0, 1), has_aux=True
         )(probes, [values[positions[k]] for k in pe])
@@ -457,6 +457,8 @@ def _ghost_sums(
         _, _, finite, pad, records, deltas, pe_grads = parts
         chosen = ~finite if pad is None else ~finite & ~pad
 
+        plan = traced.plan_here()
+
         def one(carry: list, xs: Any) -> Any:
             sel, recs, dels, pe_g = xs
             grads: list[Any] = [None] * len(leaves)
@@ -491,6 +493,7 @@ def _ghost_sums(
             s = scale.astype(x.dtype).reshape(mask(x).shape)
             return jnp.where(mask(x), x * s, jnp.zeros((), x.dtype))
 
+        plan = traced.plan_here()
         totals: list[Any] = [None] * len(leaves)
         recs = jax.tree.map(kept, records)
         dels = jax.tree.map(scaled, deltas)

@@ -120,9 +120,12 @@ class Plan:
         self.closed = closed
         jaxpr = closed.jaxpr
         self.diff_positions = list(diff_positions)
+        invars = [jaxpr.invars[i] for i in diff_positions]
         self.leaves = [
-            Leaf(p, tuple(v.aval.shape), v.aval.dtype)
-            for p, v in zip(leaf_paths, [jaxpr.invars[i] for i in diff_positions])
+            Leaf(p, tuple(v.aval.shape), v.aval.dtype) for p, v in zip(leaf_paths, invars)
+        ]
+        self.leaf_specs = [
+            getattr(getattr(v.aval, "sharding", None), "spec", None) for v in invars
         ]
         for leaf in self.leaves:
             if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
@@ -292,6 +295,7 @@ class Plan:
                     rule,
                     rule.record(eqn, slot),
                     jax.ShapeDtypeStruct(x.shape, x.dtype),
+                    self.leaf_specs[leaf],
                 )
             )
         return [_Info(tainted=tainted)] * len(eqn.outvars)
@@ -365,9 +369,9 @@ class Plan:
 
     # -- the instrumented evaluation -------------------------------------------------
 
-    def probe_avals(self) -> dict[tuple, jax.ShapeDtypeStruct]:
-        """The type of each use's probe (its output, with its scans' axes)."""
-        return {p: self.uses_at[p][0].out_aval() for p in self.probe_paths}
+    def probes(self) -> dict[tuple, Any]:
+        """A zero probe for each use's output (with its scans' axes)."""
+        return {p: self.uses_at[p][0].probe() for p in self.probe_paths}
 
     def run(self, invals: Sequence[Any], probes: dict) -> tuple[list, dict]:
         """The jaxpr's outputs at `invals`, with `probes[path]` added to the output
@@ -567,6 +571,17 @@ def accumulation_dtype(dtypes: Sequence[Any]) -> Any:
 # Tracing one example's loss.
 
 
+def _one_example_sharding(aval: Any, stripped: bool) -> Any:
+    """The sharding type of one example of `aval` (its leading axis removed when
+    `stripped`), where it has one on an explicit mesh; else None."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not mesh.explicit_axes:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (len(aval.shape) - len(sharding.spec))
+    return jax.sharding.NamedSharding(mesh, jax.P(*(spec[1:] if stripped else spec)))
+
+
 class Traced:
     """One example's loss as a jaxpr of its array leaves, with the ghost plan.
 
@@ -607,11 +622,15 @@ class Traced:
                 if not arr:
                     continue
                 aval = jax.typeof(x)
-                shape = tuple(aval.shape[1:] if (strip and is_mapped) else aval.shape)
+                stripped = strip and is_mapped
+                shape = tuple(aval.shape[1:] if stripped else aval.shape)
                 position = len(avals)
                 avals.append(
                     jax.ShapeDtypeStruct(
-                        shape, aval.dtype, weak_type=getattr(aval, "weak_type", False)
+                        shape,
+                        aval.dtype,
+                        weak_type=getattr(aval, "weak_type", False),
+                        sharding=_one_example_sharding(aval, stripped),
                     )
                 )
                 if is_mapped:
@@ -641,6 +660,41 @@ class Traced:
         value = jax.tree.leaves(shape)[0] if jax.tree.leaves(shape) else None
         self.value_aval = value
         self.plan = Plan(closed, positions, example_positions, paths)
+        self._one = one
+        self._plan_args = (positions, example_positions, paths)
+        here = jax.sharding.get_abstract_mesh()
+        self._plans = {(here, tuple(self._leaf_types(avals))): self.plan}
+        self._last = {here: self.plan}
+
+    def _leaf_types(self, values: Sequence[Any]) -> list[Any]:
+        return [jax.typeof(values[i]) for i in self.plan.diff_positions]
+
+    def plan_here(self, values: Sequence[Any] | None = None) -> Plan:
+        """The plan for the current mesh context and the types of one example's
+        `values` (without them: the plan of the example traced last in this
+        context, for its chunk's sums). A jaxpr carries the mesh and the shardings
+        it was traced with; inside a `shard_map` (some axes manual) the loss is
+        traced again, on `values` there, with the same rules."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if values is None:
+            if mesh not in self._last:
+                raise RuntimeError("ghost clipping: no example traced here yet")
+            return self._last[mesh]
+        key = (mesh, tuple(self._leaf_types(values)))
+        plan = self._plans.get(key)
+        if plan is None:
+            closed = jax.make_jaxpr(self._one)(list(values))
+            plan = Plan(closed, *self._plan_args)
+            if [(x.rule, [u.key for u in x.uses]) for x in plan.leaves] != [
+                (x.rule, [u.key for u in x.uses]) for x in self.plan.leaves
+            ]:
+                raise RuntimeError(
+                    "ghost clipping: the loss traces differently under the mesh "
+                    f"{mesh}; use method='vmap' here."
+                )
+            self._plans[key] = plan
+        self._last[mesh] = plan
+        return plan
 
     def rebuild(self, args: Sequence[Any], kwargs: dict, values: Sequence[Any]):
         """`(args, kwargs)` with their array leaves replaced by `values`."""

@@ -73,6 +73,23 @@ def in_context(params: dict) -> dict:
     return out
 
 
+def explicit_spec(spec: Any = ()) -> Any:
+    """`spec` (a PartitionSpec or its entries) where the current mesh has Explicit
+    axes (a contraction over sharded axes must then say its output's sharding),
+    else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.explicit_axes:
+        return None
+    names = set(mesh.explicit_axes)
+
+    def keep(entry: Any) -> Any:  # axes manual here are not the output's to name
+        parts = entry if isinstance(entry, tuple) else (entry,)
+        parts = tuple(a for a in parts if a in names)
+        return parts[0] if len(parts) == 1 else (parts or None)
+
+    return jax.P(*(keep(e) for e in spec))
+
+
 def bind(prim: Any, operands: Sequence[Any], params: dict) -> Any:
     """`prim.bind(*operands, **params)` with `params` as bind takes them, in context."""
     bound = prim.get_bind_params(params)
@@ -278,6 +295,7 @@ class Use:
     rule: Rule
     record: tuple[int, ...]
     leaf_aval: Any
+    leaf_spec: Any = None  # the leaf's PartitionSpec where its type has one
     layout: Layout | None = None
     form: Form | None = None
 
@@ -300,6 +318,17 @@ class Use:
     def out_aval(self) -> jax.ShapeDtypeStruct:
         out = self.eqn.outvars[0].aval
         return jax.ShapeDtypeStruct(self.level_shape() + tuple(out.shape), out.dtype)
+
+    def probe(self) -> Any:
+        """A zero of the use's output type (its scans' axes leading), sharded like
+        the output where the current mesh has Explicit axes."""
+        out = self.eqn.outvars[0].aval
+        spec = getattr(getattr(out, "sharding", None), "spec", None)
+        spec = None if spec is None else (None,) * len(self.levels) + tuple(spec)
+        aval = self.out_aval()
+        return jnp.zeros(
+            aval.shape, aval.dtype, out_sharding=explicit_spec(spec or ())
+        )
 
     def forward(self, w: Any, recorded: Sequence[Any]) -> Any:
         """The use's output (with its levels' axes) as a linear function of the leaf
@@ -331,16 +360,31 @@ class Use:
                 operands.append(jnp.zeros(v.aval.shape, v.aval.dtype))
         return bind(self.eqn.primitive, operands, self.eqn.params)
 
+    def typed_leaf(self) -> jax.ShapeDtypeStruct:
+        """The leaf's type, with its sharding where the current mesh has Explicit
+        axes (so that its transposes come out sharded like the leaf)."""
+        spec = explicit_spec(self.leaf_spec or ())
+        if spec is None:
+            return self.leaf_aval
+        mesh = jax.sharding.get_abstract_mesh()
+        return jax.ShapeDtypeStruct(
+            self.leaf_aval.shape,
+            self.leaf_aval.dtype,
+            sharding=jax.sharding.NamedSharding(mesh, spec),
+        )
+
     def instantiate(self, recorded: Sequence[Any], delta: Any) -> Any:
         """One example's gradient of the leaf through this use."""
         if self.form is not None and self.form.direct:
             arrays = self.form.build(recorded, delta)
-            return self.form.gradient(arrays, self.leaf_aval.shape, False).astype(
+            return self.form.gradient(
+                arrays, self.leaf_aval.shape, False, self.leaf_spec
+            ).astype(
                 self.leaf_aval.dtype
             )
-        (g,) = jax.linear_transpose(
-            lambda w: self.forward(w, recorded), self.leaf_aval
-        )(delta)
+        fun = lambda w: self.forward(w, recorded)  # noqa: E731
+        leaf = self.typed_leaf()
+        (g,) = jax.linear_transpose(fun, leaf)(_typed_like(delta, fun, leaf))
         return g
 
     def chunk_sum(self, recorded: Sequence[Any], delta: Any) -> Any:
@@ -349,14 +393,29 @@ class Use:
         size = delta.shape[0]
         if self.form is not None and self.form.direct:
             arrays = jax.vmap(self.form.build)(recorded, delta)
-            return self.form.gradient(arrays, self.leaf_aval.shape, True).astype(
+            return self.form.gradient(
+                arrays, self.leaf_aval.shape, True, self.leaf_spec
+            ).astype(
                 self.leaf_aval.dtype
             )
-        (g,) = jax.linear_transpose(
-            lambda w: jax.vmap(lambda r: self.forward(w, r), axis_size=size)(recorded),
-            self.leaf_aval,
-        )(delta)
+        def fun(w: Any) -> Any:
+            return jax.vmap(lambda r: self.forward(w, r), axis_size=size)(recorded)
+
+        leaf = self.typed_leaf()
+        (g,) = jax.linear_transpose(fun, leaf)(_typed_like(delta, fun, leaf))
         return g
+
+
+def _typed_like(delta: Any, fun: Callable[[Any], Any], leaf: Any) -> Any:
+    """`delta` resharded to the type of `fun(leaf)` where their shardings differ (the
+    chunks' stacking may drop an Explicit sharding of a cotangent)."""
+    if explicit_spec() is None:
+        return delta
+    want = jax.eval_shape(fun, leaf).sharding
+    have = jax.typeof(delta).sharding
+    if getattr(have, "spec", None) == getattr(want, "spec", None):
+        return delta
+    return jax.sharding.reshard(delta, want.spec)
 
 
 # --------------------------------------------------------------------------------------
@@ -394,15 +453,25 @@ class Form:
     build_cost: float = 0.0
     direct: bool = False  # `gradient` forms G (else the primitive's transpose does)
 
-    def gradient(self, arrays: Sequence[Any], shape: Sequence[int], batched: bool):
+    def gradient(
+        self, arrays: Sequence[Any], shape: Sequence[int], batched: bool, spec: Any
+    ):
         """`G` from the einsum form's arrays (summed over a leading axis of examples
         when `batched`), in the leaf's layout: every leaf axis present, in full."""
         out: list[Symbol] = []
+        out_spec: list[Any] = []
         for j in range(len(shape)):
             parts = sorted(s for s in self.leaf_symbols if s[1] == j)
             out += parts  # ("leaf", j) or its (group, within) split, in that order
-        specs = [(("example",), *spec) if batched else spec for spec in self.specs]
-        g = jnp.einsum(_equation(specs, out), *arrays, optimize="optimal")
+            entry = spec[j] if spec is not None and j < len(spec) else None
+            out_spec += [entry] if len(parts) == 1 else [None] * len(parts)
+        specs = [(("example",), *sp) if batched else sp for sp in self.specs]
+        g = jnp.einsum(
+            _equation(specs, out),
+            *arrays,
+            optimize="optimal",
+            out_sharding=explicit_spec(out_spec),
+        )
         return g.reshape(shape)
 
     def inst_cost(self) -> float:
@@ -522,7 +591,12 @@ def pair_term(kind: str, u: Form, au: list, v: Form, av: list, acc: Any) -> Any:
     if kind == "einsum":
         vs = _rename(v.specs, _all_symbols(u.specs))
         ops = [x.astype(acc) for x in (*au, *av)]
-        return jnp.einsum(_equation([*u.specs, *vs]), *ops, optimize="optimal")
+        return jnp.einsum(
+            _equation([*u.specs, *vs]),
+            *ops,
+            optimize="optimal",
+            out_sharding=explicit_spec(),
+        )
     if kind == "rows":
         (ru, mu, du), (rv, mv, dv) = au, av
         gram = _rows_gram(u, du, v, dv, acc)
@@ -539,7 +613,9 @@ def pair_term(kind: str, u: Form, au: list, v: Form, av: list, acc: Any) -> Any:
         ops.append(x.astype(acc))
     mask = valid.reshape(valid.shape + (1,) * (delta.ndim - 1))
     ops.append(jnp.where(mask, delta, 0).astype(acc))
-    return jnp.einsum(_equation(specs), *ops, optimize="optimal")
+    return jnp.einsum(
+        _equation(specs), *ops, optimize="optimal", out_sharding=explicit_spec()
+    )
 
 
 def _rows_gram(u: Form, du: Any, v: Form, dv: Any, acc: Any) -> Any:
@@ -548,7 +624,9 @@ def _rows_gram(u: Form, du: Any, v: Form, dv: Any, acc: Any) -> Any:
     (sv,) = _rename([v.specs[2]], _all_symbols([su]))
     sv = (("other-position",), *sv[1:])
     eq = _equation([su, sv], (su[0], sv[0]))
-    return jnp.einsum(eq, du.astype(acc), dv.astype(acc))
+    return jnp.einsum(
+        eq, du.astype(acc), dv.astype(acc), out_sharding=explicit_spec((None, None))
+    )
 
 
 # --------------------------------------------------------------------------------------

@@ -7,22 +7,26 @@ devices (`jax.make_mesh`'s default `Explicit` axes):
   examples;
 * the hidden layer is sharded over "model" (Megatron style: `w1`'s columns, `b1` and
   `w2`'s rows), so each device holds half of the weights;
-* `chunkvmap.clipped_grad_sum(loss, C, batch_size=B)` computes, clips and sums the
-  per-example gradients. It sees the batch's layout in its type and follows it: each
-  device evaluates only its own examples, `B` at a time, and the devices' sums are
-  added in device order. No argument says so, and the batch is never all-gathered;
-  the "model" axis is left alone, so the gradients come out sharded like the weights.
+* `chunkvmap.clipped_grad_sum(loss, C, batch_size=B, method="ghost")` computes the
+  per-example gradient norms (ghost norms: no per-example weight gradient is formed),
+  clips and sums. It sees the batch's layout in its type and follows it: each device
+  evaluates only its own examples, `B` at a time, and the devices' sums are added in
+  device order. No argument says so, and the batch is never all-gathered; the
+  "model" axis is left alone, so the gradients come out sharded like the weights.
+  `--method vmap` forms the per-example gradients instead (the same result).
 
 Each step adds Gaussian noise (DP-SGD) and applies an optax update, all in one
 `jax.jit` under `jax.set_mesh(mesh)`. At the end the script checks that
 
-(a) the clipped gradient sum equals `jax.vmap(jax.grad(loss))`, clipped and summed;
+(a) the clipped gradient sum equals `jax.vmap(jax.grad(loss))`, clipped and summed,
+    for both methods;
 (b) the parameters kept their sharding through the updates;
 (c) the compiled step has no all-gather of the global batch.
 
 It needs 8 devices; on the CPU it simulates them:
 
     python examples/data_parallel.py [--steps 40] [--lot-size 512] [--batch-size 32]
+                                     [--method ghost]
 """
 
 from __future__ import annotations
@@ -89,10 +93,10 @@ def synthetic_data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, np.argmax(np.tanh(x) @ teacher, axis=-1).astype(np.int32)
 
 
-def make_step(optimizer: optax.GradientTransformation, batch_size: int):
+def make_step(optimizer: optax.GradientTransformation, batch_size: int, method: str):
     # Nothing here names the mesh or the layout: both come from the inputs' types.
     clipped_sum = chunkvmap.clipped_grad_sum(
-        loss, CLIP, batch_argnums=(1, 2), batch_size=batch_size
+        loss, CLIP, batch_argnums=(1, 2), batch_size=batch_size, method=method
     )
     loss_sum = chunkvmap.batch_vmap(
         loss,
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lot-size", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--method", choices=("ghost", "vmap"), default="ghost")
     args = parser.parse_args(argv)
 
     mesh = jax.make_mesh((4, 2), ("data", "model"))  # Explicit axes, 8 devices
@@ -158,7 +163,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model = init(jax.random.key(0), mesh)
         layout = jax.tree.map(lambda p: p.sharding, model)
         opt_state = optimizer.init(model)
-        step, clipped_sum = make_step(optimizer, args.batch_size)
+        step, clipped_sum = make_step(optimizer, args.batch_size, args.method)
+        other = "vmap" if args.method == "ghost" else "ghost"
+        _, other_sum = make_step(optimizer, args.batch_size, other)
 
         def lot() -> tuple[jax.Array, jax.Array]:
             """A fresh lot of examples, sharded over "data"."""
@@ -171,8 +178,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(
             f"mesh {dict(mesh.shape)}, lot {args.lot_size} (x {x.shape} over "
             f"{x.sharding.spec}): {args.lot_size // mesh.shape['data']} examples per "
-            f"data shard, in chunks of batch_size={args.batch_size}"
+            f"data shard, in chunks of batch_size={args.batch_size}, "
+            f"method={args.method!r}"
         )
+        report = chunkvmap.ghost_report(loss, model, x_all[0], y_all[0])
+        print("ghost_report:", str(report).splitlines()[-1])
         losses = []
         for s in range(args.steps):
             key, sub = jax.random.split(key)
@@ -182,9 +192,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 print(f"step {s:3d}  loss {losses[-1]:.4f}")
             x, y = lot()
 
-        # (a) The chunked, per-device clipped sum equals vmap + clip + sum.
+        # (a) The chunked, per-device clipped sum equals vmap + clip + sum, with
+        # either method.
         total, count = clipped_sum(model, x, y)
         expected = jax.jit(reference_clipped_sum)(model, x, y)
+        for a, b in zip(jax.tree.leaves(other_sum(model, x, y)[0]), jax.tree.leaves(total)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
         error = max(
             float(jnp.max(jnp.abs(a - b)))
             for a, b in zip(jax.tree.leaves(total), jax.tree.leaves(expected))
@@ -192,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         assert int(count) == args.lot_size, count
         for a, b in zip(jax.tree.leaves(total), jax.tree.leaves(expected)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b)
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
 
     # (b) The parameters kept their sharding (and the gradient sums have it too).
     for before, after in zip(jax.tree.leaves(layout), jax.tree.leaves(model)):
