@@ -450,34 +450,57 @@ def _ghost_sums(
         parts = (scale, keep, finite, pad, records, deltas, pe_grads)
         return parts, extras, index
 
-    def nan_safe_fix(parts: Any) -> tuple[list, jax.Array]:
-        """The clipped sum of a chunk's non-finite (and not padding) examples, and
-        their norms, from their gradients formed one example at a time, clipped
-        exactly as `method="vmap"` does (cast, non-finite entries zeroed)."""
+    def nan_safe_fix(totals: list, parts: Any) -> tuple[list, jax.Array]:
+        """`totals` plus the clipped gradients of a chunk's non-finite (and not
+        padding) examples, and those examples' norms: their gradients formed one
+        example and one leaf at a time (cast, non-finite entries zeroed, clipped
+        exactly as `method="vmap"` does), each added in place, so that no more than
+        one leaf's gradient exists at once."""
         _, _, finite, pad, records, deltas, pe_grads = parts
         chosen = ~finite if pad is None else ~finite & ~pad
-
         plan = traced.plan_here()
+        by_leaf = dict(zip(pe, range(len(pe))))
 
-        def one(carry: list, xs: Any) -> Any:
-            sel, recs, dels, pe_g = xs
-            grads: list[Any] = [None] * len(leaves)
-            for k in ruled:
-                grads[k] = plan.instantiate(k, recs, dels)
-            for k, g in zip(pe, pe_g):
-                grads[k] = g
-            for k, leaf in enumerate(leaves):
-                if grads[k] is None:
-                    grads[k] = jnp.zeros(leaf.shape, leaf.dtype)
-            clipped = config.clip(grads, None)
-            carry = [
-                c + jnp.where(sel, x, jnp.zeros((), x.dtype))
-                for c, x in zip(carry, clipped)
-            ]
-            return carry, global_norm(grads)
+        def gradient(k: int, recs: Any, dels: Any, pe_g: list) -> jax.Array:
+            if k in by_leaf:
+                return pe_g[by_leaf[k]]
+            return plan.instantiate(k, recs, dels)
 
-        init = [jnp.zeros(x.shape, config.dtype or x.dtype) for x in leaves]
-        return lax.scan(one, init, (chosen, records, deltas, pe_grads))
+        def cast(g: jax.Array) -> jax.Array:
+            return _nan_to_zero(g if config.dtype is None else g.astype(config.dtype))
+
+        used = [*ruled, *pe]
+        fixed_acc = _ghost.accumulation_dtype(
+            [config.dtype or leaves[k].dtype for k in used]
+        )
+
+        def norms(_: Any, xs: Any) -> Any:
+            recs, dels, pe_g = xs
+            raw = jnp.zeros((), acc)
+            fixed = jnp.zeros((), fixed_acc)
+            for k in used:
+                g = gradient(k, recs, dels, pe_g)
+                raw = raw + jnp.sum(jnp.square(jnp.abs(g).astype(acc)))
+                fixed = fixed + jnp.sum(jnp.square(jnp.abs(cast(g)).astype(fixed_acc)))
+            scale = clip_scale(
+                _norm_of_square(fixed), config.l2_clip_norm, config.rescale_to_unit_norm
+            )
+            return None, (_norm_of_square(raw), scale)
+
+        _, (raw_norms, scales) = lax.scan(norms, None, (records, deltas, pe_grads))
+        totals = list(totals)
+        for k in used:
+
+            def add(total: jax.Array, xs: Any, k: int = k) -> Any:
+                sel, scale, recs, dels, pe_g = xs
+                g = cast(gradient(k, recs, dels, pe_g))
+                g = g * scale.astype(g.dtype)
+                return total + jnp.where(sel, g, jnp.zeros((), g.dtype)), None
+
+            totals[k], _ = lax.scan(
+                add, totals[k], (chosen, scales, records, deltas, pe_grads)
+            )
+        return totals, raw_norms
 
     def summarise(chunk: Any) -> Any:
         parts, extras, index = chunk
@@ -509,12 +532,12 @@ def _ghost_sums(
         if config.nan_safe:
             chosen = ~finite if pad is None else ~finite & ~pad
 
-            def skip(parts: Any) -> Any:
-                zeros = [jnp.zeros(t.shape, t.dtype) for t in totals]
-                return zeros, jnp.zeros(finite.shape, acc)
+            def skip(totals: list, parts: Any) -> Any:
+                return list(totals), jnp.zeros(finite.shape, acc)
 
-            fixed, norms = lax.cond(jnp.any(chosen), nan_safe_fix, skip, parts)
-            totals = [t + f for t, f in zip(totals, fixed)]
+            totals, norms = lax.cond(
+                jnp.any(chosen), nan_safe_fix, skip, totals, parts
+            )
             if extras.grad_norms is not None:
                 extras = extras._replace(
                     grad_norms=jnp.where(chosen, norms, extras.grad_norms)
