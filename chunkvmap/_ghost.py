@@ -175,7 +175,10 @@ class Plan:
         missing = [rules.rule_kind(u) for u in leaf.uses if u.form is None]
         if missing:
             leaf.rule = INSTANTIATED
-            leaf.reason = f"{where}: no ghost norm for {', '.join(sorted(set(missing)))}"
+            leaf.reason = (
+                f"{where}: formed from its cotangents (no ghost norm for "
+                f"{', '.join(sorted(set(missing)))})"
+            )
             return
         ghost = sum(u.form.build_cost for u in leaf.uses)
         n = len(leaf.uses)
@@ -188,7 +191,8 @@ class Plan:
                     return
                 leaf.pairs[(i, j)] = p
                 ghost += p.cost
-        costs = f"ghost {_count(ghost)} vs instantiated {_count(inst)} flops"
+        relation = "<=" if ghost <= inst else ">"
+        costs = f"ghost {_count(ghost)} {relation} instantiated {_count(inst)} flops"
         leaf.costs = (ghost, inst)
         leaf.rule = GHOST if ghost <= inst else INSTANTIATED
         leaf.reason = f"{where}: {costs}"

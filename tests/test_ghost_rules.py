@@ -1,0 +1,314 @@
+"""Every ghost rule, chain step and structure is exact: for each leaf of small models,
+one example's gradient instantiated from its uses' activations and cotangents equals
+`jax.vmap(jax.grad(loss))`, and its ghost norm (taken whenever the leaf has one, even
+where the mixed rule would instantiate) equals the squared norm of that gradient. No
+chunking here: these are the rules themselves, compiled once per model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import opt_einsum
+import pytest
+from jax import lax
+
+from chunkvmap import _ghost, ghost_report
+
+
+def normal(seed, *shape, scale=0.3):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * scale, "f4")
+
+
+def per_example(loss, params, *data):
+    """Per example: each rule leaf's instantiated gradient, its ghost norm (when it
+    has one) and the plan."""
+    traced = _ghost.Traced(
+        loss, [params, *data], {}, [0], list(range(1, 1 + len(data))),
+        strip=True, has_aux=False, keep_batch_dim=False,
+    )  # fmt: skip
+    plan = traced.plan
+
+    def one(*example):
+        values = traced.arrays([params, *example], {})
+
+        def probed(probes):
+            outs, records = plan.run(values, probes)
+            return outs[0], records
+
+        deltas, records = jax.grad(probed, has_aux=True)(plan.probes())
+        out = {}
+        for k, leaf in enumerate(plan.leaves):
+            if leaf.rule not in (_ghost.GHOST, _ghost.INSTANTIATED):
+                continue
+            out[k] = {"grad": plan.instantiate(k, records, deltas)}
+            if leaf.pairs:
+                rule, leaf.rule = leaf.rule, _ghost.GHOST
+                out[k]["sq"] = plan.sq_norm(k, records, deltas, jnp.float32)
+                leaf.rule = rule
+        return out
+
+    return jax.jit(jax.vmap(one))(*data), plan
+
+
+def check(loss, params, *data):
+    """The instantiated gradients and ghost norms against vmap(grad); returns the
+    plan."""
+    got, plan = per_example(loss, params, *data)
+    expected = jax.tree.leaves(
+        jax.jit(jax.vmap(jax.grad(loss), (None, *[0] * len(data))))(params, *data)
+    )
+    assert got, "no leaf has a rule"
+    for k, res in got.items():
+        g = expected[k]
+        path = plan.leaves[k].path
+        np.testing.assert_allclose(res["grad"], g, rtol=2e-5, atol=2e-6, err_msg=path)
+        if "sq" in res:
+            sq = jnp.sum(g.reshape(g.shape[0], -1) ** 2, 1)
+            np.testing.assert_allclose(res["sq"], sq, rtol=2e-5, err_msg=path)
+    return plan
+
+
+def rules(plan):
+    return {leaf.path[len("args[0]") :]: leaf.rule for leaf in plan.leaves}
+
+
+def pair_kinds(plan, name):
+    (leaf,) = [x for x in plan.leaves if x.path == f"args[0]['{name}']"]
+    return sorted({p.kind for p in leaf.pairs.values()})
+
+
+T, D, V = 5, 8, 11
+
+
+def tokens(n=6, seed=0):
+    t = np.random.default_rng(seed).integers(0, V, (n, T))
+    t[0, 1] = t[0, 3] = t[0, 4]  # a token repeated within one example
+    return jnp.asarray(t, "i4")
+
+
+def test_language_model_embedding_tied_head_fused_qkv_scale():
+    """Embedding by gather (repeated tokens) and tied output layer (`h @ E.T`): rows
+    and rows-x-dense cross terms; a position table added, a layer-norm scale, a
+    fused QKV matrix split in three (disjoint boxes: zero cross terms), a weight
+    scaled by a constant before its dot."""
+
+    def loss(p, t):
+        h = p["E"][t] + p["pos"]
+        x = h * p["ln"][None]
+        q, k, v = (x @ w for w in jnp.split(p["qkv"], 3, -1))
+        a = jax.nn.softmax(q @ k.T / 3.0) @ v
+        h = h + a @ (0.5 * p["o"])
+        logits = h @ p["E"].T
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(T), t])
+
+    p = {
+        "E": normal(1, V, D), "pos": normal(2, T, D), "ln": 1 + normal(3, D),
+        "qkv": normal(4, D, 3 * D), "o": normal(5, D, D),
+    }  # fmt: skip
+    plan = check(loss, p, tokens())
+    assert "per-example" not in rules(plan).values()
+    assert pair_kinds(plan, "E") == ["einsum", "rows", "rows-einsum"]
+    assert pair_kinds(plan, "qkv") == ["einsum", "zero"]
+    report = ghost_report(loss, p, tokens()[0])
+    assert report.uses["args[0]['E']"] == ["dense", "embedding"]
+    assert report.uses["args[0]['pos']"] == ["elementwise"]
+
+
+def test_lookups_fill_and_clip_modes():
+    """`jnp.take` (fill mode: out-of-range rows dropped), `emb[tokens]` with negative
+    tokens (normalised in the program), and `eqx.nn.Embedding` (a two-component
+    index in clip mode); an embedding read twice (two lookups: rows cross terms)."""
+    eqx = pytest.importorskip("equinox")
+
+    def loss(p, t):
+        h = jnp.take(p["E"], t - 3, axis=0)  # some rows out of range: dropped
+        h = h + p["E"][-t] + jax.vmap(p["emb"])(t)
+        return jnp.sum(jnp.tanh(h @ p["w"]) ** 2)
+
+    p = {
+        "E": normal(1, V, D), "emb": eqx.nn.Embedding(weight=normal(2, V, D)),
+        "w": normal(3, D, 3),
+    }  # fmt: skip
+    plan = check(loss, p, tokens())
+    assert pair_kinds(plan, "E") == ["rows"]
+    assert rules(plan)["['emb'].weight"] in ("ghost", "instantiated")
+
+
+def test_scans_stacked_and_repeated():
+    """A layer stack read through `xs` (weights, biases and scales stacked: norms add
+    over iterations); a weight every iteration reads (an RNN, reversed, with a
+    carry); a scan nested in a scan over a doubly stacked leaf."""
+
+    def loss(p, x):
+        def layer(h, w):
+            return jnp.tanh(h @ w["w"] + w["b"]) * w["s"], None
+
+        h, _ = lax.scan(layer, x, p["layers"])
+
+        def rnn(h, xt):
+            h = jnp.tanh(h @ p["u"] + xt)
+            return h, h
+
+        h, hs = lax.scan(rnn, h, jnp.stack([x, 2 * x, 3 * x]), reverse=True)
+
+        def outer(h, ws):
+            h, _ = lax.scan(lambda h, w: (jnp.sin(h @ w), None), h, ws)
+            return h, None
+
+        h, _ = lax.scan(outer, h, p["deep"])
+        return jnp.sum(hs**2) + jnp.sum(h**2)
+
+    p = {
+        "layers": {"w": normal(1, 3, D, D), "b": normal(2, 3, D), "s": 1 + normal(3, 3, D)},
+        "u": normal(4, D, D), "deep": normal(5, 2, 3, D, D),
+    }  # fmt: skip
+    plan = check(loss, p, normal(6, 6, D, scale=1.0))
+    assert "per-example" not in rules(plan).values()
+    assert [lv[0] for lv in plan.leaves[0].uses[0].levels] == ["stack", "stack"]
+
+
+def test_checkpoint_cond_and_jit():
+    """`jax.checkpoint` with a policy, a `cond` whose branches use a leaf differently
+    (transposed in one), a jitted sub-function."""
+
+    @jax.jit
+    def dense(w, h):
+        return h @ w
+
+    def loss(p, x):
+        f = jax.checkpoint(
+            lambda h: jnp.tanh(dense(p["w"], h)),
+            policy=jax.checkpoint_policies.nothing_saveable,
+        )
+        h = f(x)
+        h = lax.cond(
+            jnp.sum(x) > 0,
+            lambda h: h @ p["a"],
+            lambda h: jnp.sin(h @ p["a"].T) + h @ p["b"],
+            h,
+        )
+        return jnp.sum(h**2)
+
+    x = normal(1, 6, D, scale=1.0)
+    assert bool(jnp.any(jnp.sum(x, 1) > 0)) and bool(jnp.any(jnp.sum(x, 1) <= 0))
+    p = {"w": normal(2, D, D), "a": normal(3, D, D), "b": normal(4, D, D)}
+    plan = check(loss, p, x)
+    assert set(rules(plan).values()) <= {"ghost", "instantiated"}
+
+
+def test_convolutions():
+    """Strides, explicit padding, rhs and lhs dilation, feature groups, NHWC/HWIO and
+    NCHW/OIHW layouts, a 1-D convolution: patches + the dense rule."""
+
+    def loss(p, x):
+        h = lax.conv_general_dilated(
+            x[None], p["k1"], (2, 1), ((1, 2), (0, 1)), rhs_dilation=(1, 2),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2,
+        )  # fmt: skip
+        h = jnp.tanh(h + p["b1"][None, None, None])
+        h = lax.conv_general_dilated(
+            h.transpose(0, 3, 1, 2), p["k2"], (1, 1), ((0, 0), (1, 0)), lhs_dilation=(2, 1),
+            dimension_numbers=("NCHW", "OIHW", "NCHW"),
+        )  # fmt: skip
+        seq = h.reshape(1, 5, -1)
+        h = lax.conv_general_dilated(
+            seq, p["k3"], (1,), "SAME", dimension_numbers=("NCH", "OIH", "NCH")
+        )
+        return jnp.sum(h**2)
+
+    p = {
+        "k1": normal(1, 3, 2, 2, 6), "b1": normal(2, 6), "k2": normal(3, 5, 6, 2, 2),
+        "k3": normal(4, 2, 5, 3),
+    }  # fmt: skip
+    plan = check(loss, p, normal(5, 4, 9, 9, 4, scale=1.0))
+    for name in ("k1", "k2", "k3"):
+        assert pair_kinds(plan, name) == ["einsum"], name
+
+
+def test_chains_slices_broadcasts_and_joins():
+    """Slices of a stacked leaf (`W[0]`, `W[1]`: disjoint), overlapping column
+    slices (no ghost cross term: instantiated), a broadcast leaf, a negated and
+    divided weight; a class token concatenated to the sequence, a `select_n`, a
+    transposed and reshaped (axes kept) weight."""
+
+    def loss(p, x):
+        h = x @ p["W"][0] + jnp.tanh(x @ p["W"][1]) @ (-p["W"][2] / 2.0)
+        h = h @ p["cols"][:, :4] + h @ p["cols"][:, 2:6]
+        seq = jnp.concatenate([p["cls"][None], x[None, :4]], 0)  # (2, 4)
+        seq = jnp.where(seq > 0, seq, p["alt"][None]) @ p["T"].T.reshape(4, 1, 3)[:, 0]
+        b = jnp.broadcast_to(p["w"][None], (2, 4, 3))
+        return jnp.sum(h**2) + jnp.sum(seq**2) + jnp.sum(jnp.einsum("i,nij->nj", x[:4], b) ** 2)
+
+    p = {
+        "W": normal(1, 3, D, D), "cols": normal(2, D, 6), "cls": normal(3, 4),
+        "alt": normal(4, 4), "T": normal(5, 3, 4), "w": normal(6, 4, 3),
+    }  # fmt: skip
+    plan = check(loss, p, normal(7, 6, D, scale=1.0))
+    assert pair_kinds(plan, "W") == ["einsum", "zero"]
+    assert rules(plan)["['cols']"] == "instantiated"
+    assert not pair_kinds(plan, "cols")  # partly overlapping boxes: no ghost norm
+    assert rules(plan)["['cls']"] == "instantiated"  # concatenate: linear rule
+    assert "per-example" not in rules(plan).values()
+
+
+def test_what_falls_back_and_why():
+    """A nonlinearity applied to a weight, a custom_jvp function it enters, a while
+    loop, a scan carry, a product of two weights: exact per-example gradients (no
+    ghost norm anywhere: the plain per-example path runs), with the reason in the
+    report."""
+
+    def loss(p, x):
+        h = x @ jnp.exp(p["log"])
+        h = h @ jax.nn.relu(p["relu"])  # custom_jvp
+        h = lax.while_loop(lambda c: c[1] < 2, lambda c: (c[0] @ p["loop"], c[1] + 1), (h, 0))[0]
+        h, _ = lax.scan(lambda c, _: (2 * c, None), p["carry"], None, length=2)
+        return jnp.sum(h * x) + jnp.sum(x @ (p["a"] @ p["b"]))
+
+    p = {
+        name: normal(i, D, D)
+        for i, name in enumerate(["log", "relu", "loop", "a", "b"])
+    }
+    p["carry"] = normal(9, D)
+    report = ghost_report(loss, p, normal(8, D))
+    assert set(report.as_dict().values()) == {"per-example"}
+    reasons = {path: why for path, _, _, why in report.rows}
+    assert reasons["args[0]['log']"] == "used by exp"
+    assert "custom_jvp_call" in reasons["args[0]['relu']"]
+    assert "while" in reasons["args[0]['loop']"]
+    assert "carried through a scan" in reasons["args[0]['carry']"]
+    assert "does not depend on the example" in reasons["args[0]['a']"]
+    assert report.runs == "vmap"
+    assert sorted(report.fallback()) == sorted(f"args[0]['{k}']" for k in p)
+    assert "runs as method='vmap'" in str(report)
+
+
+def test_mixed_rule_cost():
+    """The mixed rule takes the ghost norm exactly when its cost (floating-point
+    operations per example, by opt_einsum's count) is at most instantiation's (the
+    leaf's size plus forming the gradient): a dense layer (p=16, d=16) at T
+    positions is ghost for T=4 and instantiated for T=16; both costs are as
+    stated."""
+    for t, rule in ((4, "ghost"), (16, "instantiated")):
+        report_plan = _ghost.Traced(
+            lambda w, x: jnp.sum(jnp.tanh(x @ w)), [normal(0, 16, 16), normal(1, t, 16)],
+            {}, [0], [1], strip=False, has_aux=False, keep_batch_dim=False,
+        ).plan  # fmt: skip
+        (leaf,) = report_plan.leaves
+        ghost = opt_einsum.contract_path(
+            "ab,ac,db,dc->", (t, 16), (t, 16), (t, 16), (t, 16),
+            shapes=True, optimize="optimal",
+        )[1].opt_cost  # fmt: skip
+        inst = 256 + opt_einsum.contract_path(
+            "ab,ac->bc", (t, 16), (t, 16), shapes=True, optimize="optimal"
+        )[1].opt_cost
+        assert leaf.costs == (ghost, inst), (t, leaf.costs)
+        assert leaf.rule == rule, (t, leaf.costs)
+    # a lookup table: ghost (rows pair T^2 (d + 2)) vs instantiated (size + T d)
+    plan = _ghost.Traced(
+        lambda e, i: jnp.sum(jnp.tanh(e[i])), [normal(0, 64, 4), jnp.zeros(5, "i4")],
+        {}, [0], [1], strip=False, has_aux=False, keep_batch_dim=False,
+    ).plan  # fmt: skip
+    (leaf,) = plan.leaves
+    assert leaf.costs == (5 * 5 * (4 + 2), 64 * 4 + 5 * 4)
+    assert leaf.rule == "ghost"
