@@ -73,8 +73,8 @@ def rules(plan):
     return {leaf.path[len("args[0]") :]: leaf.rule for leaf in plan.leaves}
 
 
-def pair_kinds(plan, name):
-    (leaf,) = [x for x in plan.leaves if x.path == f"args[0]['{name}']"]
+def pair_kinds(plan, name, rest=""):
+    (leaf,) = [x for x in plan.leaves if x.path == f"args[0]['{name}']{rest}"]
     return sorted({p.kind for p in leaf.pairs.values()})
 
 
@@ -116,23 +116,27 @@ def test_language_model_embedding_tied_head_fused_qkv_scale():
 
 
 def test_lookups_fill_and_clip_modes():
-    """`jnp.take` (fill mode: out-of-range rows dropped), `emb[tokens]` with negative
-    tokens (normalised in the program), and `eqx.nn.Embedding` (a two-component
-    index in clip mode); an embedding read twice (two lookups: rows cross terms)."""
+    """`jnp.take` in fill mode (out-of-range rows read 0 and get no gradient) of a
+    table also used as a dense output layer (the rows x dense cross term skips
+    them), `emb[tokens]` with negative tokens (normalised in the program), and
+    `eqx.nn.Embedding` (a two-component index in clip mode: out-of-range tokens read
+    the last row); an embedding read twice (rows cross terms)."""
     eqx = pytest.importorskip("equinox")
 
     def loss(p, t):
-        h = jnp.take(p["E"], t - 3, axis=0)  # some rows out of range: dropped
-        h = h + p["E"][-t] + jax.vmap(p["emb"])(t)
-        return jnp.sum(jnp.tanh(h @ p["w"]) ** 2)
+        h = jnp.take(p["E"], t + 5, axis=0, mode="fill", fill_value=0.0)
+        h = h + p["E"][-t] + jax.vmap(p["emb"])(t + 5)
+        return jnp.sum(jnp.tanh(h @ p["w"]) ** 2) + jnp.sum(jnp.sin(h @ p["E"].T))
 
     p = {
         "E": normal(1, V, D), "emb": eqx.nn.Embedding(weight=normal(2, V, D)),
         "w": normal(3, D, 3),
     }  # fmt: skip
-    plan = check(loss, p, tokens())
-    assert pair_kinds(plan, "E") == ["rows"]
-    assert rules(plan)["['emb'].weight"] in ("ghost", "instantiated")
+    t = tokens()
+    assert bool(jnp.any(t + 5 >= V)) and bool(jnp.any(t + 5 < V))
+    plan = check(loss, p, t)
+    assert pair_kinds(plan, "E") == ["einsum", "rows", "rows-einsum"]
+    assert pair_kinds(plan, "emb", ".weight") == ["rows"]
 
 
 def test_scans_stacked_and_repeated():
@@ -166,6 +170,8 @@ def test_scans_stacked_and_repeated():
     plan = check(loss, p, normal(6, 6, D, scale=1.0))
     assert "per-example" not in rules(plan).values()
     assert [lv[0] for lv in plan.leaves[0].uses[0].levels] == ["stack", "stack"]
+    for name, rest in (("deep", ""), ("layers", "['w']"), ("u", "")):
+        assert pair_kinds(plan, name, rest) == ["einsum"], name
 
 
 def test_checkpoint_cond_and_jit():
