@@ -400,10 +400,34 @@ def _ghost_sums(
     ruled = [
         k for k, x in enumerate(leaves) if x.rule in (_ghost.GHOST, _ghost.INSTANTIATED)
     ]
+    # With nan_safe, each example's non-finite gradient entries are zeroed before
+    # its norm: through the arrays of the leaves whose forms allow it (`masked`), in
+    # the instantiated gradients (`formed`, and the per-example leaves); the other
+    # leaves' non-finite examples are fixed after the chunk's sum (`nan_safe_fix`).
+    safe = config.nan_safe
+    masked = [k for k in ruled if safe and plan.maskable(k)]
+    formed = [
+        k
+        for k in ruled
+        if safe and k not in masked and leaves[k].rule == _ghost.INSTANTIATED
+    ]
+    other = [k for k in ruled if k not in masked and k not in formed]
+    other_keys = {u.key for k in other for u in leaves[k].uses}
+    other_paths = {u.path for k in other for u in leaves[k].uses}
     acc = _ghost.accumulation_dtype([x.dtype for x in leaves])  # as global_norm's
     per_example = config.per_example
     has_pad = len(extra) > int(per_example)  # the indices, then the padding flags
     n_args = len(args)
+
+    def sq(x: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.square(jnp.abs(x).astype(acc)))
+
+    def all_finite(tree: Any) -> jax.Array:
+        ok = jnp.ones((), bool)
+        for x in jax.tree.leaves(tree):
+            if jnp.issubdtype(x.dtype, jnp.inexact):
+                ok = ok & jnp.all(jnp.isfinite(x))
+        return ok
 
     def example(*inputs: Any, **kw: Any) -> Any:
         inputs = list(inputs)
@@ -424,87 +448,107 @@ def _ghost_sums(
         (deltas, pe_grads), (outs, records) = jax.grad(
             loss, argnums=(0, 1), has_aux=True
         )(probes, [values[positions[k]] for k in pe])
-        square = jnp.zeros((), acc)
-        for k in ruled:
-            square = square + plan.sq_norm(k, records, deltas, acc).astype(acc)
+        known = jnp.zeros((), acc)  # ||G||^2 of the leaves not in `other`, made safe
+        raw = jnp.zeros((), acc)  # and as it is
+        arrays, grads = {}, {}
+        for k in masked:
+            arrays[k] = plan.sanitized(k, records, deltas)
+            s = plan.sq_norm_of(k, arrays[k], acc)
+            known = known + s
+            # a non-finite gradient's norm: NaN
+            raw = raw + jnp.where(all_finite(plan.arrays(k, records, deltas)), s, jnp.nan)
+        for k in formed:
+            g = plan.instantiate(k, records, deltas)
+            raw = raw + sq(g)
+            grads[k] = _nan_to_zero(g)
+            known = known + sq(grads[k])
         for g in pe_grads:
-            square = square + jnp.sum(jnp.square(jnp.abs(g).astype(acc)))
-        norm = _norm_of_square(square)
-        scale = clip_scale(norm, config.l2_clip_norm, config.rescale_to_unit_norm)
+            raw = raw + sq(g)
+            known = known + (sq(_nan_to_zero(g)) if safe else sq(g))
+        if safe:
+            pe_grads = [_nan_to_zero(g) for g in pe_grads]
+        rest = jnp.zeros((), acc)
+        for k in other:
+            rest = rest + plan.sq_norm(k, records, deltas, acc).astype(acc)
+        records = {key: r for key, r in records.items() if key in other_keys}
+        deltas = {path: d for path, d in deltas.items() if path in other_paths}
+        scale = clip_scale(
+            _norm_of_square(known + rest),
+            config.l2_clip_norm,
+            config.rescale_to_unit_norm,
+        )
         keep = jnp.ones((), bool) if pad is None else ~pad
         finite = jnp.ones((), bool)
-        if config.nan_safe:  # non-finite examples are clipped in `nan_safe_fix`
-            finite = jnp.isfinite(square)
-            for x in jax.tree.leaves((records, deltas, pe_grads)):
-                if jnp.issubdtype(x.dtype, jnp.inexact):
-                    finite = finite & jnp.all(jnp.isfinite(x))
+        if safe and other:  # `other`'s non-finite examples: fixed in nan_safe_fix
+            finite = jnp.isfinite(rest) & all_finite((records, deltas))
             keep = keep & finite
         value, aux = traced.out_tree.unflatten(outs)
         if config.keep_batch_dim:
             aux = jax.tree.map(_squeeze_leading_one, aux)
         extras = AuxiliaryOutput(
             value if config.return_values else None,
-            norm if config.return_grad_norms else None,
+            _norm_of_square(raw + rest) if config.return_grad_norms else None,
             aux if config.has_aux else None,
         )
-        parts = (scale, keep, finite, pad, records, deltas, pe_grads)
-        return parts, extras, index
+        parts = (scale, keep, finite, pad, known, raw, arrays, grads, pe_grads)
+        return (parts, records, deltas), extras, index
 
-    def nan_safe_fix(totals: list, parts: Any) -> tuple[list, jax.Array]:
-        """`totals` plus the clipped gradients of a chunk's non-finite (and not
-        padding) examples, and those examples' norms: their gradients formed one
-        example and one leaf at a time (cast, non-finite entries zeroed, clipped
-        exactly as `method="vmap"` does), each added in place, so that no more than
-        one leaf's gradient exists at once."""
-        _, _, finite, pad, records, deltas, pe_grads = parts
+    def nan_safe_fix(totals: list, chunk: Any) -> tuple[list, jax.Array]:
+        """`totals` plus the clipped gradients of a chunk's examples whose `other`
+        leaves have non-finite values (and are not padding), and those examples'
+        norms: `other`'s gradients formed one example and one leaf at a time, their
+        non-finite entries zeroed, each leaf's clipped gradient added in place, so
+        that no more than one leaf's gradient exists at once."""
+        parts, records, deltas = chunk
+        _, _, finite, pad, known, raw, arrays, grads, pe_grads = parts
         chosen = ~finite if pad is None else ~finite & ~pad
         plan = traced.plan_here()
-        by_leaf = dict(zip(pe, range(len(pe))))
-
-        def gradient(k: int, recs: Any, dels: Any, pe_g: list) -> jax.Array:
-            if k in by_leaf:
-                return pe_g[by_leaf[k]]
-            return plan.instantiate(k, recs, dels)
-
-        def cast(g: jax.Array) -> jax.Array:
-            return _nan_to_zero(g if config.dtype is None else g.astype(config.dtype))
-
-        used = [*ruled, *pe]
-        fixed_acc = _ghost.accumulation_dtype(
-            [config.dtype or leaves[k].dtype for k in used]
-        )
+        pe_index = {k: i for i, k in enumerate(pe)}
 
         def norms(_: Any, xs: Any) -> Any:
-            recs, dels, pe_g = xs
-            raw = jnp.zeros((), acc)
-            fixed = jnp.zeros((), fixed_acc)
-            for k in used:
-                g = gradient(k, recs, dels, pe_g)
-                raw = raw + jnp.sum(jnp.square(jnp.abs(g).astype(acc)))
-                fixed = fixed + jnp.sum(jnp.square(jnp.abs(cast(g)).astype(fixed_acc)))
+            recs, dels, safe_sq, raw_sq = xs
+            for k in other:
+                g = plan.instantiate(k, recs, dels)
+                raw_sq = raw_sq + sq(g)
+                safe_sq = safe_sq + sq(_nan_to_zero(g))
             scale = clip_scale(
-                _norm_of_square(fixed), config.l2_clip_norm, config.rescale_to_unit_norm
+                _norm_of_square(safe_sq),
+                config.l2_clip_norm,
+                config.rescale_to_unit_norm,
             )
-            return None, (_norm_of_square(raw), scale)
+            return None, (_norm_of_square(raw_sq), scale)
 
-        _, (raw_norms, scales) = lax.scan(norms, None, (records, deltas, pe_grads))
+        _, (raw_norms, scales) = lax.scan(norms, None, (records, deltas, known, raw))
+
+        def gradient(k: int, xs: Any) -> jax.Array:
+            recs, dels, arrs, grs, pe_g = xs
+            if k in masked:
+                return plan.gradient_of(k, arrs[k], batched=False)
+            if k in formed:
+                return grs[k]
+            if k in pe_index:
+                return pe_g[pe_index[k]]
+            return _nan_to_zero(plan.instantiate(k, recs, dels))
+
         totals = list(totals)
-        for k in used:
+        for k in (*ruled, *pe):
 
             def add(total: jax.Array, xs: Any, k: int = k) -> Any:
-                sel, scale, recs, dels, pe_g = xs
-                g = cast(gradient(k, recs, dels, pe_g))
-                g = g * scale.astype(g.dtype)
+                sel, scale, rest = xs
+                g = gradient(k, rest)
+                g = (g * scale.astype(g.dtype)).astype(total.dtype)
                 return total + jnp.where(sel, g, jnp.zeros((), g.dtype)), None
 
             totals[k], _ = lax.scan(
-                add, totals[k], (chosen, scales, records, deltas, pe_grads)
+                add,
+                totals[k],
+                (chosen, scales, (records, deltas, arrays, grads, pe_grads)),
             )
         return totals, raw_norms
 
     def summarise(chunk: Any) -> Any:
-        parts, extras, index = chunk
-        scale, keep, finite, pad, records, deltas, pe_grads = parts
+        (parts, records, deltas), extras, index = chunk
+        scale, keep, finite, pad, known, raw, arrays, grads, pe_grads = parts
 
         def mask(x: jax.Array) -> jax.Array:  # keep[i], shaped to broadcast with x
             return keep.reshape((-1,) + (1,) * (x.ndim - 1))
@@ -520,8 +564,13 @@ def _ghost_sums(
         totals: list[Any] = [None] * len(leaves)
         recs = jax.tree.map(kept, records)
         dels = jax.tree.map(scaled, deltas)
-        for k in ruled:
+        for k in other:
             totals[k] = plan.chunk_sum(k, recs, dels)
+        for k in masked:  # scaled through each use's cotangent (its last array)
+            arrs = [[*a[:-1], scaled(a[-1])] for a in arrays[k]]
+            totals[k] = plan.gradient_of(k, arrs, batched=True)
+        for k in formed:
+            totals[k] = scaled(grads[k]).sum(0)
         for k, g in zip(pe, pe_grads):
             totals[k] = scaled(g).sum(0)
         for k, leaf in enumerate(leaves):
@@ -529,14 +578,14 @@ def _ghost_sums(
                 totals[k] = jnp.zeros(leaf.shape, leaf.dtype)
         if config.dtype is not None:
             totals = [t.astype(config.dtype) for t in totals]
-        if config.nan_safe:
+        if safe and other:
             chosen = ~finite if pad is None else ~finite & ~pad
 
-            def skip(totals: list, parts: Any) -> Any:
+            def skip(totals: list, chunk: Any) -> Any:
                 return list(totals), jnp.zeros(finite.shape, acc)
 
             totals, norms = lax.cond(
-                jnp.any(chosen), nan_safe_fix, skip, totals, parts
+                jnp.any(chosen), nan_safe_fix, skip, totals, (parts, records, deltas)
             )
             if extras.grad_norms is not None:
                 extras = extras._replace(

@@ -519,12 +519,51 @@ class Plan:
         if leaf.rule != GHOST:
             g = self.instantiate(k, records, deltas)
             return jnp.sum(jnp.square(g.astype(acc)))
-        arrays = [u.form.build(records[u.key], deltas[u.path]) for u in leaf.uses]
+        return self._ghost_sq(leaf, self.arrays(k, records, deltas), acc)
+
+    def _ghost_sq(self, leaf: Leaf, arrays: list, acc: Any) -> Any:
         total = jnp.zeros((), acc)
         for (i, j), p in leaf.pairs.items():
             u, v = leaf.uses[i], leaf.uses[j]
             term = rules.pair_term(p.kind, u.form, arrays[i], v.form, arrays[j], acc)
             total = total + (term if i == j else 2 * term)
+        return total
+
+    # -- through the forms' arrays (non-finite entries masked) ---------------------------
+
+    def maskable(self, k: int) -> bool:
+        """Whether leaf `k`'s non-finite gradient entries can be zeroed through its
+        uses' arrays (`rules.sanitize`) rather than by forming its gradient."""
+        uses = self.leaves[k].uses
+        return all(u.form is not None for u in uses) and rules.maskable(
+            [u.form for u in uses]
+        )
+
+    def arrays(self, k: int, records: dict, deltas: dict) -> list:
+        """One example's arrays of the forms of leaf `k`'s uses."""
+        return [u.form.build(records[u.key], deltas[u.path]) for u in self.leaves[k].uses]
+
+    def sanitized(self, k: int, records: dict, deltas: dict) -> list:
+        """`arrays`, with zeros wherever they make the gradient non-finite."""
+        uses = self.leaves[k].uses
+        return rules.sanitize([u.form for u in uses], self.arrays(k, records, deltas))
+
+    def sq_norm_of(self, k: int, arrays: list, acc: Any) -> Any:
+        """`||G||^2` of leaf `k` from its forms' arrays, by its rule."""
+        leaf = self.leaves[k]
+        if leaf.rule == GHOST:
+            return self._ghost_sq(leaf, arrays, acc)
+        g = self.gradient_of(k, arrays, batched=False)
+        return jnp.sum(jnp.square(g.astype(acc)))
+
+    def gradient_of(self, k: int, arrays: list, batched: bool) -> Any:
+        """`G` of leaf `k` from its forms' arrays (summed over a leading axis of
+        examples when `batched`)."""
+        leaf = self.leaves[k]
+        total = None
+        for u, a in zip(leaf.uses, arrays):
+            g = u.form.gradient(a, leaf.shape, batched, u.leaf_spec).astype(leaf.dtype)
+            total = g if total is None else total + g
         return total
 
     def instantiate(self, k: int, records: dict, deltas: dict) -> Any:

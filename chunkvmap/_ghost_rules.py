@@ -451,6 +451,9 @@ class Form:
     box: tuple
     row: int | None = None
     build_cost: float = 0.0
+    # every leaf axis is named, in full (so `gradient` can form G in the leaf's
+    # layout, and non-finite entries can be masked: `sanitize`)
+    complete: bool = False
     direct: bool = False  # `gradient` forms G (else the primitive's transpose does)
 
     def gradient(
@@ -458,6 +461,8 @@ class Form:
     ):
         """`G` from the einsum form's arrays (summed over a leading axis of examples
         when `batched`), in the leaf's layout: every leaf axis present, in full."""
+        if self.kind == "rows":
+            return self._rows_gradient(arrays, shape, batched, spec)
         out: list[Symbol] = []
         out_spec: list[Any] = []
         for j in range(len(shape)):
@@ -473,6 +478,21 @@ class Form:
             out_sharding=explicit_spec(out_spec),
         )
         return g.reshape(shape)
+
+    def _rows_gradient(self, arrays, shape, batched, spec):
+        rows, valid, delta = arrays
+        if batched:  # the chunk's examples' positions, all together
+            rows, valid = rows.reshape(-1), valid.reshape(-1)
+            delta = delta.reshape((-1, *delta.shape[2:]))
+        offsets = self.specs[2][1:]
+        private = tuple(1 + i for i, s in enumerate(offsets) if s[0] != "leaf")
+        mask = valid.reshape(valid.shape + (1,) * (delta.ndim - 1))
+        d = jnp.where(mask, delta, jnp.zeros((), delta.dtype)).sum(private)
+        named = [("leaf", self.row), *(s for s in offsets if s[0] == "leaf")]
+        g = jnp.zeros((shape[self.row], *d.shape[1:]), d.dtype).at[rows].add(d)
+        g = g.transpose([named.index(("leaf", j)) for j in range(len(shape))])
+        want = explicit_spec(spec or ())
+        return g if want is None else jax.sharding.reshard(g, want)
 
     def inst_cost(self) -> float:
         """Floating-point operations to instantiate `G` (one example)."""
@@ -629,6 +649,98 @@ def _rows_gram(u: Form, du: Any, v: Form, dv: Any, acc: Any) -> Any:
     )
 
 
+# -- non-finite entries --------------------------------------------------------------
+
+
+def maskable(forms: Sequence[Form]) -> bool:
+    """Whether the non-finite entries of `sum_u G_u` can be zeroed through the
+    forms' arrays (`sanitize`): complete einsum forms in which every array's leaf
+    axes are also carried together by some array of every form, or complete row
+    forms with the same offsets."""
+    if not forms or not all(f.complete for f in forms):
+        return False
+    if all(f.kind == "rows" for f in forms):
+        offsets = {tuple(s for s in f.specs[2][1:] if s[0] == "leaf") for f in forms}
+        return len(offsets) == 1
+    if not all(f.kind == "einsum" for f in forms):
+        return False
+    cylinders = [
+        {s for s in spec if s[0] == "leaf"} for f in forms for spec in f.specs
+    ]
+    return all(
+        any(c <= set(spec) for spec in f.specs) for c in cylinders for f in forms
+    )
+
+
+def sanitize(forms: Sequence[Form], arrays: Sequence[list]) -> list[list]:
+    """One example's arrays of a leaf's uses (`maskable` forms), with zeros where
+    they make an entry of `G = sum_u G_u` non-finite: `G` from the result is the
+    gradient with its non-finite entries replaced by 0 (`method="vmap"`'s
+    `nan_safe`), and every array is finite.
+
+    An einsum form's entry `G[e]` is a sum of products of one entry of each array at
+    `e`'s coordinates; it is non-finite exactly when some array is non-finite at
+    some entry with `e`'s coordinates along that array's leaf axes (a NaN or an
+    infinity times anything is not finite). Those are "cylinders" over each array's
+    leaf axes; zeroing every array at every cylinder over its own axes leaves the
+    finite entries as they were and makes the others 0. Row forms: `G[r, o]` is not
+    finite when a position looking up row `r` has a non-finite cotangent at `o`."""
+    if forms[0].kind == "rows":
+        return _sanitize_rows(forms, arrays)
+    cylinders = []
+    for f, arrs in zip(forms, arrays):
+        for spec, x in zip(f.specs, arrs):
+            keep = [i for i, s in enumerate(spec) if s[0] == "leaf"]
+            other = tuple(i for i in range(len(spec)) if i not in keep)
+            bad = jnp.any(~jnp.isfinite(x), axis=other)
+            cylinders.append((tuple(spec[i] for i in keep), bad))
+    out = []
+    for f, arrs in zip(forms, arrays):
+        new = []
+        for spec, x in zip(f.specs, arrs):
+            mask = None
+            for syms, bad in cylinders:
+                if set(syms) <= set(spec):
+                    m = _on_spec(bad, syms, spec)
+                    mask = m if mask is None else mask | m
+            new.append(x if mask is None else jnp.where(mask, jnp.zeros((), x.dtype), x))
+        out.append(new)
+    return out
+
+
+def _on_spec(values: Any, symbols: Sequence[Symbol], spec: Sequence[Symbol]) -> Any:
+    """`values` (axes named by `symbols`) broadcastable against an array `spec`."""
+    order = sorted(range(len(symbols)), key=lambda i: spec.index(symbols[i]))
+    values = values.transpose(order) if len(order) > 1 else values
+    sizes = iter(values.shape)
+    named = set(symbols)
+    return values.reshape([next(sizes) if s in named else 1 for s in spec])
+
+
+def _sanitize_rows(forms: Sequence[Form], arrays: Sequence[list]) -> list[list]:
+    bad = []
+    for f, (rows, valid, delta) in zip(forms, arrays):
+        offsets = f.specs[2][1:]
+        private = tuple(1 + i for i, s in enumerate(offsets) if s[0] != "leaf")
+        b = jnp.any(~jnp.isfinite(delta), axis=private)
+        bad.append(b & valid.reshape(valid.shape + (1,) * (b.ndim - 1)))
+    out = []
+    for f, (rows, valid, delta) in zip(forms, arrays):
+        hit = None
+        for (rows_v, valid_v, _), bad_v in zip(arrays, bad):
+            match = (rows[:, None] == rows_v[None, :]) & valid_v[None, :]
+            h = jnp.einsum(
+                "ts,s...->t...", match.astype(jnp.float32), bad_v.astype(jnp.float32)
+            )
+            hit = h > 0 if hit is None else hit | (h > 0)
+        offsets = f.specs[2][1:]
+        leaf_offsets = [s for s in offsets if s[0] == "leaf"]
+        hit = _on_spec(hit, [("position",), *leaf_offsets], f.specs[2])
+        gone = hit | ~valid.reshape(valid.shape + (1,) * (delta.ndim - 1))
+        out.append([rows, valid, jnp.where(gone, jnp.zeros((), delta.dtype), delta)])
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # Rules, registered by primitive.
 
@@ -726,7 +838,7 @@ class Dot(Rule):
             (a,) = recorded
             return [a if scale == 1.0 else a * jnp.asarray(scale, a.dtype), delta]
 
-        return _einsum_form(specs, shapes, build, layout)
+        return _einsum_form(specs, shapes, build, layout, use)
 
 
 class Conv(Rule):
@@ -825,15 +937,13 @@ class Conv(Rule):
             [patch_shape, delta_shape],
             build,
             layout,
+            use,
         )
         if form is not None:
             form.build_cost = build_cost
             # XLA:CPU runs a convolution's kernel gradient far slower inside a loop
             # (the chunks' scan) than a contraction of patches
-            leaf_shape = use.leaf_aval.shape
-            form.direct = layout.present() == frozenset(range(len(leaf_shape))) and all(
-                b == (0, n, 1) for b, n in zip(layout.box, leaf_shape)
-            )
+            form.direct = form.complete
         return form
 
 
@@ -905,7 +1015,7 @@ class Gather(Rule):
         syms = frozenset(
             s for s in (("leaf", layout.axes[r].leaf), *off_syms) if s[0] == "leaf"
         )
-        return Form(
+        form = Form(
             "rows",
             [(), (), (("position",), *off_syms)],
             [(positions,), (positions,), (positions, *off_shape)],
@@ -914,6 +1024,8 @@ class Gather(Rule):
             layout.box,
             row=layout.axes[r].leaf,
         )
+        form.complete = _complete(layout, use.leaf_aval.shape)
+        return form
 
 
 def _axis_symbol(axis: Axis, fresh: _Fresh) -> Symbol:
@@ -929,12 +1041,21 @@ def _level_symbols(use: Use, layout: Layout, fresh: _Fresh) -> list[Symbol]:
     return out
 
 
-def _einsum_form(specs, shapes, build, layout: Layout) -> Form | None:
+def _einsum_form(specs, shapes, build, layout: Layout, use: Use) -> Form | None:
     syms = frozenset(s for spec in specs for s in spec if s[0] == "leaf")
     leaf_axes = {s[1] for s in syms}
     if leaf_axes != set(layout.present()):
         return None
-    return Form("einsum", specs, shapes, build, syms, layout.box)
+    form = Form("einsum", specs, shapes, build, syms, layout.box)
+    form.complete = _complete(layout, use.leaf_aval.shape)
+    return form
+
+
+def _complete(layout: Layout, shape: Sequence[int]) -> bool:
+    """Whether a layout names every axis of the leaf, in full."""
+    return layout.present() == frozenset(range(len(shape))) and all(
+        b == (0, n, 1) for b, n in zip(layout.box, shape)
+    )
 
 
 RULES: dict[str, Rule] = {

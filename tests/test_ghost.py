@@ -667,27 +667,34 @@ def test_dp_models_against_vmap():
 
 def test_padding_dtype_and_partly_nonfinite_gradients():
     """jax-privacy's options under ghost: `is_padding_example`, `dtype=`, and
-    nan_safe=True with an example whose gradient is non-finite in some entries only
-    (a dense leaf's row, an elementwise leaf's entry): both methods zero those
-    entries and clip the rest, exactly as by hand."""
+    nan_safe=True with examples whose gradients are non-finite in some entries only
+    (rows of a dense leaf used twice, one entry of an elementwise leaf, rows of an
+    embedding): both methods zero those entries and clip the rest, exactly as by
+    hand; ghost masks them through the activations (no gradient is formed)."""
 
-    def loss(p, xz):
-        x, z = xz[0][0], xz[1][0]
+    def loss(p, xzt):
+        x, z, t = xzt[0][0], xzt[1][0], xzt[2][0]
         return (
             jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"])
-            + jnp.sum(z @ p["lin"])
+            + jnp.sum(z @ p["lin"]) + jnp.sum(jnp.tanh(x[:5] @ p["lin"]))
             + jnp.sum(p["s"] * z)
-        )
+            + jnp.sum(jnp.tanh(p["emb"][t] * z[:, None]))
+        )  # fmt: skip
 
     p = {
         "w1": normal(80, 6, 16), "w2": normal(81, 16, 3), "lin": normal(82, 5, 4),
-        "s": normal(83, 5),
+        "s": normal(83, 5), "emb": normal(86, 40, 8),
     }  # fmt: skip
     x, z = normal(84, 7, 6, scale=1.0), normal(85, 7, 5, scale=1.0)
     z = z.at[2, 1].set(jnp.nan).at[4, 3].set(jnp.inf)
-    xz = (x, z)  # each example reaches `loss` as a batch of one
-    one_each = (x[:, None], z[:, None])
+    t = integers(87, 40, 7, 5)
+    xz = (x, z, t)  # each example reaches `loss` as a batch of one
+    one_each = (x[:, None], z[:, None], t[:, None])
     opts = dict(l2_clip_norm=1.5, microbatch_size=3, return_grad_norms=True)
+    kinds = _ghost_plan(loss, p, jax.tree.map(lambda a: a[:1], xz))
+    assert {k: kinds[f"args[0]['{k}']"] for k in ("lin", "emb")} == {
+        "lin": "masked", "emb": "masked"
+    }  # fmt: skip
 
     def reference(pad):
         grads = jax.vmap(jax.grad(loss), (None, 0))(p, one_each)
@@ -698,14 +705,21 @@ def test_padding_dtype_and_partly_nonfinite_gradients():
 
     grads = jax.vmap(jax.grad(loss), (None, 0))(p, one_each)
     assert not bool(jnp.isfinite(grads["lin"][2]).all()) and bool(jnp.isfinite(grads["w1"][2]).all())
+    assert not bool(jnp.isfinite(grads["emb"][2]).all()) and bool(jnp.isfinite(grads["emb"][2][0]).all())
     pad = jnp.array([False, True, False, False, False, True, False])
     for kw in ({}, {"dtype": jnp.bfloat16}):
         results = [
             jax.jit(clipped_grad(loss, **opts, **kw, method=m))(p, xz, is_padding_example=pad)
             for m in ("vmap", "ghost")
         ]
-        tree_allclose(results[1], results[0], rtol=1e-5, atol=1e-6)
-        assert bool(jnp.isnan(results[1][1].grad_norms[2]))
+        tree_allclose(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+        # the norms as they are: non-finite for examples 2 (NaN) and 4 (inf; with
+        # ghost NaN, as documented), equal elsewhere
+        norms = [r[1].grad_norms for r in results]
+        finite = jnp.isfinite(norms[0])
+        assert finite.tolist() == [True, True, False, True, False, True, True]
+        assert jnp.isfinite(norms[1]).tolist() == finite.tolist()
+        np.testing.assert_allclose(norms[1][finite], norms[0][finite], rtol=1e-5)
         expected = reference(pad)
         if kw:
             expected = jax.tree.map(lambda e: e.astype(jnp.bfloat16), expected)
@@ -817,3 +831,57 @@ def test_memory_embedding_scan_and_late_conv():
     # the running sum and one chunk's sum, where vmap holds 16 gradients (6.28 MB
     # measured, 1.9 x the parameters' 3.35 MB)
     assert ghost < 2.5 * size, (ghost, size)
+
+
+def test_nan_safe_where_masking_cannot():
+    """nan_safe=True on leaves whose non-finite entries cannot be masked through
+    their activations (an embedding also used as the tied output layer): those
+    examples are fixed after the chunk's sum, one leaf at a time, every leaf's
+    contribution with the corrected clip factor (here a dense leaf's gradient stays
+    finite). A NaN and an infinity reaching one position each, N = 6 in chunks of
+    4: ghost = vmap = by hand."""
+
+    def loss(p, tzx):
+        t, z, x = tzx[0][0], tzx[1][0], tzx[2][0]
+        h = p["E"][t] * z[:, None] + p["pos"]
+        return jnp.sum(jnp.tanh(h @ p["E"].T)) + jnp.sum(jnp.tanh(x @ p["w"]))
+
+    p = {"E": normal(95, 16, 6), "pos": normal(96, 3, 6), "w": normal(97, 6, 4)}
+    t = integers(98, 16, 6, 3)
+    z = normal(99, 6, 3, scale=1.0).at[1, 2].set(jnp.nan).at[4, 0].set(jnp.inf)
+    x = normal(100, 6, 6, scale=1.0)
+    opts = dict(l2_clip_norm=0.8, microbatch_size=4)
+    got = jax.jit(clipped_grad(loss, **opts, method="ghost"))(p, (t, z, x))
+    plan = _ghost_plan(loss, p, (t[:1], z[:1], x[:1]))
+    assert plan == {
+        "args[0]['E']": "other", "args[0]['pos']": "formed", "args[0]['w']": "masked"
+    }  # fmt: skip
+    expected = jax.jit(clipped_grad(loss, **opts))(p, (t, z, x))
+    tree_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    grads = jax.vmap(jax.grad(loss), (None, 0))(p, (t[:, None], z[:, None], x[:, None]))
+    assert bool(jnp.isfinite(grads["w"]).all())
+    grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0), grads)
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(6, -1) ** 2, 1) for g in jax.tree.leaves(grads)))
+    by_hand = jax.tree.map(lambda g: jnp.tensordot(jnp.minimum(1, 0.8 / norms), g, 1), grads)
+    tree_allclose(got, by_hand, rtol=1e-5, atol=1e-6)
+
+
+def _ghost_plan(loss, params, example):
+    """How nan_safe treats each rule leaf: "masked" (through its activations),
+    "formed" (its gradient, instantiated) or "other" (fixed afterwards)."""
+    from chunkvmap import _ghost
+
+    traced = _ghost.Traced(
+        loss, [params, example], {}, [0], [1], strip=False, has_aux=False,
+        keep_batch_dim=False,
+    )  # fmt: skip
+    plan = traced.plan
+    kinds = {}
+    for k, leaf in enumerate(plan.leaves):
+        if plan.maskable(k):
+            kinds[leaf.path] = "masked"
+        elif leaf.rule == "instantiated":
+            kinds[leaf.path] = "formed"
+        elif leaf.rule == "ghost":
+            kinds[leaf.path] = "other"
+    return kinds
