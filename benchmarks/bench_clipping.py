@@ -1,6 +1,6 @@
 """Clipping benchmark: `chunkvmap.clipped_grad` (per-example and ghost) vs jax-privacy.
 
-Two tables, every number of one table measured in the same run:
+Three tables, every number of one table measured in the same run:
   (a) issue 13: `chunkvmap.clipped_grad` (`method="vmap"` and `method="ghost"`) vs
       `jax_privacy.clipping.clipped_grad` at the same microbatch size, on an MLP
       (cross-entropy loss). jax-privacy needs N divisible by its microbatch size; its
@@ -8,6 +8,11 @@ Two tables, every number of one table measured in the same run:
   (b) issue 14: ghost clipping vs per-example clipping (`method="vmap"`) vs the
       non-private `jax.grad` of the mean loss, on the MLP and on a transformer block
       (multi-head attention, layer norms, an MLP, the embedding tied to the output).
+  (c) the models DP is trained on, written the ordinary way (`_dp_models.py`: a
+      GPT-style LM with gathered embeddings, untied, tied and with a scanned,
+      rematerialised block stack; a CIFAR-style convnet): `clipped_grad_sum`'s
+      ghost vs `method="vmap"` vs the non-private step vs jax-privacy, with the
+      share of the parameters each ghost rule covers (`ghost_report`).
 
 Each method is compiled once (XLA's compiled temp memory, `memory_analysis()`), run
 once to warm up, then timed: the best of `--repeats` runs (the machine may be shared;
@@ -36,6 +41,7 @@ import numpy as np
 from _common import machine
 
 import chunkvmap
+from _dp_models import models as dp_models
 
 
 try:
@@ -189,17 +195,25 @@ def main():
         help="the transformer block's sequence length, width, heads, vocabulary",
     )
     parser.add_argument("--repeats", type=int)
+    parser.add_argument(
+        "--dp-models", type=int, nargs=2, metavar=("N", "B"),
+        help="table (c): examples and chunk size (default 64 16; --quick 8 4)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--only-dp-models", action="store_true", help="run table (c) alone"
+    )
     parser.add_argument("--out", help="also write the tables to this markdown file")
     args = parser.parse_args()
     if args.quick:
         defaults = dict(
             sizes=[16], microbatches=[8], layers=[16, 32, 32, 4],
-            block=[4, 8, 2, 16], repeats=1,
+            block=[4, 8, 2, 16], repeats=1, dp_models=[8, 4],
         )  # fmt: skip
     else:
         defaults = dict(
             sizes=[1000, 1024, 4096], microbatches=[64, 256],
             layers=[256, 256, 256, 10], block=[16, 32, 4, 128], repeats=2,
+            dp_models=[64, 16],
         )  # fmt: skip
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -224,6 +238,8 @@ def main():
     }
     if args.quick and not args.with_block:  # its three compiles double --quick's time
         del models[next(reversed(models))]
+    if args.only_dp_models:
+        models = {}
 
     def batch(kind, n):
         if kind == "mlp":
@@ -254,6 +270,7 @@ def main():
                           f"{temp / 2**20:.2f} MiB", file=sys.stderr)  # fmt: skip
                     base = out if base is None else base
                     results[(model, n, mb, name)] = (temp, s, rel_err(out, base))
+    dp_rows = dp_models_table(args.dp_models, args.repeats, args.quick)
     elapsed = time.perf_counter() - t_start
     argv, command = sys.argv[1:], []
     while argv:  # the command line, without --out
@@ -276,6 +293,12 @@ def main():
         "per leaf)."
     )
 
+    if not models:
+        emit_dp_models(emit, dp_rows, args.dp_models)
+        if args.out:
+            with open(args.out, "w") as fh:
+                fh.write("\n".join(lines) + "\n")
+        return
     mlp_name = next(iter(models))
     emit()
     emit(f"## (a) chunkvmap.clipped_grad vs jax_privacy.clipping.clipped_grad: "
@@ -327,9 +350,92 @@ def main():
                          f"{s / ref_s:.2f} | {s / vm_s:.3f} | {temp / 2**20:.2f} | "
                          f"{temp / max(ref_temp, 1):.3f} | "
                          f"{temp / max(vm_temp, 1):.4f} |")  # fmt: skip
+    emit_dp_models(emit, dp_rows, args.dp_models)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write("\n".join(lines) + "\n")
+
+
+def dp_models_table(sizes, repeats, quick):
+    """Table (c): per model, (name, shares, {method: (temp, seconds, rel err)})."""
+    n, mb = sizes
+    rng = np.random.default_rng(1)
+    rows = []
+    chosen = dp_models(quick)
+    if quick:  # one model: its four compiles are --quick's time
+        chosen = dict([next(iter(chosen.items()))])
+    for name, (make_params, loss, make_batch) in chosen.items():
+        params, data = make_params(rng), make_batch(rng, n)
+        report = chunkvmap.ghost_report(loss, params, *(d[0] for d in data))
+        shares = report.shares()
+        results = {}
+        ref_temp, ref_s, _ = measure(
+            jax.grad(lambda p, *d: jnp.mean(jax.vmap(loss, (None, 0, 0))(p, *d))),
+            (params, *data),
+            repeats,
+        )
+        results["non-private jax.grad"] = (ref_temp, ref_s, None)
+        base = None
+        for method in ("vmap", "ghost"):
+            fn = chunkvmap.clipped_grad_sum(loss, 1.0, batch_size=mb, method=method)
+            temp, s, out = measure(fn, (params, *data), repeats)
+            base = out[0] if base is None else base
+            results[f'method="{method}"'] = (temp, s, rel_err(out[0], base))
+            print(f"  {name}: {method} {s * 1e3:.1f} ms, {temp / 2**20:.2f} MiB",
+                  file=sys.stderr)  # fmt: skip
+        if jax_privacy_clipping is None:
+            results["jax-privacy"] = "n/a (not installed)"
+        elif n % mb:
+            results["jax-privacy"] = f"n/a ({n} % {mb} != 0)"
+        else:
+            fn = jax_privacy_clipping.clipped_grad(
+                lambda p, b: loss(p, b[0][0], b[1][0]),
+                l2_clip_norm=1.0,
+                batch_argnums=1,
+                microbatch_size=mb,
+            )
+            temp, s, out = measure(fn, (params, data), repeats)
+            results["jax-privacy"] = (temp, s, rel_err(out, base))
+        rows.append((name, shares, results))
+    return rows
+
+
+def emit_dp_models(emit, rows, sizes):
+    n, mb = sizes
+    emit()
+    emit(f"## (c) The models DP is trained on: ghost vs per-example vs non-private "
+         f"(N={n}, chunks of {mb})")  # fmt: skip
+    emit()
+    emit("`clipped_grad_sum(loss, 1.0, batch_size=B, method=...)`; jax-privacy's "
+         "`clipped_grad` at the same microbatch size. Ghost rules: the share of the "
+         "parameters under each rule (`ghost_report(...).shares()`).")  # fmt: skip
+    emit()
+    emit("| model | method | time ms | time / vmap | time / non-private | temp MiB "
+         "| temp / vmap | temp / non-private | max rel err |")  # fmt: skip
+    emit("|---|---|---|---|---|---|---|---|---|")
+    for name, shares, results in rows:
+        ref_temp, ref_s, _ = results["non-private jax.grad"]
+        vm_temp, vm_s, _ = results['method="vmap"']
+        for method, r in results.items():
+            if isinstance(r, str):
+                emit(f"| {name} | {method} | {r} | | | | | | |")
+                continue
+            temp, s, err = r
+            emit(f"| {name} | {method} | {s * 1e3:.1f} | {s / vm_s:.2f} | "
+                 f"{s / ref_s:.2f} | {temp / 2**20:.2f} | {temp / max(vm_temp, 1):.2f} | "
+                 f"{temp / max(ref_temp, 1):.2f} | "
+                 f"{'' if err is None else f'{err:.1e}'} |")  # fmt: skip
+    emit()
+    emit("| model | ghost | instantiated | per-example | by use |")
+    emit("|---|---|---|---|---|")
+    for name, shares, _ in rows:
+        kinds = ", ".join(
+            f"{k[5:]} {100 * v:.1f}%" for k, v in sorted(shares.items())
+            if k.startswith("kind:")
+        )  # fmt: skip
+        emit(f"| {name} | {100 * shares.get('ghost', 0):.1f}% | "
+             f"{100 * shares.get('instantiated', 0):.1f}% | "
+             f"{100 * shares.get('per-example', 0):.1f}% | {kinds} |")  # fmt: skip
 
 
 if __name__ == "__main__":

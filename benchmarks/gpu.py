@@ -1,8 +1,8 @@
 """GPU benchmark: the headline workloads as N grows until `jax.vmap` runs out of memory.
 
 One prepared script for a GPU that is lent for a few minutes (`make bench-gpu`, under
-4 minutes on one H200). Four workloads, each against `jax.vmap` and
-`lax.map(batch_size=B)` on the same inputs:
+4 minutes on one H200). Five workloads, each against `jax.vmap` (and
+`lax.map(batch_size=B)` where it applies) on the same inputs:
 
   per_example_grads  per-example gradients of an MLP, stacked (N x params):
                      `chunkvmap.per_example_grads`;
@@ -13,7 +13,12 @@ One prepared script for a GPU that is lent for a few minutes (`make bench-gpu`, 
   ensemble           the forward pass of N stacked models on one shared batch:
                      `chunkvmap.batch_vmap` over the stacked parameters;
   grad_through_map   `jax.grad` through a chunked forward pass (per-example sequences):
-                     `jax.grad` of a mean over `chunkvmap.batch_vmap`.
+                     `jax.grad` of a mean over `chunkvmap.batch_vmap`;
+  lm_clipped_sum     DP-SGD's clipped sum on a GPT-style language model (token and
+                     position embeddings read by `gather`, pre-norm blocks, an untied
+                     head; `_dp_models.py`): `chunkvmap.clipped_grad_sum` with
+                     `method="vmap"` and `method="ghost"`, and the non-private
+                     `jax.grad` of the mean loss.
 
 For each workload, `jax.vmap` runs first over growing N; the sizes stop at the first N
 where it runs out of memory (its error is caught and recorded as OOM), and every other
@@ -64,6 +69,9 @@ FULL = {
     "ensemble_batch": 256,
     "seq_mlp": [256, 1024, 1024, 1024, 1],
     "seq_len": 256,
+    "lm": {"vocab": 2048, "width": 256, "positions": 32, "blocks": 2, "heads": 4},
+    "lm_sizes": [1024, 4096, 16384],
+    "lm_batch": 256,
     "repeats": 5,
 }
 QUICK = {
@@ -76,10 +84,19 @@ QUICK = {
     "ensemble_batch": 16,
     "seq_mlp": [4, 8, 1],
     "seq_len": 3,
+    "lm": {"vocab": 16, "width": 8, "positions": 4, "blocks": 1, "heads": 2},
+    "lm_sizes": [24],
+    "lm_batch": 8,
     "repeats": 1,
 }
 
-WORKLOADS = ["per_example_grads", "clipped_sum", "ensemble", "grad_through_map"]
+WORKLOADS = [
+    "per_example_grads",
+    "clipped_sum",
+    "ensemble",
+    "grad_through_map",
+    "lm_clipped_sum",
+]
 
 
 # --------------------------------------------------------------------------------------
@@ -174,6 +191,25 @@ def _under_jax_privacy_settings(fn):
     return run
 
 
+# Methods measured for comparison that compute another quantity than jax.vmap's (the
+# non-private gradient of the mean loss): not checked against it.
+REFERENCES = {"non-private jax.grad"}
+
+
+def batch_of(name: str, cfg: dict) -> int:
+    """The chunk size B of a workload."""
+    return cfg.get({"ensemble": "ensemble_batch", "lm_clipped_sum": "lm_batch"}.get(
+        name, "batch"
+    ))  # fmt: skip
+
+
+def sizes_of(name: str, cfg: dict) -> list[int]:
+    """The sizes N of a workload."""
+    return cfg[{"ensemble": "ensemble_sizes", "lm_clipped_sum": "lm_sizes"}.get(
+        name, "sizes"
+    )]  # fmt: skip
+
+
 def workload(name: str, cfg: dict) -> tuple[Callable[[int], tuple], dict]:
     """`(make_inputs(n), methods)`: the inputs for N = n and name -> fn(*inputs)."""
     import jax
@@ -183,7 +219,7 @@ def workload(name: str, cfg: dict) -> tuple[Callable[[int], tuple], dict]:
     import chunkvmap
 
     init, mlp = _mlp_fns()
-    b = cfg["ensemble_batch"] if name == "ensemble" else cfg["batch"]
+    b = batch_of(name, cfg)
 
     if name in ("per_example_grads", "clipped_sum"):
         sizes = cfg["mlp"]
@@ -285,6 +321,43 @@ def workload(name: str, cfg: dict) -> tuple[Callable[[int], tuple], dict]:
             "chunkvmap.batch_vmap": jax.grad(lambda p, x: chunked(p, x).mean()),
         }
 
+    if name == "lm_clipped_sum":
+        import numpy as np
+
+        sys.path.insert(0, HERE)
+        from _dp_models import lm_batch, lm_loss, lm_params
+
+        lm, b = cfg["lm"], cfg["lm_batch"]
+
+        def loss(p, tokens, targets):
+            return lm_loss(p, tokens, targets, lm["heads"])
+
+        grad = jax.grad(loss)
+
+        def make(n):
+            rng = np.random.default_rng(0)
+            return (lm_params(rng, lm), *lm_batch(rng, n, lm))
+
+        def clipped(p, tokens, targets):
+            g = grad(p, tokens, targets)
+            norm = jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(g)))
+            return jax.tree.map(lambda leaf: leaf / jnp.maximum(norm, 1.0), g)
+
+        def summed(method):
+            fn = chunkvmap.clipped_grad_sum(loss, 1.0, batch_size=b, method=method)
+            return lambda p, tokens, targets: fn(p, tokens, targets)[0]
+
+        return make, {
+            "jax.vmap": lambda p, t, y: jax.tree.map(
+                lambda leaf: leaf.sum(0), jax.vmap(clipped, (None, 0, 0))(p, t, y)
+            ),
+            'chunkvmap.clipped_grad_sum(method="vmap")': summed("vmap"),
+            'chunkvmap.clipped_grad_sum(method="ghost")': summed("ghost"),
+            "non-private jax.grad": jax.grad(
+                lambda p, t, y: jnp.mean(jax.vmap(loss, (None, 0, 0))(p, t, y))
+            ),
+        }
+
     raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
 
 
@@ -378,7 +451,7 @@ def run_method(name, method, sizes, cfg) -> list[dict]:
     else:
         make = jax.jit(make, static_argnums=0)  # one compile per size, not per op
     fn = methods[method]
-    b = cfg["ensemble_batch"] if name == "ensemble" else cfg["batch"]
+    b = batch_of(name, cfg)
     rows, failed = [], None
     for n in sizes:
         row = {"workload": name, "method": method, "n": n, "b": b}
@@ -524,7 +597,9 @@ def render(rows: list[dict], info: dict, cfg: dict, args, seconds: float) -> str
                 _mib(r.get("peak_bytes")) if ok else "–",
                 f"{tput:.4g}" if ok else "–",
                 f"{ref['run_s'] / r['run_s']:.2f}" if ok and ref_ok else "–",
-                f"{fingerprint_err(r['fingerprint'], ref['fingerprint']):.1e}"
+                "n/a (another quantity)"
+                if r["method"] in REFERENCES
+                else f"{fingerprint_err(r['fingerprint'], ref['fingerprint']):.1e}"
                 if ok and ref_ok
                 else "–",
             ]
@@ -573,7 +648,7 @@ def main(argv=None) -> None:
         )
         print(info["jax_privacy"], flush=True)
     for name in args.workloads:
-        sizes = cfg["ensemble_sizes"] if name == "ensemble" else cfg["sizes"]
+        sizes = sizes_of(name, cfg)
         for method in method_names(name, cfg):
             print(f"{name}: {method} over N = {sizes}", flush=True)
             if args.isolate:

@@ -400,16 +400,21 @@ def _ghost_sums(
     ruled = [
         k for k, x in enumerate(leaves) if x.rule in (_ghost.GHOST, _ghost.INSTANTIATED)
     ]
-    # With nan_safe, each example's non-finite gradient entries are zeroed before
-    # its norm: through the arrays of the leaves whose forms allow it (`masked`), in
-    # the instantiated gradients (`formed`, and the per-example leaves); the other
-    # leaves' non-finite examples are fixed after the chunk's sum (`nan_safe_fix`).
+    # What a chunk keeps of each rule leaf for its sum: the instantiated gradients
+    # where they are smaller than the operands they come from (biases, scales) or
+    # have to be masked (`formed`); the arrays of the leaves whose non-finite entries
+    # can be masked through them (`masked`, with nan_safe); the recorded operands and
+    # cotangents of the others (`other`). With nan_safe, each example's non-finite
+    # gradient entries are zeroed before its norm, except `other`'s, whose non-finite
+    # examples are fixed after the chunk's sum (`nan_safe_fix`).
     safe = config.nan_safe
     masked = [k for k in ruled if safe and plan.maskable(k)]
     formed = [
         k
         for k in ruled
-        if safe and k not in masked and leaves[k].rule == _ghost.INSTANTIATED
+        if k not in masked
+        and leaves[k].rule == _ghost.INSTANTIATED
+        and (safe or leaves[k].size <= plan.operand_size(k))
     ]
     other = [k for k in ruled if k not in masked and k not in formed]
     other_keys = {u.key for k in other for u in leaves[k].uses}
@@ -460,7 +465,7 @@ def _ghost_sums(
         for k in formed:
             g = plan.instantiate(k, records, deltas)
             raw = raw + sq(g)
-            grads[k] = _nan_to_zero(g)
+            grads[k] = _nan_to_zero(g) if safe else g
             known = known + sq(grads[k])
         for g in pe_grads:
             raw = raw + sq(g)
@@ -822,6 +827,13 @@ def clipped_grad(
       mesh: the mesh for `shard` (see `batch_vmap`).
       remat: checkpoint each chunk (matters only when differentiating the result).
       progress: a host progress bar over the chunks (see `batch_vmap`).
+      method: `"vmap"` (the default) forms each example's gradient; `"ghost"` gives
+        the same results without forming the per-example gradients of the
+        parameters that have ghost rules (dense layers, convolutions, embedding
+        lookups: `ghost_report` shows each leaf's rule), in about a forward pass's
+        memory per chunk. With `"ghost"`, norms are those of the gradient before
+        the cast to `dtype`, a gradient with non-finite entries has norm NaN in
+        `grad_norms`, and `pre_clipping_transform` is not available.
 
     Returns:
       A `ClippedGrad`, callable like `fun`. It returns the clipped sum (structured like
@@ -1012,6 +1024,11 @@ def clipped_grad_sum(
       memory_limit: the budget for `batch_size="auto"`.
       progress: a host progress bar over the chunks (see `batch_vmap`).
       chunk_size: an alias of `batch_size` (pass one of them).
+      method: `"vmap"` (the default) forms each example's gradient; `"ghost"` gives
+        the same results without forming the per-example gradients of the
+        parameters that have ghost rules (dense layers, convolutions, embedding
+        lookups: `ghost_report` shows each leaf's rule), in about a forward pass's
+        memory per chunk.
 
     Returns:
       A function of `fun`'s arguments returning `(grad_sum, count)` — the clipped sum

@@ -566,6 +566,15 @@ class Plan:
             total = g if total is None else total + g
         return total
 
+    def operand_size(self, k: int) -> int:
+        """The entries of one example's recorded operands and cotangents of leaf
+        `k`'s uses (what a chunk keeps to form its sum from them)."""
+        total = 0
+        for u in self.leaves[k].uses:
+            avals = [*u.record_avals(), u.out_aval()]
+            total += sum(math.prod(a.shape) for a in avals)
+        return total
+
     def instantiate(self, k: int, records: dict, deltas: dict) -> Any:
         """One example's gradient of rule leaf `k`, from its uses."""
         total = None

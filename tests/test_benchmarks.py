@@ -48,6 +48,9 @@ def test_gpu_benchmark_quick(tmp_path):
                 if cells[3].startswith("n/a"):  # jax-privacy's microbatches
                     continue
                 assert cells[3] == "ok", row
+                if method in gpu.REFERENCES:
+                    assert cells[-1].startswith("n/a"), row
+                    continue
                 assert float(cells[-1]) < 1e-4, row  # agrees with jax.vmap
 
 
