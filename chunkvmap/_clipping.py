@@ -612,11 +612,25 @@ def _ghost_sums(
 
 
 class GhostFallbackWarning(UserWarning):
-    """`method="ghost"` computes per-example gradients for a sizeable share of the
-    parameters (no rule covers one of their uses), or runs as `method="vmap"`
-    because no parameter has a ghost norm. `chunkvmap.ghost_report` shows each
-    leaf's rule and why; filter this warning with `warnings.filterwarnings("ignore",
-    category=chunkvmap.GhostFallbackWarning)` once that is understood."""
+    """`method="ghost"` forms per-example gradients for a sizeable share of the
+    parameters, or runs as `method="vmap"`.
+
+    Issued once per clipping function, at its first call: when more than 5% of the
+    parameters have a use no ghost rule covers (they get exact per-example
+    gradients, as with `method="vmap"`), naming those leaves; or when no parameter
+    has a ghost norm, so that the per-example path of `method="vmap"` runs itself
+    (the same result, without ghost's bookkeeping). `chunkvmap.ghost_report` shows
+    each leaf's rule and why.
+
+    Attributes:
+      args: the message, as for any `Warning`.
+
+    Examples:
+      >>> import warnings
+      >>> import chunkvmap
+      >>> with warnings.catch_warnings():  # once ghost_report has been read
+      ...     warnings.simplefilter("ignore", chunkvmap.GhostFallbackWarning)
+    """
 
 
 _FALLBACK_SHARE = 0.05
