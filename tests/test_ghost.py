@@ -562,9 +562,11 @@ def lm_params(seed=20, tied=False, stacked=False):
             "up": n(i + 2, LD, 2 * LD), "up_b": jnp.zeros(2 * LD), "down": n(i + 3, 2 * LD, LD),
         }  # fmt: skip
 
-    blocks = [block(10), block(20)]
-    p = {"emb": n(1, LV, LD), "pos": n(2, LT, LD), "lnf": jnp.ones(LD)}
-    p["blocks"] = jax.tree.map(lambda *x: jnp.stack(x), *blocks) if stacked else blocks
+    if stacked:
+        blocks = jax.tree.map(lambda *x: jnp.stack(x), block(10), block(20))
+    else:
+        blocks = [block(10)]
+    p = {"emb": n(1, LV, LD), "pos": n(2, LT, LD), "lnf": jnp.ones(LD), "blocks": blocks}
     if not tied:
         p["head"] = n(3, LD, LV)
     return p
