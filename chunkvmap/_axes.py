@@ -171,8 +171,10 @@ def mapped_size(
     axes: Sequence[int | None],
     axis_size: int | None,
     transform: str = "batch_vmap",
+    hint: str = "",
 ) -> int:
-    """The common length of every mapped axis (or `axis_size`), else a clear error."""
+    """The common length of every mapped axis (or `axis_size`), else a clear error
+    (with `hint` after its first sentence)."""
     sizes = [
         (p, shape_of(x)[a], a, shape_of(x))
         for p, x, a in zip(paths, leaves, axes)
@@ -194,9 +196,11 @@ def mapped_size(
             for p, s, a, shape in sizes
         )
         extra = f"\n  axis_size={axis_size}" if axis_size is not None else ""
+        hint = f" ({hint})" if hint else ""
         raise ValueError(
-            f"{transform} got inconsistent sizes for the mapped axis; every mapped "
-            f"argument must have the same size along its mapped axis:\n{lines}{extra}"
+            f"{transform} got inconsistent sizes for the mapped axis{hint}; every "
+            f"mapped argument must have the same size along its mapped axis:\n"
+            f"{lines}{extra}"
         )
     return sizes[0][1]
 

@@ -235,6 +235,11 @@ def scaled_sum(scales: jax.Array, tree: Any) -> Any:
     return jax.tree.map(lambda g: jnp.tensordot(scales.astype(g.dtype), g, 1), tree)
 
 
+def _float_to_array(x: Any) -> Any:
+    """A Python float leaf as a JAX scalar (differentiated, as `jax.grad` does)."""
+    return jnp.asarray(x) if isinstance(x, float) else x
+
+
 def _squeeze_leading_one(x: Any) -> Any:
     """An aux leaf of one example without the size-1 batch axis `fun` kept."""
     if np.ndim(x) >= 1 and np.shape(x)[0] == 1:
@@ -255,14 +260,17 @@ def _clipped_sums(
     padding = kwargs.pop("is_padding_example", None) if config.jax_privacy else None
     diff, in_axes = setup.resolve(args)
     batch_args = [i for i, a in enumerate(in_axes) if a is not None]
-    if config.jax_privacy and set(diff) & set(batch_args):
-        shared = sorted(set(diff) & set(batch_args))
-        raise ValueError(
-            f"{name} cannot clip gradients with respect to an argument that holds "
-            f"the examples: argnums and batch_argnums share {shared}."
+    if config.jax_privacy:  # a bare Python float is differentiated, as by jax.grad
+        args = tuple(
+            jax.tree.map(_float_to_array, a) if i in diff else a
+            for i, a in enumerate(args)
         )
     size = _axes.mapped_size(
-        *_mapped_leaves(name, args, in_axes, kwargs), None, transform=name
+        *_mapped_leaves(name, args, in_axes, kwargs),
+        None,
+        transform=name,
+        # jax-privacy's phrase, for code that matches it
+        hint="Batch axis must have the same size for all inputs in batch_argnums",
     )
     args, in_axes = list(args), list(in_axes)
     if config.prng_argnum is not None:  # one key per example, split from the given one
@@ -720,14 +728,14 @@ def _mapped_leaves(
 # The public functions.
 
 
-def _check_clip_norm(name: str, value: Any, *, strict: bool) -> None:
-    """A concrete clip norm must be a real scalar: positive and finite when `strict`
-    (`clipped_grad_sum`), non-negative (inf allowed) otherwise (jax-privacy's rule). A
-    traced clip norm (e.g. a schedule) cannot be checked."""
+def _check_clip_norm(name: str, value: Any) -> None:
+    """A concrete clip norm must be a non-negative real scalar (0 clips every
+    gradient to zero, inf leaves them unclipped: jax-privacy's rule, for both
+    clipping functions). A traced clip norm (e.g. a schedule) cannot be checked."""
     if isinstance(value, (str, bytes, bool, np.bool_)):
         raise TypeError(
-            f"{name} l2_clip_norm must be a {'positive' if strict else 'non-negative'} "
-            f"number, but got l2_clip_norm={value!r} of type {type(value).__name__}."
+            f"{name} l2_clip_norm must be a non-negative number, but got "
+            f"l2_clip_norm={value!r} of type {type(value).__name__}."
         )
     try:
         number = float(np.asarray(value))
@@ -735,20 +743,15 @@ def _check_clip_norm(name: str, value: Any, *, strict: bool) -> None:
         return
     except (TypeError, ValueError):
         raise TypeError(
-            f"{name} l2_clip_norm must be a {'positive' if strict else 'non-negative'} "
-            f"number, but got l2_clip_norm={value!r} of type {type(value).__name__}."
+            f"{name} l2_clip_norm must be a non-negative number, but got "
+            f"l2_clip_norm={value!r} of type {type(value).__name__}."
         ) from None
     if np.ndim(value) != 0:
         raise TypeError(
             f"{name} l2_clip_norm must be a scalar number, but got "
             f"l2_clip_norm={value!r}."
         )
-    if strict and not (number > 0 and np.isfinite(number)):
-        raise ValueError(
-            f"{name} l2_clip_norm must be a positive, finite scalar, but got "
-            f"l2_clip_norm={value!r}."
-        )
-    if not strict and not number >= 0:
+    if not number >= 0:
         raise ValueError(
             f"{name} l2_clip_norm must be non-negative (0 clips every gradient to "
             f"zero, inf leaves them unclipped), but got l2_clip_norm={value!r}."
@@ -869,7 +872,7 @@ def clipped_grad(
       (Array(1., dtype=float32), Array([3., 4., 5.], dtype=float32))
     """
     name = "clipped_grad"
-    _check_clip_norm(name, l2_clip_norm, strict=False)
+    _check_clip_norm(name, l2_clip_norm)
     _check_method(name, method, pre_clipping_transform)
     for arg, value in (
         ("has_aux", has_aux),
@@ -896,6 +899,7 @@ def clipped_grad(
         fun,
         argnums,
         batch_argnums,
+        exclusive=True,
         spmd_axis_name=spmd_axis_name,
         batch_size=batch_size,
         chunk_size=chunk_size,
@@ -1023,7 +1027,8 @@ def clipped_grad_sum(
 
     Args:
       fun: the per-example loss, `fun(params, example, ...)` returning a scalar.
-      l2_clip_norm: the clipping norm, a positive scalar (it may be traced).
+      l2_clip_norm: the clipping norm, a non-negative scalar (it may be traced; 0
+        gives zero sums, inf no clipping; a negative traced value counts as 0).
       argnums: the argument(s) to differentiate (int or sequence of ints).
       batch_argnums: the argument(s) holding the examples along their leading axis;
         the others are passed to every example unchanged. None (the default): every
@@ -1051,8 +1056,7 @@ def clipped_grad_sum(
       has shape `(N,)`. For the DP-SGD update add Gaussian noise of standard deviation
       `noise_multiplier * l2_clip_norm` to `grad_sum` and divide by the lot size: the
       fixed lot size (`count`) with fixed-size lots, the *expected* lot size with
-      Poisson sampling. A traced `l2_clip_norm` cannot be checked here; it must be
-      positive.
+      Poisson sampling.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -1067,7 +1071,7 @@ def clipped_grad_sum(
        Array([5. , 0.5, 0. ], dtype=float32))
     """
     name = "clipped_grad_sum"
-    _check_clip_norm(name, l2_clip_norm, strict=True)
+    _check_clip_norm(name, l2_clip_norm)
     check_bool(name, "return_norms", return_norms)
     _check_method(name, method)
     setup = GradSetup(
@@ -1075,6 +1079,7 @@ def clipped_grad_sum(
         fun,
         argnums,
         batch_argnums,
+        exclusive=True,
         batch_size=batch_size,
         chunk_size=chunk_size,
         shard=shard,

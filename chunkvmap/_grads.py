@@ -39,8 +39,25 @@ def check_argnums(name: str, arg: str, argnums: Any) -> tuple[tuple[int, ...], b
                 f"{arg}={argnums!r}."
             )
     if not values:
+        if arg == "batch_argnums":  # jax-privacy's phrase, for code that matches it
+            raise ValueError(
+                f"{name} batch_argnums must name the argument(s) holding the examples "
+                f"(Batch Argnums must not be empty), but got batch_argnums="
+                f"{argnums!r}; e.g. batch_argnums=1 for fun(params, batch)."
+            )
         raise ValueError(f"{name} {arg} must not be empty, but got {arg}={argnums!r}.")
     return tuple(operator.index(v) for v in values), single
+
+
+def check_overlap(name: str, argnums: Any, batch_argnums: Any, diff, mapped) -> None:
+    """An argument is differentiated or holds the examples, never both."""
+    shared = sorted(set(diff) & set(mapped))
+    if shared:
+        raise ValueError(
+            f"{name} got argnums={argnums!r} and batch_argnums={batch_argnums!r}, "
+            f"which overlap on argument(s) {shared}: an argument is either "
+            f"differentiated (argnums) or holds the examples (batch_argnums), not both."
+        )
 
 
 def resolve_argnums(name: str, arg: str, argnums: Sequence[int], nargs: int):
@@ -173,6 +190,7 @@ class GradSetup:
         argnums: Any,
         batch_argnums: Any,
         spmd_axis_name: Any = None,
+        exclusive: bool = False,
         **options: Any,
     ):
         check_callable(name, "fun", fun)
@@ -185,6 +203,18 @@ class GradSetup:
             if batch_argnums is None
             else check_argnums(name, "batch_argnums", batch_argnums)[0]
         )
+        # With `exclusive` (the clipped sums), an argument is differentiated or holds
+        # the examples, never both; per_example_grads allows it (input gradients).
+        self.exclusive = exclusive
+        self.given = (argnums, batch_argnums)  # as the user wrote them, for messages
+        if exclusive and self.batch_argnums is not None:  # seen before a call
+            check_overlap(
+                name,
+                argnums,
+                batch_argnums,
+                [a for a in self.argnums if a >= 0],
+                [a for a in self.batch_argnums if a >= 0],
+            )
         self.mapper = Mapper(
             ChunkOptions.make(name, **options), spmd_axis_name=spmd_axis_name
         )
@@ -211,6 +241,8 @@ class GradSetup:
             mapped = resolve_argnums(
                 self.name, "batch_argnums", self.batch_argnums, nargs
             )
+            if self.exclusive:
+                check_overlap(self.name, *self.given, diff, mapped)
             self._warn_if_ambiguous(args, diff, mapped)
         return diff, tuple(0 if i in mapped else None for i in range(nargs))
 

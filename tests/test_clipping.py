@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 from jax_privacy import clipping as jp
 
 import chunkvmap
-from chunkvmap import clipped_grad, identity
+from chunkvmap import clipped_grad, clipped_grad_sum, identity
 
 from .helpers import temp_bytes, tree_allclose
 
@@ -341,8 +341,22 @@ def test_bad_options(kwargs, error, match):
 
 def test_bad_calls():
     args = call_args(loss, 6)
-    with pytest.raises(ValueError, match="argnums and batch_argnums share"):
-        clipped_grad(loss, l2_clip_norm=1.0, batch_argnums=0)(*args)
+    with pytest.raises(ValueError, match="overlap"):  # seen before any call
+        clipped_grad(loss, l2_clip_norm=1.0, batch_argnums=0)
+    for make in (  # negative argnums: seen at the call
+        lambda: clipped_grad(loss, l2_clip_norm=1.0, argnums=-1, batch_argnums=1),
+        lambda: clipped_grad_sum(loss, 1.0, argnums=1, batch_argnums=(1,)),
+        lambda: clipped_grad_sum(loss, 1.0, argnums=-1, batch_argnums=1),
+    ):
+        with pytest.raises(ValueError, match=r"overlap on argument\(s\) \[1\]"):
+            make()(*args)
+    # jax-privacy's key phrases, inside chunkvmap's sentences
+    with pytest.raises(ValueError, match="Batch Argnums must not be empty"):
+        clipped_grad(loss, l2_clip_norm=1.0, batch_argnums=())
+    with pytest.raises(ValueError, match="Batch axis must have the same size"):
+        clipped_grad(loss, l2_clip_norm=1.0, batch_argnums=(1, 2))(
+            jnp.zeros(3), jnp.zeros((10, 3)), jnp.zeros(5)
+        )
     with pytest.raises(ValueError, match=r"is_padding_example .* shape \(6,\)"):
         clipped_grad(loss, l2_clip_norm=1.0)(*args, is_padding_example=jnp.ones(5))
     with pytest.raises(ValueError, match="prng_argnum=1 is also in batch_argnums"):
@@ -456,3 +470,40 @@ def test_option_combinations_match_jax_privacy(data):
         rtol=1e-4,
         atol=1e-5,
     )
+
+
+def test_python_float_parameters_and_clip_norm_zero():
+    """`clipped_grad` differentiates Python float leaves of the parameters, as
+    `jax.grad` and jax-privacy do (`clipped_grad_sum` and `per_example_grads` keep
+    their rule: floating-point arrays only); `l2_clip_norm=0` gives zero sums and
+    inf unclipped ones, in both clipping functions."""
+
+    def fun(params, data, key):
+        out = params["w"] * data + params["b"]
+        return jnp.mean(out + jax.random.normal(key, out.shape))
+
+    params, data, key = {"w": 2.5, "b": 1.0}, jnp.array([10.0, 20.0, 30.0]), jax.random.key(0)
+    expected = Oracle(fun, l2_clip_norm=1.0, prng_argnum=2)(params, data, key)
+    for method in ("vmap", "ghost"):
+        with warnings.catch_warnings():  # (scalar products: no ghost norm to take)
+            warnings.simplefilter("ignore", chunkvmap.GhostFallbackWarning)
+            got = clipped_grad(fun, l2_clip_norm=1.0, prng_argnum=2, method=method)(
+                params, data, key
+            )
+        assert jax.tree.structure(got) == jax.tree.structure(params)
+        tree_allclose(got, expected, rtol=1e-6)
+    # Python floats are constants here (as for equinox.filter_grad)
+    total, _ = clipped_grad_sum(lambda p, x: fun(p, x, key), 1.0, batch_argnums=1)(
+        params, data
+    )
+    assert total == {"w": None, "b": None}
+    p, xy = call_args(loss, 6)
+    for clip, check in ((0.0, lambda g: not np.any(g)), (jnp.inf, None)):
+        theirs = Oracle(loss, l2_clip_norm=clip)(p, xy)
+        for method in ("vmap", "ghost"):
+            total, count = clipped_grad_sum(loss, clip, method=method)(p, xy)
+            ours = clipped_grad(loss, l2_clip_norm=clip, method=method)(p, xy)
+            tree_allclose(total, theirs, rtol=1e-5, atol=1e-6)
+            tree_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+            if check is not None:
+                assert all(check(g) for g in jax.tree.leaves(total))

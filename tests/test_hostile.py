@@ -900,6 +900,15 @@ def peg_case(fun, args, kwargs=None, expect=ORACLE, **opts) -> Case:
 def clipped_oracle(
     fun, args, kwargs, clip, argnums=0, batch_argnums=None, return_norms=False
 ):
+    # As jax-privacy: an argument is differentiated or holds the examples.
+    nargs = len(args)
+
+    def resolved(nums):
+        nums = nums if isinstance(nums, (tuple, list)) else (nums,)
+        return {int(a) % nargs for a in nums}
+
+    if batch_argnums is not None and resolved(argnums) & resolved(batch_argnums):
+        raise ValueError("argnums and batch_argnums overlap")
     grads = per_example_oracle(fun, args, kwargs, argnums, batch_argnums)
     leaves = jax.tree.leaves(grads)
     n = leaves[0].shape[0]
