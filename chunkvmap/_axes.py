@@ -124,17 +124,26 @@ def canonical_in_axis(
     """Make a mapped input axis non-negative and check it is in range."""
     if axis is None:
         return None
+    unmap = {  # how a value is passed unmapped, by the option that maps it
+        "in_axes": "give it in_axes=None",
+        "batch_argnums": (
+            "pass it positionally, outside batch_argnums (keyword arguments are "
+            "always mapped)"
+            if path.startswith("kwargs")
+            else "leave its argument out of batch_argnums"
+        ),
+    }.get(arg, "pass it unmapped")
     if not _is_arraylike(leaf):
         raise TypeError(
             f"{transform} {arg} maps {path} along axis {axis}, but it is not an "
-            f"array: got a value of type {type(leaf).__name__}. Give it in_axes=None "
-            f"or pass an array."
+            f"array: got a value of type {type(leaf).__name__}. To share it with "
+            f"every example, {unmap}; else pass an array."
         )
     ndim = len(shape_of(leaf))
     if not ndim:
         raise ValueError(
             f"{transform} {arg} maps {path} along axis {axis}, but it is a scalar "
-            f"(shape ()): give it in_axes=None or add a mapped axis."
+            f"(shape ()): {unmap}, or add a mapped axis."
         )
     if not -ndim <= axis < ndim:
         raise ValueError(
@@ -153,8 +162,7 @@ def canonical_out_axis(
         return None
     if not -(rank + 1) <= axis <= rank:
         raise ValueError(
-            f"{transform} out_axes puts the mapped axis of output {path} at {axis}, "
-            f"which is out of range (out_axes={axis} is out of range for it): each "
+            f"{transform} out_axes={axis} is out of range for output {path}: each "
             f"example's output has rank {rank}, so the mapped output has rank "
             f"{rank + 1} and valid axes are {-(rank + 1)}..{rank}."
         )

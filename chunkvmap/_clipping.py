@@ -14,6 +14,7 @@ works, and the chunks are contiguous (`microbatch_size` is an alias of `batch_si
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools as ft
 import numbers
@@ -235,9 +236,35 @@ def scaled_sum(scales: jax.Array, tree: Any) -> Any:
     return jax.tree.map(lambda g: jnp.tensordot(scales.astype(g.dtype), g, 1), tree)
 
 
-def _float_to_array(x: Any) -> Any:
-    """A Python float leaf as a JAX scalar (differentiated, as `jax.grad` does)."""
-    return jnp.asarray(x) if isinstance(x, float) else x
+@contextlib.contextmanager
+def _single_example_hint(name: str, config: _Clipping):
+    """With `keep_batch_dim=False`, a shape error from `fun` gets a note: a loss
+    written for a batch of one example needs the default `keep_batch_dim=True`."""
+    try:
+        yield
+    except (IndexError, TypeError, ValueError) as e:
+        if config.jax_privacy and not config.keep_batch_dim:
+            e.add_note(
+                f"{name} called the loss with one example and no batch axis "
+                f"(keep_batch_dim=False); a loss written for a batch of one example "
+                f"needs keep_batch_dim=True, the default."
+            )
+        raise
+
+
+def _floats_to_arrays(tree: Any) -> Any:
+    """`tree` with its Python float leaves as JAX scalars (differentiated, as by
+    `jax.grad` and jax-privacy), in plain containers (dicts, lists, tuples): the
+    float fields of other pytree nodes, such as an Equinox module's
+    hyperparameters, stay constants (as with `equinox.filter_grad`)."""
+
+    def plain(x: Any) -> bool:
+        return x is None or isinstance(x, (dict, list, tuple))
+
+    def convert(x: Any) -> Any:
+        return jnp.asarray(x) if isinstance(x, float) else x
+
+    return jax.tree.map(convert, tree, is_leaf=lambda x: not plain(x))
 
 
 def _squeeze_leading_one(x: Any) -> Any:
@@ -260,11 +287,8 @@ def _clipped_sums(
     padding = kwargs.pop("is_padding_example", None) if config.jax_privacy else None
     diff, in_axes = setup.resolve(args)
     batch_args = [i for i, a in enumerate(in_axes) if a is not None]
-    if config.jax_privacy:  # a bare Python float is differentiated, as by jax.grad
-        args = tuple(
-            jax.tree.map(_float_to_array, a) if i in diff else a
-            for i, a in enumerate(args)
-        )
+    if config.jax_privacy:  # Python floats are differentiated, as by jax.grad
+        args = tuple(_floats_to_arrays(a) if i in diff else a for i, a in enumerate(args))
     size = _axes.mapped_size(
         *_mapped_leaves(name, args, in_axes, kwargs),
         None,
@@ -308,7 +332,8 @@ def _clipped_sums(
         if config.keep_batch_dim:  # jax-privacy's default: a batch of one example
             for i in batch_args:
                 inputs[i] = jax.tree.map(lambda x: jnp.expand_dims(x, 0), inputs[i])
-        value, grads = value_and_grad(*inputs, **kw)
+        with _single_example_hint(name, config):
+            value, grads = value_and_grad(*inputs, **kw)
         value, aux = value if config.has_aux else (value, None)
         if config.keep_batch_dim:
             aux = jax.tree.map(_squeeze_leading_one, aux)
@@ -375,19 +400,20 @@ def _ghost_sums(
     for i in diff:  # a bare Python number is differentiated, as jax.grad does
         if isinstance(args[i], (float, complex)):
             args[i] = jnp.asarray(args[i])
-    traced = _ghost.Traced(
-        fun,
-        args,
-        kwargs,
-        diff,
-        # the examples' arguments, and the per-example keys of prng_argnum (split
-        # into one key per example, but passed to `fun` without a batch axis)
-        [i for i, a in enumerate(in_axes) if a is not None],
-        strip=True,
-        has_aux=config.has_aux,
-        keep_batch_dim=config.keep_batch_dim,
-        expand=batch_args,
-    )
+    with _single_example_hint(name, config):
+        traced = _ghost.Traced(
+            fun,
+            args,
+            kwargs,
+            diff,
+            # the examples' arguments, and the per-example keys of prng_argnum (split
+            # into one key per example, but passed to `fun` without a batch axis)
+            [i for i, a in enumerate(in_axes) if a is not None],
+            strip=True,
+            has_aux=config.has_aux,
+            keep_batch_dim=config.keep_batch_dim,
+            expand=batch_args,
+        )
     value = traced.value_aval
     if (
         value is None
@@ -803,8 +829,10 @@ def clipped_grad(
     per example) is accepted at call time with jax-privacy's meaning: padded examples
     contribute nothing to the sum (their values, norms and aux are still computed).
 
-    Only floating-point leaves of the differentiated arguments are differentiated
-    (others get None), so Equinox modules work as parameters directly.
+    Floating-point arrays and Python floats in plain containers (dicts, lists,
+    tuples) are differentiated, as by `jax.grad`; other leaves get None (integer
+    arrays, the static parts and float hyperparameters of an Equinox module, as with
+    `equinox.filter_grad`), so Equinox modules work as parameters directly.
 
     Args:
       fun: the loss, `fun(params, batch, ...)` returning a scalar (or `(scalar, aux)`
@@ -1047,7 +1075,8 @@ def clipped_grad_sum(
         the same results without forming the per-example gradients of the
         parameters that have ghost rules (dense layers, convolutions, embedding
         lookups: `ghost_report` shows each leaf's rule), in about a forward pass's
-        memory per chunk.
+        memory per chunk. With `"ghost"`, a gradient with non-finite entries has
+        norm NaN in `norms`.
 
     Returns:
       A function of `fun`'s arguments returning `(grad_sum, count)` — the clipped sum

@@ -280,8 +280,14 @@ class Plan:
                     self._flag(self.leaves[origin[0]], f"used by {name}")
             return [_Info(tainted=tainted)] * len(eqn.outvars)
         taints = [i.tainted for i in ins]
+        complex_values = any(
+            jnp.issubdtype(v.aval.dtype, jnp.complexfloating)
+            for v in (*eqn.invars, *eqn.outvars)
+        )
         for slot, (leaf, chain, lv) in params:
             reason = rule.accepts(eqn, slot, taints)
+            if complex_values:  # a real leaf's gradient is then a real part
+                reason = f"used by {name} with complex values"
             if not record:
                 continue
             if reason is not None:
@@ -951,10 +957,10 @@ def ghost_report(
       {"args[0]['b']": 'instantiated', "args[0]['w']": 'ghost'}
     """
     from ._grads import check_argnums, resolve_argnums
+    from ._options import check_callable
 
     name = "ghost_report"
-    if not callable(fun):
-        raise TypeError(f"{name} fun must be callable, but got {fun!r}.")
+    check_callable(name, "fun", fun)
     nums, _ = check_argnums(name, "argnums", argnums)
     diff = resolve_argnums(name, "argnums", nums, len(args))
     if batch_argnums is None:

@@ -258,8 +258,8 @@ def chain_op(eqn: Any, position: int, index: int, consts: Sequence[Any]) -> Op |
         if len(eqn.invars) != 1:
             return None
         if name == "convert_element_type" and not jnp.issubdtype(
-            eqn.params["new_dtype"], jnp.inexact
-        ):
+            eqn.params["new_dtype"], jnp.floating
+        ):  # (a cast to complex mixes real and imaginary parts into the use)
             return None
         return Op("prim", eqn.primitive, dict(eqn.params), index)
     if name == "neg":
@@ -570,6 +570,8 @@ def pair(u: Form, v: Form) -> Pair:
         return Pair("zero")
     if u.box != v.box or u.leaf_symbols != v.leaf_symbols:
         return Pair(None)
+    if _leaf_sizes(u) != _leaf_sizes(v):  # e.g. one kernel, two group counts
+        return Pair(None)
     if u.kind == "einsum" and v.kind == "einsum":
         vs = _rename(v.specs, _all_symbols(u.specs))
         return Pair("einsum", _einsum_cost([*u.specs, *vs], [*u.shapes, *v.shapes]))
@@ -583,6 +585,19 @@ def pair(u: Form, v: Form) -> Pair:
         return Pair(None)
     specs, shapes = _gathered(dense, rows)
     return Pair("rows-einsum", _einsum_cost(specs, shapes))
+
+
+def _leaf_sizes(form: Form) -> dict:
+    """The size of each leaf symbol of a form (the row symbol of a row form: its
+    rows, which its own arrays do not carry)."""
+    sizes = {}
+    for spec, shape in zip(form.specs, form.shapes):
+        for sym, n in zip(spec, shape):
+            if sym[0] == "leaf":
+                sizes[sym] = n
+    if form.kind == "rows":
+        sizes[_row_symbol(form)] = form.box[form.row][1]
+    return sizes
 
 
 def _gathered(dense: Form, rows: Form) -> tuple[list, list]:
@@ -903,19 +918,11 @@ class Conv(Rule):
         n_lead = len(levels)
 
         def patches(x):
-            pt = lax.conv_general_dilated_patches(
-                x,
-                window,
-                p["window_strides"],
-                p["padding"],
-                lhs_dilation=p["lhs_dilation"],
-                rhs_dilation=p["rhs_dilation"],
-                dimension_numbers=dn,
-                precision=p["precision"],
-            )
-            # feature = c * prod(window) + flat window index
-            perm = (out_spec[0], *out_spec[2:], out_spec[1])
-            return pt.transpose(perm).reshape(patch_shape[n_lead:])
+            pt = _patches(
+                x, window, out_spatial, p["window_strides"], p["padding"],
+                p["lhs_dilation"], p["rhs_dilation"], lhs_spec,
+            )  # fmt: skip
+            return pt.reshape(patch_shape[n_lead:])
 
         def build(recorded, delta):
             (x,) = recorded
@@ -994,15 +1001,17 @@ class Gather(Rule):
         positions = math.prod(levels) * math.prod(out.shape[a] for a in batch_axes)
         off_shape = tuple(out.shape[a] for a in dn.offset_dims)
         rows_n = operand.shape[r]
-        mode = p["mode"]
-        fill = "FILL" in str(mode).upper()
+        # An out-of-range index reads a clamped row in every mode, but its gradient
+        # is only kept in clip mode (the scatter that transposes a fill-or-drop or
+        # promise-in-bounds gather drops it).
+        dropped = "CLIP" not in str(p["mode"]).upper()
         n_lead = len(levels)
 
         def build(recorded, delta):
             (idx,) = recorded
             idx = idx.reshape(positions, idx.shape[-1]) if indices.ndim else idx
             row = idx[:, component]
-            if fill:
+            if dropped:
                 valid = (row >= 0) & (row < rows_n)
                 for k in others:
                     valid = valid & (idx[:, k] == 0)
@@ -1026,6 +1035,29 @@ class Gather(Rule):
         )
         form.complete = _complete(layout, use.leaf_aval.shape)
         return form
+
+
+def _patches(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil, lhs_spec):
+    """The patches a convolution reads: `(n, out spatial..., channels, window...)`,
+    by slicing the padded (and lhs-dilated) input once per window offset. Exact:
+    no entry is multiplied (`lax.conv_general_dilated_patches`, a convolution with a
+    one-hot kernel, spreads a non-finite input to every offset through `NaN * 0`)."""
+    x = x.transpose(lhs_spec)  # (n, c, spatial...)
+    config = [(0, 0, 0), (0, 0, 0)]
+    config += [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dil)]
+    x = lax.pad(x, jnp.zeros((), x.dtype), config)
+    pieces = []
+    for offset in itertools.product(*(range(w) for w in window)):
+        starts = [0, 0, *(k * d for k, d in zip(offset, rhs_dil))]
+        limits = [
+            *x.shape[:2],
+            *((o - 1) * st + s0 + 1 for o, st, s0 in zip(out_spatial, strides, starts[2:])),
+        ]
+        pieces.append(lax.slice(x, starts, limits, (1, 1, *strides)))
+    pt = jnp.stack(pieces, -1).reshape((*pieces[0].shape, *window))
+    spatial = len(window)
+    # (n, c, out..., window...) -> (n, out..., c, window...)
+    return pt.transpose((0, *range(2, 2 + spatial), 1, *range(2 + spatial, 2 + 2 * spatial)))
 
 
 def _axis_symbol(axis: Axis, fresh: _Fresh) -> Symbol:

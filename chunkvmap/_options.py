@@ -41,13 +41,23 @@ def identity(x: Any) -> Any:
     return x
 
 
+def shown(arg: str, value: Any) -> str:
+    """An argument as messages show it: arrays by shape and dtype, other values by a
+    short repr and their type."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{arg}: an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{arg}={text} of type {type(value).__name__}"
+
+
 def check_callable(name: str, arg: str, value: Any, *, allow_none: bool = False):
     """`value` if it is callable (or None, when allowed), else a TypeError."""
     if (value is None and allow_none) or callable(value):
         return value
     raise TypeError(
         f"{name} {arg} must be a callable{' or None' if allow_none else ''}, but "
-        f"got {arg}={value!r} of type {type(value).__name__}."
+        f"got {shown(arg, value)}."
     )
 
 

@@ -168,6 +168,12 @@ def layout(
 def _requested(name: str, shard: Any, mesh: Any) -> Layout:
     """The layout `shard=` asks for, over `mesh`, the ambient mesh or all devices."""
     ambient = jax.sharding.get_abstract_mesh()
+    if mesh is None and ambient.empty and shard is not True:
+        raise ValueError(
+            f"{name} got shard={shard!r}, which names mesh axes, but no mesh: pass "
+            f"mesh=, or call it under jax.set_mesh(mesh). (shard=True alone spreads "
+            f"the examples over all devices.)"
+        )
     if mesh is None:
         mesh = default_mesh() if ambient.empty else ambient
     elif not ambient.empty and mesh.abstract_mesh != ambient:

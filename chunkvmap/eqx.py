@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from . import _axes, _cache, _memory
 from ._axes import is_none
 from ._batch_vmap import Mapper, function_name, out_paths
-from ._options import ChunkOptions, identity
+from ._options import ChunkOptions, check_callable, identity
 
 
 _SENTINEL = object()
@@ -234,11 +234,7 @@ def filter_batch_vmap(
             progress=progress,
             chunk_size=chunk_size,
         )
-    if not callable(fun):
-        raise TypeError(
-            f"{_NAME} fun must be a callable, but got {fun!r} of type "
-            f"{type(fun).__name__}."
-        )
+    check_callable(_NAME, "fun", fun)
     if not isinstance(in_axes, dict):
         _check_spec("in_axes", in_axes)
     else:

@@ -38,7 +38,7 @@ import jax
 from . import _axes, _cache, _memory
 from ._batch_vmap import check_outputs
 from ._flax import clear_non_graph_nodes, is_graph_node
-from ._options import identity
+from ._options import check_callable, identity
 from ._stateful import StatefulMap
 
 
@@ -366,10 +366,7 @@ def batch_vmap(
             progress=progress,
             chunk_size=chunk_size,
         )
-    if not callable(f):
-        raise TypeError(
-            f"{_NAME} f must be a callable, but got f={f!r} of type {type(f).__name__}."
-        )
+    check_callable(_NAME, "f", f)
     if inspect.ismethod(f) and is_graph_node(f.__self__):
         raise TypeError(
             f"{_NAME} does not take bound methods of graph nodes (as nnx.vmap): got "

@@ -124,7 +124,7 @@ def test_out_of_range_axes():
         batch_vmap(jnp.sum, batch_size=2)(jnp.float32(1.0))
     with pytest.raises(
         ValueError,
-        match=r"out_axes puts the mapped axis of output out at 2.*valid axes are -1..0",
+        match=r"out_axes=2 is out of range for output out: .*valid axes are -1..0",
     ):
         batch_vmap(lambda v: v.sum(), out_axes=2, batch_size=2)(X)
 

@@ -318,3 +318,63 @@ def test_mixed_rule_cost():
     (leaf,) = plan.leaves
     assert leaf.costs == (5 * 5 * (4 + 2), 64 * 4 + 5 * 4)
     assert leaf.rule == "ghost"
+
+
+def test_edges_ghost_must_not_miss():
+    """Cases where a rule must step back or be exact at the edge: one kernel in two
+    convolutions with different feature group counts (no ghost cross term); a real
+    weight in a product with complex activations (per-example); a non-finite input
+    pixel under nan_safe (patches are sliced, so the NaN does not spread to other
+    window offsets); an out-of-range token with default indexing (its gradient is
+    dropped, as by the gather's transpose). Ghost = vmap end to end."""
+    import warnings
+
+    from chunkvmap import clipped_grad, clipped_grad_sum
+
+    def both(make, *args):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", chunkvmap.GhostFallbackWarning)
+            out = [make(m)(*args) for m in ("vmap", "ghost")]
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+            out[1], out[0],
+        )  # fmt: skip
+        return out
+
+    import chunkvmap
+
+    def grouped(w, x1, x2):
+        y1 = lax.conv_general_dilated(x1[None], w, (1, 1), "VALID", feature_group_count=2)
+        y2 = lax.conv_general_dilated(x2[None], w, (1, 1), "VALID", feature_group_count=4)
+        return jnp.sum(jnp.tanh(y1)) + jnp.sum(jnp.sin(y2))
+
+    w, x1, x2 = normal(1, 16, 4, 2, 2), normal(2, 3, 8, 3, 3), normal(3, 3, 16, 3, 3)
+    report = ghost_report(grouped, w, x1[0], x2[0])
+    assert report.rule("args[0]") == "instantiated"
+    both(lambda m: clipped_grad_sum(grouped, 1.0, return_norms=True, method=m), w, x1, x2)
+
+    def mixed(w, x):  # a real weight times complex activations
+        return jnp.sum(jnp.abs(jnp.tanh(lax.dot(x, w, preferred_element_type=x.dtype))) ** 2)
+
+    x = lax.complex(normal(4, 4, 8), normal(5, 4, 8))
+    assert "complex values" in str(ghost_report(mixed, normal(6, 8, 8), x[0]))
+    both(lambda m: clipped_grad_sum(mixed, 1.0, return_norms=True, method=m), normal(6, 8, 8), x)
+
+    def pixels(p, img_z):
+        img, z = img_z[0][0], img_z[1][0]
+        c = lax.conv(img[None], p["k"], (1, 1), "SAME")
+        weights = jnp.arange(16.0).reshape(1, 1, 4, 4)
+        return jnp.sum(c * weights) + jnp.sum(jnp.tanh(z @ p["w"]))
+
+    p = {"k": normal(7, 4, 4, 3, 3), "w": normal(8, 32, 32)}
+    img = jnp.ones((2, 4, 4, 4)).at[1, 0, 0, 0].set(jnp.nan)
+    both(
+        lambda m: clipped_grad(pixels, l2_clip_norm=1.0, method=m),
+        p, (img, jnp.ones((2, 32))),
+    )  # fmt: skip
+
+    def lookup(e, t):
+        return jnp.sum(jnp.tanh(e[t]))
+
+    tok = jnp.array([[3, 50], [10, 11]])  # 50 is out of range for 50 rows
+    both(lambda m: clipped_grad_sum(lookup, 1.0, return_norms=True, method=m), normal(9, 50, 8), tok)
