@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine with Python 3.11 and make:
-#   make demo   create .venv, install chunkvmap, run the main job
+#   make demo   create .venv, install chunkvmap and the demo's extra, run the main job
 #   make test   create .venv if needed, install the test extras, run the whole suite
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -11,11 +11,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e ".[tests,bench,demo,equinox,flax,progress,notebooks,docs]"
+# The demo needs only its own extra; the suite installs everything (the demo's too).
+$(VENV)/.demo: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e ".[demo]"
 	touch $@
 
-demo: $(VENV)/.installed
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e ".[tests,bench,demo,equinox,flax,progress,notebooks,docs]"
+	touch $@ $(VENV)/.demo
+
+demo: $(VENV)/.demo
 	$(BIN)/python -m chunkvmap.demo
 
 # Two workers (pytest-xdist), each test file on one of them: the suite is compile-bound

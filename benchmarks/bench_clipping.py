@@ -1,11 +1,11 @@
 """Clipping benchmark: `chunkvmap.clipped_grad` (per-example and ghost) vs jax-privacy.
 
 Three tables, every number of one table measured in the same run:
-  (a) issue 13: `chunkvmap.clipped_grad` (`method="vmap"` and `method="ghost"`) vs
+  (a) `chunkvmap.clipped_grad` (`method="vmap"` and `method="ghost"`) vs
       `jax_privacy.clipping.clipped_grad` at the same microbatch size, on an MLP
       (cross-entropy loss). jax-privacy needs N divisible by its microbatch size; its
       rows say "n/a" otherwise.
-  (b) issue 14: ghost clipping vs per-example clipping (`method="vmap"`) vs the
+  (b) ghost clipping vs per-example clipping (`method="vmap"`) vs the
       non-private `jax.grad` of the mean loss, on the MLP and on a transformer block
       (multi-head attention, layer norms, an MLP, the embedding tied to the output).
   (c) the models DP is trained on, written the ordinary way (`_dp_models.py`: a
@@ -21,11 +21,11 @@ compiles are its time; `--with-block` adds a tiny transformer block).
 
     python benchmarks/bench_clipping.py [--quick] [--out benchmarks/results/clipping.md]
 
-The default sizes (MLP 256-256-256-10; block T=16, d=32) take ~3 minutes on a 2-core
-CPU. Issue 14's MLP 784-512-512-10 (`--layers 784 512 512 10`) takes far longer:
-there `method="vmap"` at N=1024, chunks of 64, measured 36.6 s a run (jax-privacy:
-4.0 s; N=1000: 4.7 s). The cause is `nan_safe=True` (the default) at that size:
-8.5 s with `nan_safe=False`, 8.1 s for `clipped_grad_sum`; not yet fixed.
+The default sizes (MLP 256-256-256-10; block T=16, d=32; table (c) at N=64, chunks of
+16) take ~5 minutes on a 2-core CPU. The larger MLP 784-512-512-10 (`--layers 784 512
+512 10`) takes far longer: there `method="vmap"` at N=1024, chunks of 64, measured
+36.6 s a run (jax-privacy: 4.0 s; N=1000: 4.7 s), because of `nan_safe=True` (the
+default) at that size: 8.5 s with `nan_safe=False`, 8.1 s for `clipped_grad_sum`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ function (a tanh MLP of `--layers` layers of width `--width`), with N a multiple
 (no remainder) and not (a remainder), forward and under `jax.grad` (of the mean output
 with respect to the parameters). Reported: the best of `--repeats` cold
 measurements of each stage (the methods take turns), and ratios against `lax.map`
-measured in the same run (issue 17's targets: trace + lower of chunkvmap within 1.1x of
+measured in the same run (the targets: trace + lower of chunkvmap within 1.1x of
 lax.map's without a remainder; trace + lower + compile with a remainder <= 0.7x).
 
     python benchmarks/bench_compile.py [--out benchmarks/results/compile.md]

@@ -21,8 +21,11 @@ size. The clipped sum adds up over examples, so chunkvmap's step runs `clipped_g
 sub-lots whose sizes are powers of 8 (`chunkvmap.demo.sub_lots`: every example once,
 none padded) and compiles a handful of programs whatever the lot sizes.
 
-    python examples/dp_sgd.py [--epochs 30] [--lot-size 512] [--batch-size 64]
-        [--learning-rate 3e-3]
+    python examples/dp_sgd.py [--epochs 8] [--lot-size 512] [--batch-size 64]
+        [--learning-rate 1e-2]
+
+It takes about a minute on a 2-core CPU (64 s measured), most of it compiling optax's
+step once per lot size (15 sizes in 16 steps); more epochs take longer.
 """
 
 from __future__ import annotations
@@ -104,10 +107,10 @@ def make_steps(optimizer, batch_size: int):
 
 def main(argv=None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--lot-size", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--learning-rate", type=float, default=1e-2)
     args = parser.parse_args(argv)
 
     x_train, x_test, y_train, y_test = load_digits(seed=0)

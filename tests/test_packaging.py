@@ -113,7 +113,11 @@ def test_wheel_and_sdist_hold_the_package_and_its_metadata(dist):
     assert "jax.vmap" in metadata.get_payload()  # the README is the long description
     with tarfile.open(dist["sdist"]) as sdist:
         files = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
-    assert {"pyproject.toml", "README.md", *source} <= files, sorted(files)
+    assert {"pyproject.toml", "README.md", "LICENSE", *source} <= files, sorted(files)
+    # the license the metadata names ships with the wheel
+    assert f"chunkvmap-{VERSION}.dist-info/licenses/LICENSE" in names, sorted(names)
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
 
 
 IMPORT_CHECK = """
