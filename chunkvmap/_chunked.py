@@ -57,6 +57,13 @@ def evaluate(
         lay = _sharding.layout(
             name, options.shard, options.mesh, inputs.paths, inputs.leaves, body.axes
         )
+    one_device = lay is not None and lay.size == 1 and lay.explicit
+    if one_device:
+        # The examples' axis is sharded over one device: the plain loop runs on the
+        # inputs without that (trivial) sharding, unmapped inputs sharded over it
+        # included (where jax.vmap refuses them); stacked outputs get it back.
+        leaves = _sharding.unlaid(lay, inputs.leaves)
+        inputs = dataclasses.replace(inputs, leaves=leaves)
     if lay is not None and lay.size > 1:
         if axis_name is not None:
             raise ValueError(
@@ -81,6 +88,8 @@ def evaluate(
             )
         report = _progress.hook(options.reporter, plan.num_chunks)
         result = body.run(inputs.leaves, plan, report)
+        if one_device and body.reduction is None:
+            result = _sharding.laid(lay, result, body.out_axes)
     return result if body.reduction is not None else body.finish(result)
 
 

@@ -289,13 +289,15 @@ def _clipped_sums(
     batch_args = [i for i, a in enumerate(in_axes) if a is not None]
     if config.jax_privacy:  # Python floats are differentiated, as by jax.grad
         args = tuple(_floats_to_arrays(a) if i in diff else a for i, a in enumerate(args))
+    mapped = _mapped_leaves(name, args, in_axes, kwargs)
     size = _axes.mapped_size(
-        *_mapped_leaves(name, args, in_axes, kwargs),
+        *mapped,
         None,
         transform=name,
         # jax-privacy's phrase, for code that matches it
         hint="Batch axis must have the same size for all inputs in batch_argnums",
     )
+    laid = ft.partial(_laid_like_examples, mapped)
     args, in_axes = list(args), list(in_axes)
     if config.prng_argnum is not None:  # one key per example, split from the given one
         (k,) = resolve_argnums(name, "prng_argnum", (config.prng_argnum,), len(args))
@@ -319,7 +321,7 @@ def _clipped_sums(
             setup, fun, config, args, in_axes, kwargs, diff, batch_args, extra, size
         )
         if ghost is not None:
-            return ghost
+            return laid(*ghost)
 
     value_and_grad = filtered_value_and_grad(
         fun, diff, setup.single, config.has_aux, name
@@ -371,6 +373,24 @@ def _clipped_sums(
         reduction=jnp.add,
         chunk_reduction=summarise,
     )
+    return laid(total, extras, size)
+
+
+def _laid_like_examples(mapped: tuple, total: Any, extras: Any, size: int) -> Any:
+    """`(total, extras, size)` with the per-example extras sharded like the
+    examples' axis where the inputs' types show it (as `jax.vmap`'s outputs are);
+    they are summed over the chunks, so they come out replicated otherwise."""
+    _, leaves, axes = mapped
+    for x, axis in zip(leaves, axes):
+        if axis is None or not isinstance(x, jax.Array):
+            continue
+        sharding = jax.typeof(x).sharding
+        spec = getattr(sharding, "spec", ())
+        entry = spec[axis] if axis < len(spec) else None
+        if entry is not None:
+            where = jax.sharding.NamedSharding(sharding.mesh, jax.P(entry))
+            extras = jax.tree.map(lambda e: jax.sharding.reshard(e, where), extras)
+            break
     return total, extras, size
 
 

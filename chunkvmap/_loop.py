@@ -122,6 +122,24 @@ def sharding_in_types(leaves: Sequence[Any]) -> bool:
     return False
 
 
+def _spec_entries(x: Any) -> list[Any]:
+    """The PartitionSpec entries of `x`'s type, one per dimension."""
+    spec = getattr(jax.typeof(x).sharding, "spec", ())
+    return [spec[d] if d < len(spec) else None for d in range(np.ndim(x))]
+
+
+def _with_entry(y: Any, axis: int, entry: Any) -> Any:
+    """`y` with dimension `axis` sharded over `entry` (a no-op when it is)."""
+    entries = _spec_entries(y)
+    if entries[axis] == entry:
+        return y
+    entries[axis] = entry
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.sharding.reshard(
+        y, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
+    )
+
+
 def _chunk_aval(aval: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
     """The type of a chunk of `length` outputs of per-example type `aval`."""
     if axis is None:
@@ -522,6 +540,100 @@ class Body:
         with jax.named_scope("chunkvmap"):
             acc, _ = lax.scan(body, init, jnp.arange(plan.num_chunks))
         return acc
+
+    def run_shares(
+        self,
+        leaves: Sequence[Any],
+        plan: Plan,
+        report: Callable[[Any], None] = lambda i: None,
+    ) -> Any:
+        """`run` over D shares at once: every mapped leaf's axis is split as
+        `(D, n)` (the shares at the mapped axis, `plan`'s n examples after it). Each
+        chunk reads `plan.batch` examples of every share and evaluates them together
+        (the chunk function vmapped over the shares). Stacked outputs come back split
+        as `(D, n)` at their mapped axes; with a reduction, one summary per share
+        (a leading axis of D), each folded in its share's order."""
+        axes, out_axes = self.axes, self.out_axes
+        local = [None if a is None else a + 1 for a in axes]
+        shifted = [None if o is None else o + 1 for o in out_axes]
+        reduced = self.reduction is not None
+        if reduced:
+            self.summary_avals([plan.batch, plan.rem])  # checks the reduction's types
+
+        def shares(part: list[Any], length: int) -> list[Any]:
+            ys = jax.vmap(
+                lambda ls: self.chunk_fn(ls, length), in_axes=(list(axes),),
+                out_axes=list(out_axes),
+            )(part)  # fmt: skip
+            # An output that does not depend on the examples comes back broadcast over
+            # the shares; it takes the shares' sharding, as every other output has.
+            entry = next(
+                _spec_entries(x)[a]
+                for x, a in zip(part, axes)
+                if a is not None and isinstance(x, jax.Array)
+            )
+            return [
+                y if o is None else _with_entry(y, o, entry)
+                for y, o in zip(ys, out_axes)
+            ]
+
+        def summarise(ys: list[Any]) -> Any:  # one summary per share
+            return jax.vmap(
+                lambda y: self.chunk_reduction(self.out_tree.unflatten(y)),
+                in_axes=(list(out_axes),),
+            )(ys)
+
+        if plan.single:
+            ys = shares(plan.whole(leaves, local), plan.size)
+            report(0)
+            return summarise(ys) if reduced else ys
+        batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
+
+        @ft.partial(checkpointed, remat=self.remat)
+        def evaluate(i):
+            ys = shares(plan.chunk(leaves, local, i), batch)
+            if not reduced:
+                return ys
+            if rem == 0:
+                return summarise(ys)
+            tail = [
+                y if o is None else lax.slice_in_dim(y, batch - rem, batch, axis=o)
+                for y, o in zip(ys, shifted)
+            ]
+            return lax.cond(
+                i == last, lambda: summarise(tail), lambda: summarise(ys)
+            )
+
+        types = jax.eval_shape(evaluate, jnp.int32(0))
+        if reduced:
+            reduction = jax.vmap(ft.partial(fold, self.reduction))
+
+            def step(acc, i):
+                s = evaluate(i)
+                report(i)
+                return lax.cond(i == 0, lambda: s, lambda: reduction(acc, s)), None
+
+            init = jax.tree.map(lambda a: zeros(a.shape, a), types)
+        else:
+
+            def step(buffers, i):
+                ys = evaluate(i)
+                report(i)
+                start = plan.start(i)
+                return [
+                    y if o is None else lax.dynamic_update_slice_in_dim(b, y, start, o)
+                    for b, y, o in zip(buffers, ys, shifted)
+                ], None
+
+            init = []
+            for aval, o in zip(types, shifted):
+                shape = list(aval.shape)
+                if o is not None:
+                    shape[o] = plan.size
+                init.append(zeros(shape, aval))
+        with jax.named_scope("chunkvmap"):
+            out, _ = lax.scan(step, init, jnp.arange(plan.num_chunks))
+        return out
 
     def finish(self, flat: list[Any]) -> Any:
         """The user's output from the flat stacked outputs."""

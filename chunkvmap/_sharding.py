@@ -140,7 +140,7 @@ def layout(
 ) -> Layout | None:
     """The call's layout: requested by `shard`, else visible on the mapped inputs."""
     if shard is not False:
-        return _requested(name, shard, mesh)
+        return _requested(name, shard, mesh, leaves)
     found: dict[tuple[Any, ...], list[str]] = {}
     for path, x, axis in zip(paths, leaves, axes):
         sharding = None if axis is None else _visible_sharding(x)
@@ -165,9 +165,12 @@ def layout(
     return Layout(mesh, data)
 
 
-def _requested(name: str, shard: Any, mesh: Any) -> Layout:
-    """The layout `shard=` asks for, over `mesh`, the ambient mesh or all devices."""
+def _requested(name: str, shard: Any, mesh: Any, leaves: Sequence[Any]) -> Layout:
+    """The layout `shard=` asks for, over `mesh`, the ambient mesh, the mesh the
+    inputs are placed on, or all devices."""
     ambient = jax.sharding.get_abstract_mesh()
+    if mesh is None and ambient.empty:
+        mesh = _inputs_mesh(leaves)
     if mesh is None and ambient.empty and shard is not True:
         raise ValueError(
             f"{name} got shard={shard!r}, which names mesh axes, but no mesh: pass "
@@ -200,37 +203,29 @@ def _requested(name: str, shard: Any, mesh: Any) -> Layout:
     return Layout(mesh, tuple(shard))
 
 
+def _inputs_mesh(leaves: Sequence[Any]) -> Any:
+    """The mesh the inputs are placed on (the first one seen), or None."""
+    for x in leaves:
+        sharding = _visible_sharding(x)
+        if sharding is not None and not sharding.mesh.empty:
+            return sharding.mesh
+    return None
+
+
 def evaluate(body: Any, inputs: Any, options: Any, lay: Layout, batch: Any) -> Any:
     """`body` (a `_loop.Body`) over `inputs` (a `_chunked.Inputs`), split over `lay`
     as described in the module docstring, chunks of `batch` per device: the flat
     stacked outputs (mapped along `body.out_axes`), or the folded summary."""
+    if lay.explicit:
+        return _typed(body, inputs, options, lay, batch)
     size, dyn, axes = inputs.size, inputs.dyn, lay.axes
     num_devices = lay.size
     rem = size % num_devices
-    if rem and lay.explicit:
-        raise ValueError(
-            f"{options.name} cannot split {size} examples evenly over the "
-            f"{num_devices} devices of the Explicit mesh axes {axes}: an Explicit "
-            f"sharding must be even. Use a number of examples divisible by "
-            f"{num_devices}, or an Auto mesh (the remainder then runs on one device)."
-        )
     prefix = size - rem
     per_device = prefix // num_devices
     reduced = body.reduction is not None
     leaves = _prepare(options.name, lay, inputs.paths, inputs.leaves, body.axes, rem)
     in_specs = [P() if rem else lay.spec(body.axes[i]) for i in dyn]
-    if (
-        options.reporter is not None
-        and lay.explicit
-        and set(lay.mesh.axis_names) != set(axes)
-    ):
-        raise ValueError(
-            f"{options.name} cannot report progress here: the examples are split over "
-            f"the Explicit mesh axes {axes} while the mesh's other axes "
-            f"{tuple(a for a in lay.mesh.axis_names if a not in axes)} stay "
-            f"automatic, and JAX runs no host callback inside such a computation. "
-            f"Drop progress, or use an Auto mesh with shard={axes!r} under jit."
-        )
 
     def local(full: list[Any], n: int, offset: Any, report: bool) -> Any:
         # Progress: only the first device of the layout reports, and only its own
@@ -286,6 +281,153 @@ def evaluate(body: Any, inputs: Any, options: Any, lay: Layout, batch: Any) -> A
         return outs if reduced else _assemble(outs, body.out_axes, lay)
 
     return jax.jit(run)(*[leaves[i] for i in dyn])
+
+
+def _typed(body: Any, inputs: Any, options: Any, lay: Layout, batch: Any) -> Any:
+    """See `_split_evaluation`; under the layout's mesh as the context mesh (the
+    shares' sharding types name its axes)."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return _split_evaluation(body, inputs, options, lay, batch)
+    with jax.sharding.use_abstract_mesh(getattr(lay.mesh, "abstract_mesh", lay.mesh)):
+        return _split_evaluation(body, inputs, options, lay, batch)
+
+
+def _split_evaluation(
+    body: Any, inputs: Any, options: Any, lay: Layout, batch: Any
+) -> Any:
+    """`evaluate` over Explicit mesh axes, with no manual axes: sharding-in-types
+    places the work.
+
+    Each mapped input's axis of N examples is split as `(D, N / D)` (the devices'
+    shares, the layout's axes on the leading factor: a reshape that moves no data),
+    and the ordinary chunked loop over one share is `jax.vmap`ped over the D axis:
+    every device runs its own chunks of `batch` examples, the model's other mesh
+    axes keep the shardings in the types (nothing is gathered at a boundary), and
+    stacked outputs are reshaped back to N along their mapped axis. Reduced outputs
+    are the D summaries folded in device order (a sum: one reduction over the
+    sharded axis). When N is not a multiple of D (the inputs are then replicated:
+    an Explicit sharding is even), the last N % D examples run on every device after
+    the split part, and a stacked output is replicated, as `jax.vmap`'s is for
+    replicated inputs."""
+    size, dyn, axes = inputs.size, inputs.dyn, body.axes
+    num_devices = lay.size
+    rem = size % num_devices
+    prefix, share = size - rem, size // num_devices
+    leaves = list(inputs.leaves)
+    pieces = {}
+    if share:
+        head = [
+            x if a is None or not rem else lax.slice_in_dim(x, 0, prefix, axis=a)
+            for x, a in zip(leaves, axes)
+        ]
+        head = _prepare(options.name, lay, inputs.paths, head, axes, 0)
+        head = [_split(x, a, lay) for x, a in zip(head, axes)]
+        plan = make_plan(share, batch)
+        report = _progress.hook(options.reporter, plan.num_chunks)
+        split = body.run_shares(head, plan, report)
+        if body.reduction is not None:
+            pieces["head"] = _fold_shares(body.reduction, split, num_devices)
+        else:
+            pieces["head"] = [
+                y if a is None else _merge(y, a, lay)
+                for y, a in zip(split, body.out_axes)
+            ]
+    if rem:
+        tail = [
+            x if a is None else lax.slice_in_dim(x, prefix, size, axis=a)
+            for x, a in zip(leaves, axes)
+        ]
+        tail = _prepare(options.name, lay, inputs.paths, tail, axes, rem)
+        plan = make_plan(rem, batch)
+        report = _progress.hook(options.reporter if not share else None, plan.num_chunks)
+        pieces["tail"] = body.run(tail, plan, report)
+    if body.reduction is not None:
+        if len(pieces) == 1:
+            return next(iter(pieces.values()))
+        return fold(body.reduction, pieces["head"], pieces["tail"])
+    if "head" not in pieces:
+        return pieces["tail"]
+    if "tail" not in pieces:
+        return pieces["head"]
+    return [  # replicated over the layout, as jax.vmap's output for such inputs
+        t if a is None else jnp.concatenate([_without(h, lay), t], axis=a)
+        for h, t, a in zip(pieces["head"], pieces["tail"], body.out_axes)
+    ]
+
+
+def _without(y: Any, lay: Layout) -> Any:
+    """`y` replicated over the layout's axes (its other shardings kept)."""
+    entries = [
+        [a for a in _dim_axes(P(*_typed_entries(y)), d) if a not in lay.axes]
+        for d in range(np.ndim(y))
+    ]
+    spec = P(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
+    if spec == _normalized(P(*_typed_entries(y)), np.ndim(y)):
+        return y
+    return jax.sharding.reshard(y, NamedSharding(jax.typeof(y).sharding.mesh, spec))
+
+
+def _split(x: Any, axis: int | None, lay: Layout) -> Any:
+    """A mapped leaf's axis of N examples as `(D, N / D)`, sharded over the layout's
+    axes on D (its other dimensions keep their shardings)."""
+    if axis is None or not isinstance(x, jax.Array):
+        return x
+    shape = list(x.shape)
+    spec = _typed_entries(x)
+    shape[axis : axis + 1] = [lay.size, shape[axis] // lay.size]
+    spec[axis : axis + 1] = [_entry(lay.axes), None]
+    return jnp.reshape(x, shape, out_sharding=NamedSharding(lay.mesh, P(*spec)))
+
+
+def _merge(y: Any, axis: int, lay: Layout) -> Any:
+    """A stacked output's `(D, N / D)` back to N examples along `axis`, sharded over
+    the layout's axes (the leading factor: no data moves)."""
+    shape = list(y.shape)
+    spec = _typed_entries(y)
+    shape[axis : axis + 2] = [shape[axis] * shape[axis + 1]]
+    spec[axis : axis + 2] = [_entry(lay.axes)]
+    return jnp.reshape(y, shape, out_sharding=NamedSharding(lay.mesh, P(*spec)))
+
+
+def _typed_entries(x: Any) -> list[Any]:
+    """The PartitionSpec entries of `x`'s type, one per dimension."""
+    sharding = jax.typeof(x).sharding
+    spec = getattr(sharding, "spec", P())
+    return [spec[d] if d < len(spec) else None for d in range(np.ndim(x))]
+
+
+def _entry(axes: tuple[str, ...]) -> Any:
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _fold_shares(reduction: Any, summaries: Any, num_devices: int) -> Any:
+    """The D devices' summaries (leading axis) folded in device order; a sum is one
+    reduction over the sharded axis."""
+    if reduction in _SUMS:
+        return jax.tree.map(lambda s: jnp.sum(s, axis=0), summaries)
+    summaries = jax.tree.map(_replicated, summaries)  # D summaries: gathered
+    acc = jax.tree.map(lambda s: s[0], summaries)
+    if num_devices > 1:
+        rest = jax.tree.map(lambda s: s[1:], summaries)
+        acc, _ = lax.scan(lambda a, s: (fold(reduction, a, s), None), acc, rest)
+    return acc
+
+
+def unlaid(lay: Layout, leaves: Sequence[Any]) -> list[Any]:
+    """Explicit-typed `leaves` with the layout's axes dropped from their types."""
+    return [_without(x, lay) if isinstance(x, jax.Array) else x for x in leaves]
+
+
+def laid(lay: Layout, outs: Sequence[Any], out_axes: Sequence[Any]) -> list[Any]:
+    """Stacked outputs sharded over the layout's axes along their mapped axes."""
+    placed = []
+    for y, axis in zip(outs, out_axes):
+        if axis is not None:
+            entries = _typed_entries(y)
+            entries[axis] = _entry(lay.axes)
+            y = jax.sharding.reshard(y, NamedSharding(lay.mesh, P(*entries)))
+        placed.append(y)
+    return placed
 
 
 def _prepare(
@@ -383,7 +525,9 @@ def _typed_spec(y: Any) -> Any:
 
 
 def _replicated(y: Any) -> Any:
-    return y if _typed_spec(y) is None else jax.sharding.reshard(y, P())
+    if _typed_spec(y) is None:
+        return y
+    return jax.sharding.reshard(y, NamedSharding(jax.typeof(y).sharding.mesh, P()))
 
 
 def _assemble(outs: dict[str, Any], out_axes: Sequence[Any], lay: Layout) -> Any:

@@ -92,12 +92,9 @@ def test_explicit_program_never_gathers_the_batch_and_chunks_per_device(shape):
     assert f"f32[{local},6]" in plain
 
 
-def test_uneven_explicit_request_and_conflicting_layouts_are_clear_errors():
+def test_conflicting_layouts_are_a_clear_error():
     mesh = mesh_of((4, 2))
     w, x = inputs(mesh, 64)
-    with jax.set_mesh(mesh):
-        with pytest.raises(ValueError, match="cannot split 13 examples evenly"):
-            batch_vmap(f, (None, 0), batch_size=2, shard="data")(w, jnp.ones((13, 6)))
     y = jax.device_put(np.ones((64, 6), np.float32), NamedSharding(mesh, P("model")))
     with pytest.raises(ValueError, match=r"sharded differently(.|\n)*args\[2\]"):
         batch_vmap(lambda w, a, b: f(w, a + b), (None, 0, 0), batch_size=2)(w, x, y)
@@ -202,10 +199,12 @@ def test_progress_counts_one_devices_chunks_on_a_2d_mesh():
         jax.block_until_ready(fn(w, x))
     jax.effects_barrier()
     assert calls == [(i, 4) for i in range(1, 5)]  # 16 examples a device, 4 chunks
-    # JAX runs no host callback in a computation left automatic over Explicit axes.
+    # Explicit axes (no manual axes): each chunk of every device's share reported once
+    calls.clear()
     w, x = inputs(mesh_of((4, 2)), 64)
-    with pytest.raises(ValueError, match=r"cannot report progress here(.|\n)*'model'"):
-        batch_vmap(f, (None, 0), batch_size=5, progress=progress)(w, x)
+    jax.block_until_ready(batch_vmap(f, (None, 0), batch_size=5, progress=progress)(w, x))
+    jax.effects_barrier()
+    assert calls == [(i, 4) for i in range(1, 5)]
 
 
 def test_non_commutative_reduction_in_device_order_on_a_2d_mesh():
@@ -294,3 +293,118 @@ def test_nnx_model_parallel_parameters_and_data_parallel_batch():
     tree_allclose(out, ref, rtol=1e-5, atol=1e-5)
     assert out.sharding == ref.sharding
     assert model.kernel[...].sharding.spec == P(None, "model")
+
+
+# --------------------------------------------------------------------------------------
+# Explicit meshes without manual axes: the edges a data-parallel DP loop meets.
+
+
+def test_explicit_2d_step_gathers_nothing_and_reports_progress():
+    """On ("data", "model") with model-sharded weights, the chunked program has no
+    all-gather at all (as jax.vmap's), for stacked outputs, a clipped sum and its
+    gradient sharding; progress reports each chunk of a device's share once."""
+    mesh = mesh_of((4, 2))
+    w, x = inputs(mesh, 64)
+    calls = []
+    stacked = batch_vmap(
+        f, (None, 0), batch_size=3, progress=lambda i, n: calls.append((i, n))
+    )
+    clipped = clipped_grad_sum(lambda w, x: jnp.sum(f(w, x)), 1.0, batch_size=3)
+    with jax.set_mesh(mesh):
+        for fn in (stacked, clipped):
+            hlo = jax.jit(fn).lower(w, x).compile().as_text()
+            assert all_gathers(hlo) == [], all_gathers(hlo)
+        out = jax.jit(stacked)(w, x)
+        total, _ = jax.jit(clipped)(w, x)
+    jax.effects_barrier()
+    assert calls == [(i, 6) for i in range(1, 7)]  # 16 a device, chunks of 3
+    ref = jax.vmap(f, (None, 0))(w, x)
+    tree_allclose(out, ref)
+    assert out.sharding == ref.sharding
+    assert total.sharding.spec == P(None, "model")
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_uneven_lot_on_an_explicit_mesh(jit):
+    """A lot of 13 examples (replicated: an Explicit sharding is even) asked to run
+    over the 4 "data" devices: stacked, reduced and clipped results equal jax.vmap's,
+    with its (replicated) layout; per-example norms too."""
+    mesh = mesh_of((4, 2))
+    w, _ = inputs(mesh, 64)
+    x = np.random.default_rng(13).normal(size=(13, 6)).astype(np.float32)
+
+    def loss(w, x):
+        return jnp.sum(f(w, x) ** 2)
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, P()))
+        calls = [
+            batch_vmap(f, (None, 0), batch_size=2, shard="data"),
+            batch_vmap(
+                f, (None, 0), batch_size=2, shard="data", reduction=jnp.add,
+                chunk_reduction=sum0,
+            ),
+            clipped_grad_sum(loss, 0.5, batch_size=2, shard="data", return_norms=True),
+        ]  # fmt: skip
+        outs = [(jax.jit(c) if jit else c)(w, x) for c in calls]
+        ref = jax.vmap(f, (None, 0))(w, x)
+    tree_allclose(outs[0], ref)
+    assert outs[0].sharding.is_equivalent_to(ref.sharding, 2)
+    tree_allclose(outs[1], ref.sum(0), rtol=1e-5, atol=1e-5)
+    expected = clipped_grad_sum(loss, 0.5, batch_size=2, return_norms=True)(
+        np.asarray(w), np.asarray(x)
+    )
+    tree_allclose(outs[2], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fewer_examples_than_devices_under_grad():
+    """3 replicated examples on 4 devices, shard=True, under jax.grad: all run after
+    the (empty) split part, and the gradient is jax.vmap's."""
+    mesh = jax.make_mesh((4,), ("d",))
+    x = jax.device_put(np.array([0.1, 0.7, 1.3], np.float32), NamedSharding(mesh, P()))
+
+    def total(fn):
+        return lambda x: jnp.sum(fn(jnp.sin)(x) ** 2)
+
+    chunked = total(lambda g: batch_vmap(g, batch_size=2, shard=True))
+    with jax.set_mesh(mesh):
+        got = jax.grad(chunked)(x)
+        ref = jax.grad(total(jax.vmap))(x)
+    tree_allclose(got, ref)
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_unmapped_argument_sharded_along_the_examples_axis(n):
+    """in_axes=(0, None) with both arguments sharded over the examples' mesh axis,
+    shard=True without a mesh (the inputs' mesh is used), eager and under jit: the
+    unmapped one is placed whole on every device (jax.vmap itself refuses this on a
+    one-device mesh)."""
+    mesh = jax.make_mesh((n,), ("caller",))
+    rng = np.random.default_rng(n)
+    a, b = rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32)
+    sa, sb = (jax.device_put(v, NamedSharding(mesh, P("caller"))) for v in (a, b))
+    fn = batch_vmap(lambda u, v: u * v.sum(), in_axes=(0, None), batch_size=2, shard=True)
+    for out in (fn(sa, sb), jax.jit(fn)(sa, sb)):
+        tree_allclose(out, a * b.sum())
+        assert out.sharding.spec[0] == "caller"
+
+
+def test_shard_true_uses_the_mesh_the_inputs_are_on():
+    """shard=True without mesh= on inputs committed to a mesh over 4 of the 8
+    devices: that mesh is the one meant (not all devices)."""
+    sub = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("s",))
+    x = jax.device_put(np.linspace(0, 1, 8, dtype=np.float32), NamedSharding(sub, P("s")))
+    out = batch_vmap(jnp.sin, batch_size=1, shard=True)(x)
+    tree_allclose(out, jnp.sin(np.asarray(x)))
+    assert out.sharding.mesh.devices.size == 4 and out.sharding.spec[0] == "s"
+    with pytest.raises(ValueError, match=r"shard=\('data',\), which names mesh axes, but no mesh"):
+        batch_vmap(jnp.sin, shard="data")(np.ones(8, np.float32))
+
+
+def test_per_example_norms_are_sharded_like_the_examples():
+    mesh = mesh_of((4, 2))
+    w, x = inputs(mesh, 64)
+    fn = clipped_grad_sum(lambda w, x: jnp.sum(f(w, x)), 1.0, batch_size=3, return_norms=True)
+    with jax.set_mesh(mesh):
+        norms = jax.jit(fn)(w, x)[2]
+    assert norms.sharding.spec == P("data")
