@@ -199,11 +199,11 @@ def explicit_part(sizes, batch_size, emit):
         emit(line)
     emit("")
     emit(
-        "chunkvmap's all-gathers are the per-device summaries of the clipped sum (one "
-        "per 'data' shard, folded in device order, replicated over 'model' first) "
-        "and, on the (4, 2) mesh, the weights gathered over 'model' at the boundary "
-        "of JAX's partial-manual `shard_map` (and sliced back); none is the batch. "
-        "jax.vmap reduces with all-reduces instead."
+        "On Explicit meshes chunkvmap has no manual axes: the examples' axis is "
+        "split as (devices, N / devices) and the chunks of every device's share "
+        "are evaluated together, so sharding-in-types places the work; like "
+        "jax.vmap it gathers nothing (the clipped sum is one reduction over the "
+        "sharded axis), on the (4, 2) mesh too."
     )
     emit("")
 
