@@ -354,7 +354,7 @@ def vmap_call(
     name = options.name
     out_names = out_names or out_paths
     leaves, paths, axes, treedef = _flatten_inputs(
-        name, in_axes, args, kwargs, arg_names
+        name, in_axes, args, kwargs, arg_names, options.axes_arg
     )
     size = _axes.mapped_size(paths, leaves, axes, axis_size, transform=name)
     if options.plain and not callable(out_axes):
@@ -661,7 +661,12 @@ def _flat_out_axes(name: str, out_axes: Any, out_tree: Any, out_avals: list) -> 
 
 
 def _flatten_inputs(
-    name: str, in_axes: Any, args: tuple, kwargs: dict, arg_names: Any = None
+    name: str,
+    in_axes: Any,
+    args: tuple,
+    kwargs: dict,
+    arg_names: Any = None,
+    axes_arg: str = "in_axes",
 ) -> tuple:
     """Flatten `(args, kwargs)` to leaves, key paths and canonical per-leaf axes.
 
@@ -684,7 +689,7 @@ def _flatten_inputs(
         paths.append(root + jax.tree_util.keystr(rest))
     leaves = [leaf for _, leaf in path_leaves]
     axes = [
-        _axes.canonical_in_axis(a, x, p, transform=name)
+        _axes.canonical_in_axis(a, x, p, transform=name, arg=axes_arg)
         for a, x, p in zip(arg_axes + kw_axes, leaves, paths)
     ]
     leaves = [

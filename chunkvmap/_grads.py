@@ -216,7 +216,8 @@ class GradSetup:
                 [a for a in self.batch_argnums if a >= 0],
             )
         self.mapper = Mapper(
-            ChunkOptions.make(name, **options), spmd_axis_name=spmd_axis_name
+            ChunkOptions.make(name, **options).replace(axes_arg="batch_argnums"),
+            spmd_axis_name=spmd_axis_name,
         )
 
     def resolve(self, args: tuple) -> tuple[tuple[int, ...], tuple]:

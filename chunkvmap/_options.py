@@ -161,6 +161,9 @@ class ChunkOptions:
     progress: Any = False
     # The host reporter made from `progress` (one per transform, not compared).
     reporter: Any = dataclasses.field(default=None, compare=False, repr=False)
+    # The argument that maps the inputs, in messages (`batch_argnums` for the
+    # gradient functions).
+    axes_arg: str = "in_axes"
 
     @classmethod
     def make(

@@ -327,3 +327,36 @@ def test_last_batch_size_for_a_fixed_batch_size():
     grads = per_example_grads(lambda w, x: (w * x).sum(), chunk_size=4)
     grads(jnp.ones(3), jnp.ones((10, 3)))
     assert last_batch_size(grads) == 4
+
+
+def test_messages_a_newcomer_meets():
+    """The messages of a first hour: a shape error with keep_batch_dim=False gets a
+    note about batches of one; a value that cannot be mapped is told how to pass it
+    unmapped in the option's own words; shard=<axis names> without a mesh says so; a
+    non-callable function is shown by type and shape; an out-of-range out_axes is
+    named once."""
+    import chunkvmap
+
+    def loss(p, batch):  # written for a batch of one example
+        x, y = batch
+        return jnp.sum((x[0, :] @ p - y[0]) ** 2)
+
+    p, x, y = jnp.ones(3), jnp.ones((5, 3)), jnp.ones(5)
+    for method in ("vmap", "ghost"):
+        fn = chunkvmap.clipped_grad(
+            loss, l2_clip_norm=1.0, keep_batch_dim=False, method=method
+        )
+        with pytest.raises(IndexError) as info:
+            fn(p, (x, y))
+        assert any("keep_batch_dim=True, the default" in n for n in info.value.__notes__)
+    with pytest.raises(ValueError, match=r"scalar .*leave its argument out of batch_argnums"):
+        chunkvmap.clipped_grad_sum(lambda w, s: w * s, 1.0, batch_argnums=1)(1.0, 2.0)
+    with pytest.raises(ValueError, match=r"pass it positionally, outside batch_argnums"):
+        chunkvmap.per_example_grads(lambda w, *, s: w * s)(jnp.ones(2), s=2.0)
+    with pytest.raises(ValueError, match=r"names mesh axes, but no mesh: pass mesh="):
+        batch_vmap(jnp.sin, shard="nonexistent")(jnp.ones(4))
+    with pytest.raises(TypeError, match=r"f: an array of shape \(1000,\) and dtype float32\.$"):
+        batch_vmap(jnp.ones(1000))
+    with pytest.raises(ValueError) as info:
+        batch_vmap(jnp.sin, out_axes=3)(jnp.ones((2, 3)))
+    assert str(info.value).count("out of range") == 1
