@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _common import machine
+from _dp_models import models as dp_models
 
 import chunkvmap
-from _dp_models import models as dp_models
 
 
 try:
@@ -422,7 +422,8 @@ def emit_dp_models(emit, rows, sizes):
                 continue
             temp, s, err = r
             emit(f"| {name} | {method} | {s * 1e3:.1f} | {s / vm_s:.2f} | "
-                 f"{s / ref_s:.2f} | {temp / 2**20:.2f} | {temp / max(vm_temp, 1):.2f} | "
+                 f"{s / ref_s:.2f} | {temp / 2**20:.2f} | "
+                 f"{temp / max(vm_temp, 1):.2f} | "
                  f"{temp / max(ref_temp, 1):.2f} | "
                  f"{'' if err is None else f'{err:.1e}'} |")  # fmt: skip
     emit()

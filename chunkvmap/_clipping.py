@@ -288,7 +288,9 @@ def _clipped_sums(
     diff, in_axes = setup.resolve(args)
     batch_args = [i for i, a in enumerate(in_axes) if a is not None]
     if config.jax_privacy:  # Python floats are differentiated, as by jax.grad
-        args = tuple(_floats_to_arrays(a) if i in diff else a for i, a in enumerate(args))
+        args = tuple(
+            _floats_to_arrays(a) if i in diff else a for i, a in enumerate(args)
+        )
     mapped = _mapped_leaves(name, args, in_axes, kwargs)
     size = _axes.mapped_size(
         *mapped,
@@ -515,7 +517,9 @@ def _ghost_sums(
             s = plan.sq_norm_of(k, arrays[k], acc)
             known = known + s
             # a non-finite gradient's norm: NaN
-            raw = raw + jnp.where(all_finite(plan.arrays(k, records, deltas)), s, jnp.nan)
+            raw = raw + jnp.where(
+                all_finite(plan.arrays(k, records, deltas)), s, jnp.nan
+            )
         for k in formed:
             g = plan.instantiate(k, records, deltas)
             raw = raw + sq(g)

@@ -122,7 +122,8 @@ class Plan:
         self.diff_positions = list(diff_positions)
         invars = [jaxpr.invars[i] for i in diff_positions]
         self.leaves = [
-            Leaf(p, tuple(v.aval.shape), v.aval.dtype) for p, v in zip(leaf_paths, invars)
+            Leaf(p, tuple(v.aval.shape), v.aval.dtype)
+            for p, v in zip(leaf_paths, invars)
         ]
         self.leaf_specs = [
             getattr(getattr(v.aval, "sharding", None), "spec", None) for v in invars
@@ -466,8 +467,13 @@ class Plan:
             xs_i, prs = x
             recs: dict = {}
             outs = self._run(
-                body, body_consts, [*consts, *carry, *xs_i], dict(zip(paths, prs)),
-                sub, depth + 1, recs,
+                body,
+                body_consts,
+                [*consts, *carry, *xs_i],
+                dict(zip(paths, prs)),
+                sub,
+                depth + 1,
+                recs,
             )
             return outs[:ncar], (outs[ncar:], [recs[k] for k in keys])
 
@@ -494,7 +500,12 @@ class Plan:
             def fn(ops: list, prs: list) -> Any:
                 recs: dict = {}
                 outs = self._run(
-                    sub, sub_consts, ops, dict(zip(paths, prs)), (*here, b), depth,
+                    sub,
+                    sub_consts,
+                    ops,
+                    dict(zip(paths, prs)),
+                    (*here, b),
+                    depth,
                     recs,
                 )
                 full = []
@@ -535,7 +546,7 @@ class Plan:
             total = total + (term if i == j else 2 * term)
         return total
 
-    # -- through the forms' arrays (non-finite entries masked) ---------------------------
+    # -- through the forms' arrays (non-finite entries masked) -----------------------
 
     def maskable(self, k: int) -> bool:
         """Whether leaf `k`'s non-finite gradient entries can be zeroed through its
@@ -547,7 +558,9 @@ class Plan:
 
     def arrays(self, k: int, records: dict, deltas: dict) -> list:
         """One example's arrays of the forms of leaf `k`'s uses."""
-        return [u.form.build(records[u.key], deltas[u.path]) for u in self.leaves[k].uses]
+        return [
+            u.form.build(records[u.key], deltas[u.path]) for u in self.leaves[k].uses
+        ]
 
     def sanitized(self, k: int, records: dict, deltas: dict) -> list:
         """`arrays`, with zeros wherever they make the gradient non-finite."""

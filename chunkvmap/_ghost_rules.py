@@ -326,9 +326,7 @@ class Use:
         spec = getattr(getattr(out, "sharding", None), "spec", None)
         spec = None if spec is None else (None,) * len(self.levels) + tuple(spec)
         aval = self.out_aval()
-        return jnp.zeros(
-            aval.shape, aval.dtype, out_sharding=explicit_spec(spec or ())
-        )
+        return jnp.zeros(aval.shape, aval.dtype, out_sharding=explicit_spec(spec or ()))
 
     def forward(self, w: Any, recorded: Sequence[Any]) -> Any:
         """The use's output (with its levels' axes) as a linear function of the leaf
@@ -379,9 +377,7 @@ class Use:
             arrays = self.form.build(recorded, delta)
             return self.form.gradient(
                 arrays, self.leaf_aval.shape, False, self.leaf_spec
-            ).astype(
-                self.leaf_aval.dtype
-            )
+            ).astype(self.leaf_aval.dtype)
         fun = lambda w: self.forward(w, recorded)  # noqa: E731
         leaf = self.typed_leaf()
         (g,) = jax.linear_transpose(fun, leaf)(_typed_like(delta, fun, leaf))
@@ -395,9 +391,8 @@ class Use:
             arrays = jax.vmap(self.form.build)(recorded, delta)
             return self.form.gradient(
                 arrays, self.leaf_aval.shape, True, self.leaf_spec
-            ).astype(
-                self.leaf_aval.dtype
-            )
+            ).astype(self.leaf_aval.dtype)
+
         def fun(w: Any) -> Any:
             return jax.vmap(lambda r: self.forward(w, r), axis_size=size)(recorded)
 
@@ -552,7 +547,7 @@ def _row_symbol(form: Form) -> Symbol:
     return ("leaf", form.row)
 
 
-# -- pairs -------------------------------------------------------------------------------
+# -- pairs -----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -679,9 +674,7 @@ def maskable(forms: Sequence[Form]) -> bool:
         return len(offsets) == 1
     if not all(f.kind == "einsum" for f in forms):
         return False
-    cylinders = [
-        {s for s in spec if s[0] == "leaf"} for f in forms for spec in f.specs
-    ]
+    cylinders = [{s for s in spec if s[0] == "leaf"} for f in forms for spec in f.specs]
     return all(
         any(c <= set(spec) for spec in f.specs) for c in cylinders for f in forms
     )
@@ -718,7 +711,9 @@ def sanitize(forms: Sequence[Form], arrays: Sequence[list]) -> list[list]:
                 if set(syms) <= set(spec):
                     m = _on_spec(bad, syms, spec)
                     mask = m if mask is None else mask | m
-            new.append(x if mask is None else jnp.where(mask, jnp.zeros((), x.dtype), x))
+            new.append(
+                x if mask is None else jnp.where(mask, jnp.zeros((), x.dtype), x)
+            )
         out.append(new)
     return out
 
@@ -788,7 +783,9 @@ class Rule:
             float_ = jnp.issubdtype(v.aval.dtype, jnp.inexact)
             if not float_ or (slot in self.bilinear and k in self.bilinear):
                 out.append(k)
-            elif not (self.linear is None or k in self.linear) and k not in self.bilinear:
+            elif (
+                not (self.linear is None or k in self.linear) and k not in self.bilinear
+            ):
                 out.append(k)
         return tuple(out)
 
@@ -816,9 +813,7 @@ class Dot(Rule):
 
     def accepts(self, eqn, slot, tainted):
         if not tainted[1 - slot]:
-            return (
-                "a dot_general whose other operand does not depend on the example"
-            )
+            return "a dot_general whose other operand does not depend on the example"
         return None
 
     def form(self, use: Use) -> Form | None:
@@ -840,7 +835,9 @@ class Dot(Rule):
                 act.append(op_syms[wb[list(ab).index(m)]])
             else:
                 act.append(fresh())
-        w_free = [op_syms[j] for j in range(len(op_syms)) if j not in wc and j not in wb]
+        w_free = [
+            op_syms[j] for j in range(len(op_syms)) if j not in wc and j not in wb
+        ]
         a_free = [act[m] for m in range(other.ndim) if m not in ac and m not in ab]
         batch = [op_syms[j] for j in wb]
         out = batch + (w_free + a_free if use.slot == 0 else a_free + w_free)
@@ -902,7 +899,11 @@ class Conv(Rule):
             grp, o_syms, o_sizes = [], [o_sym], [out_feat]
         # patches as (levels..., n, out spatial..., [groups], c, window...)
         patch_spec = (
-            lead + [batch] + spatial + grp + [k_syms[rhs_spec[1]]]
+            lead
+            + [batch]
+            + spatial
+            + grp
+            + [k_syms[rhs_spec[1]]]
             + [k_syms[d] for d in rhs_spec[2:]]
         )
         delta_spec = lead + [batch] + spatial + o_syms
@@ -910,8 +911,12 @@ class Conv(Rule):
         out_spatial = tuple(out_aval.shape[d] for d in out_spec[2:])
         n = out_aval.shape[out_spec[0]]
         patch_shape = (
-            levels + (n,) + out_spatial + ((groups,) if groups > 1 else ())
-            + (cg,) + window
+            levels
+            + (n,)
+            + out_spatial
+            + ((groups,) if groups > 1 else ())
+            + (cg,)
+            + window
         )
         delta_shape = levels + (n,) + out_spatial + tuple(o_sizes)
         scale = layout.scale
@@ -1051,13 +1056,18 @@ def _patches(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil, lhs_spe
         starts = [0, 0, *(k * d for k, d in zip(offset, rhs_dil))]
         limits = [
             *x.shape[:2],
-            *((o - 1) * st + s0 + 1 for o, st, s0 in zip(out_spatial, strides, starts[2:])),
+            *(
+                (o - 1) * st + s0 + 1
+                for o, st, s0 in zip(out_spatial, strides, starts[2:])
+            ),
         ]
         pieces.append(lax.slice(x, starts, limits, (1, 1, *strides)))
     pt = jnp.stack(pieces, -1).reshape((*pieces[0].shape, *window))
     spatial = len(window)
     # (n, c, out..., window...) -> (n, out..., c, window...)
-    return pt.transpose((0, *range(2, 2 + spatial), 1, *range(2 + spatial, 2 + 2 * spatial)))
+    return pt.transpose(
+        (0, *range(2, 2 + spatial), 1, *range(2 + spatial, 2 + 2 * spatial))
+    )
 
 
 def _axis_symbol(axis: Axis, fresh: _Fresh) -> Symbol:

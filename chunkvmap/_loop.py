@@ -600,9 +600,7 @@ class Body:
                 y if o is None else lax.slice_in_dim(y, batch - rem, batch, axis=o)
                 for y, o in zip(ys, shifted)
             ]
-            return lax.cond(
-                i == last, lambda: summarise(tail), lambda: summarise(ys)
-            )
+            return lax.cond(i == last, lambda: summarise(tail), lambda: summarise(ys))
 
         types = jax.eval_shape(evaluate, jnp.int32(0))
         if reduced:

@@ -309,7 +309,7 @@ def _split_evaluation(
     an Explicit sharding is even), the last N % D examples run on every device after
     the split part, and a stacked output is replicated, as `jax.vmap`'s is for
     replicated inputs."""
-    size, dyn, axes = inputs.size, inputs.dyn, body.axes
+    size, axes = inputs.size, body.axes
     num_devices = lay.size
     rem = size % num_devices
     prefix, share = size - rem, size // num_devices
@@ -326,7 +326,7 @@ def _split_evaluation(
         report = _progress.hook(options.reporter, plan.num_chunks)
         split = body.run_shares(head, plan, report)
         if body.reduction is not None:
-            pieces["head"] = _fold_shares(body.reduction, split, num_devices)
+            pieces["head"] = _fold_shares(body.reduction, split, num_devices, lay)
         else:
             pieces["head"] = [
                 y if a is None else _merge(y, a, lay)
@@ -339,7 +339,9 @@ def _split_evaluation(
         ]
         tail = _prepare(options.name, lay, inputs.paths, tail, axes, rem)
         plan = make_plan(rem, batch)
-        report = _progress.hook(options.reporter if not share else None, plan.num_chunks)
+        report = _progress.hook(
+            options.reporter if not share else None, plan.num_chunks
+        )
         pieces["tail"] = body.run(tail, plan, report)
     if body.reduction is not None:
         if len(pieces) == 1:
@@ -400,12 +402,13 @@ def _entry(axes: tuple[str, ...]) -> Any:
     return axes[0] if len(axes) == 1 else axes
 
 
-def _fold_shares(reduction: Any, summaries: Any, num_devices: int) -> Any:
+def _fold_shares(reduction: Any, summaries: Any, num_devices: int, lay: Layout) -> Any:
     """The D devices' summaries (leading axis) folded in device order; a sum is one
     reduction over the sharded axis."""
     if reduction in _SUMS:
         return jax.tree.map(lambda s: jnp.sum(s, axis=0), summaries)
-    summaries = jax.tree.map(_replicated, summaries)  # D summaries: gathered
+    # the D summaries gathered (their shardings over other axes kept)
+    summaries = jax.tree.map(lambda s: _without(s, lay), summaries)
     acc = jax.tree.map(lambda s: s[0], summaries)
     if num_devices > 1:
         rest = jax.tree.map(lambda s: s[1:], summaries)

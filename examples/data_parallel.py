@@ -196,9 +196,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # either method.
         total, count = clipped_sum(model, x, y)
         expected = jax.jit(reference_clipped_sum)(model, x, y)
-        for a, b in zip(jax.tree.leaves(other_sum(model, x, y)[0]), jax.tree.leaves(total)):
+        for a, b in zip(
+            jax.tree.leaves(other_sum(model, x, y)[0]), jax.tree.leaves(total)
+        ):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (
+                a.sharding,
+                b.sharding,
+            )
         error = max(
             float(jnp.max(jnp.abs(a - b)))
             for a, b in zip(jax.tree.leaves(total), jax.tree.leaves(expected))
@@ -206,7 +211,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         assert int(count) == args.lot_size, count
         for a, b in zip(jax.tree.leaves(total), jax.tree.leaves(expected)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (
+                a.sharding,
+                b.sharding,
+            )
 
     # (b) The parameters kept their sharding (and the gradient sums have it too).
     for before, after in zip(jax.tree.leaves(layout), jax.tree.leaves(model)):

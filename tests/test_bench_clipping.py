@@ -33,6 +33,11 @@ def test_quick_run_has_every_method(tmp_path):
         assert f"| MLP 16-32-32-4 | 16 {row}" in b, row
     b, c = b.split("## (c)")
     lm = "GPT-style LM (V=64, d=16, T=4, 2 blocks), untied head"
-    for method in ("non-private jax.grad", 'method="vmap"', 'method="ghost"', "jax-privacy"):
+    for method in (
+        "non-private jax.grad",
+        'method="vmap"',
+        'method="ghost"',
+        "jax-privacy",
+    ):
         assert f"| {lm} | {method} | " in c, method
     assert f"| {lm} | 94.1% | 5.9% | 0.0% |" in c

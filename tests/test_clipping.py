@@ -482,7 +482,11 @@ def test_python_float_parameters_and_clip_norm_zero():
         out = params["w"] * data + params["b"]
         return jnp.mean(out + jax.random.normal(key, out.shape))
 
-    params, data, key = {"w": 2.5, "b": 1.0}, jnp.array([10.0, 20.0, 30.0]), jax.random.key(0)
+    params, data, key = (
+        {"w": 2.5, "b": 1.0},
+        jnp.array([10.0, 20.0, 30.0]),
+        jax.random.key(0),
+    )
     expected = Oracle(fun, l2_clip_norm=1.0, prng_argnum=2)(params, data, key)
     for method in ("vmap", "ghost"):
         with warnings.catch_warnings():  # (scalar products: no ghost norm to take)

@@ -348,14 +348,22 @@ def test_messages_a_newcomer_meets():
         )
         with pytest.raises(IndexError) as info:
             fn(p, (x, y))
-        assert any("keep_batch_dim=True, the default" in n for n in info.value.__notes__)
-    with pytest.raises(ValueError, match=r"scalar .*leave its argument out of batch_argnums"):
+        assert any(
+            "keep_batch_dim=True, the default" in n for n in info.value.__notes__
+        )
+    with pytest.raises(
+        ValueError, match=r"scalar .*leave its argument out of batch_argnums"
+    ):
         chunkvmap.clipped_grad_sum(lambda w, s: w * s, 1.0, batch_argnums=1)(1.0, 2.0)
-    with pytest.raises(ValueError, match=r"pass it positionally, outside batch_argnums"):
+    with pytest.raises(
+        ValueError, match=r"pass it positionally, outside batch_argnums"
+    ):
         chunkvmap.per_example_grads(lambda w, *, s: w * s)(jnp.ones(2), s=2.0)
     with pytest.raises(ValueError, match=r"names mesh axes, but no mesh: pass mesh="):
         batch_vmap(jnp.sin, shard="nonexistent")(jnp.ones(4))
-    with pytest.raises(TypeError, match=r"f: an array of shape \(1000,\) and dtype float32\.$"):
+    with pytest.raises(
+        TypeError, match=r"f: an array of shape \(1000,\) and dtype float32\.$"
+    ):
         batch_vmap(jnp.ones(1000))
     with pytest.raises(ValueError) as info:
         batch_vmap(jnp.sin, out_axes=3)(jnp.ones((2, 3)))

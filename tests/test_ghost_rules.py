@@ -164,7 +164,9 @@ def test_scans_stacked_and_repeated():
         return jnp.sum(hs**2) + jnp.sum(h**2)
 
     p = {
-        "layers": {"w": normal(1, 3, D, D), "b": normal(2, 3, D), "s": 1 + normal(3, 3, D)},
+        "layers": {
+            "w": normal(1, 3, D, D), "b": normal(2, 3, D), "s": 1 + normal(3, 3, D)
+        },
         "u": normal(4, D, D), "deep": normal(5, 2, 3, D, D),
     }  # fmt: skip
     plan = check(loss, p, normal(6, 6, D, scale=1.0))
@@ -214,7 +216,8 @@ def test_convolutions():
         )  # fmt: skip
         h = jnp.tanh(h + p["b1"][None, None, None])
         h = lax.conv_general_dilated(
-            h.transpose(0, 3, 1, 2), p["k2"], (1, 1), ((0, 0), (1, 0)), lhs_dilation=(2, 1),
+            h.transpose(0, 3, 1, 2), p["k2"], (1, 1), ((0, 0), (1, 0)),
+            lhs_dilation=(2, 1),
             dimension_numbers=("NCHW", "OIHW", "NCHW"),
         )  # fmt: skip
         seq = h.reshape(1, 5, -1)
@@ -244,7 +247,11 @@ def test_chains_slices_broadcasts_and_joins():
         seq = jnp.concatenate([p["cls"][None], x[None, :4]], 0)  # (2, 4)
         seq = jnp.where(seq > 0, seq, p["alt"][None]) @ p["T"].T.reshape(4, 1, 3)[:, 0]
         b = jnp.broadcast_to(p["w"][None], (2, 4, 3))
-        return jnp.sum(h**2) + jnp.sum(seq**2) + jnp.sum(jnp.einsum("i,nij->nj", x[:4], b) ** 2)
+        return (
+            jnp.sum(h**2)
+            + jnp.sum(seq**2)
+            + jnp.sum(jnp.einsum("i,nij->nj", x[:4], b) ** 2)
+        )
 
     p = {
         "W": normal(1, 3, D, D), "cols": normal(2, D, 6), "cls": normal(3, 4),
@@ -267,7 +274,9 @@ def test_what_falls_back_and_why():
     def loss(p, x):
         h = x @ jnp.exp(p["log"])
         h = h @ jax.nn.relu(p["relu"])  # custom_jvp
-        h = lax.while_loop(lambda c: c[1] < 2, lambda c: (c[0] @ p["loop"], c[1] + 1), (h, 0))[0]
+        h = lax.while_loop(
+            lambda c: c[1] < 2, lambda c: (c[0] @ p["loop"], c[1] + 1), (h, 0)
+        )[0]
         h, _ = lax.scan(lambda c, _: (2 * c, None), p["carry"], None, length=2)
         return jnp.sum(h * x) + jnp.sum(x @ (p["a"] @ p["b"]))
 
@@ -297,7 +306,8 @@ def test_mixed_rule_cost():
     stated."""
     for t, rule in ((4, "ghost"), (16, "instantiated")):
         report_plan = _ghost.Traced(
-            lambda w, x: jnp.sum(jnp.tanh(x @ w)), [normal(0, 16, 16), normal(1, t, 16)],
+            lambda w, x: jnp.sum(jnp.tanh(x @ w)),
+            [normal(0, 16, 16), normal(1, t, 16)],
             {}, [0], [1], strip=False, has_aux=False, keep_batch_dim=False,
         ).plan  # fmt: skip
         (leaf,) = report_plan.leaves
@@ -305,9 +315,12 @@ def test_mixed_rule_cost():
             "ab,ac,db,dc->", (t, 16), (t, 16), (t, 16), (t, 16),
             shapes=True, optimize="optimal",
         )[1].opt_cost  # fmt: skip
-        inst = 256 + opt_einsum.contract_path(
-            "ab,ac->bc", (t, 16), (t, 16), shapes=True, optimize="optimal"
-        )[1].opt_cost
+        inst = (
+            256
+            + opt_einsum.contract_path(
+                "ab,ac->bc", (t, 16), (t, 16), shapes=True, optimize="optimal"
+            )[1].opt_cost
+        )
         assert leaf.costs == (ghost, inst), (t, leaf.costs)
         assert leaf.rule == rule, (t, leaf.costs)
     # a lookup table: ghost (rows pair T^2 (d + 2)) vs instantiated (size + T d)
@@ -344,21 +357,33 @@ def test_edges_ghost_must_not_miss():
     import chunkvmap
 
     def grouped(w, x1, x2):
-        y1 = lax.conv_general_dilated(x1[None], w, (1, 1), "VALID", feature_group_count=2)
-        y2 = lax.conv_general_dilated(x2[None], w, (1, 1), "VALID", feature_group_count=4)
+        y1 = lax.conv_general_dilated(
+            x1[None], w, (1, 1), "VALID", feature_group_count=2
+        )
+        y2 = lax.conv_general_dilated(
+            x2[None], w, (1, 1), "VALID", feature_group_count=4
+        )
         return jnp.sum(jnp.tanh(y1)) + jnp.sum(jnp.sin(y2))
 
     w, x1, x2 = normal(1, 16, 4, 2, 2), normal(2, 3, 8, 3, 3), normal(3, 3, 16, 3, 3)
     report = ghost_report(grouped, w, x1[0], x2[0])
     assert report.rule("args[0]") == "instantiated"
-    both(lambda m: clipped_grad_sum(grouped, 1.0, return_norms=True, method=m), w, x1, x2)
+    both(
+        lambda m: clipped_grad_sum(grouped, 1.0, return_norms=True, method=m), w, x1, x2
+    )
 
     def mixed(w, x):  # a real weight times complex activations
-        return jnp.sum(jnp.abs(jnp.tanh(lax.dot(x, w, preferred_element_type=x.dtype))) ** 2)
+        return jnp.sum(
+            jnp.abs(jnp.tanh(lax.dot(x, w, preferred_element_type=x.dtype))) ** 2
+        )
 
     x = lax.complex(normal(4, 4, 8), normal(5, 4, 8))
     assert "complex values" in str(ghost_report(mixed, normal(6, 8, 8), x[0]))
-    both(lambda m: clipped_grad_sum(mixed, 1.0, return_norms=True, method=m), normal(6, 8, 8), x)
+    both(
+        lambda m: clipped_grad_sum(mixed, 1.0, return_norms=True, method=m),
+        normal(6, 8, 8),
+        x,
+    )
 
     def pixels(p, img_z):
         img, z = img_z[0][0], img_z[1][0]
@@ -377,4 +402,8 @@ def test_edges_ghost_must_not_miss():
         return jnp.sum(jnp.tanh(e[t]))
 
     tok = jnp.array([[3, 50], [10, 11]])  # 50 is out of range for 50 rows
-    both(lambda m: clipped_grad_sum(lookup, 1.0, return_norms=True, method=m), normal(9, 50, 8), tok)
+    both(
+        lambda m: clipped_grad_sum(lookup, 1.0, return_norms=True, method=m),
+        normal(9, 50, 8),
+        tok,
+    )

@@ -23,7 +23,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 VERSION = "2.0.0"
 TESTS = f"jax_privacy-{VERSION}/tests/gradient_clipping_test.py"
 IMPORT = "from jax_privacy import clipping as gradient_clipping"
-SHIM = "from jax_privacy.clipping import *  # noqa\nfrom chunkvmap import clipped_grad\n"
+SHIM = (
+    "from jax_privacy.clipping import *  # noqa\nfrom chunkvmap import clipped_grad\n"
+)
 TIMEOUT_S = 300
 
 

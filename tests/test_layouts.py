@@ -202,7 +202,9 @@ def test_progress_counts_one_devices_chunks_on_a_2d_mesh():
     # Explicit axes (no manual axes): each chunk of every device's share reported once
     calls.clear()
     w, x = inputs(mesh_of((4, 2)), 64)
-    jax.block_until_ready(batch_vmap(f, (None, 0), batch_size=5, progress=progress)(w, x))
+    jax.block_until_ready(
+        batch_vmap(f, (None, 0), batch_size=5, progress=progress)(w, x)
+    )
     jax.effects_barrier()
     assert calls == [(i, 4) for i in range(1, 5)]
 
@@ -381,9 +383,14 @@ def test_unmapped_argument_sharded_along_the_examples_axis(n):
     one-device mesh)."""
     mesh = jax.make_mesh((n,), ("caller",))
     rng = np.random.default_rng(n)
-    a, b = rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32)
+    a, b = (
+        rng.normal(size=(8, 3)).astype(np.float32),
+        rng.normal(size=(8, 3)).astype(np.float32),
+    )
     sa, sb = (jax.device_put(v, NamedSharding(mesh, P("caller"))) for v in (a, b))
-    fn = batch_vmap(lambda u, v: u * v.sum(), in_axes=(0, None), batch_size=2, shard=True)
+    fn = batch_vmap(
+        lambda u, v: u * v.sum(), in_axes=(0, None), batch_size=2, shard=True
+    )
     for out in (fn(sa, sb), jax.jit(fn)(sa, sb)):
         tree_allclose(out, a * b.sum())
         assert out.sharding.spec[0] == "caller"
@@ -393,18 +400,24 @@ def test_shard_true_uses_the_mesh_the_inputs_are_on():
     """shard=True without mesh= on inputs committed to a mesh over 4 of the 8
     devices: that mesh is the one meant (not all devices)."""
     sub = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("s",))
-    x = jax.device_put(np.linspace(0, 1, 8, dtype=np.float32), NamedSharding(sub, P("s")))
+    x = jax.device_put(
+        np.linspace(0, 1, 8, dtype=np.float32), NamedSharding(sub, P("s"))
+    )
     out = batch_vmap(jnp.sin, batch_size=1, shard=True)(x)
     tree_allclose(out, jnp.sin(np.asarray(x)))
     assert out.sharding.mesh.devices.size == 4 and out.sharding.spec[0] == "s"
-    with pytest.raises(ValueError, match=r"shard=\('data',\), which names mesh axes, but no mesh"):
+    with pytest.raises(
+        ValueError, match=r"shard=\('data',\), which names mesh axes, but no mesh"
+    ):
         batch_vmap(jnp.sin, shard="data")(np.ones(8, np.float32))
 
 
 def test_per_example_norms_are_sharded_like_the_examples():
     mesh = mesh_of((4, 2))
     w, x = inputs(mesh, 64)
-    fn = clipped_grad_sum(lambda w, x: jnp.sum(f(w, x)), 1.0, batch_size=3, return_norms=True)
+    fn = clipped_grad_sum(
+        lambda w, x: jnp.sum(f(w, x)), 1.0, batch_size=3, return_norms=True
+    )
     with jax.set_mesh(mesh):
         norms = jax.jit(fn)(w, x)[2]
     assert norms.sharding.spec == P("data")
