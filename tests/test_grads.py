@@ -309,36 +309,6 @@ def test_keeps_parameter_dtypes(dtype):
     assert np.all(np.asarray(expected_norms) > 1.0)  # every example was clipped
 
 
-def test_memory_is_flat_in_the_number_of_examples():
-    sizes = [32, 128, 128, 10]
-    params = init_mlp(jax.random.key(0), sizes)
-
-    def ce(params, x, label):
-        return -jax.nn.log_softmax(mlp(params, x))[label]
-
-    def temps(n):
-        x = jnp.ones((n, sizes[0]))
-        labels = jnp.zeros(n, jnp.int32)
-        chunked = clipped_grad_sum(ce, 1.0, batch_argnums=(1, 2), batch_size=32)
-        dp = optax.contrib.differentially_private_aggregate(1.0, 0.0, jax.random.key(0))
-
-        def optax_only(params, x, labels):
-            g = jax.vmap(jax.grad(ce), (None, 0, 0))(params, x, labels)
-            return dp.update(g, dp.init(params))[0]
-
-        return temp_bytes(chunked, params, x, labels), temp_bytes(
-            optax_only, params, x, labels
-        )
-
-    # (tests/test_clipping.py checks flatness from N = 256 to 4096 against jax-privacy)
-    (small, _), (large, optax_large) = temps(64), temps(512)
-    param_bytes = sum(p.size * 4 for p in jax.tree.leaves(params))
-    assert large <= 1.05 * small, (small, large)
-    assert large < 2 * 32 * param_bytes  # O(batch_size x params), not O(N x params)
-    assert optax_large > 512 * param_bytes  # the optax-only path holds N x params
-    assert optax_large > 10 * large
-
-
 # ---------------------------------------------------------------------------------
 # errors
 
