@@ -85,8 +85,12 @@ def _hand_clipped_sum(fun, in_axes, argnums, clip, args, kwargs):
 # per_example_grads
 
 
-@pytest.mark.parametrize("n", [1, 7, 12])
-@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+# N and the chunk size: every chunk size once, a chunk of 1, a remainder (7 by 3), a
+# divisor (12 by 4), a chunk larger than N, and N = 1.
+N_AND_BATCH = [(1, 1), (1, 50), (7, None), (7, 3), (12, 4), (12, 1)]
+
+
+@pytest.mark.parametrize("n, batch_size", N_AND_BATCH)
 def test_per_example_grads_match_vmap_of_grad(n, batch_size):
     x, y = data(n)
     out = per_example_grads(loss, batch_argnums=(1, 2), batch_size=batch_size)(
@@ -166,8 +170,7 @@ def test_non_float_leaves_get_none_like_filter_grad():
 # clipped_grad_sum
 
 
-@pytest.mark.parametrize("n", [1, 7, 12])
-@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+@pytest.mark.parametrize("n, batch_size", N_AND_BATCH)
 def test_clipped_sum_matches_reference(n, batch_size):
     x, y = data(n)
     clip = 1.0
