@@ -122,7 +122,7 @@ def sharding_in_types(leaves: Sequence[Any]) -> bool:
     return False
 
 
-def _spec_entries(x: Any) -> list[Any]:
+def spec_entries(x: Any) -> list[Any]:
     """The PartitionSpec entries of `x`'s type, one per dimension."""
     spec = getattr(jax.typeof(x).sharding, "spec", ())
     return [spec[d] if d < len(spec) else None for d in range(np.ndim(x))]
@@ -130,7 +130,7 @@ def _spec_entries(x: Any) -> list[Any]:
 
 def _with_entry(y: Any, axis: int, entry: Any) -> Any:
     """`y` with dimension `axis` sharded over `entry` (a no-op when it is)."""
-    entries = _spec_entries(y)
+    entries = spec_entries(y)
     if entries[axis] == entry:
         return y
     entries[axis] = entry
@@ -568,7 +568,7 @@ class Body:
             # An output that does not depend on the examples comes back broadcast over
             # the shares; it takes the shares' sharding, as every other output has.
             entry = next(
-                _spec_entries(x)[a]
+                spec_entries(x)[a]
                 for x, a in zip(part, axes)
                 if a is not None and isinstance(x, jax.Array)
             )

@@ -8,27 +8,33 @@ over them, either because the inputs say so or because the caller asks:
   `jit`) or on a concrete array (any axis type, eager calls; the eager cache passes the
   concrete shardings of its arguments through `known_shardings`);
 * requested layouts: `shard=True` (the one axis of a 1-D mesh), `shard="data"` or
-  `shard=("a", "b")`, over `mesh=` or the ambient `jax.set_mesh` mesh (or, for
-  `shard=True` without either, one 1-D mesh over all devices). This is how `Auto`
-  meshes under `jit`, whose layout is not in the types, are chunked per device.
+  `shard=("a", "b")`, over `mesh=`, the ambient `jax.set_mesh` mesh or the mesh the
+  inputs are on (or, for `shard=True` without any, one 1-D mesh over all devices).
+  This is how `Auto` meshes under `jit`, whose layout is not in the types, are
+  chunked per device.
 
 One laid-out evaluation of N examples over D devices (the product of the layout's axis
-sizes) is a `jax.shard_map` that is manual over the layout's axes only: the mesh's
-other axes (model parallelism) are left to the compiler or to the types, so parameters
-sharded over them stay sharded.
+sizes) splits the divisible prefix (N - N % D examples) evenly: device k gets the
+examples `[k L, (k + 1) L)` with `L = N // D` (where the inputs already are) and runs
+the chunked loop over them (its own chunks of `batch_size`, its own remainder window).
+Mapped inputs are never gathered; stacked outputs stay sharded along the mapped axis,
+with the layout `jax.vmap` gives them; the mesh's other axes (model parallelism) are
+left alone, so parameters sharded over them stay sharded. How:
 
-* The divisible prefix (N - N % D examples) is split evenly: device k gets the examples
-  `[k L, (k + 1) L)` with `L = N // D` (where the inputs already are), and runs the
-  ordinary chunked loop over them (its own chunks of `batch_size`, its own remainder
-  window). Mapped inputs are never gathered; stacked outputs stay sharded along the
-  mapped axis, with the layout `jax.vmap` gives them.
-* The global remainder (N % D < D examples, `Auto` layouts only: an `Explicit` sharding
-  is always even) is evaluated once, by the first device (a `lax.cond` on the device
-  index); the inputs then arrive whole, and the assembled output is replicated.
-* Reduced outputs: each device folds its own chunks; the D summaries (and the
-  remainder's) are gathered (one summary per device) and folded in device order, so
-  non-commutative reductions still see the examples in order. A sum (`jnp.add`,
-  `lax.add`, `operator.add`) is combined by one all-reduce (`psum`) instead.
+* `Explicit` axes (`_split_evaluation`): no manual axes. Each mapped axis is split as
+  `(D, L)`, the layout's axes on D (a reshape that moves no data), and every chunk reads
+  `batch_size` examples of each share and evaluates them together, vmapped over the
+  shares (`Body.run_shares`); sharding-in-types places each device's work on its own
+  examples and gathers nothing. The last N % D examples (the inputs are then
+  replicated: an Explicit sharding is even) run on every device after the split part.
+* `Auto` axes (with `shard=`, under `jit`): a `jax.shard_map` that is manual over the
+  layout's axes only. The global remainder is evaluated once, by the first device (a
+  `lax.cond` on the device index); the inputs then arrive whole.
+* Either way, with a remainder a stacked output is replicated, as `jax.vmap`'s is for
+  replicated inputs. Reduced outputs: each device folds its own chunks; the D
+  summaries (and the remainder's) are gathered (one summary per device) and folded in
+  device order, so non-commutative reductions still see the examples in order. A sum
+  (`jnp.add`, `lax.add`, `operator.add`) is combined by one all-reduce instead.
 * Unmapped inputs may be sharded any way; over the layout's axes they are gathered
   (each device needs all of them).
 
@@ -53,7 +59,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from . import _progress
-from ._loop import fold, make_plan, zeros
+from ._loop import fold, make_plan, spec_entries, zeros
 
 
 AXIS_NAME = "chunkvmap"
@@ -300,10 +306,11 @@ def _split_evaluation(
 
     Each mapped input's axis of N examples is split as `(D, N / D)` (the devices'
     shares, the layout's axes on the leading factor: a reshape that moves no data),
-    and the ordinary chunked loop over one share is `jax.vmap`ped over the D axis:
-    every device runs its own chunks of `batch` examples, the model's other mesh
-    axes keep the shardings in the types (nothing is gathered at a boundary), and
-    stacked outputs are reshaped back to N along their mapped axis. Reduced outputs
+    and every chunk reads `batch` examples of each share and evaluates them together,
+    vmapped over the shares (`Body.run_shares`): every device runs its own chunks,
+    the model's other mesh axes keep the shardings in the types (nothing is gathered
+    at a boundary), and stacked outputs are reshaped back to N along their mapped
+    axis. Reduced outputs
     are the D summaries folded in device order (a sum: one reduction over the
     sharded axis). When N is not a multiple of D (the inputs are then replicated:
     an Explicit sharding is even), the last N % D examples run on every device after
@@ -360,11 +367,11 @@ def _split_evaluation(
 def _without(y: Any, lay: Layout) -> Any:
     """`y` replicated over the layout's axes (its other shardings kept)."""
     entries = [
-        [a for a in _dim_axes(P(*_typed_entries(y)), d) if a not in lay.axes]
+        [a for a in _dim_axes(P(*spec_entries(y)), d) if a not in lay.axes]
         for d in range(np.ndim(y))
     ]
     spec = P(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
-    if spec == _normalized(P(*_typed_entries(y)), np.ndim(y)):
+    if spec == _normalized(P(*spec_entries(y)), np.ndim(y)):
         return y
     return jax.sharding.reshard(y, NamedSharding(jax.typeof(y).sharding.mesh, spec))
 
@@ -375,7 +382,7 @@ def _split(x: Any, axis: int | None, lay: Layout) -> Any:
     if axis is None or not isinstance(x, jax.Array):
         return x
     shape = list(x.shape)
-    spec = _typed_entries(x)
+    spec = spec_entries(x)
     shape[axis : axis + 1] = [lay.size, shape[axis] // lay.size]
     spec[axis : axis + 1] = [_entry(lay.axes), None]
     return jnp.reshape(x, shape, out_sharding=NamedSharding(lay.mesh, P(*spec)))
@@ -385,17 +392,10 @@ def _merge(y: Any, axis: int, lay: Layout) -> Any:
     """A stacked output's `(D, N / D)` back to N examples along `axis`, sharded over
     the layout's axes (the leading factor: no data moves)."""
     shape = list(y.shape)
-    spec = _typed_entries(y)
+    spec = spec_entries(y)
     shape[axis : axis + 2] = [shape[axis] * shape[axis + 1]]
     spec[axis : axis + 2] = [_entry(lay.axes)]
     return jnp.reshape(y, shape, out_sharding=NamedSharding(lay.mesh, P(*spec)))
-
-
-def _typed_entries(x: Any) -> list[Any]:
-    """The PartitionSpec entries of `x`'s type, one per dimension."""
-    sharding = jax.typeof(x).sharding
-    spec = getattr(sharding, "spec", P())
-    return [spec[d] if d < len(spec) else None for d in range(np.ndim(x))]
 
 
 def _entry(axes: tuple[str, ...]) -> Any:
@@ -426,7 +426,7 @@ def laid(lay: Layout, outs: Sequence[Any], out_axes: Sequence[Any]) -> list[Any]
     placed = []
     for y, axis in zip(outs, out_axes):
         if axis is not None:
-            entries = _typed_entries(y)
+            entries = spec_entries(y)
             entries[axis] = _entry(lay.axes)
             y = jax.sharding.reshard(y, NamedSharding(lay.mesh, P(*entries)))
         placed.append(y)
