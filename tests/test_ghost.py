@@ -301,7 +301,7 @@ def test_options_as_with_vmap():
             total = clipped(method, batch_size=5)(p, x, y)[0]
             return sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(total))
 
-        return jax.grad(f)(x)
+        return jax.jit(jax.grad(f))(x)
 
     tree_allclose(outer("ghost"), outer("vmap"), rtol=1e-4, atol=1e-5)
 

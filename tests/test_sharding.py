@@ -74,7 +74,9 @@ def test_matches_vmap_under_jit_and_grad(n, b):
         jax.jit(jax.grad(loss, argnums=(0, 1)))(PARAMS, x), expected, atol=1e-5
     )
     tree_allclose(
-        jax.grad(lambda p, xs: reduced(p, xs).sum(), argnums=(0, 1))(PARAMS, x),
+        jax.jit(jax.grad(lambda p, xs: reduced(p, xs).sum(), argnums=(0, 1)))(
+            PARAMS, x
+        ),
         jax.grad(lambda p, xs: jax.vmap(f, (None, 0))(p, xs).sum(), argnums=(0, 1))(
             PARAMS, x
         ),
