@@ -1,0 +1,125 @@
+"""The suite's mutation check: which tests catch each one-line wrong edit.
+
+Each mutant replaces one exact string of the library's source, runs the named test
+files (two xdist workers, as `make test`), records the tests that fail and restores
+the source (also when interrupted). A mutant that no test catches is a gap in the
+suite; before a test is deleted or merged, run this before and after and compare.
+
+    .venv/bin/python dev/mutants.py                  # every mutant, its own files
+    .venv/bin/python dev/mutants.py --all-files      # every mutant, the whole suite
+    .venv/bin/python dev/mutants.py "stop batch_map" # one mutant
+
+Prints one Markdown row per mutant (the catching tests) and writes them as JSON to
+`--out` (default `mutants.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CHUNK = "        batch = _batch_size(body, inputs, options, auto, inputs.size, None)\n"
+ORACLES = ["test_conformance", "test_memory"]
+
+
+def stop(name: str, *files: str):
+    """The entry point whose options are named `name` stops chunking (one chunk of
+    all N examples): values stay right, so only memory, progress and program
+    structure can catch it."""
+    edit = CHUNK + f"        batch = None if name == {name!r} else batch\n"
+    return ("chunkvmap/_chunked.py", CHUNK, edit), [*ORACLES, *files]
+
+
+MUTANTS = {
+    "stop batch_vmap": stop("batch_vmap", "test_core", "test_progress"),
+    "stop batch_map": stop("batch_map", "test_batch_map"),
+    "stop per_example_grads": stop("per_example_grads", "test_grads"),
+    "stop clipped_grad_sum": stop("clipped_grad_sum", "test_grads", "test_clipping"),
+    "stop clipped_grad": stop("clipped_grad", "test_clipping"),
+    "stop batch_jacfwd": stop("batch_jacfwd", "test_jacobians"),
+    "stop batch_jacrev": stop("batch_jacrev", "test_jacobians"),
+    "stop batch_vectorize": stop("batch_vectorize", "test_vectorize"),
+    "stop eqx.filter_batch_vmap": stop("filter_batch_vmap", "test_eqx"),
+    "stop linen.batch_vmap": stop("chunkvmap.linen.batch_vmap", "test_linen"),
+    "stop nnx.batch_vmap": stop("chunkvmap.nnx.batch_vmap", "test_nnx"),
+    "remainder window one example early": (
+        (
+            "chunkvmap/_loop.py",
+            "np.array(self.size - self.batch, i.dtype)",
+            "np.array(self.size - self.batch - 1, i.dtype)",
+        ),
+        ["test_core", "test_conformance", "test_property", "test_reductions"],
+    ),
+    "ghost: dense pair term 1% too large": (
+        (
+            "chunkvmap/_ghost_rules.py",
+            "        return jnp.einsum(\n            _equation([*u.specs, *vs]),",
+            "        return 1.01 * jnp.einsum(\n"
+            "            _equation([*u.specs, *vs]),",
+        ),
+        ["test_ghost_rules", "test_ghost", "test_ghost_models", "test_clipping"],
+    ),
+    "sharded: layout ignored, all N on every device": (
+        (
+            "chunkvmap/_chunked.py",
+            "    if lay is not None and lay.size > 1:\n",
+            "    if False:\n",
+        ),
+        ["test_sharding", "test_layouts", "test_conformance", "test_memory"],
+    ),
+}
+
+
+def run(name: str, all_files: bool) -> dict:
+    (path, old, new), files = MUTANTS[name]
+    source = ROOT / path
+    text = source.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"{name}: the text to replace is not found once in {path}")
+    paths = ["tests"] if all_files else [f"tests/{f}.py" for f in files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile"]
+    cmd += ["-p", "no:cacheprovider", "-rf", *paths]
+    start = time.time()
+    source.write_text(text.replace(old, new))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    finally:
+        source.write_text(text)
+    failed = sorted(
+        {
+            re.sub(r" - .*", "", line[len("FAILED ") :])
+            for line in proc.stdout.splitlines()
+            if line.startswith("FAILED ")
+        }
+    )
+    return {"files": paths, "caught_by": failed, "seconds": round(time.time() - start)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--all-files", action="store_true")
+    parser.add_argument("--out", default="mutants.json")
+    args = parser.parse_args()
+    unknown = set(args.names) - set(MUTANTS)
+    if unknown:
+        parser.error(f"unknown mutants {sorted(unknown)}; known: {sorted(MUTANTS)}")
+    results = {}
+    print("| mutant | caught by |\n|---|---|")
+    for name in args.names or MUTANTS:
+        results[name] = run(name, args.all_files)
+        caught = results[name]["caught_by"]
+        shown = ", ".join(t.removeprefix("tests/") for t in caught) or "**nothing**"
+        print(f"| {name} | {shown} |", flush=True)
+        pathlib.Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
