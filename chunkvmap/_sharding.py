@@ -310,12 +310,11 @@ def _split_evaluation(
     vmapped over the shares (`Body.run_shares`): every device runs its own chunks,
     the model's other mesh axes keep the shardings in the types (nothing is gathered
     at a boundary), and stacked outputs are reshaped back to N along their mapped
-    axis. Reduced outputs
-    are the D summaries folded in device order (a sum: one reduction over the
-    sharded axis). When N is not a multiple of D (the inputs are then replicated:
-    an Explicit sharding is even), the last N % D examples run on every device after
-    the split part, and a stacked output is replicated, as `jax.vmap`'s is for
-    replicated inputs."""
+    axis. Reduced outputs are the D summaries folded in device order (a sum: one
+    reduction over the sharded axis). When N is not a multiple of D (the inputs are
+    then replicated: an Explicit sharding is even), the last N % D examples run on
+    every device after the split part, and a stacked output is replicated, as
+    `jax.vmap`'s is for replicated inputs."""
     size, axes = inputs.size, body.axes
     num_devices = lay.size
     rem = size % num_devices
@@ -366,12 +365,12 @@ def _split_evaluation(
 
 def _without(y: Any, lay: Layout) -> Any:
     """`y` replicated over the layout's axes (its other shardings kept)."""
+    typed = P(*spec_entries(y))
     entries = [
-        [a for a in _dim_axes(P(*spec_entries(y)), d) if a not in lay.axes]
-        for d in range(np.ndim(y))
+        [a for a in _dim_axes(typed, d) if a not in lay.axes] for d in range(np.ndim(y))
     ]
     spec = P(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
-    if spec == _normalized(P(*spec_entries(y)), np.ndim(y)):
+    if spec == _normalized(typed, np.ndim(y)):
         return y
     return jax.sharding.reshard(y, NamedSharding(jax.typeof(y).sharding.mesh, spec))
 
