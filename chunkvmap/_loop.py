@@ -152,6 +152,38 @@ def drop_leading(aval: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape[1:], aval.dtype, weak_type=aval.weak_type)
 
 
+def _write_chunks(
+    evaluate: Callable[[Any], list[Any]],
+    out_axes: Sequence[int | None],
+    chunk_avals: Sequence[Any],
+    plan: Plan,
+    report: Callable[[Any], None],
+) -> list[Any]:
+    """A scan over `plan`'s chunks writing each chunk's outputs (`evaluate(i)`, of
+    types `chunk_avals`, mapped along `out_axes`) in place into one buffer per output
+    leaf, preallocated with the plan's N examples along its mapped axis (an unmapped
+    output keeps the last chunk's value)."""
+
+    def body(buffers, i):
+        ys = evaluate(i)
+        report(i)
+        start = plan.start(i)
+        return [
+            y if axis is None else lax.dynamic_update_slice_in_dim(b, y, start, axis)
+            for b, y, axis in zip(buffers, ys, out_axes)
+        ], None
+
+    buffers = []
+    for aval, axis in zip(chunk_avals, out_axes):
+        shape = list(aval.shape)
+        if axis is not None:
+            shape[axis] = plan.size
+        buffers.append(zeros(shape, aval))
+    with jax.named_scope("chunkvmap"):
+        buffers, _ = lax.scan(body, buffers, jnp.arange(plan.num_chunks))
+    return buffers
+
+
 # A chunk function maps (chunk leaves, chunk length) to the chunk's flat outputs, each
 # mapped along its canonical output axis (or unmapped where the axis is None).
 ChunkFn = Callable[[list[Any], int], list[Any]]
@@ -401,12 +433,6 @@ class Body:
                 _chunk_aval(a, x, batch) for a, x in zip(out_avals, out_axes)
             ]
 
-        def full(aval, axis=None):
-            shape = list(aval.shape)
-            if axis is not None:
-                shape[axis] = size
-            return zeros(shape, aval)
-
         mapped = [k for k, a in enumerate(out_axes) if a is not None]
         unmapped = [k for k, a in enumerate(out_axes) if a is None]
 
@@ -417,7 +443,7 @@ class Body:
                 report(i)
                 return [ys[k] for k in unmapped], [ys[k] for k in mapped]
 
-            init = [full(chunk_avals[k]) for k in unmapped]
+            init = [zeros(chunk_avals[k].shape, chunk_avals[k]) for k in unmapped]
             with jax.named_scope("chunkvmap"):
                 last, stacked = lax.scan(body, init, jnp.arange(plan.num_chunks))
             outs: list[Any] = [None] * len(out_axes)
@@ -427,21 +453,7 @@ class Body:
                 outs[k] = y
             return outs
 
-        def body(buffers, i):
-            ys = evaluate(i)
-            report(i)
-            start = plan.start(i)
-            return [
-                y
-                if axis is None
-                else lax.dynamic_update_slice_in_dim(b, y, start, axis)
-                for b, y, axis in zip(buffers, ys, out_axes)
-            ], None
-
-        buffers = [full(aval, axis) for aval, axis in zip(chunk_avals, out_axes)]
-        with jax.named_scope("chunkvmap"):
-            buffers, _ = lax.scan(body, buffers, jnp.arange(plan.num_chunks))
-        return buffers
+        return _write_chunks(evaluate, out_axes, chunk_avals, plan, report)
 
     def _inline_stacked(
         self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
@@ -500,13 +512,33 @@ class Body:
         """
 
         assert self.reduction is not None
-        chunk_fn, axes, out_axes = self.chunk_fn, self.axes, self.out_axes
-        reduction = self.reduction
         summary_avals = self.summary_avals([plan.batch, plan.rem])
 
         def summarise(ys: list[Any]) -> Any:
             return self.chunk_reduction(self.out_tree.unflatten(ys))
 
+        combine = ft.partial(fold, self.reduction)
+        return self._fold(
+            self.chunk_fn, self.axes, self.out_axes, summarise, combine,
+            summary_avals, leaves, plan, report,
+        )  # fmt: skip
+
+    def _fold(
+        self,
+        chunk_fn: ChunkFn,
+        axes: Sequence[int | None],
+        out_axes: Sequence[int | None],
+        summarise: Callable[[list[Any]], Any],
+        combine: Callable[[Any, Any], Any],
+        summary_avals: Any,
+        leaves: Sequence[Any],
+        plan: Plan,
+        report: Callable[[Any], None],
+    ) -> Any:
+        """The scan of `reduced`: `chunk_fn`'s outputs (mapped along `out_axes`)
+        summarised per chunk and folded with `combine`. The carry has the types
+        `summary_avals`, or those of the summaries themselves when the leaves carry
+        sharding types (or `summary_avals` is None)."""
         if plan.single:
             summary = summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
             report(0)
@@ -531,9 +563,10 @@ class Body:
         def body(acc, i):
             s = evaluate(i)
             report(i)
-            return lax.cond(i == 0, lambda: s, lambda: fold(reduction, acc, s)), None
+            return lax.cond(i == 0, lambda: s, lambda: combine(acc, s)), None
 
-        if sharding_in_types(leaves):  # the carry takes the summaries' own types
+        if summary_avals is None or sharding_in_types(leaves):
+            # The carry takes the summaries' own types.
             summary_avals = jax.eval_shape(evaluate, jnp.int32(0))
         init = jax.tree.map(lambda a: zeros(a.shape, a), summary_avals)
 
@@ -556,9 +589,6 @@ class Body:
         axes, out_axes = self.axes, self.out_axes
         local = [None if a is None else a + 1 for a in axes]
         shifted = [None if o is None else o + 1 for o in out_axes]
-        reduced = self.reduction is not None
-        if reduced:
-            self.summary_avals([plan.batch, plan.rem])  # checks the reduction's types
 
         def shares(part: list[Any], length: int) -> list[Any]:
             ys = jax.vmap(
@@ -577,61 +607,30 @@ class Body:
                 for y, o in zip(ys, out_axes)
             ]
 
-        def summarise(ys: list[Any]) -> Any:  # one summary per share
-            return jax.vmap(
-                lambda y: self.chunk_reduction(self.out_tree.unflatten(y)),
-                in_axes=(list(out_axes),),
-            )(ys)
+        if self.reduction is not None:
+            self.summary_avals([plan.batch, plan.rem])  # checks the reduction's types
 
+            def summarise(ys: list[Any]) -> Any:  # one summary per share
+                return jax.vmap(
+                    lambda y: self.chunk_reduction(self.out_tree.unflatten(y)),
+                    in_axes=(list(out_axes),),
+                )(ys)
+
+            combine = jax.vmap(ft.partial(fold, self.reduction))
+            return self._fold(
+                shares, local, shifted, summarise, combine, None, leaves, plan, report
+            )
         if plan.single:
             ys = shares(plan.whole(leaves, local), plan.size)
             report(0)
-            return summarise(ys) if reduced else ys
-        batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
+            return ys
 
         @ft.partial(checkpointed, remat=self.remat)
         def evaluate(i):
-            ys = shares(plan.chunk(leaves, local, i), batch)
-            if not reduced:
-                return ys
-            if rem == 0:
-                return summarise(ys)
-            tail = [
-                y if o is None else lax.slice_in_dim(y, batch - rem, batch, axis=o)
-                for y, o in zip(ys, shifted)
-            ]
-            return lax.cond(i == last, lambda: summarise(tail), lambda: summarise(ys))
+            return shares(plan.chunk(leaves, local, i), plan.batch)
 
         types = jax.eval_shape(evaluate, jnp.int32(0))
-        if reduced:
-            reduction = jax.vmap(ft.partial(fold, self.reduction))
-
-            def step(acc, i):
-                s = evaluate(i)
-                report(i)
-                return lax.cond(i == 0, lambda: s, lambda: reduction(acc, s)), None
-
-            init = jax.tree.map(lambda a: zeros(a.shape, a), types)
-        else:
-
-            def step(buffers, i):
-                ys = evaluate(i)
-                report(i)
-                start = plan.start(i)
-                return [
-                    y if o is None else lax.dynamic_update_slice_in_dim(b, y, start, o)
-                    for b, y, o in zip(buffers, ys, shifted)
-                ], None
-
-            init = []
-            for aval, o in zip(types, shifted):
-                shape = list(aval.shape)
-                if o is not None:
-                    shape[o] = plan.size
-                init.append(zeros(shape, aval))
-        with jax.named_scope("chunkvmap"):
-            out, _ = lax.scan(step, init, jnp.arange(plan.num_chunks))
-        return out
+        return _write_chunks(evaluate, shifted, types, plan, report)
 
     def finish(self, flat: list[Any]) -> Any:
         """The user's output from the flat stacked outputs."""
