@@ -30,6 +30,7 @@ from jax import lax
 from . import _axes, _ghost, _memory
 from ._batch_vmap import function_name
 from ._grads import GradSetup, filtered_value_and_grad, resolve_argnums
+from ._loop import spec_entries
 from ._options import check_bool, check_callable, identity
 
 
@@ -386,11 +387,10 @@ def _laid_like_examples(mapped: tuple, total: Any, extras: Any, size: int) -> An
     for x, axis in zip(leaves, axes):
         if axis is None or not isinstance(x, jax.Array):
             continue
-        sharding = jax.typeof(x).sharding
-        spec = getattr(sharding, "spec", ())
-        entry = spec[axis] if axis < len(spec) else None
+        entry = spec_entries(x)[axis]
         if entry is not None:
-            where = jax.sharding.NamedSharding(sharding.mesh, jax.P(entry))
+            mesh = jax.typeof(x).sharding.mesh
+            where = jax.sharding.NamedSharding(mesh, jax.P(entry))
             extras = jax.tree.map(lambda e: jax.sharding.reshard(e, where), extras)
             break
     return total, extras, size
@@ -483,6 +483,15 @@ def _ghost_sums(
     def sq(x: jax.Array) -> jax.Array:
         return jnp.sum(jnp.square(jnp.abs(x).astype(acc)))
 
+    def kept_and_squares(g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`g` as a chunk keeps it (non-finite entries zeroed with nan_safe), and
+        `||g||^2` as it is and as kept."""
+        if not safe:
+            s = sq(g)
+            return g, s, s
+        kept = _nan_to_zero(g)
+        return kept, sq(g), sq(kept)
+
     def all_finite(tree: Any) -> jax.Array:
         ok = jnp.ones((), bool)
         for x in jax.tree.leaves(tree):
@@ -521,15 +530,14 @@ def _ghost_sums(
                 all_finite(plan.arrays(k, records, deltas)), s, jnp.nan
             )
         for k in formed:
-            g = plan.instantiate(k, records, deltas)
-            raw = raw + sq(g)
-            grads[k] = _nan_to_zero(g) if safe else g
-            known = known + sq(grads[k])
+            grads[k], s, s_kept = kept_and_squares(plan.instantiate(k, records, deltas))
+            raw, known = raw + s, known + s_kept
+        kept = []
         for g in pe_grads:
-            raw = raw + sq(g)
-            known = known + (sq(_nan_to_zero(g)) if safe else sq(g))
-        if safe:
-            pe_grads = [_nan_to_zero(g) for g in pe_grads]
+            g, s, s_kept = kept_and_squares(g)
+            kept.append(g)
+            raw, known = raw + s, known + s_kept
+        pe_grads = kept
         rest = jnp.zeros((), acc)
         for k in other:
             rest = rest + plan.sq_norm(k, records, deltas, acc).astype(acc)

@@ -286,9 +286,10 @@ class Plan:
             for v in (*eqn.invars, *eqn.outvars)
         )
         for slot, (leaf, chain, lv) in params:
-            reason = rule.accepts(eqn, slot, taints)
             if complex_values:  # a real leaf's gradient is then a real part
                 reason = f"used by {name} with complex values"
+            else:
+                reason = rule.accepts(eqn, slot, taints)
             if not record:
                 continue
             if reason is not None:

@@ -332,7 +332,7 @@ def _split_evaluation(
         report = _progress.hook(options.reporter, plan.num_chunks)
         split = body.run_shares(head, plan, report)
         if body.reduction is not None:
-            pieces["head"] = _fold_shares(body.reduction, split, num_devices, lay)
+            pieces["head"] = _fold_shares(body.reduction, split, lay)
         else:
             pieces["head"] = [
                 y if a is None else _merge(y, a, lay)
@@ -401,7 +401,7 @@ def _entry(axes: tuple[str, ...]) -> Any:
     return axes[0] if len(axes) == 1 else axes
 
 
-def _fold_shares(reduction: Any, summaries: Any, num_devices: int, lay: Layout) -> Any:
+def _fold_shares(reduction: Any, summaries: Any, lay: Layout) -> Any:
     """The D devices' summaries (leading axis) folded in device order; a sum is one
     reduction over the sharded axis."""
     if reduction in _SUMS:
@@ -409,7 +409,7 @@ def _fold_shares(reduction: Any, summaries: Any, num_devices: int, lay: Layout) 
     # the D summaries gathered (their shardings over other axes kept)
     summaries = jax.tree.map(lambda s: _without(s, lay), summaries)
     acc = jax.tree.map(lambda s: s[0], summaries)
-    if num_devices > 1:
+    if lay.size > 1:
         rest = jax.tree.map(lambda s: s[1:], summaries)
         acc, _ = lax.scan(lambda a, s: (fold(reduction, a, s), None), acc, rest)
     return acc
