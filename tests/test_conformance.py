@@ -292,6 +292,18 @@ CASES = [
         lambda n, rng: (normal(rng, D), normal(rng, n, D)),
     ),
     Case(
+        "clipped_grad",
+        "clipped_grad",
+        loss,
+        _same(
+            lambda f, **o: chunkvmap.clipped_grad(
+                f, l2_clip_norm=CLIP, keep_batch_dim=False, **o
+            )
+        ),
+        lambda f: lambda w, xs: clipped_sum_oracle(f)(w, xs)[0],
+        lambda n, rng: (normal(rng, D), normal(rng, n, D)),
+    ),
+    Case(
         "batch_jacfwd",
         "batch_jacfwd",
         jac_fwd_f,
