@@ -8,6 +8,7 @@ here slices, loops or evaluates the user's function.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -240,3 +241,17 @@ def check_positive_int(
             f"{transform} {name} must be {expected}, but got {name}={index}."
         )
     return index
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The flat inputs of one call: `leaves` (each mapped along its canonical axis),
+    their key paths as the user wrote them (`paths`), which leaves are arrays to trace
+    (`dyn`, every mapped leaf among them), the mapped length `size`, and a hashable
+    `key` of the call's types (for the `"auto"` choice)."""
+
+    leaves: list[Any]
+    paths: Sequence[str]
+    dyn: Sequence[int]
+    size: int
+    key: Any

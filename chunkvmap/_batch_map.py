@@ -158,7 +158,7 @@ def _map_call(
         fun = _strip_dim0(name, fun)
     body = _trace(fun, leaves, axes, treedef, size, options)
     key = (treedef, tuple(jax.typeof(x) for x in leaves))
-    inputs = _chunked.Inputs(leaves, paths, range(len(leaves)), size, key)
+    inputs = _axes.Inputs(leaves, paths, range(len(leaves)), size, key)
     return _chunked.evaluate(body, inputs, options, auto)
 
 
@@ -248,4 +248,4 @@ def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
         return fun_flat(*chunk_leaves)
 
     signature = _loop.Signature(out_tree, out_avals, [0] * len(out_avals))
-    return _loop.Body(options, chunk_fn, axes, lambda trace: signature)
+    return _chunked.body(options, chunk_fn, axes, signature, probe)

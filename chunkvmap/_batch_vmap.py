@@ -381,41 +381,41 @@ def vmap_call(
         for i, (x, a) in enumerate(zip(leaves, axes))
         if a is not None or isinstance(x, jax.Array)
     ]
-    body = _trace(
-        f,
-        leaves,
-        axes,
-        dyn,
-        treedef,
-        out_axes,
-        (axis_name, spmd_axis_name),
-        size,
-        options,
-    )
+    if size == 0 and options.reduction is not None:
+        raise _chunked.zero_examples(name)
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
     key += (_static_key(leaves, dyn),)
-    inputs = _chunked.Inputs(leaves, paths, dyn, size, key)
+    inputs = _axes.Inputs(leaves, paths, dyn, size, key)
+    signature: list[_loop.Signature] = []  # once f has been traced
 
     def unmapped_outputs() -> dict[str, str]:
         # Before f's output is known, the error came from inside f (a jax.vmap of
-        # its own): nothing to rename, and no second trace of f.
-        if body.signature(False) is None:
+        # its own): nothing to rename.
+        if not signature:
             return {}
         # The chunk's jax.vmap maps f's flat outputs: it says `out_axes[k]`.
-        names = out_names(body.out_tree.unflatten(body.out_avals))
-        axes = body.out_axes
-        return {f"[{k}]": p for k, (p, a) in enumerate(zip(names, axes)) if a is None}
+        out_tree, out_avals, out_axes = signature[0]
+        names = out_names(out_tree.unflatten(out_avals))
+        return {
+            f"[{k}]": p for k, (p, a) in enumerate(zip(names, out_axes)) if a is None
+        }
 
     with _mapped_output_errors(name, f, unmapped_outputs):
+        body = _trace(
+            f, leaves, axes, dyn, treedef, out_axes,
+            (axis_name, spmd_axis_name), size, options, signature.append,
+        )  # fmt: skip
         return _chunked.evaluate(body, inputs, options, auto, axis_name)
 
 
-def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
-    """One chunk of `jax.vmap(f)` described as a `_loop.Body`, for `f` to be traced
-    once: in the loop itself where the loop needs no output type first (every output
-    along axis 0, stacked without remainder, no sharding types: `Body.inline`), else
-    under `jax.jit` first, for the output structure, and the loop reuses that trace
-    (`axis_names` is the pair `(axis_name, spmd_axis_name)` of `jax.vmap`)."""
+def _trace(
+    f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options, known
+) -> _loop.Body:
+    """One chunk of `jax.vmap(f)`, traced once (under `jax.jit`, at the length the
+    loop's chunks will have) to learn its outputs, as a `_loop.Body` whose chunk
+    function reuses that trace; `known(signature)` is told the outputs as soon as
+    they are known (`axis_names` is the pair `(axis_name, spmd_axis_name)` of
+    `jax.vmap`)."""
     name = options.name
     axis_name, spmd_axis_name = axis_names
     out_box: list[Any] = []
@@ -468,36 +468,17 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
 
         return call
 
-    signature: list[_loop.Signature] = []  # once f has been traced
-
-    def record(out_avals: list[Any], flat_out_axes: list[int | None]) -> None:
-        signature.append(_loop.Signature(out_box[0], out_avals, flat_out_axes))
-
-    # Every output along axis 0 (`out_axes=0`, the default): a loop that needs no
-    # output type before it runs traces `jax.vmap(f)` in place (`Body.inline`), once,
-    # as `lax.map` does, and records the signature as it goes. Once f has been traced
-    # (a second loop: an "auto" measurement, say) the jitted chunk below serves it
-    # from JAX's cache instead.
-    inline = None
-    if isinstance(out_axes, int) and out_axes == 0:
-
-        def inline(chunk_leaves: list[Any], length: int) -> list[Any]:
-            if signature:
-                return chunk_fn(chunk_leaves, length)
-            outs = vmap_flat(f_flat, 0, length)(*[chunk_leaves[i] for i in dyn])
-            record([_loop.drop_leading(jax.typeof(y)) for y in outs], [0] * len(outs))
-            return outs
-
-    # Otherwise one chunk is `jax.jit(jax.vmap(f_flat))`, one jitted function per
-    # (output axes, chunk length): tracing it once for the output structure (in
-    # `describe`) fills JAX's trace cache, so the loop's chunk reuses that trace
-    # instead of tracing `f` (or batching its jaxpr) again. The trace is vmapped, so
-    # collectives over `axis_name` resolve. With every output along axis 0 that first
-    # trace is the chunk itself, and `f` is traced and batched in one pass. Other
-    # output axes are known only from the output's structure: `f_flat` is then jitted
-    # on its own, so that the chunk with the final output axes batches the cached
-    # trace instead of tracing `f` a second time.
-    traced = f_flat if inline is not None else jax.jit(f_flat)
+    # One chunk is `jax.jit(jax.vmap(f_flat))`, one jitted function per (output axes,
+    # chunk length). Tracing it here for the output structure fills JAX's trace cache,
+    # so the loop's chunk reuses that trace instead of tracing `f` (or batching its
+    # jaxpr) again. The trace is vmapped, so collectives over `axis_name` resolve.
+    # With every output along axis 0 (the default) that first trace is the chunk
+    # itself, and `f` is traced and batched in one pass. Other output axes are known
+    # only from the output's structure: `f_flat` is then jitted on its own, so that the
+    # chunk with the final output axes batches the cached trace instead of tracing `f`
+    # a second time.
+    all_zero = isinstance(out_axes, int) and out_axes == 0
+    traced = f_flat if all_zero else jax.jit(f_flat)
     jitted: dict[tuple, Callable[..., Any]] = {}
 
     def vmapped(flat_out_axes: Any, length: int) -> Callable[..., Any]:
@@ -508,30 +489,26 @@ def _trace(f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options):
             )
         return jitted[key]
 
-    def describe(trace: bool = True) -> _loop.Signature | None:
-        if signature or not trace:
-            return signature[0] if signature else None
-        # The length the loop's chunks will have (when it is known now).
-        batch = options.batch_size
-        length = batch if isinstance(batch, int) and 0 < batch < size else size
-        # Plain shapes, without sharding types: those say nothing about the output
-        # structure, and jax.vmap rejects some that chunkvmap lays out itself
-        # (unmapped inputs sharded over the mesh axes of the mapped ones); the loop
-        # takes the sharding types of the values themselves.
-        chunk_avals = [_chunk_aval(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
-        mapped_avals = jax.eval_shape(vmapped(0, length), *chunk_avals)
-        out_avals = [_loop.drop_leading(a) for a in mapped_avals]
-        record(out_avals, _flat_out_axes(name, out_axes, out_box[0], out_avals))
-        return signature[0]
+    # The length the loop's chunks will have (when it is known now). Plain shapes,
+    # without sharding types: those say nothing about the output structure, and
+    # jax.vmap rejects some that chunkvmap lays out itself (unmapped inputs sharded
+    # over the mesh axes of the mapped ones); the loop takes the sharding types of
+    # the values themselves.
+    batch = options.batch_size
+    length = batch if isinstance(batch, int) and 0 < batch < size else size
+    chunk_avals = [_chunk_aval(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
+    mapped_avals = jax.eval_shape(vmapped(0, length), *chunk_avals)
+    out_avals = [_loop.drop_leading(a) for a in mapped_avals]
+    flat_axes = _flat_out_axes(name, out_axes, out_box[0], out_avals)
+    signature = _loop.Signature(out_box[0], out_avals, flat_axes)
+    known(signature)
+    # Every output along axis 0 (the usual case): the traced function is the chunk.
+    flat = 0 if all(a == 0 for a in flat_axes) else tuple(flat_axes)
 
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
-        out_axes_flat = body.out_axes
-        # Every output along axis 0 (the usual case): the traced function is the chunk.
-        flat = 0 if all(a == 0 for a in out_axes_flat) else tuple(out_axes_flat)
         return vmapped(flat, length)(*[chunk_leaves[i] for i in dyn])
 
-    body = _loop.Body(options, chunk_fn, axes, describe, inline)
-    return body
+    return _chunked.body(options, chunk_fn, axes, signature, length)
 
 
 def check_outputs(name: str, f: Any, out: Any) -> None:

@@ -375,6 +375,7 @@ def _clipped_sums(
         tuple(all_axes),
         reduction=jnp.add,
         chunk_reduction=summarise,
+        own_reduction=True,
     )
     return laid(total, extras, size)
 
@@ -673,6 +674,7 @@ def _ghost_sums(
         (*in_axes, *[0] * len(extra)),
         reduction=jnp.add,
         chunk_reduction=summarise,
+        own_reduction=True,
     )
     return traced.grads_tree(totals, setup.single), extras, size
 

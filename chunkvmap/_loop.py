@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._options import ChunkOptions, identity
+from ._options import identity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,94 +208,6 @@ def fold(reduction: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
     return jax.tree.map(reduction, a, b)
 
 
-def _aval_str(tree: Any) -> str:
-    return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
-
-
-def _with_axis(aval: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
-    if axis is None:
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-    shape = (*aval.shape[:axis], length, *aval.shape[axis:])
-    return jax.ShapeDtypeStruct(shape, aval.dtype)
-
-
-def summary_avals(
-    name: str,
-    reduction: Callable[[Any, Any], Any],
-    chunk_reduction: Callable[[Any], Any],
-    out_tree: Any,
-    out_avals: Sequence[Any],
-    out_axes: Sequence[int | None],
-    lengths: Sequence[int],
-) -> Any:
-    """Check that `chunk_reduction` removes the mapped axis and `reduction` is a fold.
-
-    `chunk_reduction` is evaluated abstractly on chunks of every length that will occur
-    (plus one more when only one does). If its output shapes depend on the chunk length,
-    it did not reduce over the mapped axis, and folding such results would be wrong (or
-    silently broadcast), so this is an error. `reduction(a, a)` must return `a`'s exact
-    structure, shapes and dtypes, as a fold carry must.
-    """
-    lengths = sorted(set(lengths))
-    if len(lengths) == 1:
-        lengths.append(lengths[0] + 1)
-    summaries = []
-    for length in lengths:
-        chunk = out_tree.unflatten(
-            [_with_axis(a, ax, length) for a, ax in zip(out_avals, out_axes)]
-        )
-        summaries.append(jax.eval_shape(chunk_reduction, chunk))
-    first = summaries[0]
-    for length, other in zip(lengths[1:], summaries[1:]):
-        same = jax.tree.structure(first) == jax.tree.structure(other) and all(
-            (a.shape, a.dtype) == (b.shape, b.dtype)
-            for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(other))
-        )
-        if not same:
-            hint = (
-                " chunk_reduction is the identity (the default): pass one that sums up "
-                "a chunk along the mapped axis, e.g. chunk_reduction=lambda y: "
-                "y.sum(0) with reduction=jnp.add, or drop reduction."
-                if chunk_reduction is identity
-                else " It must reduce over the mapped axis, e.g. lambda y: y.sum(0)."
-            )
-            raise ValueError(
-                f"{name} with a reduction needs a chunk_reduction whose output does "
-                f"not depend on the chunk length, but its output still has the mapped "
-                f"axis: for a chunk of {lengths[0]} examples it returns "
-                f"{_aval_str(first)}, for {length} examples {_aval_str(other)}.{hint}"
-            )
-
-    def combine(a: Any, b: Any) -> Any:
-        out = fold(reduction, a, b)
-        for leaf in jax.tree.leaves(out):
-            if not isinstance(leaf, jax.Array):
-                raise TypeError(f"it returned a value of type {type(leaf).__name__}")
-        return out
-
-    try:
-        folded = jax.eval_shape(combine, first, first)
-    except Exception as e:  # not traceable (np.add, max), or not array-valued
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise TypeError(
-            f"{name} reduction={reduction!r} must be a JAX-traceable function of two "
-            f"chunk summaries returning one of the same structure (e.g. jnp.add, "
-            f"jnp.maximum), but applying it to two summaries of {_aval_str(first)} "
-            f"failed: {type(e).__name__}: {first_line}"
-        ) from None
-    same = jax.tree.structure(first) == jax.tree.structure(folded) and all(
-        (a.shape, a.dtype) == (b.shape, b.dtype)
-        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(folded))
-    )
-    if not same:
-        raise ValueError(
-            f"{name} reduction must combine two chunk summaries into one of the same "
-            f"structure, shapes and dtypes (it is applied leaf by leaf), but on "
-            f"{_aval_str(first)} it returns {_aval_str(folded)}."
-        )
-    return first
-
-
 class Signature(NamedTuple):
     """A chunk function's outputs: their structure, per-example types and canonical
     output axes (None: unmapped)."""
@@ -307,63 +219,40 @@ class Signature(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Body:
-    """What every chunk evaluates, and how the chunks' outputs combine.
+    """One traced chunk of the user's function, and how the chunks' outputs combine.
 
-    `chunk_fn(chunk_leaves, length)` maps the flat input leaves of a chunk (mapped along
-    `axes`) to its flat outputs (mapped along `out_axes`, of per-example types
-    `out_avals`, structured by `out_tree`: `signature(True)`, traced for when first
-    needed and kept by the front end; `signature(False)` is the signature if it is
-    known already, else None).
-    Without `options.reduction` the outputs are stacked; with it,
-    `options.chunk_reduction` summarises each chunk and `options.reduction` folds the
-    summaries; `options.remat` checkpoints each chunk.
-
-    `inline`, when given, is a chunk function whose outputs are all mapped along axis
-    0 and which traces the user's function in place: a loop that needs no output type
-    before it runs (stacked, without remainder) calls it, so the function is traced
-    once, inside the loop, with no separate trace for the signature first (which
-    `inline` records as it traces).
+    `chunk_fn(chunk_leaves, length)` maps the flat input leaves of a chunk (mapped
+    along `axes`) to its flat outputs, described by `signature` (their structure,
+    per-example types and output axes), which the front end knows before the loop is
+    built: it traced the function once to learn it, and `chunk_fn` reuses that trace.
+    Without `reduction` the outputs are stacked; with it, `chunk_reduction` summarises
+    each chunk and `reduction` folds the summaries (a carry of types `summary`, when
+    given). `remat` checkpoints each chunk; `name` is the caller's public name, for
+    messages.
     """
 
-    options: ChunkOptions
+    name: str
     chunk_fn: ChunkFn
     axes: Sequence[int | None]
-    signature: Callable[[bool], Signature | None]
-    inline: ChunkFn | None = None
-
-    @property
-    def _signature(self) -> Signature:
-        signature = self.signature(True)  # the front end keeps it once known
-        assert signature is not None
-        return signature
+    signature: Signature
+    reduction: Callable[[Any, Any], Any] | None = None
+    chunk_reduction: Callable[[Any], Any] = identity
+    remat: Any = True
+    # The types of one chunk's summary, when the front end knows them (it checked
+    # the user's reduction); else the loop takes them from the summaries themselves.
+    summary: Any = None
 
     @property
     def out_tree(self) -> Any:
-        return self._signature.out_tree
+        return self.signature.out_tree
 
     @property
     def out_avals(self) -> Sequence[Any]:
-        return self._signature.out_avals
+        return self.signature.out_avals
 
     @property
     def out_axes(self) -> Sequence[int | None]:
-        return self._signature.out_axes
-
-    @property
-    def name(self) -> str:
-        return self.options.name
-
-    @property
-    def reduction(self) -> Callable[[Any, Any], Any] | None:
-        return self.options.reduction
-
-    @property
-    def chunk_reduction(self) -> Callable[[Any], Any]:
-        return self.options.chunk_reduction
-
-    @property
-    def remat(self) -> Any:
-        return self.options.remat
+        return self.signature.out_axes
 
     def run(
         self,
@@ -375,19 +264,6 @@ class Body:
         if self.reduction is None:
             return self.stacked(leaves, plan, report)
         return self.reduced(leaves, plan, report)
-
-    def summary_avals(self, lengths: Sequence[int]) -> Any:
-        """The types of one chunk's summary, checked for chunks of `lengths`."""
-        assert self.reduction is not None
-        return summary_avals(
-            self.name,
-            self.reduction,
-            self.chunk_reduction,
-            self.out_tree,
-            self.out_avals,
-            self.out_axes,
-            [n for n in lengths if n] or [1],
-        )
 
     def stacked(
         self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
@@ -412,13 +288,17 @@ class Body:
         """
         axes = self.axes
         if plan.single:
-            outs = (self.inline or self.chunk_fn)(plan.whole(leaves, axes), plan.size)
+            outs = self.chunk_fn(plan.whole(leaves, axes), plan.size)
             report(0)
             return outs
         size, batch = plan.size, plan.batch
-        if self.inline is not None and plan.rem == 0 and not sharding_in_types(leaves):
-            return self._inline_stacked(leaves, plan, report)
         chunk_fn, out_axes, out_avals = self.chunk_fn, self.out_axes, self.out_avals
+        if (
+            plan.rem == 0
+            and all(a == 0 for a in out_axes)
+            and not sharding_in_types(leaves)
+        ):
+            return self._split_stacked(leaves, plan, report)
 
         @ft.partial(checkpointed, remat=self.remat)
         def evaluate(i):
@@ -455,12 +335,11 @@ class Body:
 
         return _write_chunks(evaluate, out_axes, chunk_avals, plan, report)
 
-    def _inline_stacked(
+    def _split_stacked(
         self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
     ) -> list[Any]:
         """`stacked` when every output is along axis 0 and `B` divides `N`: the
-        chunks' outputs are the scan's `ys` (nothing to preallocate), and the function
-        is traced in the loop itself (`inline`).
+        chunks' outputs are the scan's `ys` (nothing to preallocate).
 
         A leaf mapped along axis 0 and read from its start is the scan's `xs`,
         reshaped to `(N / B, B, ...)` (free); the others are sliced at the chunk's
@@ -468,8 +347,7 @@ class Body:
         traced offset (up to 2x on a memory-heavy function), and reverse mode
         forwards them as residuals instead of saving copies, so memory is the same.
         """
-        inline, axes, size, batch = self.inline, self.axes, plan.size, plan.batch
-        assert inline is not None
+        chunk_fn, axes, size, batch = self.chunk_fn, self.axes, plan.size, plan.batch
         num = plan.num_chunks
         from_start = isinstance(plan.offset, int) and plan.offset == 0
         split = [
@@ -486,7 +364,7 @@ class Body:
             chunk = plan.chunk(leaves, sliced, i) if slicing else list(leaves)
             for j, c in zip(split, chunks):
                 chunk[j] = c
-            return inline(chunk, batch)
+            return chunk_fn(chunk, batch)
 
         def body(carry, i_chunks):
             i, chunks = i_chunks
@@ -512,7 +390,6 @@ class Body:
         """
 
         assert self.reduction is not None
-        summary_avals = self.summary_avals([plan.batch, plan.rem])
 
         def summarise(ys: list[Any]) -> Any:
             return self.chunk_reduction(self.out_tree.unflatten(ys))
@@ -520,7 +397,7 @@ class Body:
         combine = ft.partial(fold, self.reduction)
         return self._fold(
             self.chunk_fn, self.axes, self.out_axes, summarise, combine,
-            summary_avals, leaves, plan, report,
+            self.summary, leaves, plan, report,
         )  # fmt: skip
 
     def _fold(
@@ -566,8 +443,14 @@ class Body:
             return lax.cond(i == 0, lambda: s, lambda: combine(acc, s)), None
 
         if summary_avals is None or sharding_in_types(leaves):
-            # The carry takes the summaries' own types.
-            summary_avals = jax.eval_shape(evaluate, jnp.int32(0))
+            # The carry takes the summaries' own types: those of the first chunk's
+            # (one abstract evaluation of `summarise`, not one per branch of the last
+            # chunk's `cond`).
+            summary_avals = jax.eval_shape(
+                lambda: summarise(
+                    chunk_fn(plan.chunk(leaves, axes, jnp.int32(0)), batch)
+                )
+            )
         init = jax.tree.map(lambda a: zeros(a.shape, a), summary_avals)
 
         with jax.named_scope("chunkvmap"):
@@ -608,7 +491,6 @@ class Body:
             ]
 
         if self.reduction is not None:
-            self.summary_avals([plan.batch, plan.rem])  # checks the reduction's types
 
             def summarise(ys: list[Any]) -> Any:  # one summary per share
                 return jax.vmap(

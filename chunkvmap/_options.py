@@ -164,6 +164,9 @@ class ChunkOptions:
     # The argument that maps the inputs, in messages (`batch_argnums` for the
     # gradient functions).
     axes_arg: str = "in_axes"
+    # Whether `reduction` is chunkvmap's own (a front end's, known to fold): only a
+    # user's reduction is checked.
+    own_reduction: bool = False
 
     @classmethod
     def make(

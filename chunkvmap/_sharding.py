@@ -59,7 +59,8 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from . import _progress
-from ._loop import fold, make_plan, spec_entries, zeros
+from ._axes import Inputs
+from ._loop import Body, fold, make_plan, spec_entries, zeros
 
 
 AXIS_NAME = "chunkvmap"
@@ -218,19 +219,21 @@ def _inputs_mesh(leaves: Sequence[Any]) -> Any:
     return None
 
 
-def evaluate(body: Any, inputs: Any, options: Any, lay: Layout, batch: Any) -> Any:
-    """`body` (a `_loop.Body`) over `inputs` (a `_chunked.Inputs`), split over `lay`
-    as described in the module docstring, chunks of `batch` per device: the flat
-    stacked outputs (mapped along `body.out_axes`), or the folded summary."""
+def evaluate(
+    body: Body, inputs: Inputs, lay: Layout, batch: int | None, reporter: Any
+) -> Any:
+    """`body` over `inputs`, split over `lay` as described in the module docstring,
+    chunks of `batch` per device, progress reported to `reporter` (None: none): the
+    flat stacked outputs (mapped along `body.out_axes`), or the folded summary."""
     if lay.explicit:
-        return _typed(body, inputs, options, lay, batch)
+        return _typed(body, inputs, lay, batch, reporter)
     size, dyn, axes = inputs.size, inputs.dyn, lay.axes
     num_devices = lay.size
     rem = size % num_devices
     prefix = size - rem
     per_device = prefix // num_devices
     reduced = body.reduction is not None
-    leaves = _prepare(options.name, lay, inputs.paths, inputs.leaves, body.axes, rem)
+    leaves = _prepare(body.name, lay, inputs.paths, inputs.leaves, body.axes, rem)
     in_specs = [P() if rem else lay.spec(body.axes[i]) for i in dyn]
 
     def local(full: list[Any], n: int, offset: Any, report: bool) -> Any:
@@ -238,7 +241,7 @@ def evaluate(body: Any, inputs: Any, options: Any, lay: Layout, batch: Any) -> A
         # chunks (the global remainder is reported only when nothing else runs).
         plan = make_plan(n, batch, offset)
         hook = _progress.hook(
-            options.reporter if report else None,
+            reporter if report else None,
             plan.num_chunks,
             lambda: lax.axis_index(axes) == 0,
         )
@@ -289,17 +292,19 @@ def evaluate(body: Any, inputs: Any, options: Any, lay: Layout, batch: Any) -> A
     return jax.jit(run)(*[leaves[i] for i in dyn])
 
 
-def _typed(body: Any, inputs: Any, options: Any, lay: Layout, batch: Any) -> Any:
+def _typed(
+    body: Body, inputs: Inputs, lay: Layout, batch: int | None, reporter: Any
+) -> Any:
     """See `_split_evaluation`; under the layout's mesh as the context mesh (the
     shares' sharding types name its axes)."""
     if not jax.sharding.get_abstract_mesh().empty:
-        return _split_evaluation(body, inputs, options, lay, batch)
+        return _split_evaluation(body, inputs, lay, batch, reporter)
     with jax.sharding.use_abstract_mesh(getattr(lay.mesh, "abstract_mesh", lay.mesh)):
-        return _split_evaluation(body, inputs, options, lay, batch)
+        return _split_evaluation(body, inputs, lay, batch, reporter)
 
 
 def _split_evaluation(
-    body: Any, inputs: Any, options: Any, lay: Layout, batch: Any
+    body: Body, inputs: Inputs, lay: Layout, batch: int | None, reporter: Any
 ) -> Any:
     """`evaluate` over Explicit mesh axes, with no manual axes: sharding-in-types
     places the work.
@@ -326,10 +331,10 @@ def _split_evaluation(
             x if a is None or not rem else lax.slice_in_dim(x, 0, prefix, axis=a)
             for x, a in zip(leaves, axes)
         ]
-        head = _prepare(options.name, lay, inputs.paths, head, axes, 0)
+        head = _prepare(body.name, lay, inputs.paths, head, axes, 0)
         head = [_split(x, a, lay) for x, a in zip(head, axes)]
         plan = make_plan(share, batch)
-        report = _progress.hook(options.reporter, plan.num_chunks)
+        report = _progress.hook(reporter, plan.num_chunks)
         split = body.run_shares(head, plan, report)
         if body.reduction is not None:
             pieces["head"] = _fold_shares(body.reduction, split, lay)
@@ -343,11 +348,9 @@ def _split_evaluation(
             x if a is None else lax.slice_in_dim(x, prefix, size, axis=a)
             for x, a in zip(leaves, axes)
         ]
-        tail = _prepare(options.name, lay, inputs.paths, tail, axes, rem)
+        tail = _prepare(body.name, lay, inputs.paths, tail, axes, rem)
         plan = make_plan(rem, batch)
-        report = _progress.hook(
-            options.reporter if not share else None, plan.num_chunks
-        )
+        report = _progress.hook(reporter if not share else None, plan.num_chunks)
         pieces["tail"] = body.run(tail, plan, report)
     if body.reduction is not None:
         if len(pieces) == 1:

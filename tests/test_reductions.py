@@ -23,9 +23,17 @@ REDUCTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(REDUCTIONS))
-@pytest.mark.parametrize("n", [1, 7, 12])
-@pytest.mark.parametrize("b", [1, 3, 4, 20, None])
+# Every size with every chunk size (divisors, non-divisors, larger than N, None), each
+# pair with one reduction, shifted from size to size (a Latin square: each reduction
+# meets every size and three different chunk sizes).
+REDUCTION_GRID = [
+    (sorted(REDUCTIONS)[(i + j) % len(REDUCTIONS)], n, b)
+    for i, n in enumerate((1, 7, 12))
+    for j, b in enumerate((1, 3, 4, 20, None))
+]
+
+
+@pytest.mark.parametrize("name, n, b", REDUCTION_GRID)
 def test_reductions_match_reducing_the_vmap_output(name, n, b):
     reduction, chunk_reduction = REDUCTIONS[name]
     x = jnp.linspace(-2.0, 2.0, n * 3, dtype=jnp.float32).reshape(n, 3)
