@@ -243,6 +243,33 @@ def check_positive_int(
     return index
 
 
+def sized(x: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
+    """The plain type (no sharding) of `x` (an array or a type) with its mapped axis
+    `axis` of size `length` (None: `x`'s own shape)."""
+    aval = jax.typeof(x) if isinstance(x, jax.Array) else x
+    shape = list(aval.shape)
+    if axis is not None:
+        shape[axis] = length
+    weak = getattr(aval, "weak_type", False)
+    return jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=weak)
+
+
+def stacked(aval: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
+    """The type of `length` values of per-example type `aval` stacked along `axis`
+    (None: unmapped, `aval` itself)."""
+    shape = tuple(aval.shape)
+    if axis is not None:
+        shape = (*shape[:axis], length, *shape[axis:])
+    weak = getattr(aval, "weak_type", False)
+    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=weak)
+
+
+def per_example(aval: Any) -> jax.ShapeDtypeStruct:
+    """The type of one example of `aval`, stacked along its leading axis."""
+    weak = getattr(aval, "weak_type", False)
+    return jax.ShapeDtypeStruct(aval.shape[1:], aval.dtype, weak_type=weak)
+
+
 @dataclasses.dataclass(frozen=True)
 class Inputs:
     """The flat inputs of one call: `leaves` (each mapped along its canonical axis),

@@ -234,15 +234,10 @@ def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
         if options.auto
         else _loop.make_plan(size, options.batch_size).batch
     )
-    chunk_avals = [
-        jax.ShapeDtypeStruct(
-            (probe, *x.shape[1:]), x.dtype, weak_type=jax.typeof(x).weak_type
-        )
-        for x in leaves
-    ]
+    chunk_avals = [_axes.sized(x, 0, probe) for x in leaves]
     out_chunk_avals = jax.eval_shape(fun_flat, *chunk_avals)
     (out_tree,) = out_box
-    out_avals = [_loop.drop_leading(a) for a in out_chunk_avals]
+    out_avals = [_axes.per_example(a) for a in out_chunk_avals]
 
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
         return fun_flat(*chunk_leaves)

@@ -496,9 +496,9 @@ def _trace(
     # the values themselves.
     batch = options.batch_size
     length = batch if isinstance(batch, int) and 0 < batch < size else size
-    chunk_avals = [_chunk_aval(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
+    chunk_avals = [_axes.sized(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
     mapped_avals = jax.eval_shape(vmapped(0, length), *chunk_avals)
-    out_avals = [_loop.drop_leading(a) for a in mapped_avals]
+    out_avals = [_axes.per_example(a) for a in mapped_avals]
     flat_axes = _flat_out_axes(name, out_axes, out_box[0], out_avals)
     signature = _loop.Signature(out_box[0], out_avals, flat_axes)
     known(signature)
@@ -610,16 +610,6 @@ def _mapped_output_errors(
             f"an int axis in out_axes (e.g. 0), or return a value that does not "
             f"vary across examples."
         ) from None
-
-
-def _chunk_aval(x: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
-    """The plain type (no sharding) of a chunk of `length` examples of leaf `x`,
-    mapped along `axis` (None: `x` itself)."""
-    aval = jax.typeof(x)
-    shape = list(aval.shape)
-    if axis is not None:
-        shape[axis] = length
-    return jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=aval.weak_type)
 
 
 def _flat_out_axes(name: str, out_axes: Any, out_tree: Any, out_avals: list) -> list:

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from . import _loop, _memory, _progress, _sharding
+from . import _axes, _loop, _memory, _progress, _sharding
 from ._axes import Inputs
 from ._options import ChunkOptions, identity
 
@@ -46,13 +46,6 @@ def _aval_str(tree: Any) -> str:
     return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
 
 
-def _with_axis(aval: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
-    if axis is None:
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-    shape = (*aval.shape[:axis], length, *aval.shape[axis:])
-    return jax.ShapeDtypeStruct(shape, aval.dtype)
-
-
 def summary_avals(
     name: str,
     reduction: Callable[[Any, Any], Any],
@@ -76,7 +69,7 @@ def summary_avals(
     summaries = []
     for length in lengths:
         chunk = out_tree.unflatten(
-            [_with_axis(a, ax, length) for a, ax in zip(out_avals, out_axes)]
+            [_axes.stacked(a, ax, length) for a, ax in zip(out_avals, out_axes)]
         )
         summaries.append(jax.eval_shape(chunk_reduction, chunk))
     first = summaries[0]
@@ -211,15 +204,7 @@ def _batch_size(
 def _measure(body: _loop.Body, inputs: Inputs, size: int):
     """`B -> compiled temp bytes` of the chunked program over `size` examples (one
     device's program when `size` is its share), on abstract inputs."""
-    abstract = []
-    for i in inputs.dyn:
-        aval, axis = jax.typeof(inputs.leaves[i]), body.axes[i]
-        shape = list(aval.shape)
-        if axis is not None:
-            shape[axis] = size
-        abstract.append(
-            jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=aval.weak_type)
-        )
+    abstract = [_axes.sized(inputs.leaves[i], body.axes[i], size) for i in inputs.dyn]
 
     def measure(batch: int) -> int:
         plan = _loop.make_plan(size, batch)

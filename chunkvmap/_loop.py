@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._axes import stacked as stacked_type
 from ._options import identity
 
 
@@ -138,18 +139,6 @@ def _with_entry(y: Any, axis: int, entry: Any) -> Any:
     return jax.sharding.reshard(
         y, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
     )
-
-
-def _chunk_aval(aval: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
-    """The type of a chunk of `length` outputs of per-example type `aval`."""
-    if axis is None:
-        return aval
-    shape = (*aval.shape[:axis], length, *aval.shape[axis:])
-    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
-
-
-def drop_leading(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape[1:], aval.dtype, weak_type=aval.weak_type)
 
 
 def _write_chunks(
@@ -310,7 +299,7 @@ class Body:
             chunk_avals = jax.eval_shape(evaluate, jnp.int32(0))
         else:
             chunk_avals = [
-                _chunk_aval(a, x, batch) for a, x in zip(out_avals, out_axes)
+                stacked_type(a, x, batch) for a, x in zip(out_avals, out_axes)
             ]
 
         mapped = [k for k, a in enumerate(out_axes) if a is not None]
