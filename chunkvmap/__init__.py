@@ -9,6 +9,7 @@ import importlib.metadata
 
 from ._batch_map import batch_map as batch_map
 from ._batch_vmap import batch_vmap as batch_vmap
+from ._cache import last_batch_size as last_batch_size
 from ._clipping import (
     AuxiliaryOutput as AuxiliaryOutput,
     ClippedGrad as ClippedGrad,
@@ -19,7 +20,6 @@ from ._clipping import (
 from ._ghost import GhostReport as GhostReport, ghost_report as ghost_report
 from ._grads import per_example_grads as per_example_grads
 from ._jacobians import batch_jacfwd as batch_jacfwd, batch_jacrev as batch_jacrev
-from ._memory import last_batch_size as last_batch_size
 from ._options import identity as identity
 from ._vectorize import batch_vectorize as batch_vectorize
 

@@ -116,7 +116,7 @@ def batch_map(
             f"{name} strip_dim0=True hands fun single examples, so it needs "
             f"{options.batch_arg}=1, but got {options.batch_str()}."
         )
-    auto = _memory.auto_state(name, fun, options.memory_limit, options.auto)
+    auto = _cache.auto_state_of(fun, name, options.memory_limit, options.auto)
 
     try:  # the cache below is keyed weakly by `fun`: its entry must not keep it
         fun_ref = weakref.ref(fun)

@@ -123,6 +123,53 @@ def memo(owner: Any, key: Hashable, build: Callable[[], Any]) -> Any:
     return entries.get_or_build(key, build)
 
 
+_AUTO_KEY = "chunkvmap: batch_size state"
+
+
+def auto_state_of(fun: Any, name: str, limit: int | None, search: bool) -> Any:
+    """The chunk-size state of `batch_map(fun, ...)` calls with budget `limit`,
+    remembered with `fun`'s caches (a new one when the budget changes)."""
+    holder = memo(fun, _AUTO_KEY, lambda: [None])
+    state = holder[0]
+    if state is None or (state.limit, state.search) != (limit, search):
+        state = holder[0] = _memory.AutoBatch(name, limit, search)
+    return state
+
+
+def last_batch_size(fn: Callable[..., Any] | None = None) -> int | None:
+    """The chunk size that `batch_size="auto"` chose most recently.
+
+    Args:
+      fn: a function returned by a chunkvmap transform built with `batch_size="auto"`
+        (`batch_vmap`, `per_example_grads`, `clipped_grad_sum`, `batch_jacfwd`,
+        `batch_jacrev`, `batch_vectorize`, the adapters), or the `fun` given to
+        `batch_map(fun, xs, "auto")`. None (the default) means the most recent choice
+        made by any call.
+
+    Returns:
+      The batch size chosen by the most recent call (of `fn`, when given), or None if
+      no such call has happened yet.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import batch_vmap, last_batch_size
+      >>> f = batch_vmap(jnp.sin, batch_size="auto", memory_limit="1MiB")
+      >>> y = f(jnp.ones((1000, 100)))
+      >>> 1 <= last_batch_size(f) <= 1000
+      True
+    """
+    if fn is None:
+        return _memory._LAST[0]
+    state = _memory.state_of(fn)
+    if state is None:  # batch_map's `fun`: its state is remembered with its caches
+        try:
+            holder = _MEMO.get(fn, {}).get(_AUTO_KEY)
+        except TypeError:  # not weak-referenceable: never remembered
+            holder = None
+        state = holder[0] if holder else None
+    return None if state is None else state.last
+
+
 def function_name(f: Any) -> str:
     """The user's function as messages name it: its qualified name, a partial's
     function, or the type of a callable object (an Equinox Module, say)."""
@@ -157,8 +204,8 @@ def transform(
     numpy_arrays: bool = False,
 ) -> Callable[..., Any]:
     """The public function of a transform: `call` through an `EagerCache` (when
-    `cached`), with `wrapped`'s name and docstring, registered for `last_batch_size`
-    when it has an `"auto"` state."""
+    `cached`), with `wrapped`'s name and docstring, holding its `"auto"` state (when
+    it has one) for `last_batch_size`."""
     run = EagerCache(call, numpy_arrays=numpy_arrays) if cached else call
 
     @wraps(wrapped)
@@ -166,5 +213,5 @@ def transform(
         return run(args, kwargs)
 
     if auto is not None:
-        _memory.register(transformed, auto)
+        _memory.attach(transformed, auto)
     return transformed

@@ -996,8 +996,7 @@ def clipped_grad(
 
     bound = (1.0 if rescale_to_unit_norm else l2_clip_norm) / normalize_by
     clipped = ClippedGrad(setup.mapper.transform(call, fun), bound, with_aux)
-    _memory.register(clipped, setup.mapper.auto)  # for last_batch_size(clipped)
-    return clipped
+    return _memory.attach(clipped, setup.mapper.auto)  # for last_batch_size
 
 
 def _check_normalize_by(name: str, value: Any) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import re
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -203,57 +202,21 @@ class AutoBatch:
         self.last = size if batch_size is None else min(batch_size, size)
 
 
-_STATES: weakref.WeakKeyDictionary[Any, AutoBatch] = weakref.WeakKeyDictionary()
+# The most recent choice of any transform, for `last_batch_size()` (its documented
+# meaning without an argument); every other state is owned by its transform.
 _LAST: list[int | None] = [None]
 
+# The attribute under which a transform's public function holds its state.
+ATTRIBUTE = "__chunkvmap_auto__"
 
-def register(fn: Any, state: AutoBatch) -> None:
-    """Let `last_batch_size(fn)` report `state`'s choices."""
-    try:
-        _STATES[fn] = state
-    except TypeError:  # not weak-referenceable: last_batch_size(fn) stays None
-        pass
+
+def attach(fn: Any, state: AutoBatch) -> Any:
+    """`fn` (a transform's public function) holding `state`, for `last_batch_size`."""
+    setattr(fn, ATTRIBUTE, state)
+    return fn
 
 
 def state_of(fn: Any) -> AutoBatch | None:
-    try:
-        return _STATES.get(fn)
-    except TypeError:  # not weak-referenceable, so never registered
-        return None
-
-
-def auto_state(name: str, fn: Any, limit: int | None, search: bool) -> AutoBatch:
-    """The state registered for `fn` (batch_map's `fun`) with budget `limit`."""
-    state = state_of(fn)
-    if state is None or (state.limit, state.search) != (limit, search):
-        state = AutoBatch(name, limit, search)
-        register(fn, state)
-    return state
-
-
-def last_batch_size(fn: Callable[..., Any] | None = None) -> int | None:
-    """The chunk size that `batch_size="auto"` chose most recently.
-
-    Args:
-      fn: a function returned by a chunkvmap transform built with `batch_size="auto"`
-        (`batch_vmap`, `per_example_grads`, `clipped_grad_sum`, `batch_jacfwd`,
-        `batch_jacrev`, `batch_vectorize`, the adapters), or the `fun` given to
-        `batch_map(fun, xs, "auto")`. None (the default) means the most recent choice
-        made by any call.
-
-    Returns:
-      The batch size chosen by the most recent call (of `fn`, when given), or None if
-      no such call has happened yet.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> from chunkvmap import batch_vmap, last_batch_size
-      >>> f = batch_vmap(jnp.sin, batch_size="auto", memory_limit="1MiB")
-      >>> y = f(jnp.ones((1000, 100)))
-      >>> 1 <= last_batch_size(f) <= 1000
-      True
-    """
-    if fn is None:
-        return _LAST[0]
-    state = state_of(fn)
-    return None if state is None else state.last
+    """The state a transform's public function holds (None for any other object)."""
+    state = getattr(fn, ATTRIBUTE, None)
+    return state if isinstance(state, AutoBatch) else None

@@ -26,7 +26,7 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 import jax
 import jax.numpy as jnp
 
-from . import _axes, _cache, _memory
+from . import _axes, _cache
 from ._axes import is_none
 from ._batch_vmap import Mapper, function_name, out_paths
 from ._options import ChunkOptions, check_callable, identity
@@ -257,7 +257,6 @@ def filter_batch_vmap(
     wrapper = eqx.module_update_wrapper(
         _BatchVmapWrapper(fun, in_axes, out_axes, chunking)
     )
-    _memory.register(wrapper, chunking.auto)
     return wrapper
 
 
@@ -376,6 +375,10 @@ class _BatchVmapWrapper(eqx.Module):
     @property
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
+
+    @property
+    def __chunkvmap_auto__(self) -> Any:  # its chunk-size state, for last_batch_size
+        return self._chunking.auto
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if kwargs:

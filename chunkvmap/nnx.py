@@ -429,8 +429,7 @@ def _transform(f: Callable[..., Any], in_axes: Any, out_axes: Any, options: Any)
         _, out = nnx.from_tree((pure_args_out, pure_out), ctxtag=_TAG, is_inner=False)
         return out
 
-    _memory.register(batched, options.mapper.auto)
-    return batched
+    return _memory.attach(batched, options.mapper.auto)
 
 
 __all__ = ["batch_vmap"]

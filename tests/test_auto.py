@@ -200,6 +200,21 @@ def test_last_batch_size_of_unknown_function_is_none():
     assert chunkvmap.last_batch_size(batch_vmap(mlp, batch_size=3)) is None
 
 
+def test_each_transform_keeps_its_own_choice():
+    """The choice belongs to the transform that made it: two transforms of the same
+    function with different budgets report their own, and the argument-free form the
+    most recent of any."""
+    x = X[:64]
+    tight = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit="64KiB")
+    roomy = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit="1GiB")
+    roomy(PARAMS, x)
+    tight(PARAMS, x)
+    assert last_batch_size(roomy) == 64
+    assert 1 <= last_batch_size(tight) < 64
+    assert last_batch_size() == last_batch_size(tight)
+    assert last_batch_size(mlp) is None  # the function itself holds nothing
+
+
 def test_batch_map_auto_with_a_builtin_function(monkeypatch):
     searches = record_auto_searches(monkeypatch)
     out = batch_map(jnp.sin, X, "auto", memory_limit="1MiB")
