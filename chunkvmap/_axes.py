@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -275,10 +275,13 @@ class Inputs:
     """The flat inputs of one call: `leaves` (each mapped along its canonical axis),
     their key paths as the user wrote them (`paths`), which leaves are arrays to trace
     (`dyn`, every mapped leaf among them), the mapped length `size`, and a hashable
-    `key` of the call's types (for the `"auto"` choice)."""
+    `key` of the call's types (for the `"auto"` choice); `known`: the concrete
+    shardings of an eager call's arguments, by the id of their tracers (see
+    `_cache.EagerCache`)."""
 
     leaves: list[Any]
     paths: Sequence[str]
     dyn: Sequence[int]
     size: int
     key: Any
+    known: Mapping[int, Any] = dataclasses.field(default_factory=dict)

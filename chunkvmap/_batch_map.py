@@ -123,11 +123,11 @@ def batch_map(
     except TypeError:  # not weak-referenceable: not cached either
         fun_ref = lambda: fun  # noqa: E731
 
-    def call(args: tuple, kwargs: dict) -> Any:
-        return _map_call(fun_ref(), args[0], options, strip_dim0, auto)
+    def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        return _map_call(fun_ref(), args[0], options, strip_dim0, auto, known)
 
     if options.shard:  # sharded calls place their inputs on the mesh: not cached
-        return call((xs,), {})
+        return call((xs,), {}, {})
     run = _cache.memo(
         fun,
         (options, strip_dim0),
@@ -142,6 +142,7 @@ def _map_call(
     options: ChunkOptions,
     strip_dim0: bool,
     auto: _memory.AutoBatch | None,
+    known: _cache.Known,
 ) -> Any:
     name = options.name
     leaves, paths, treedef = _flatten_xs(name, xs)
@@ -158,7 +159,7 @@ def _map_call(
         fun = _strip_dim0(name, fun)
     body = _trace(fun, leaves, axes, treedef, size, options)
     key = (treedef, tuple(jax.typeof(x) for x in leaves))
-    inputs = _axes.Inputs(leaves, paths, range(len(leaves)), size, key)
+    inputs = _axes.Inputs(leaves, paths, range(len(leaves)), size, key, known)
     return _chunked.evaluate(body, inputs, options, auto)
 
 

@@ -243,8 +243,8 @@ def vmap_transform(
     )
     mapper = Mapper(options, axis_name, axis_size)
 
-    def call(args: tuple, kwargs: dict) -> Any:
-        return mapper(f, args, kwargs, in_axes, out_axes)
+    def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        return mapper(f, args, kwargs, in_axes, out_axes, known=known)
 
     # A plain vmap (nothing to chunk, fold or report) runs eagerly, as jax.vmap does.
     return mapper.transform(call, f, cached=not options.plain)
@@ -297,11 +297,13 @@ class Mapper:
         options: ChunkOptions | None = None,
         arg_names: Any = None,
         out_names: Callable[[Any], list[str]] | None = None,
+        known: _cache.Known | None = None,
     ) -> Any:
         """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by this
         transform's options (or `options`, a variant of them, e.g. with a reduction
         of the transform's own); `arg_names` names the arguments in messages, and
-        `out_names(out)` the leaves of `f`'s output `out` (default `out_paths`)."""
+        `out_names(out)` the leaves of `f`'s output `out` (default `out_paths`);
+        `known`: the concrete shardings of an eager call's arguments (`_cache.Call`)."""
         return vmap_call(
             f,
             args,
@@ -315,6 +317,7 @@ class Mapper:
             arg_names,
             self.spmd_axis_name,
             out_names,
+            known,
         )
 
     def transform(
@@ -340,6 +343,7 @@ def vmap_call(
     arg_names: Any = None,
     spmd_axis_name: Any = None,
     out_names: Callable[[Any], list[str]] | None = None,
+    known: _cache.Known | None = None,
 ) -> Any:
     """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by `options`.
 
@@ -349,7 +353,8 @@ def vmap_call(
     `arg_names` names the positional arguments in messages (default `args[i]`),
     `out_names(out)` the leaves of an output `out` of `f` (default `out_paths`:
     adapters whose `f` wraps the user's function name the user's outputs);
-    `spmd_axis_name` is `jax.vmap`'s (each chunk's mapped axis is sharded over it).
+    `spmd_axis_name` is `jax.vmap`'s (each chunk's mapped axis is sharded over it);
+    `known`: the concrete shardings of an eager call's arguments (`_cache.Call`).
     """
     name = options.name
     out_names = out_names or out_paths
@@ -385,7 +390,7 @@ def vmap_call(
         raise _chunked.zero_examples(name)
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
     key += (_static_key(leaves, dyn),)
-    inputs = _axes.Inputs(leaves, paths, dyn, size, key)
+    inputs = _axes.Inputs(leaves, paths, dyn, size, key, known or {})
     signature: list[_loop.Signature] = []  # once f has been traced
 
     def unmapped_outputs() -> dict[str, str]:

@@ -16,19 +16,24 @@ from __future__ import annotations
 import collections
 import functools as ft
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _memory, _sharding
+from . import _memory
 
 
 MAX_ENTRIES = 32
 
-# A call: (positional arguments, keyword arguments) -> result.
-Call = Callable[[tuple, dict], Any]
+# A call: (positional arguments, keyword arguments, known shardings) -> result. The
+# known shardings are those of an eager call's array arguments, by the id of the
+# tracers that stand for them in the compiled program (a layout visible on concrete
+# arrays stays visible inside, where a tracer's type shows only Explicit axes); empty
+# for a call under an outer `jax.jit`, where the types say all there is to see.
+Known = Mapping[int, Any]
+Call = Callable[[tuple, dict, Known], Any]
 
 
 class _LRU(collections.OrderedDict):
@@ -46,7 +51,7 @@ class _LRU(collections.OrderedDict):
 
 
 class EagerCache:
-    """`call(args, kwargs)` through one cached `jax.jit` per call structure.
+    """`call(args, kwargs, known)` through one cached `jax.jit` per call structure.
 
     The key is the pytree structure of `(args, kwargs)` and the values of its non-array
     leaves (hashable Python values, which become constants of the program, as static
@@ -67,19 +72,19 @@ class EagerCache:
         dyn, static = [], []
         for i, x in enumerate(flat):
             if isinstance(x, jax.core.Tracer):
-                return self.call(args, kwargs)
+                return self.call(args, kwargs, {})
             if isinstance(x, self.arrays):
                 dyn.append(i)
                 continue
             if isinstance(x, np.ndarray):
-                return self.call(args, kwargs)
+                return self.call(args, kwargs, {})
             try:
                 hash(x)
             except TypeError:
-                return self.call(args, kwargs)
+                return self.call(args, kwargs, {})
             static.append((i, type(x), x))
         # The arrays' shardings are part of the key: a layout visible on them decides
-        # how the call is chunked (and they stay visible inside, see `_compile`).
+        # how the call is chunked (and the call is told them, see `Call`).
         shardings = tuple(getattr(flat[i], "sharding", None) for i in dyn)
         key = (treedef, tuple(static), shardings)
         run = self.entries.get_or_build(
@@ -100,8 +105,8 @@ class EagerCache:
             for i, v in zip(dyn, values):
                 full[i] = v
             args, kwargs = jax.tree.unflatten(treedef, full)
-            with _sharding.known_shardings(zip(values, shardings)):
-                return self.call(args, kwargs)
+            known = {id(v): s for v, s in zip(values, shardings) if s is not None}
+            return self.call(args, kwargs, known)
 
         return run
 
@@ -121,6 +126,11 @@ def memo(owner: Any, key: Hashable, build: Callable[[], Any]) -> Any:
     except TypeError:
         return build()
     return entries.get_or_build(key, build)
+
+
+def uncached(call: Call) -> Callable[[tuple, dict], Any]:
+    """`call` run directly, with no known shardings (the arguments show their own)."""
+    return lambda args, kwargs: call(args, kwargs, {})
 
 
 _AUTO_KEY = "chunkvmap: batch_size state"
@@ -206,7 +216,7 @@ def transform(
     """The public function of a transform: `call` through an `EagerCache` (when
     `cached`), with `wrapped`'s name and docstring, holding its `"auto"` state (when
     it has one) for `last_batch_size`."""
-    run = EagerCache(call, numpy_arrays=numpy_arrays) if cached else call
+    run = EagerCache(call, numpy_arrays=numpy_arrays) if cached else uncached(call)
 
     @wraps(wrapped)
     def transformed(*args: Any, **kwargs: Any) -> Any:

@@ -145,8 +145,9 @@ def evaluate(
     lay = None
     if inputs.size:
         lay = _sharding.layout(
-            name, options.shard, options.mesh, inputs.paths, inputs.leaves, body.axes
-        )
+            name, options.shard, options.mesh, inputs.paths, inputs.leaves,
+            body.axes, inputs.known,
+        )  # fmt: skip
     one_device = lay is not None and lay.size == 1 and lay.explicit
     if one_device:
         # The examples' axis is sharded over one device: the plain loop runs on the

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _axes, _ghost, _memory
+from . import _axes, _cache, _ghost, _memory
 from ._batch_vmap import function_name
 from ._grads import GradSetup, filtered_value_and_grad, resolve_argnums
 from ._loop import spec_entries
@@ -281,8 +281,10 @@ def _clipped_sums(
     config: _Clipping,
     args: tuple,
     kwargs: dict,
+    known: _cache.Known,
 ) -> tuple[Any, AuxiliaryOutput, int]:
-    """The clipped gradient sum of a call, its per-example extras, and `N`."""
+    """The clipped gradient sum of a call, its per-example extras, and `N` (`known`:
+    the concrete shardings of an eager call's arguments)."""
     name = setup.name
     kwargs = dict(kwargs)
     padding = kwargs.pop("is_padding_example", None) if config.jax_privacy else None
@@ -321,8 +323,9 @@ def _clipped_sums(
 
     if config.method == "ghost" and size > 0:
         ghost = _ghost_sums(
-            setup, fun, config, args, in_axes, kwargs, diff, batch_args, extra, size
-        )
+            setup, fun, config, args, in_axes, kwargs, diff, batch_args, extra, size,
+            known,
+        )  # fmt: skip
         if ghost is not None:
             return laid(*ghost)
 
@@ -373,6 +376,7 @@ def _clipped_sums(
         tuple(all_args),
         kwargs,
         tuple(all_axes),
+        known,
         reduction=jnp.add,
         chunk_reduction=summarise,
         own_reduction=True,
@@ -414,6 +418,7 @@ def _ghost_sums(
     batch_args: list[int],
     extra: list,
     size: int,
+    known: _cache.Known,
 ) -> tuple[Any, AuxiliaryOutput, int] | None:
     """`_clipped_sums` by ghost clipping (`_ghost`): the same results, without
     per-example gradients of the leaves whose uses have rules; None when no leaf has
@@ -672,6 +677,7 @@ def _ghost_sums(
         (*args, *extra),
         kwargs,
         (*in_axes, *[0] * len(extra)),
+        known,
         reduction=jnp.add,
         chunk_reduction=summarise,
         own_reduction=True,
@@ -988,8 +994,8 @@ def clipped_grad(
     )
     with_aux = has_aux or return_values or return_grad_norms
 
-    def call(args: tuple, kwargs: dict) -> Any:
-        total, extras, _ = _clipped_sums(setup, fun, config, args, kwargs)
+    def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        total, extras, _ = _clipped_sums(setup, fun, config, args, kwargs, known)
         if normalize_by != 1.0:
             total = jax.tree.map(lambda x: x / normalize_by, total)
         return (total, extras) if with_aux else total
@@ -1154,8 +1160,8 @@ def clipped_grad_sum(
         l2_clip_norm, nan_safe=False, return_grad_norms=return_norms, method=method
     )
 
-    def call(args: tuple, kwargs: dict) -> Any:
-        total, extras, size = _clipped_sums(setup, fun, config, args, kwargs)
+    def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        total, extras, size = _clipped_sums(setup, fun, config, args, kwargs, known)
         count = jnp.asarray(size, jnp.int32)
         return (total, count, extras.grad_norms) if return_norms else (total, count)
 

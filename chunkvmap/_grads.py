@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _cache
 from ._batch_vmap import Mapper, function_name
 from ._options import ChunkOptions, check_bool, check_callable
 
@@ -280,12 +281,20 @@ class GradSetup:
                 stacklevel=4,
             )
 
-    def map(self, fn: Any, args: tuple, kwargs: dict, in_axes: tuple, **options: Any):
+    def map(
+        self,
+        fn: Any,
+        args: tuple,
+        kwargs: dict,
+        in_axes: tuple,
+        known: _cache.Known,
+        **options: Any,
+    ):
         """`fn(*args, **kwargs)` mapped over `in_axes` (keyword arguments over their
         leading axis, as in `jax.vmap`), with the transform's options (changed by
-        `options`)."""
+        `options`); `known`: the concrete shardings of an eager call's arguments."""
         opts = self.mapper.options.replace(**options) if options else None
-        return self.mapper(fn, args, kwargs, in_axes, 0, opts)
+        return self.mapper(fn, args, kwargs, in_axes, 0, opts, known=known)
 
 
 def per_example_grads(
@@ -372,9 +381,9 @@ def per_example_grads(
         progress=progress,
     )
 
-    def call(args: tuple, kwargs: dict) -> Any:
+    def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         diff, in_axes = setup.resolve(args)
         grad_fn = _filtered_grad(fun, diff, setup.single, has_aux)
-        return setup.map(grad_fn, args, kwargs, in_axes)
+        return setup.map(grad_fn, args, kwargs, in_axes, known)
 
     return setup.mapper.transform(call, fun)

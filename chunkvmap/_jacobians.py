@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _cache
 from ._batch_vmap import JAX_TYPES, Mapper, check_outputs, function_name
 from ._grads import check_argnums, describe, resolve_argnums
 from ._options import ChunkOptions, check_bool, check_callable
@@ -224,7 +225,10 @@ def batch_jacfwd(
     )
     checked = _checked(name, fun, has_aux, aux_is_mapped=True)
 
-    def jacobian(args: tuple, kwargs: dict) -> Any:
+    def jacobian(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        # The chunks map over basis indices made here, not over the arguments: their
+        # shardings (`known`) lay out nothing.
+        del known
         dyn, with_dyn = _dyn_args(name, setup.argnums, setup.single, args)
         in_leaves, in_tree = jax.tree.flatten(dyn)
         _check_dtypes(name, "input", in_leaves, holomorphic)
@@ -325,7 +329,10 @@ def batch_jacrev(
     check_bool(name, "allow_int", allow_int)
     checked = _checked(name, fun, has_aux, aux_is_mapped=False)
 
-    def jacobian(args: tuple, kwargs: dict) -> Any:
+    def jacobian(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        # The chunks map over basis indices made here, not over the arguments: their
+        # shardings (`known`) lay out nothing.
+        del known
         dyn, with_dyn = _dyn_args(name, setup.argnums, setup.single, args)
         in_leaves, in_tree = jax.tree.flatten(dyn)
         ints = [

@@ -5,8 +5,8 @@ over them, either because the inputs say so or because the caller asks:
 
 * visible layouts: a mapped input whose mapped dimension is sharded over mesh axes,
   seen in its type (`Explicit` axes, e.g. `jax.make_mesh`'s default, eager or under
-  `jit`) or on a concrete array (any axis type, eager calls; the eager cache passes the
-  concrete shardings of its arguments through `known_shardings`);
+  `jit`) or on a concrete array (any axis type, eager calls; the eager cache hands
+  the concrete shardings of its arguments down with the call, `Inputs.known`);
 * requested layouts: `shard=True` (the one axis of a 1-D mesh), `shard="data"` or
   `shard=("a", "b")`, over `mesh=`, the ambient `jax.set_mesh` mesh or the mesh the
   inputs are on (or, for `shard=True` without any, one 1-D mesh over all devices).
@@ -44,12 +44,10 @@ mesh over `jax.devices()` spans every process.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -65,10 +63,6 @@ from ._loop import Body, fold, make_plan, spec_entries, zeros
 
 AXIS_NAME = "chunkvmap"
 _DEFAULT_MESHES: dict[tuple[Any, ...], Mesh] = {}
-# Concrete shardings of the arguments of a program being traced, by tracer id.
-_KNOWN: contextvars.ContextVar[dict[int, Any]] = contextvars.ContextVar(
-    "chunkvmap_known_shardings", default={}
-)
 
 
 def default_mesh() -> Mesh:
@@ -81,22 +75,14 @@ def default_mesh() -> Mesh:
     return mesh
 
 
-@contextlib.contextmanager
-def known_shardings(pairs: Iterable[tuple[Any, Any]]):
-    """While tracing a program for concrete arguments: `(tracer, sharding)` pairs, so
-    that a layout visible on the arguments stays visible inside."""
-    token = _KNOWN.set({**_KNOWN.get(), **{id(t): s for t, s in pairs}})
-    try:
-        yield
-    finally:
-        _KNOWN.reset(token)
-
-
-def _visible_sharding(x: Any) -> NamedSharding | None:
-    """The sharding of `x` as this call can see it (None when it cannot)."""
+def _visible_sharding(x: Any, known: Mapping[int, Any]) -> NamedSharding | None:
+    """The sharding of `x` as this call can see it (None when it cannot): its own, its
+    type's, or for a tracer of an eager call's argument the concrete sharding of that
+    argument (`known`, by the tracer's id)."""
     if isinstance(x, jax.core.Tracer):
-        known = _KNOWN.get().get(id(x))
-        sharding = known if known is not None else jax.typeof(x).sharding
+        sharding = known.get(id(x))
+        if sharding is None:
+            sharding = jax.typeof(x).sharding
     elif isinstance(x, jax.Array):
         sharding = x.sharding
     else:
@@ -144,13 +130,15 @@ def layout(
     paths: Sequence[str],
     leaves: Sequence[Any],
     axes: Sequence[int | None],
+    known: Mapping[int, Any],
 ) -> Layout | None:
-    """The call's layout: requested by `shard`, else visible on the mapped inputs."""
+    """The call's layout: requested by `shard`, else visible on the mapped inputs
+    (`known`: see `_visible_sharding`)."""
     if shard is not False:
-        return _requested(name, shard, mesh, leaves)
+        return _requested(name, shard, mesh, leaves, known)
     found: dict[tuple[Any, ...], list[str]] = {}
     for path, x, axis in zip(paths, leaves, axes):
-        sharding = None if axis is None else _visible_sharding(x)
+        sharding = None if axis is None else _visible_sharding(x, known)
         if sharding is None or sharding.mesh.size == 1:
             continue
         data = _dim_axes(sharding.spec, axis)
@@ -172,12 +160,14 @@ def layout(
     return Layout(mesh, data)
 
 
-def _requested(name: str, shard: Any, mesh: Any, leaves: Sequence[Any]) -> Layout:
+def _requested(
+    name: str, shard: Any, mesh: Any, leaves: Sequence[Any], known: Mapping[int, Any]
+) -> Layout:
     """The layout `shard=` asks for, over `mesh`, the ambient mesh, the mesh the
     inputs are placed on, or all devices."""
     ambient = jax.sharding.get_abstract_mesh()
     if mesh is None and ambient.empty:
-        mesh = _inputs_mesh(leaves)
+        mesh = _inputs_mesh(leaves, known)
     if mesh is None and ambient.empty and shard is not True:
         raise ValueError(
             f"{name} got shard={shard!r}, which names mesh axes, but no mesh: pass "
@@ -210,10 +200,10 @@ def _requested(name: str, shard: Any, mesh: Any, leaves: Sequence[Any]) -> Layou
     return Layout(mesh, tuple(shard))
 
 
-def _inputs_mesh(leaves: Sequence[Any]) -> Any:
+def _inputs_mesh(leaves: Sequence[Any], known: Mapping[int, Any]) -> Any:
     """The mesh the inputs are placed on (the first one seen), or None."""
     for x in leaves:
-        sharding = _visible_sharding(x)
+        sharding = _visible_sharding(x, known)
         if sharding is not None and not sharding.mesh.empty:
             return sharding.mesh
     return None

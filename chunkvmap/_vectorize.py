@@ -459,8 +459,10 @@ def _chunked(
     loops,
     loop_shape: tuple[int, ...],
     mapper: Mapper,
+    known: _cache.Known,
 ) -> Any:
-    """The `N = prod(L)` examples in chunks through the `batch_vmap` pipeline.
+    """The `N = prod(L)` examples in chunks through the `batch_vmap` pipeline
+    (`known`: the concrete shardings of an eager call's arguments).
 
     Full-shape arguments are mapped as `(N, *core)`; arguments with only size-1 loop
     dimensions are unmapped; partially broadcast arguments are unmapped whole and read
@@ -514,7 +516,7 @@ def _chunked(
             per_example.append(v)
         return example(*per_example)
 
-    out = mapper(one, tuple(leaves), {}, tuple(in_axes), 0)
+    out = mapper(one, tuple(leaves), {}, tuple(in_axes), 0, known=known)
     return _reshape_outputs(out, loop_shape, 1)
 
 
@@ -658,7 +660,7 @@ def batch_vectorize(
     )
     mapper = Mapper(options)
 
-    def vectorized(args: tuple, kwargs: dict) -> Any:
+    def vectorized(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         call = _split(excluded, sig, args, kwargs, shown)
         loop_shape, loops, sizes = _analyse(call, sig)
         example = _checked(pyfunc, call, sig, sizes)
@@ -670,6 +672,6 @@ def batch_vectorize(
             and not options.shard
         ):
             return _nested(example, call, loops, loop_shape)
-        return _chunked(example, call.arrays, loops, loop_shape, mapper)
+        return _chunked(example, call.arrays, loops, loop_shape, mapper, known)
 
     return mapper.transform(vectorized, pyfunc)  # pyright: ignore[reportReturnType]

@@ -297,7 +297,7 @@ class _Chunking:
         # Messages (the core's and JAX's) name the user's function.
         inner.__name__ = inner.__qualname__ = self.fun_name
 
-        def call(args: tuple, kwargs: dict) -> Any:
+        def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
             in_axes = (None, dyn_axes, None)
             # Messages name the user's arguments: `args` is (fun, dynamic, static),
             # and outputs: `_inner` returns (mapped, unmapped arrays, static).
@@ -311,10 +311,11 @@ class _Chunking:
                 core,
                 names,
                 out_names=_user_out_names,
+                known=known,
             )
 
         def build():
-            return call if options.shard else _cache.EagerCache(call)
+            return _cache.uncached(call) if options.shard else _cache.EagerCache(call)
 
         key = (
             jax.tree.structure(out_axes, is_leaf=is_none),
