@@ -207,6 +207,15 @@ def test_progress_counts_one_devices_chunks_on_a_2d_mesh():
     )
     jax.effects_barrier()
     assert calls == [(i, 4) for i in range(1, 5)]
+    # Concrete inputs on an Auto mesh, called eagerly without shard=: the layout they
+    # carry is followed inside the eager cache's compiled program too.
+    calls.clear()
+    w, x = inputs(mesh, 64)
+    jax.block_until_ready(
+        batch_vmap(f, (None, 0), batch_size=5, progress=progress)(w, x)
+    )
+    jax.effects_barrier()
+    assert calls == [(i, 4) for i in range(1, 5)]
 
 
 def test_non_commutative_reduction_in_device_order_on_a_2d_mesh():
