@@ -391,36 +391,30 @@ def vmap_call(
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
     key += (_static_key(leaves, dyn),)
     inputs = _axes.Inputs(leaves, paths, dyn, size, key, known or {})
-    signature: list[_loop.Signature] = []  # once f has been traced
+    # The first trace maps every output along axis 0, so an error of jax.vmap's about
+    # an unmapped output raised there comes from a jax.vmap inside f: left as it is.
+    body = _trace(
+        f, leaves, axes, dyn, treedef, out_axes, (axis_name, spmd_axis_name), size,
+        options,
+    )  # fmt: skip
 
     def unmapped_outputs() -> dict[str, str]:
-        # Before f's output is known, the error came from inside f (a jax.vmap of
-        # its own): nothing to rename.
-        if not signature:
-            return {}
         # The chunk's jax.vmap maps f's flat outputs: it says `out_axes[k]`.
-        out_tree, out_avals, out_axes = signature[0]
-        names = out_names(out_tree.unflatten(out_avals))
-        return {
-            f"[{k}]": p for k, (p, a) in enumerate(zip(names, out_axes)) if a is None
-        }
+        names = out_names(body.out_tree.unflatten(body.out_avals))
+        axes = body.out_axes
+        return {f"[{k}]": p for k, (p, a) in enumerate(zip(names, axes)) if a is None}
 
     with _mapped_output_errors(name, f, unmapped_outputs):
-        body = _trace(
-            f, leaves, axes, dyn, treedef, out_axes,
-            (axis_name, spmd_axis_name), size, options, signature.append,
-        )  # fmt: skip
         return _chunked.evaluate(body, inputs, options, auto, axis_name)
 
 
 def _trace(
-    f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options, known
+    f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options
 ) -> _loop.Body:
     """One chunk of `jax.vmap(f)`, traced once (under `jax.jit`, at the length the
     loop's chunks will have) to learn its outputs, as a `_loop.Body` whose chunk
-    function reuses that trace; `known(signature)` is told the outputs as soon as
-    they are known (`axis_names` is the pair `(axis_name, spmd_axis_name)` of
-    `jax.vmap`)."""
+    function reuses that trace (`axis_names` is the pair `(axis_name,
+    spmd_axis_name)` of `jax.vmap`)."""
     name = options.name
     axis_name, spmd_axis_name = axis_names
     out_box: list[Any] = []
@@ -506,7 +500,6 @@ def _trace(
     out_avals = [_axes.per_example(a) for a in mapped_avals]
     flat_axes = _flat_out_axes(name, out_axes, out_box[0], out_avals)
     signature = _loop.Signature(out_box[0], out_avals, flat_axes)
-    known(signature)
     # Every output along axis 0 (the usual case): the traced function is the chunk.
     flat = 0 if all(a == 0 for a in flat_axes) else tuple(flat_axes)
 

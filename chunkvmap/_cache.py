@@ -169,7 +169,7 @@ def last_batch_size(fn: Callable[..., Any] | None = None) -> int | None:
       True
     """
     if fn is None:
-        return _memory._LAST[0]
+        return _memory.most_recent()
     state = _memory.state_of(fn)
     if state is None:  # batch_map's `fun`: its state is remembered with its caches
         try:

@@ -216,6 +216,11 @@ def attach(fn: Any, state: AutoBatch) -> Any:
     return fn
 
 
+def most_recent() -> int | None:
+    """The most recent choice of any transform (`last_batch_size()`)."""
+    return _LAST[0]
+
+
 def state_of(fn: Any) -> AutoBatch | None:
     """The state a transform's public function holds (None for any other object)."""
     state = getattr(fn, ATTRIBUTE, None)
