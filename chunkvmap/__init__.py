@@ -7,21 +7,24 @@ them.
 
 import importlib.metadata
 
-from ._batch_map import batch_map as batch_map
-from ._batch_vmap import batch_vmap as batch_vmap
-from ._cache import last_batch_size as last_batch_size
-from ._clipping import (
+from ._core._cache import last_batch_size as last_batch_size
+from ._core._options import identity as identity
+from ._dp._clipping import (
     AuxiliaryOutput as AuxiliaryOutput,
     ClippedGrad as ClippedGrad,
     GhostFallbackWarning as GhostFallbackWarning,
     clipped_grad as clipped_grad,
     clipped_grad_sum as clipped_grad_sum,
 )
-from ._ghost import GhostReport as GhostReport, ghost_report as ghost_report
-from ._grads import per_example_grads as per_example_grads
-from ._jacobians import batch_jacfwd as batch_jacfwd, batch_jacrev as batch_jacrev
-from ._options import identity as identity
-from ._vectorize import batch_vectorize as batch_vectorize
+from ._dp._ghost import GhostReport as GhostReport, ghost_report as ghost_report
+from ._transforms._batch_map import batch_map as batch_map
+from ._transforms._batch_vmap import batch_vmap as batch_vmap
+from ._transforms._grads import per_example_grads as per_example_grads
+from ._transforms._jacobians import (
+    batch_jacfwd as batch_jacfwd,
+    batch_jacrev as batch_jacrev,
+)
+from ._transforms._vectorize import batch_vectorize as batch_vectorize
 
 
 try:

@@ -26,10 +26,10 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 import jax
 import jax.numpy as jnp
 
-from . import _axes, _cache
-from ._axes import is_none
-from ._batch_vmap import Mapper, function_name, out_paths
-from ._options import ChunkOptions, check_callable, identity
+from ._core import _axes, _cache
+from ._core._axes import is_none
+from ._core._options import ChunkOptions, check_callable, identity
+from ._transforms._batch_vmap import Mapper, function_name, out_paths
 
 
 _SENTINEL = object()

@@ -36,11 +36,11 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 import jax
 import numpy as np
 
-from . import _axes, _memory
-from ._batch_vmap import check_outputs
-from ._flax import lift_transform, pack
-from ._options import identity
-from ._stateful import StatefulMap
+from ._adapters._flax import lift_transform, pack
+from ._adapters._stateful import StatefulMap
+from ._core import _axes, _memory
+from ._core._options import identity
+from ._transforms._batch_vmap import check_outputs
 
 
 _NAME = "chunkvmap.linen.batch_vmap"

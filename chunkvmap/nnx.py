@@ -35,11 +35,11 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
     ) from e
 import jax
 
-from . import _axes, _cache, _memory
-from ._batch_vmap import check_outputs
-from ._flax import clear_non_graph_nodes, is_graph_node
-from ._options import check_callable, identity
-from ._stateful import StatefulMap
+from ._adapters._flax import clear_non_graph_nodes, is_graph_node
+from ._adapters._stateful import StatefulMap
+from ._core import _axes, _cache, _memory
+from ._core._options import check_callable, identity
+from ._transforms._batch_vmap import check_outputs
 
 
 F = TypeVar("F", bound=Callable[..., Any])

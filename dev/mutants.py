@@ -34,7 +34,7 @@ def stop(name: str, *files: str):
     all N examples): values stay right, so only memory, progress and program
     structure can catch it."""
     edit = CHUNK + f"        batch = None if name == {name!r} else batch\n"
-    return ("chunkvmap/_chunked.py", CHUNK, edit), [*ORACLES, *files]
+    return ("chunkvmap/_core/_chunked.py", CHUNK, edit), [*ORACLES, *files]
 
 
 MUTANTS = {
@@ -51,7 +51,7 @@ MUTANTS = {
     "stop nnx.batch_vmap": stop("chunkvmap.nnx.batch_vmap", "test_nnx"),
     "remainder window one example early": (
         (
-            "chunkvmap/_loop.py",
+            "chunkvmap/_core/_loop.py",
             "np.array(self.size - self.batch, i.dtype)",
             "np.array(self.size - self.batch - 1, i.dtype)",
         ),
@@ -59,7 +59,7 @@ MUTANTS = {
     ),
     "ghost: dense pair term 1% too large": (
         (
-            "chunkvmap/_ghost_rules.py",
+            "chunkvmap/_dp/_ghost_rules.py",
             "        return jnp.einsum(\n            _equation([*u.specs, *vs]),",
             "        return 1.01 * jnp.einsum(\n"
             "            _equation([*u.specs, *vs]),",
@@ -68,7 +68,7 @@ MUTANTS = {
     ),
     "sharded: layout ignored, all N on every device": (
         (
-            "chunkvmap/_chunked.py",
+            "chunkvmap/_core/_chunked.py",
             "    if lay is not None and lay.size > 1:\n",
             "    if False:\n",
         ),

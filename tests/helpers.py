@@ -38,7 +38,7 @@ def temp_bytes(f, *args) -> int:
 def record_auto_searches(monkeypatch) -> list[dict]:
     """Record every `batch_size="auto"` search: its N (`size`), budget (`limit`), the
     probes it measured (`seen`: batch size -> temp bytes) and its choice (`chosen`)."""
-    from chunkvmap import _memory
+    from chunkvmap._core import _memory
 
     searches: list[dict] = []
     original = _memory.choose_batch_size
@@ -62,7 +62,7 @@ def check_auto_choice(search: dict, chosen: int, n: int, budget: int, measure) -
     """What `batch_size="auto"` guarantees about its `chosen` size for `n` examples.
 
     `measure(b)` is the compiled temp memory of the same program with the fixed int
-    `batch_size=b`. The search (`chunkvmap._memory.choose_batch_size`) returns the
+    `batch_size=b`. The search (`chunkvmap._core._memory.choose_batch_size`) returns the
     largest probed size that fit, and stops only when that is N, when it fills >= 95%
     of the budget, or when a larger probed size did not fit (or when its 8 probes are
     spent, or when linear extrapolation from the first two probes says the next size

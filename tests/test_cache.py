@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from chunkvmap import _cache, batch_map, batch_vmap
+from chunkvmap import batch_map, batch_vmap
+from chunkvmap._core import _cache
 
 from .helpers import TraceCounter
 

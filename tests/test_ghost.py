@@ -458,7 +458,7 @@ def test_nan_safe_where_masking_cannot():
 def _ghost_plan(loss, params, example):
     """How nan_safe treats each rule leaf: "masked" (through its activations),
     "formed" (its gradient, instantiated) or "other" (fixed afterwards)."""
-    from chunkvmap import _ghost
+    from chunkvmap._dp import _ghost
 
     traced = _ghost.Traced(
         loss, [params, example], {}, [0], [1], strip=False, has_aux=False,

@@ -13,7 +13,8 @@ import opt_einsum
 import pytest
 from jax import lax
 
-from chunkvmap import _ghost, ghost_report
+from chunkvmap import ghost_report
+from chunkvmap._dp import _ghost
 
 
 def normal(seed, *shape, scale=0.3):

@@ -201,7 +201,7 @@ def test_batch_map_sharded(n):
 
 
 def test_default_mesh_spans_all_devices_and_is_built_once():
-    from chunkvmap import _sharding
+    from chunkvmap._core import _sharding
 
     out = batch_vmap(f, (None, 0), batch_size=2, shard=True)(PARAMS, data(16))
     assert out.sharding.mesh.size == jax.device_count()

@@ -13,9 +13,9 @@ from typing import Any
 
 import jax
 
-from . import _axes, _cache
-from ._batch_vmap import Mapper, out_paths
-from ._options import ChunkOptions, identity
+from .._core import _axes, _cache
+from .._core._options import ChunkOptions, identity
+from .._transforms._batch_vmap import Mapper, out_paths
 
 
 class StatefulMap:

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _axes, _cache, _chunked, _loop, _memory
+from .._core import _axes, _cache, _chunked, _loop, _memory
+from .._core._options import ChunkOptions, check_bool, check_callable, identity
 from ._batch_vmap import check_outputs
-from ._options import ChunkOptions, check_bool, check_callable, identity
 
 
 def batch_map(

@@ -42,9 +42,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _cache
+from .._core import _cache
+from .._core._options import ChunkOptions, check_callable
 from ._batch_vmap import Mapper, check_outputs
-from ._options import ChunkOptions, check_callable
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -30,7 +30,8 @@ try:
     from flax.nnx.graphlib import is_graph_node
 except ImportError as e:  # pragma: no cover - only with an incompatible Flax
     raise ImportError(
-        f"chunkvmap's Flax adapters need Flax internals (listed in chunkvmap/_flax.py) "
+        "chunkvmap's Flax adapters need Flax internals (listed in "
+        f"chunkvmap/_adapters/_flax.py) "
         f"that Flax {getattr(flax, '__version__', '?')} does not provide: {e}. "
         f"They were written against flax 0.12."
     ) from e

@@ -27,11 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _axes, _cache, _ghost, _memory
-from ._batch_vmap import function_name
-from ._grads import GradSetup, filtered_value_and_grad, resolve_argnums
-from ._loop import spec_entries
-from ._options import check_bool, check_callable, identity
+from .._core import _axes, _cache, _memory
+from .._core._loop import spec_entries
+from .._core._options import check_bool, check_callable, identity
+from .._transforms._batch_vmap import function_name
+from .._transforms._grads import GradSetup, filtered_value_and_grad, resolve_argnums
+from . import _ghost
 
 
 class AuxiliaryOutput(NamedTuple):

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _cache
+from .._core import _cache
+from .._core._options import ChunkOptions, check_bool, check_callable
 from ._batch_vmap import Mapper, function_name
-from ._options import ChunkOptions, check_bool, check_callable
 
 
 # --------------------------------------------------------------------------------------

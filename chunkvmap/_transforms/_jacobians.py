@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _cache
+from .._core import _cache
+from .._core._options import ChunkOptions, check_bool, check_callable
 from ._batch_vmap import JAX_TYPES, Mapper, check_outputs, function_name
 from ._grads import check_argnums, describe, resolve_argnums
-from ._options import ChunkOptions, check_bool, check_callable
 
 
 class _JacSetup:

@@ -970,8 +970,8 @@ def ghost_report(
       >>> report.as_dict()
       {"args[0]['b']": 'instantiated', "args[0]['w']": 'ghost'}
     """
-    from ._grads import check_argnums, resolve_argnums
-    from ._options import check_callable
+    from .._core._options import check_callable
+    from .._transforms._grads import check_argnums, resolve_argnums
 
     name = "ghost_report"
     check_callable(name, "fun", fun)

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _axes, _cache, _chunked, _loop, _memory
-from ._cache import function_name
-from ._options import ChunkOptions, check_callable, identity
+from .._core import _axes, _cache, _chunked, _loop, _memory
+from .._core._cache import function_name
+from .._core._options import ChunkOptions, check_callable, identity
 
 
 F = TypeVar("F", bound=Callable[..., Any])
