@@ -8,12 +8,12 @@ import pytest
 
 import chunkvmap
 from chunkvmap import (
-    _memory,
     batch_map,
     batch_vmap,
     last_batch_size,
     per_example_grads,
 )
+from chunkvmap._core import _memory
 
 from .helpers import (
     check_auto_choice,
