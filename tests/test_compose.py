@@ -199,10 +199,10 @@ def test_batch_map_composes(setup, b):
 @pytest.mark.parametrize(
     "remat", [True, False, jax.checkpoint_policies.dots_with_no_batch_dims_saveable]
 )
-@pytest.mark.parametrize("b", [3, 4])
 @pytest.mark.parametrize("reduce", [False, True])
-def test_remat_options_give_the_same_gradients(setup, remat, b, reduce):
-    params, x = setup  # 11 examples: b=3 leaves a remainder, b=4 too
+def test_remat_options_give_the_same_gradients(setup, remat, reduce):
+    params, x = setup
+    b = 3  # 11 examples: a remainder
 
     def loss(p):
         if reduce:
