@@ -474,3 +474,35 @@ def _ghost_plan(loss, params, example):
         elif leaf.rule == "ghost":
             kinds[leaf.path] = "other"
     return kinds
+
+
+def test_a_chunk_finds_its_plan_by_its_parameters_types():
+    """A chunk's sums look its plan up by the types of the parameters its examples
+    were traced with (and the mesh context), not by which example was traced last:
+    two plans in one context (a replicated and a column-sharded weight on an
+    Explicit mesh) are told apart, and a lookup with no such example traced is an
+    error."""
+    from chunkvmap._dp import _ghost
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p["w"]))
+
+    mesh = jax.make_mesh((2,), ("m",), (jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        w, x = normal(90, 4, 6), normal(91, 4)
+        replicated = {"w": jax.device_put(w, jax.P())}
+        columns = {"w": jax.device_put(w, jax.P(None, "m"))}
+        traced = _ghost.Traced(
+            loss, [replicated, x], {}, [0], [1], strip=False, has_aux=False,
+            keep_batch_dim=False,
+        )  # fmt: skip
+        plans = []
+        for params in (replicated, columns):  # the column-sharded one traced last
+            values = traced.arrays([params, x], {})
+            plans.append(traced.plan_here(values))
+            assert traced.params_of(values) == [params["w"]]
+        assert plans[0] is not plans[1]
+        assert traced.plan_of([replicated["w"]]) is plans[0]
+        assert traced.plan_of([columns["w"]]) is plans[1]
+        with pytest.raises(RuntimeError, match="no example was traced"):
+            traced.plan_of([jax.device_put(w, jax.P("m", None))])

@@ -569,9 +569,13 @@ def _ghost_sums(
             aux if config.has_aux else None,
         )
         parts = (scale, keep, finite, pad, known, raw, arrays, grads, pe_grads)
-        return (parts, records, deltas), extras, index
+        # The parameters, unmapped (the same for every example: no copies), tell
+        # the chunk's sums which plan made these records (`traced.plan_of`).
+        return (parts, records, deltas), extras, index, traced.params_of(values)
 
-    def nan_safe_fix(totals: list, chunk: Any) -> tuple[list, jax.Array]:
+    def nan_safe_fix(
+        plan: _ghost.Plan, totals: list, chunk: Any
+    ) -> tuple[list, jax.Array]:
         """`totals` plus the clipped gradients of a chunk's examples whose `other`
         leaves have non-finite values (and are not padding), and those examples'
         norms: `other`'s gradients formed one example and one leaf at a time, their
@@ -580,7 +584,6 @@ def _ghost_sums(
         parts, records, deltas = chunk
         _, _, finite, pad, known, raw, arrays, grads, pe_grads = parts
         chosen = ~finite if pad is None else ~finite & ~pad
-        plan = traced.plan_here()
         pe_index = {k: i for i, k in enumerate(pe)}
 
         def norms(_: Any, xs: Any) -> Any:
@@ -625,7 +628,8 @@ def _ghost_sums(
         return totals, raw_norms
 
     def summarise(chunk: Any) -> Any:
-        (parts, records, deltas), extras, index = chunk
+        (parts, records, deltas), extras, index, params = chunk
+        plan = traced.plan_of(params)
         scale, keep, finite, pad, known, raw, arrays, grads, pe_grads = parts
 
         def mask(x: jax.Array) -> jax.Array:  # keep[i], shaped to broadcast with x
@@ -638,7 +642,6 @@ def _ghost_sums(
             s = scale.astype(x.dtype).reshape(mask(x).shape)
             return jnp.where(mask(x), x * s, jnp.zeros((), x.dtype))
 
-        plan = traced.plan_here()
         totals: list[Any] = [None] * len(leaves)
         recs = jax.tree.map(kept, records)
         dels = jax.tree.map(scaled, deltas)
@@ -663,7 +666,11 @@ def _ghost_sums(
                 return list(totals), jnp.zeros(finite.shape, acc)
 
             totals, norms = lax.cond(
-                jnp.any(chosen), nan_safe_fix, skip, totals, (parts, records, deltas)
+                jnp.any(chosen),
+                ft.partial(nan_safe_fix, plan),
+                skip,
+                totals,
+                (parts, records, deltas),
             )
             if extras.grad_norms is not None:
                 extras = extras._replace(
@@ -679,6 +686,7 @@ def _ghost_sums(
         kwargs,
         (*in_axes, *[0] * len(extra)),
         known,
+        out_axes=(0, 0, 0, None),
         reduction=jnp.add,
         chunk_reduction=summarise,
         own_reduction=True,

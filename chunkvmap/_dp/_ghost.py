@@ -736,22 +736,16 @@ class Traced:
         self._plan_args = (positions, example_positions, paths)
         here = jax.sharding.get_abstract_mesh()
         self._plans = {(here, tuple(self._leaf_types(avals))): self.plan}
-        self._last = {here: self.plan}
 
     def _leaf_types(self, values: Sequence[Any]) -> list[Any]:
         return [jax.typeof(values[i]) for i in self.plan.diff_positions]
 
-    def plan_here(self, values: Sequence[Any] | None = None) -> Plan:
-        """The plan for the current mesh context and the types of one example's
-        `values` (without them: the plan of the example traced last in this
-        context, for its chunk's sums). A jaxpr carries the mesh and the shardings
-        it was traced with; inside a `shard_map` (some axes manual) the loss is
-        traced again, on `values` there, with the same rules."""
+    def plan_here(self, values: Sequence[Any]) -> Plan:
+        """The plan for one example's `values` in the current mesh context. A jaxpr
+        carries the mesh and the shardings it was traced with; inside a `shard_map`
+        (some axes manual) the loss is traced again, on `values` there, with the
+        same rules."""
         mesh = jax.sharding.get_abstract_mesh()
-        if values is None:
-            if mesh not in self._last:
-                raise RuntimeError("ghost clipping: no example traced here yet")
-            return self._last[mesh]
         key = (mesh, tuple(self._leaf_types(values)))
         plan = self._plans.get(key)
         if plan is None:
@@ -765,8 +759,28 @@ class Traced:
                     f"{mesh}; use method='vmap' here."
                 )
             self._plans[key] = plan
-        self._last[mesh] = plan
         return plan
+
+    def params_of(self, values: Sequence[Any]) -> list[Any]:
+        """The differentiated leaves among one example's `values`: what identifies
+        its plan (`plan_of`) where the example's other values are not at hand."""
+        return [values[i] for i in self.plan.diff_positions]
+
+    def plan_of(self, params: Sequence[Any]) -> Plan:
+        """The plan that `plan_here` made for an example whose differentiated
+        leaves are `params` (`params_of`), in the current mesh context: how a
+        chunk's sums find the plan of the examples they sum, from those examples'
+        own outputs."""
+        key = (
+            jax.sharding.get_abstract_mesh(),
+            tuple(jax.typeof(x) for x in params),
+        )
+        if key not in self._plans:
+            raise RuntimeError(
+                "ghost clipping: no example was traced with these parameter types "
+                "in this mesh context"
+            )
+        return self._plans[key]
 
     def rebuild(self, args: Sequence[Any], kwargs: dict, values: Sequence[Any]):
         """`(args, kwargs)` with their array leaves replaced by `values`."""

@@ -288,13 +288,15 @@ class GradSetup:
         kwargs: dict,
         in_axes: tuple,
         known: _cache.Known,
+        out_axes: Any = 0,
         **options: Any,
     ):
         """`fn(*args, **kwargs)` mapped over `in_axes` (keyword arguments over their
-        leading axis, as in `jax.vmap`), with the transform's options (changed by
-        `options`); `known`: the concrete shardings of an eager call's arguments."""
+        leading axis, as in `jax.vmap`) to `out_axes`, with the transform's options
+        (changed by `options`); `known`: the concrete shardings of an eager call's
+        arguments."""
         opts = self.mapper.options.replace(**options) if options else None
-        return self.mapper(fn, args, kwargs, in_axes, 0, opts, known=known)
+        return self.mapper(fn, args, kwargs, in_axes, out_axes, opts, known=known)
 
 
 def per_example_grads(
