@@ -14,10 +14,33 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
 AxisSpec = Any  # int | None | pytree prefix of ints and Nones
+
+# The leaves every module tells apart, in one place: arrays (JAX's and NumPy's), and
+# the values JAX takes as arrays (those and Python numbers).
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+JAX_TYPES = (*ARRAY_TYPES, bool, int, float, complex)
+
+
+def is_array(x: Any) -> bool:
+    """A JAX or NumPy array (or NumPy scalar): not a Python number."""
+    return isinstance(x, ARRAY_TYPES)
+
+
+def is_inexact_array(x: Any) -> bool:
+    """A floating-point or complex array: what gradients are taken of (Python
+    floats, such as a module's hyperparameters, are constants, as in
+    `equinox.is_inexact_array`)."""
+    return is_array(x) and bool(jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+def is_arraylike(x: Any) -> bool:
+    """A value JAX takes as an array: an array or a Python number."""
+    return isinstance(x, JAX_TYPES)
 
 
 def is_none(x: Any) -> bool:
@@ -134,7 +157,7 @@ def canonical_in_axis(
             else "leave its argument out of batch_argnums"
         ),
     }.get(arg, "pass it unmapped")
-    if not _is_arraylike(leaf):
+    if not is_arraylike(leaf):
         raise TypeError(
             f"{transform} {arg} maps {path} along axis {axis}, but it is not an "
             f"array: got a value of type {type(leaf).__name__}. To share it with "
@@ -168,10 +191,6 @@ def canonical_out_axis(
             f"{rank + 1} and valid axes are {-(rank + 1)}..{rank}."
         )
     return axis % (rank + 1)
-
-
-def _is_arraylike(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))
 
 
 def mapped_size(

@@ -32,9 +32,9 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from .._core import _axes
 from . import _ghost_rules as rules
 
 
@@ -48,16 +48,6 @@ GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED = (
     "per-example",
     "unused",
 )
-
-
-def is_float_leaf(x: Any) -> bool:
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return jnp.issubdtype(x.dtype, jnp.inexact)
-    return False
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def _sub_jaxpr(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
@@ -687,7 +677,7 @@ class Traced:
         self.diff_masks: list[list[bool]] = []
         for i, (root, arg, is_mapped) in enumerate(named):
             with_paths, treedef = jax.tree_util.tree_flatten_with_path(arg)
-            is_arr = [_is_array(x) for _, x in with_paths]
+            is_arr = [_axes.is_array(x) for _, x in with_paths]
             self.arg_defs.append((treedef, is_arr))
             mask = []
             for (path, x), arr in zip(with_paths, is_arr):
@@ -708,7 +698,7 @@ class Traced:
                 if is_mapped:
                     example_positions.append(position)
                 if i in self.diff:
-                    mask.append(is_float_leaf(x))
+                    mask.append(_axes.is_inexact_array(x))
                     if mask[-1]:
                         positions.append(position)
                         paths.append(root + jax.tree_util.keystr(path))

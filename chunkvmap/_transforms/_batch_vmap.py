@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._core import _axes, _cache, _chunked, _loop, _memory
 from .._core._cache import function_name
@@ -512,19 +511,16 @@ def _trace(
 def check_outputs(name: str, f: Any, out: Any) -> None:
     """A TypeError naming the user's function `f` and the output's path when `out`
     has a leaf that is not a JAX type (as `jax.vmap` raises, in its terms)."""
-    if all(isinstance(leaf, JAX_TYPES) for leaf in jax.tree.leaves(out)):
+    if all(isinstance(leaf, _axes.JAX_TYPES) for leaf in jax.tree.leaves(out)):
         return
     for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-        if not isinstance(leaf, JAX_TYPES):
+        if not isinstance(leaf, _axes.JAX_TYPES):
             raise TypeError(
                 f"{name}: the function {function_name(f)} returned a value of type "
                 f"{type(leaf).__name__} at out{jax.tree_util.keystr(path)}, which "
                 f"is not a valid JAX type: return arrays, numbers, or pytrees of "
                 f"them."
             )
-
-
-JAX_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
 def out_paths(out: Any, root: str = "out") -> list[str]:

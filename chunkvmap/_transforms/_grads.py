@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import _cache
+from .._core import _axes, _cache
 from .._core._options import ChunkOptions, check_bool, check_callable
 from ._batch_vmap import Mapper, function_name
 
@@ -80,14 +80,6 @@ def resolve_argnums(name: str, arg: str, argnums: Sequence[int], nargs: int):
 # Gradients of single examples, with non-differentiable leaves filtered out.
 
 
-def _differentiable(x: Any) -> bool:
-    """Floating-point arrays only (`equinox.is_inexact_array`): Python floats, such
-    as a module's hyperparameters, are constants."""
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return jnp.issubdtype(x.dtype, jnp.inexact)
-    return False
-
-
 def describe(value: Any) -> str:
     """A value as messages describe it: arrays by shape and dtype, sequences by
     length, anything else by type."""
@@ -139,7 +131,7 @@ def filtered_value_and_grad(
         parts = []
         for i in argnums:
             leaves, treedef = jax.tree.flatten(args[i])
-            mask = [_differentiable(x) for x in leaves]
+            mask = [_axes.is_inexact_array(x) for x in leaves]
             if isinstance(args[i], (float, complex)):  # a bare Python number, as
                 mask = [True]  # jax.grad differentiates it (in a pytree: a constant)
             parts.append((leaves, treedef, mask))

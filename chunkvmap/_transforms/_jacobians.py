@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import _cache
+from .._core import _axes, _cache
 from .._core._options import ChunkOptions, check_bool, check_callable
-from ._batch_vmap import JAX_TYPES, Mapper, check_outputs, function_name
+from ._batch_vmap import Mapper, check_outputs, function_name
 from ._grads import check_argnums, describe, resolve_argnums
 
 
@@ -78,7 +78,7 @@ def _check_differentiated(name: str, named_args: list[tuple[str, Any]]) -> None:
     for root, value in named_args:
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
             count += 1
-            if not isinstance(leaf, JAX_TYPES):
+            if not isinstance(leaf, _axes.JAX_TYPES):
                 raise TypeError(
                     f"{name} differentiates {root}, which must be an array or a "
                     f"pytree of arrays, but {root}{jax.tree_util.keystr(path)} is a "
