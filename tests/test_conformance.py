@@ -554,3 +554,48 @@ def test_flax_oracles_retrace_on_every_eager_call(case):
     first = traces()
     oracle(*inputs(case, N_OPTIONS, seed=1))
     assert traces() > first
+
+
+# --------------------------------------------------------------------------------------
+# (f) Every transform of a function is also a decorator with its options alone.
+
+
+def _loss(w, x):
+    return jnp.sum(jnp.tanh(x * w))
+
+
+DECORATED = {
+    # name: (options, the function it decorates, its arguments)
+    "batch_vmap": ({}, jnp.sin, (np.linspace(0, 1, 7, dtype=np.float32),)),
+    "per_example_grads": ({}, _loss, (np.ones(3, np.float32), normal(_rng, 7, 3))),
+    "clipped_grad_sum": (
+        {"l2_clip_norm": 0.5},
+        _loss,
+        (np.ones(3, np.float32), normal(_rng, 7, 3)),
+    ),
+    "clipped_grad": (
+        {"l2_clip_norm": 0.5, "keep_batch_dim": False},
+        _loss,
+        (np.ones(3, np.float32), normal(_rng, 7, 3)),
+    ),
+    "batch_jacfwd": ({}, jnp.sin, (np.linspace(0, 1, 7, dtype=np.float32),)),
+    "batch_jacrev": ({}, jnp.sin, (np.linspace(0, 1, 7, dtype=np.float32),)),
+    "batch_vectorize": (
+        {"signature": "(n)->()"},
+        jnp.sum,
+        (normal(_rng, 7, 3),),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECORATED))
+def test_decorator_form(name):
+    transform = getattr(chunkvmap, name)
+    options, fun, args = DECORATED[name]
+    decorator = transform(**options, batch_size=3)
+    decorated = decorator(fun)
+    tree_allclose(decorated(*args), transform(fun, **options, batch_size=3)(*args))
+    assert decorated.__name__ == fun.__name__
+    assert chunkvmap.last_batch_size(decorated) == 3
+    with pytest.raises(TypeError, match=f"{name} .*must be a callable"):
+        transform(3, **options)

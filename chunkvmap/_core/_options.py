@@ -10,6 +10,7 @@ every later message names them. Nothing here traces or evaluates anything.
 from __future__ import annotations
 
 import dataclasses
+import functools as ft
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,24 @@ def shown(arg: str, value: Any) -> str:
     text = repr(value)
     text = text if len(text) <= 60 else text[:57] + "..."
     return f"{arg}={text} of type {type(value).__name__}"
+
+
+def decorator_form(fun_arg: str) -> Callable[[Callable[..., Any]], Any]:
+    """Let a transform `t(fun, **options)` also be called with its options alone,
+    returning a decorator (`@t(batch_size=8)` over a `def`), as `batch_vmap` and
+    Equinox's filter transforms are: without `fun` (positionally, or as the keyword
+    `fun_arg`), `t(**options)` is `functools.partial(t, **options)`."""
+
+    def wrap(transform: Callable[..., Any]) -> Any:
+        @ft.wraps(transform)
+        def accepting(*args: Any, **kwargs: Any) -> Any:
+            if args or fun_arg in kwargs:
+                return transform(*args, **kwargs)
+            return ft.partial(transform, **kwargs)
+
+        return accepting
+
+    return wrap
 
 
 def check_callable(name: str, arg: str, value: Any, *, allow_none: bool = False):

@@ -29,7 +29,12 @@ from jax import lax
 
 from .._core import _axes, _cache, _memory
 from .._core._loop import spec_entries
-from .._core._options import check_bool, check_callable, identity
+from .._core._options import (
+    check_bool,
+    check_callable,
+    decorator_form,
+    identity,
+)
 from .._transforms._batch_vmap import function_name
 from .._transforms._grads import GradSetup, filtered_value_and_grad, resolve_argnums
 from . import _ghost
@@ -833,6 +838,7 @@ def _check_clip_norm(name: str, value: Any) -> None:
         )
 
 
+@decorator_form("fun")
 def clipped_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -882,6 +888,9 @@ def clipped_grad(
     tuples) are differentiated, as by `jax.grad`; other leaves get None (integer
     arrays, the static parts and float hyperparameters of an Equinox module, as with
     `equinox.filter_grad`), so Equinox modules work as parameters directly.
+
+    Usable as a decorator too, with its options as keywords and without `fun`:
+    `@clipped_grad(l2_clip_norm=1.0, batch_size=8)` over a `def`.
 
     Args:
       fun: the loss, `fun(params, batch, ...)` returning a scalar (or `(scalar, aux)`
@@ -1064,6 +1073,7 @@ def _check_dtype(name: str, dtype: Any) -> Any:
     return dtype
 
 
+@decorator_form("fun")
 def clipped_grad_sum(
     fun: Callable[..., Any],
     l2_clip_norm: Any,
@@ -1100,6 +1110,9 @@ def clipped_grad_sum(
     `per_example_grads`, only floating-point arrays are differentiated (other leaves
     get None), so Equinox modules and Flax variables work as parameters. Zero examples
     give zero sums and a count of 0 (a Poisson-sampled lot may be empty).
+
+    Usable as a decorator too, with its options as keywords and without `fun`:
+    `@clipped_grad_sum(l2_clip_norm=1.0, batch_size=8)` over a `def`.
 
     Args:
       fun: the per-example loss, `fun(params, example, ...)` returning a scalar.

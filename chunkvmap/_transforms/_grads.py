@@ -21,7 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import _axes, _cache
-from .._core._options import ChunkOptions, check_bool, check_callable
+from .._core._options import (
+    ChunkOptions,
+    check_bool,
+    check_callable,
+    decorator_form,
+)
 from ._batch_vmap import Mapper, function_name
 
 
@@ -291,6 +296,7 @@ class GradSetup:
         return self.mapper(fn, args, kwargs, in_axes, out_axes, opts, known=known)
 
 
+@decorator_form("fun")
 def per_example_grads(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -324,6 +330,9 @@ def per_example_grads(
     Equinox module's static parts) gets None in the gradient, as with
     `equinox.filter_grad`, so Equinox modules and Flax variable dicts work as
     parameters directly.
+
+    Usable as a decorator too, with its options as keywords and without `fun`:
+    `@per_example_grads(batch_size=8)` over a `def`.
 
     Args:
       fun: the per-example function; it must return a scalar (or `(scalar, aux)` with

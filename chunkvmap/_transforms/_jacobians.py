@@ -16,7 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import _axes, _cache
-from .._core._options import ChunkOptions, check_bool, check_callable
+from .._core._options import (
+    ChunkOptions,
+    check_bool,
+    check_callable,
+    decorator_form,
+)
 from ._batch_vmap import Mapper, check_outputs, function_name
 from ._grads import check_argnums, describe, resolve_argnums
 
@@ -155,6 +160,7 @@ def _check_dtypes(name: str, what: str, leaves: Sequence[Any], holomorphic: bool
             )
 
 
+@decorator_form("fun")
 def batch_jacfwd(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -180,6 +186,9 @@ def batch_jacfwd(
     so the `n x n` identity is never formed and the working memory is that of
     `batch_size` tangents (plus the Jacobian itself). `batch_size=None` is one
     `jax.vmap` over all columns, like `jax.jacfwd`.
+
+    Usable as a decorator too, with its options as keywords and without `fun`:
+    `@batch_jacfwd(batch_size=8)` over a `def`.
 
     Args:
       fun: the function to differentiate; keyword arguments are passed through.
@@ -259,6 +268,7 @@ def batch_jacfwd(
     return setup.mapper.transform(jacobian, fun)
 
 
+@decorator_form("fun")
 def batch_jacrev(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -281,6 +291,9 @@ def batch_jacrev(
     standard basis of the outputs is pulled back through the VJP in chunks of
     `batch_size` rows with `chunkvmap.batch_vmap`, each chunk building its own
     cotangents from their indices (the identity is never formed).
+
+    Usable as a decorator too, with its options as keywords and without `fun`:
+    `@batch_jacrev(batch_size=8)` over a `def`.
 
     Args:
       fun: the function to differentiate; keyword arguments are passed through.

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._core import _cache
-from .._core._options import ChunkOptions, check_callable
+from .._core._options import ChunkOptions, check_callable, decorator_form
 from ._batch_vmap import Mapper, check_outputs
 
 
@@ -544,6 +544,7 @@ def _strides(shape: Sequence[int]) -> tuple[int, ...]:
 # batch_vectorize
 
 
+@decorator_form("pyfunc")
 def batch_vectorize(
     pyfunc: F,
     *,
@@ -595,6 +596,9 @@ def batch_vectorize(
     in `np.vectorize`; with a signature they are matched, in call order, to the
     signature's inputs after the positional ones). `jnp.vectorize` (JAX 0.10) drops
     them silently instead.
+
+    Usable as a decorator too, with its options as keywords and without `pyfunc`:
+    `@batch_vectorize(signature="(n)->()", batch_size=8)` over a `def`.
 
     Args:
       pyfunc: the function to vectorise.
