@@ -530,25 +530,25 @@ def _ghost_sums(
         (deltas, pe_grads), (outs, records) = jax.grad(
             loss, argnums=(0, 1), has_aux=True
         )(probes, [values[positions[k]] for k in pe])
-        known = jnp.zeros((), acc)  # ||G||^2 of the leaves not in `other`, made safe
+        safe_sq = jnp.zeros((), acc)  # ||G||^2 of the leaves not in `other`, made safe
         raw = jnp.zeros((), acc)  # and as it is
         arrays, grads = {}, {}
         for k in masked:
             arrays[k] = plan.sanitized(k, records, deltas)
             s = plan.sq_norm_of(k, arrays[k], acc)
-            known = known + s
+            safe_sq = safe_sq + s
             # a non-finite gradient's norm: NaN
             raw = raw + jnp.where(
                 all_finite(plan.arrays(k, records, deltas)), s, jnp.nan
             )
         for k in formed:
             grads[k], s, s_kept = kept_and_squares(plan.instantiate(k, records, deltas))
-            raw, known = raw + s, known + s_kept
+            raw, safe_sq = raw + s, safe_sq + s_kept
         kept = []
         for g in pe_grads:
             g, s, s_kept = kept_and_squares(g)
             kept.append(g)
-            raw, known = raw + s, known + s_kept
+            raw, safe_sq = raw + s, safe_sq + s_kept
         pe_grads = kept
         rest = jnp.zeros((), acc)
         for k in other:
@@ -556,7 +556,7 @@ def _ghost_sums(
         records = {key: r for key, r in records.items() if key in other_keys}
         deltas = {path: d for path, d in deltas.items() if path in other_paths}
         scale = clip_scale(
-            _norm_of_square(known + rest),
+            _norm_of_square(safe_sq + rest),
             config.l2_clip_norm,
             config.rescale_to_unit_norm,
         )
@@ -573,7 +573,7 @@ def _ghost_sums(
             _norm_of_square(raw + rest) if config.return_grad_norms else None,
             aux if config.has_aux else None,
         )
-        parts = (scale, keep, finite, pad, known, raw, arrays, grads, pe_grads)
+        parts = (scale, keep, finite, pad, safe_sq, raw, arrays, grads, pe_grads)
         # The parameters, unmapped (the same for every example: no copies), tell
         # the chunk's sums which plan made these records (`traced.plan_of`).
         return (parts, records, deltas), extras, index, traced.params_of(values)
@@ -587,7 +587,7 @@ def _ghost_sums(
         non-finite entries zeroed, each leaf's clipped gradient added in place, so
         that no more than one leaf's gradient exists at once."""
         parts, records, deltas = chunk
-        _, _, finite, pad, known, raw, arrays, grads, pe_grads = parts
+        _, _, finite, pad, safe_sq, raw, arrays, grads, pe_grads = parts
         chosen = ~finite if pad is None else ~finite & ~pad
         pe_index = {k: i for i, k in enumerate(pe)}
 
@@ -604,7 +604,7 @@ def _ghost_sums(
             )
             return None, (_norm_of_square(raw_sq), scale)
 
-        _, (raw_norms, scales) = lax.scan(norms, None, (records, deltas, known, raw))
+        _, (raw_norms, scales) = lax.scan(norms, None, (records, deltas, safe_sq, raw))
 
         def gradient(k: int, xs: Any) -> jax.Array:
             recs, dels, arrs, grs, pe_g = xs
@@ -635,7 +635,7 @@ def _ghost_sums(
     def summarise(chunk: Any) -> Any:
         (parts, records, deltas), extras, index, params = chunk
         plan = traced.plan_of(params)
-        scale, keep, finite, pad, known, raw, arrays, grads, pe_grads = parts
+        scale, keep, finite, pad, safe_sq, raw, arrays, grads, pe_grads = parts
 
         def mask(x: jax.Array) -> jax.Array:  # keep[i], shaped to broadcast with x
             return keep.reshape((-1,) + (1,) * (x.ndim - 1))

@@ -10,7 +10,6 @@ gradient, Jacobian, vectorize and adapter front ends reuse it with their own opt
 from __future__ import annotations
 
 import contextlib
-import functools as ft
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,15 +19,15 @@ import jax.numpy as jnp
 
 from .._core import _axes, _cache, _chunked, _loop, _memory
 from .._core._cache import function_name
-from .._core._options import ChunkOptions, check_callable, identity
+from .._core._options import ChunkOptions, check_callable, decorator_form, identity
 
 
 F = TypeVar("F", bound=Callable[..., Any])
-_MISSING: Any = object()
 
 
+@decorator_form("f")
 def batch_vmap(
-    f: F = _MISSING,  # pyright: ignore[reportArgumentType]
+    f: F,
     /,
     in_axes: Any = 0,
     out_axes: Any = 0,
@@ -190,23 +189,6 @@ def batch_vmap(
       ...            chunk_reduction=lambda y: y.max(0))(x)
       Array(17., dtype=float32)
     """
-    if f is _MISSING:  # the decorator form: @batch_vmap(batch_size=8)
-        return ft.partial(  # pyright: ignore[reportReturnType]
-            batch_vmap,
-            in_axes=in_axes,
-            out_axes=out_axes,
-            axis_name=axis_name,
-            axis_size=axis_size,
-            batch_size=batch_size,
-            reduction=reduction,
-            chunk_reduction=chunk_reduction,
-            shard=shard,
-            mesh=mesh,
-            remat=remat,
-            memory_limit=memory_limit,
-            progress=progress,
-            chunk_size=chunk_size,
-        )
     options = ChunkOptions.make(
         "batch_vmap",
         batch_size=batch_size,
