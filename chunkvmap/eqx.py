@@ -10,7 +10,6 @@ array leaves, with one axis each, to `chunkvmap.batch_vmap`.
 
 from __future__ import annotations
 
-import functools as ft
 import inspect
 from collections.abc import Callable, Hashable
 from typing import Any, overload
@@ -28,11 +27,10 @@ import jax.numpy as jnp
 
 from ._core import _axes, _cache
 from ._core._axes import is_none
-from ._core._options import ChunkOptions, check_callable, identity
+from ._core._options import ChunkOptions, check_callable, decorator_form, identity
 from ._transforms._batch_vmap import Mapper, function_name, out_paths
 
 
-_SENTINEL = object()
 _NAME = "filter_batch_vmap"
 
 
@@ -158,8 +156,9 @@ def filter_batch_vmap(
 ) -> Callable[..., Any]: ...
 
 
+@decorator_form("fun")
 def filter_batch_vmap(
-    fun: Any = _SENTINEL,
+    fun: Callable[..., Any],
     *,
     in_axes: Any = eqx.if_array(0),
     out_axes: Any = eqx.if_array(0),
@@ -217,23 +216,6 @@ def filter_batch_vmap(
       >>> out.shape
       (7, 2)
     """
-    if fun is _SENTINEL:
-        return ft.partial(
-            filter_batch_vmap,
-            in_axes=in_axes,
-            out_axes=out_axes,
-            axis_name=axis_name,
-            axis_size=axis_size,
-            batch_size=batch_size,
-            reduction=reduction,
-            chunk_reduction=chunk_reduction,
-            shard=shard,
-            mesh=mesh,
-            remat=remat,
-            memory_limit=memory_limit,
-            progress=progress,
-            chunk_size=chunk_size,
-        )
     check_callable(_NAME, "fun", fun)
     if not isinstance(in_axes, dict):
         _check_spec("in_axes", in_axes)

@@ -38,7 +38,7 @@ import jax
 from ._adapters._flax import clear_non_graph_nodes, is_graph_node
 from ._adapters._stateful import StatefulMap
 from ._core import _axes, _cache, _memory
-from ._core._options import check_callable, identity
+from ._core._options import check_callable, decorator_form, identity
 from ._transforms._batch_vmap import check_outputs
 
 
@@ -241,8 +241,9 @@ def batch_vmap(
 ) -> F: ...
 
 
+@decorator_form("f")
 def batch_vmap(
-    f: Any = _MISSING,
+    f: Callable[..., Any],
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
@@ -349,23 +350,6 @@ def batch_vmap(
       >>> loss(model, jnp.ones((10, 3))).shape
       ()
     """
-    if f is _MISSING:
-        return ft.partial(
-            batch_vmap,
-            in_axes=in_axes,
-            out_axes=out_axes,
-            axis_size=axis_size,
-            axis_name=axis_name,
-            batch_size=batch_size,
-            reduction=reduction,
-            chunk_reduction=chunk_reduction,
-            shard=shard,
-            mesh=mesh,
-            remat=remat,
-            memory_limit=memory_limit,
-            progress=progress,
-            chunk_size=chunk_size,
-        )
     check_callable(_NAME, "f", f)
     if inspect.ismethod(f) and is_graph_node(f.__self__):
         raise TypeError(

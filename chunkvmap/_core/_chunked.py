@@ -28,18 +28,22 @@ def body(
     length: int,
 ) -> _loop.Body:
     """The `_loop.Body` of a traced chunk function (traced for chunks of `length`),
-    combined as `options` say. A user's reduction is checked here, once, before any
-    loop is built (`summary_avals`); chunkvmap's own are not."""
-    summary = None
-    if options.reduction is not None and not options.own_reduction:
+    combined as `options` say: stacked, folded by the user's reduction (checked here,
+    once, before any loop is built: `summary_avals`), or accumulated by a front end's
+    own `_loop.Accumulator` (not checked)."""
+    accumulator = options.accumulator
+    if accumulator is None and options.reduction is not None:
         summary = summary_avals(
             options.name, options.reduction, options.chunk_reduction,
             *signature, [length or 1],
         )  # fmt: skip
+        accumulator = _loop.Accumulator.folding(
+            options.reduction, options.chunk_reduction, summary
+        )
+    post = options.chunk_reduction if accumulator is None else identity
     return _loop.Body(
-        options.name, chunk_fn, axes, signature,
-        options.reduction, options.chunk_reduction, options.remat, summary,
-    )  # fmt: skip
+        options.name, chunk_fn, axes, signature, accumulator, post, options.remat
+    )
 
 
 def _aval_str(tree: Any) -> str:
@@ -140,7 +144,7 @@ def evaluate(
 ) -> Any:
     """The user's output (stacked, or the folded summary) of `body` over `inputs`."""
     name = options.name
-    if body.reduction is not None and inputs.size == 0:
+    if body.accumulator is not None and inputs.size == 0:
         raise zero_examples(name)
     lay = None
     if inputs.size:
@@ -179,9 +183,9 @@ def evaluate(
             )
         report = _progress.hook(options.reporter, plan.num_chunks)
         result = body.run(inputs.leaves, plan, report)
-        if one_device and body.reduction is None:
-            result = _sharding.laid(lay, result, body.out_axes)
-    return result if body.reduction is not None else body.finish(result)
+        if one_device:
+            result = _sharding.laid_result(lay, body, result)
+    return body.finish(result)
 
 
 def _batch_size(

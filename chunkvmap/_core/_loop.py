@@ -13,7 +13,8 @@
   shape and appears once in the program (no padding, no second trace);
 * output assembly: stacked outputs are written with `dynamic_update_slice` into one
   preallocated buffer per output leaf, at the requested output axis (no concatenation,
-  no transpose, no second output-sized buffer); reduced outputs are folded in a carry.
+  no transpose, no second output-sized buffer); an `Accumulator` folds summaries in a
+  carry and writes per-example rows into such buffers, leaf by leaf.
 
 Nothing else in chunkvmap slices or loops; nothing here knows about axis specs, caching,
 sharding or the user's function beyond its chunk function (`ChunkFn`).
@@ -197,6 +198,53 @@ def fold(reduction: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
     return jax.tree.map(reduction, a, b)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Accumulator:
+    """How the chunks' outputs combine into one result, leaf by leaf, when they are
+    not simply stacked.
+
+    `summarise(out)` maps one chunk's outputs (the chunk function's tree, the chunk's
+    examples along each output's mapped axis) to a pair `(summary, rows)`:
+
+    * the summaries are folded over the chunks, in order and without an identity
+      element, by `reduction` applied leaf by leaf (a sum, or a user's fold);
+    * every leaf of `rows` holds one row per example of the chunk along its axis 0,
+      and is stacked: the result has one row per example, in example order, as
+      `jax.vmap` stacks (each chunk's rows are written in place at its offset, so
+      a call costs O(N) writes, not O(N) per chunk).
+
+    A user's `reduction` / `chunk_reduction` is the accumulator with no rows
+    (`folding`); clipping sums the clipped gradients and stacks per-example norms,
+    values and auxiliary outputs beside them. `summary`: the types of one chunk's
+    summary, when the caller knows them (it checked the user's reduction); else
+    the loop takes them from the summaries themselves. `finish(summary, rows)`
+    gives the caller's result.
+    """
+
+    reduction: Callable[[Any, Any], Any]
+    summarise: Callable[[Any], tuple[Any, Any]]
+    summary: Any = None
+    finish: Callable[[Any, Any], Any] = lambda summary, rows: (summary, rows)
+    # Whether `summarise` returns any rows (else their types are not traced for).
+    rows: bool = True
+
+    @classmethod
+    def folding(
+        cls,
+        reduction: Callable[[Any, Any], Any],
+        chunk_reduction: Callable[[Any], Any],
+        summary: Any = None,
+    ) -> Accumulator:
+        """The public `reduction` / `chunk_reduction` pair: summaries only."""
+        return cls(
+            reduction,
+            lambda out: (chunk_reduction(out), ()),
+            summary,
+            lambda summary, rows: summary,
+            rows=False,
+        )
+
+
 class Signature(NamedTuple):
     """A chunk function's outputs: their structure, per-example types and canonical
     output axes (None: unmapped)."""
@@ -214,22 +262,18 @@ class Body:
     along `axes`) to its flat outputs, described by `signature` (their structure,
     per-example types and output axes), which the front end knows before the loop is
     built: it traced the function once to learn it, and `chunk_fn` reuses that trace.
-    Without `reduction` the outputs are stacked; with it, `chunk_reduction` summarises
-    each chunk and `reduction` folds the summaries (a carry of types `summary`, when
-    given). `remat` checkpoints each chunk; `name` is the caller's public name, for
-    messages.
+    Without an `accumulator` the outputs are stacked (and `post` is applied to the
+    whole output); with one, they are folded and stacked as it says. `remat`
+    checkpoints each chunk; `name` is the caller's public name, for messages.
     """
 
     name: str
     chunk_fn: ChunkFn
     axes: Sequence[int | None]
     signature: Signature
-    reduction: Callable[[Any, Any], Any] | None = None
-    chunk_reduction: Callable[[Any], Any] = identity
+    accumulator: Accumulator | None = None
+    post: Callable[[Any], Any] = identity
     remat: Any = True
-    # The types of one chunk's summary, when the front end knows them (it checked
-    # the user's reduction); else the loop takes them from the summaries themselves.
-    summary: Any = None
 
     @property
     def out_tree(self) -> Any:
@@ -249,10 +293,11 @@ class Body:
         plan: Plan,
         report: Callable[[Any], None] = lambda i: None,
     ) -> Any:
-        """The flat stacked outputs, or the folded summary, of `plan`'s chunks."""
-        if self.reduction is None:
+        """The flat stacked outputs, or the accumulated `(summary, rows)`, of
+        `plan`'s chunks."""
+        if self.accumulator is None:
             return self.stacked(leaves, plan, report)
-        return self.reduced(leaves, plan, report)
+        return self.accumulated(leaves, plan, report)
 
     def stacked(
         self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
@@ -365,28 +410,31 @@ class Body:
             _, stacked = lax.scan(body, (), (jnp.arange(num), xs))
         return [y.reshape(size, *y.shape[2:]) for y in stacked]
 
-    def reduced(
+    def accumulated(
         self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
     ) -> Any:
-        """Fold the chunks' summaries with `reduction`, in order, with no identity.
+        """Fold the chunks' summaries, in order, with no identity, and stack their
+        rows.
 
         A forward scan folds `acc = reduction(acc, s_i)`; the first chunk's summary
         replaces the (never used) initial value, so no identity element is needed and
-        order is kept (non-commutative reductions work). When `B` does not divide
+        order is kept (non-commutative reductions work). Rows are written into one
+        preallocated buffer per leaf at the chunk's offset. When `B` does not divide
         `N`, the last chunk is the window `[N - B, N)` as in `stacked`, and only its
-        last `N % B` outputs (the examples no earlier chunk covered) are summarised.
-        Either way the user's function appears once in the program.
+        last `N % B` outputs (the examples no earlier chunk covered) are summarised
+        and written. Either way the user's function appears once in the program.
         """
-
-        assert self.reduction is not None
+        accumulator = self.accumulator
+        assert accumulator is not None
+        out_tree = self.out_tree
 
         def summarise(ys: list[Any]) -> Any:
-            return self.chunk_reduction(self.out_tree.unflatten(ys))
+            return accumulator.summarise(out_tree.unflatten(ys))
 
-        combine = ft.partial(fold, self.reduction)
+        combine = ft.partial(fold, accumulator.reduction)
         return self._fold(
             self.chunk_fn, self.axes, self.out_axes, summarise, combine,
-            self.summary, leaves, plan, report,
+            accumulator.summary, leaves, plan, report, 0, accumulator.rows,
         )  # fmt: skip
 
     def _fold(
@@ -400,15 +448,19 @@ class Body:
         leaves: Sequence[Any],
         plan: Plan,
         report: Callable[[Any], None],
+        row_axis: int,
+        has_rows: bool,
     ) -> Any:
-        """The scan of `reduced`: `chunk_fn`'s outputs (mapped along `out_axes`)
-        summarised per chunk and folded with `combine`. The carry has the types
-        `summary_avals`, or those of the summaries themselves when the leaves carry
-        sharding types (or `summary_avals` is None)."""
+        """The scan of `accumulated`: `chunk_fn`'s outputs (mapped along `out_axes`)
+        summarised per chunk into `(summary, rows)`, the summaries folded with
+        `combine` and the rows (the chunk's examples along `row_axis`) written at the
+        chunk's offset. The carry has the types `summary_avals`, or those of the
+        summaries themselves when the leaves carry sharding types (or
+        `summary_avals` is None)."""
         if plan.single:
-            summary = summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
+            result = summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
             report(0)
-            return summary
+            return result
         batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
 
         def tail(ys: list[Any]) -> list[Any]:
@@ -417,31 +469,70 @@ class Body:
                 for y, a in zip(ys, out_axes)
             ]
 
+        def padded(result: Any) -> Any:
+            # The remainder's rows at the end of a chunk-long block (zeros before:
+            # they are never written, see `body`).
+            summary, rows = result
+            widths = [(0, 0, 0)] * (row_axis + 1)
+            widths[row_axis] = (batch - rem, 0, 0)
+
+            def pad(r: jax.Array) -> jax.Array:
+                config = widths + [(0, 0, 0)] * (r.ndim - row_axis - 1)
+                return lax.pad(r, jnp.zeros((), r.dtype), config)
+
+            return summary, jax.tree.map(pad, rows)
+
         @ft.partial(checkpointed, remat=self.remat)
         def evaluate(i):
             ys = chunk_fn(plan.chunk(leaves, axes, i), batch)
             if rem == 0:
                 return summarise(ys)
             return lax.cond(
-                i == last, lambda: summarise(tail(ys)), lambda: summarise(ys)
+                i == last, lambda: padded(summarise(tail(ys))), lambda: summarise(ys)
             )
 
-        def body(acc, i):
-            s = evaluate(i)
-            report(i)
-            return lax.cond(i == 0, lambda: s, lambda: combine(acc, s)), None
+        def write(buffer: jax.Array, rows: jax.Array, i: Any) -> jax.Array:
+            start = plan.start(i)
+            if rem:  # the last window keeps the rows earlier chunks wrote
+                first = lax.select(i == last, np.int32(batch - rem), np.int32(0))
+                shape = [1] * rows.ndim
+                shape[row_axis] = batch
+                new = lax.broadcasted_iota(jnp.int32, shape, row_axis) >= first
+                old = lax.dynamic_slice_in_dim(buffer, start, batch, axis=row_axis)
+                rows = jnp.where(new, rows, old)
+            return lax.dynamic_update_slice_in_dim(buffer, rows, start, row_axis)
 
-        if summary_avals is None or sharding_in_types(leaves):
+        def body(carry, i):
+            acc, buffers = carry
+            s, rows = evaluate(i)
+            report(i)
+            acc = lax.cond(i == 0, lambda: s, lambda: combine(acc, s))
+            buffers = jax.tree.map(lambda b, r: write(b, r, i), buffers, rows)
+            return (acc, buffers), None
+
+        row_avals: Any = ()
+        if summary_avals is None or sharding_in_types(leaves) or has_rows:
             # The carry takes the summaries' own types: those of the first chunk's
             # (one abstract evaluation of `summarise`, not one per branch of the last
             # chunk's `cond`).
-            summary_avals = jax.eval_shape(
+            types = jax.eval_shape(
                 lambda: summarise(
                     chunk_fn(plan.chunk(leaves, axes, jnp.int32(0)), batch)
                 )
             )
-        init = jax.tree.map(lambda a: zeros(a.shape, a), summary_avals)
+            if summary_avals is None or sharding_in_types(leaves):
+                summary_avals = types[0]
+            row_avals = types[1]
 
+        def buffer(a: Any) -> jax.Array:
+            shape = list(a.shape)
+            shape[row_axis] = plan.size
+            return zeros(shape, a)
+
+        init = (
+            jax.tree.map(lambda a: zeros(a.shape, a), summary_avals),
+            jax.tree.map(buffer, row_avals),
+        )
         with jax.named_scope("chunkvmap"):
             acc, _ = lax.scan(body, init, jnp.arange(plan.num_chunks))
         return acc
@@ -456,8 +547,9 @@ class Body:
         `(D, n)` (the shares at the mapped axis, `plan`'s n examples after it). Each
         chunk reads `plan.batch` examples of every share and evaluates them together
         (the chunk function vmapped over the shares). Stacked outputs come back split
-        as `(D, n)` at their mapped axes; with a reduction, one summary per share
-        (a leading axis of D), each folded in its share's order."""
+        as `(D, n)` at their mapped axes; with an accumulator, one summary per share
+        (a leading axis of D), each folded in its share's order, and the rows split
+        as `(D, n)` at axis 0."""
         axes, out_axes = self.axes, self.out_axes
         local = [None if a is None else a + 1 for a in axes]
         shifted = [None if o is None else o + 1 for o in out_axes]
@@ -479,18 +571,20 @@ class Body:
                 for y, o in zip(ys, out_axes)
             ]
 
-        if self.reduction is not None:
+        accumulator = self.accumulator
+        if accumulator is not None:
 
             def summarise(ys: list[Any]) -> Any:  # one summary per share
                 return jax.vmap(
-                    lambda y: self.chunk_reduction(self.out_tree.unflatten(y)),
+                    lambda y: accumulator.summarise(self.out_tree.unflatten(y)),
                     in_axes=(list(out_axes),),
                 )(ys)
 
-            combine = jax.vmap(ft.partial(fold, self.reduction))
+            combine = jax.vmap(ft.partial(fold, accumulator.reduction))
             return self._fold(
-                shares, local, shifted, summarise, combine, None, leaves, plan, report
-            )
+                shares, local, shifted, summarise, combine, None, leaves, plan,
+                report, 1, accumulator.rows,
+            )  # fmt: skip
         if plan.single:
             ys = shares(plan.whole(leaves, local), plan.size)
             report(0)
@@ -503,7 +597,10 @@ class Body:
         types = jax.eval_shape(evaluate, jnp.int32(0))
         return _write_chunks(evaluate, shifted, types, plan, report)
 
-    def finish(self, flat: list[Any]) -> Any:
-        """The user's output from the flat stacked outputs."""
-        out = self.out_tree.unflatten(flat)
-        return out if self.chunk_reduction is identity else self.chunk_reduction(out)
+    def finish(self, result: Any) -> Any:
+        """The caller's output from `run`'s: the stacked outputs' tree (`post`
+        applied), or the accumulator's result."""
+        if self.accumulator is not None:
+            return self.accumulator.finish(*result)
+        out = self.out_tree.unflatten(result)
+        return out if self.post is identity else self.post(out)

@@ -183,9 +183,10 @@ class ChunkOptions:
     # The argument that maps the inputs, in messages (`batch_argnums` for the
     # gradient functions).
     axes_arg: str = "in_axes"
-    # Whether `reduction` is chunkvmap's own (a front end's, known to fold): only a
-    # user's reduction is checked.
-    own_reduction: bool = False
+    # A front end's own `_loop.Accumulator` (clipping's sums and per-example rows),
+    # used instead of `reduction` / `chunk_reduction`; unlike a user's reduction, it
+    # is not checked.
+    accumulator: Any = None
 
     @classmethod
     def make(
@@ -265,6 +266,7 @@ class ChunkOptions:
         return (
             self.batch_size is None
             and self.reduction is None
+            and self.accumulator is None
             and self.shard is False
             and self.reporter is None
         )

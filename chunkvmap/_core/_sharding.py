@@ -214,7 +214,8 @@ def evaluate(
 ) -> Any:
     """`body` over `inputs`, split over `lay` as described in the module docstring,
     chunks of `batch` per device, progress reported to `reporter` (None: none): the
-    flat stacked outputs (mapped along `body.out_axes`), or the folded summary."""
+    flat stacked outputs (mapped along `body.out_axes`), or the accumulated
+    `(summary, rows)`."""
     if lay.explicit:
         return _typed(body, inputs, lay, batch, reporter)
     size, dyn, axes = inputs.size, inputs.dyn, lay.axes
@@ -222,7 +223,8 @@ def evaluate(
     rem = size % num_devices
     prefix = size - rem
     per_device = prefix // num_devices
-    reduced = body.reduction is not None
+    accumulator = body.accumulator
+    reduced = accumulator is not None
     leaves = _prepare(body.name, lay, inputs.paths, inputs.leaves, body.axes, rem)
     in_specs = [P() if rem else lay.spec(body.axes[i]) for i in dyn]
 
@@ -257,18 +259,22 @@ def evaluate(
             )
             outs["rem"] = jax.tree.map(lambda y: jnp.expand_dims(y, 0), outs["rem"])
         if reduced:  # every device folds all the summaries, in device order
-            return _fold_devices(body.reduction, outs, axes)
+            summaries = {k: v[0] for k, v in outs.items()}
+            rows = {k: v[1] for k, v in outs.items()}
+            return _fold_devices(accumulator.reduction, summaries, axes), rows
         return outs
 
     def run(*values):
-        if reduced:
-            out_specs: Any = P()
-        else:
-            out_specs = {}
-            if per_device:
-                out_specs["local"] = [lay.spec(a) for a in body.out_axes]
-            if rem:
-                out_specs["rem"] = P(axes)
+        # Stacked outputs (and an accumulator's rows, along axis 0) come back split
+        # over the layout; the global remainder's, from the first device.
+        stacked_specs: Any = {}
+        if per_device:
+            stacked_specs["local"] = (
+                lay.spec(0) if reduced else [lay.spec(a) for a in body.out_axes]
+            )
+        if rem:
+            stacked_specs["rem"] = P(axes)
+        out_specs = (P(), stacked_specs) if reduced else stacked_specs
         outs = jax.shard_map(
             shard_body,
             mesh=lay.mesh,
@@ -277,7 +283,10 @@ def evaluate(
             axis_names=set(axes),
             check_vma=False,
         )(list(values))
-        return outs if reduced else _assemble(outs, body.out_axes, lay)
+        if reduced:
+            summary, rows = outs
+            return summary, _assemble_rows(rows, lay)
+        return _assemble(outs, body.out_axes, lay)
 
     return jax.jit(run)(*[leaves[i] for i in dyn])
 
@@ -304,13 +313,13 @@ def _split_evaluation(
     and every chunk reads `batch` examples of each share and evaluates them together,
     vmapped over the shares (`Body.run_shares`): every device runs its own chunks,
     the model's other mesh axes keep the shardings in the types (nothing is gathered
-    at a boundary), and stacked outputs are reshaped back to N along their mapped
-    axis. Reduced outputs are the D summaries folded in device order (a sum: one
-    reduction over the sharded axis). When N is not a multiple of D (the inputs are
-    then replicated: an Explicit sharding is even), the last N % D examples run on
-    every device after the split part, and a stacked output is replicated, as
-    `jax.vmap`'s is for replicated inputs."""
-    size, axes = inputs.size, body.axes
+    at a boundary), and stacked outputs (an accumulator's rows) are reshaped back to
+    N along their mapped axis. Summaries are the D devices' folded in device order
+    (a sum: one reduction over the sharded axis). When N is not a multiple of D (the
+    inputs are then replicated: an Explicit sharding is even), the last N % D
+    examples run on every device after the split part, and a stacked output is
+    replicated, as `jax.vmap`'s is for replicated inputs."""
+    size, axes, accumulator = inputs.size, body.axes, body.accumulator
     num_devices = lay.size
     rem = size % num_devices
     prefix, share = size - rem, size // num_devices
@@ -326,8 +335,12 @@ def _split_evaluation(
         plan = make_plan(share, batch)
         report = _progress.hook(reporter, plan.num_chunks)
         split = body.run_shares(head, plan, report)
-        if body.reduction is not None:
-            pieces["head"] = _fold_shares(body.reduction, split, lay)
+        if accumulator is not None:
+            summaries, rows = split
+            pieces["head"] = (
+                _fold_shares(accumulator.reduction, summaries, lay),
+                jax.tree.map(lambda y: _merge(y, 0, lay), rows),
+            )
         else:
             pieces["head"] = [
                 y if a is None else _merge(y, a, lay)
@@ -342,10 +355,19 @@ def _split_evaluation(
         plan = make_plan(rem, batch)
         report = _progress.hook(reporter if not share else None, plan.num_chunks)
         pieces["tail"] = body.run(tail, plan, report)
-    if body.reduction is not None:
-        if len(pieces) == 1:
-            return next(iter(pieces.values()))
-        return fold(body.reduction, pieces["head"], pieces["tail"])
+    if len(pieces) == 1:
+        return next(iter(pieces.values()))
+    if accumulator is not None:
+        (head_summary, head_rows), (tail_summary, tail_rows) = (
+            pieces["head"],
+            pieces["tail"],
+        )
+        rows = jax.tree.map(
+            lambda h, t: jnp.concatenate([_without(h, lay), t], axis=0),
+            head_rows,
+            tail_rows,
+        )
+        return fold(accumulator.reduction, head_summary, tail_summary), rows
     if "head" not in pieces:
         return pieces["tail"]
     if "tail" not in pieces:
@@ -411,6 +433,16 @@ def _fold_shares(reduction: Any, summaries: Any, lay: Layout) -> Any:
 def unlaid(lay: Layout, leaves: Sequence[Any]) -> list[Any]:
     """Explicit-typed `leaves` with the layout's axes dropped from their types."""
     return [_without(x, lay) if isinstance(x, jax.Array) else x for x in leaves]
+
+
+def laid_result(lay: Layout, body: Body, result: Any) -> Any:
+    """`body.run`'s result with its stacked outputs (or its accumulator's rows)
+    sharded over the layout's axes along their mapped axes."""
+    if body.accumulator is None:
+        return laid(lay, result, body.out_axes)
+    summary, rows = result
+    flat, tree = jax.tree.flatten(rows)
+    return summary, tree.unflatten(laid(lay, flat, [0] * len(flat)))
 
 
 def laid(lay: Layout, outs: Sequence[Any], out_axes: Sequence[Any]) -> list[Any]:
@@ -523,6 +555,13 @@ def _replicated(y: Any) -> Any:
     if _typed_spec(y) is None:
         return y
     return jax.sharding.reshard(y, NamedSharding(jax.typeof(y).sharding.mesh, P()))
+
+
+def _assemble_rows(rows: dict[str, Any], lay: Layout) -> Any:
+    """An accumulator's rows (a tree per piece, as `_assemble`'s pieces) stacked."""
+    tree = jax.tree.structure(rows.get("local", rows.get("rem")))
+    flat = {k: jax.tree.leaves(v) for k, v in rows.items()}
+    return tree.unflatten(_assemble(flat, [0] * tree.num_leaves, lay))
 
 
 def _assemble(outs: dict[str, Any], out_axes: Sequence[Any], lay: Layout) -> Any:

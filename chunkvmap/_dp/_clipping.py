@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from .._core import _axes, _cache, _memory
-from .._core._loop import spec_entries
+from .._core._loop import Accumulator
 from .._core._options import (
     check_bool,
     check_callable,
@@ -203,11 +203,6 @@ class _Clipping:
     jax_privacy: bool = False
     method: str = "vmap"
 
-    @property
-    def per_example(self) -> bool:
-        """Whether any per-example extra (value, norm, aux) is returned."""
-        return self.return_values or self.return_grad_norms or self.has_aux
-
     def prepare(self, grads: Any, pad: Any) -> tuple[Any, jax.Array]:
         """One example's gradient, transformed, cast and made NaN-safe, and the
         factor that clips it (0 for a padding example, whose gradient is then zero
@@ -308,7 +303,6 @@ def _clipped_sums(
         # jax-privacy's phrase, for code that matches it
         hint="Batch axis must have the same size for all inputs in batch_argnums",
     )
-    laid = ft.partial(_laid_like_examples, mapped)
     args, in_axes = list(args), list(in_axes)
     if config.prng_argnum is not None:  # one key per example, split from the given one
         (k,) = resolve_argnums(name, "prng_argnum", (config.prng_argnum,), len(args))
@@ -320,9 +314,7 @@ def _clipped_sums(
             )
         args[k] = jax.tree.map(lambda key: jax.random.split(key, size), args[k])
         in_axes[k] = 0
-    # Example indices place the extras (when any are asked for) in the output.
-    per_example = config.per_example
-    extra = [jnp.arange(size, dtype=jnp.int32)] if per_example else []
+    extra = []  # the padding flags, mapped beside the arguments
     if padding is not None:
         padding = _check_padding(name, padding, size)
         extra.append(padding)
@@ -333,7 +325,7 @@ def _clipped_sums(
             known,
         )  # fmt: skip
         if ghost is not None:
-            return laid(*ghost)
+            return ghost
 
     value_and_grad = filtered_value_and_grad(
         fun, diff, setup.single, config.has_aux, name
@@ -342,7 +334,6 @@ def _clipped_sums(
     def example(*inputs: Any, **kw: Any) -> Any:
         inputs = list(inputs)
         pad = inputs.pop() if padding is not None else None
-        index = inputs.pop() if per_example else None
         if config.keep_batch_dim:  # jax-privacy's default: a batch of one example
             for i in batch_args:
                 inputs[i] = jax.tree.map(lambda x: jnp.expand_dims(x, 0), inputs[i])
@@ -356,26 +347,20 @@ def _clipped_sums(
             global_norm(grads) if config.return_grad_norms else None,
             aux if config.has_aux else None,
         )
-        return config.prepare(grads, pad), extras, index
+        return config.prepare(grads, pad), extras
 
     all_args, all_axes = (*args, *extra), (*in_axes, *[0] * len(extra))
     if size == 0:  # the empty sum (a Poisson-sampled lot may be empty)
-        (grads, _), extras, _ = jax.tree.map(
+        (grads, _), extras = jax.tree.map(
             lambda a: jnp.zeros(a.shape, a.dtype),
             _one_example_avals(example, all_args, kwargs, all_axes),
         )
         empty = jax.tree.map(lambda x: jnp.zeros((0, *x.shape), x.dtype), extras)
         return grads, empty, size
 
-    def summarise(chunk: Any) -> Any:
-        (grads, scales), extras, index = chunk
-        total = scaled_sum(scales, grads)
-        if index is None:
-            return total, extras  # no extras: None fields
-
-        # The chunk's extras at their examples' positions: N values per chunk,
-        # negligible next to its B x params gradients.
-        return total, jax.tree.map(ft.partial(_place, size, index), extras)
+    def summarise(chunk: Any) -> Any:  # the clipped sum; per-example extras stacked
+        (grads, scales), extras = chunk
+        return scaled_sum(scales, grads), extras
 
     total, extras = setup.map(
         example,
@@ -383,34 +368,9 @@ def _clipped_sums(
         kwargs,
         tuple(all_axes),
         known,
-        reduction=jnp.add,
-        chunk_reduction=summarise,
-        own_reduction=True,
+        accumulator=Accumulator(jnp.add, summarise),
     )
-    return laid(total, extras, size)
-
-
-def _laid_like_examples(mapped: tuple, total: Any, extras: Any, size: int) -> Any:
-    """`(total, extras, size)` with the per-example extras sharded like the
-    examples' axis where the inputs' types show it (as `jax.vmap`'s outputs are);
-    they are summed over the chunks, so they come out replicated otherwise."""
-    _, leaves, axes = mapped
-    for x, axis in zip(leaves, axes):
-        if axis is None or not isinstance(x, jax.Array):
-            continue
-        entry = spec_entries(x)[axis]
-        if entry is not None:
-            mesh = jax.typeof(x).sharding.mesh
-            where = jax.sharding.NamedSharding(mesh, jax.P(entry))
-            extras = jax.tree.map(lambda e: jax.sharding.reshard(e, where), extras)
-            break
     return total, extras, size
-
-
-def _place(size: int, index: jax.Array, e: jax.Array) -> jax.Array:
-    """A chunk's per-example extras at their examples' positions (N values)."""
-    whole = jnp.zeros((size, *e.shape[1:]), e.dtype)
-    return whole.at[index].set(e, indices_are_sorted=True, unique_indices=True)
 
 
 def _ghost_sums(
@@ -488,8 +448,7 @@ def _ghost_sums(
     other_keys = {u.key for k in other for u in leaves[k].uses}
     other_paths = {u.path for k in other for u in leaves[k].uses}
     acc = _ghost.accumulation_dtype([x.dtype for x in leaves])  # as global_norm's
-    per_example = config.per_example
-    has_pad = len(extra) > int(per_example)  # the indices, then the padding flags
+    has_pad = bool(extra)  # the padding flags
     n_args = len(args)
 
     def sq(x: jax.Array) -> jax.Array:
@@ -514,7 +473,6 @@ def _ghost_sums(
     def example(*inputs: Any, **kw: Any) -> Any:
         inputs = list(inputs)
         pad = inputs.pop() if has_pad else None
-        index = inputs.pop() if per_example else None
         values = traced.arrays(inputs[:n_args], kw)
         plan = traced.plan_here(values)
         positions = plan.diff_positions
@@ -576,7 +534,7 @@ def _ghost_sums(
         parts = (scale, keep, finite, pad, safe_sq, raw, arrays, grads, pe_grads)
         # The parameters, unmapped (the same for every example: no copies), tell
         # the chunk's sums which plan made these records (`traced.plan_of`).
-        return (parts, records, deltas), extras, index, traced.params_of(values)
+        return (parts, records, deltas), extras, traced.params_of(values)
 
     def nan_safe_fix(
         plan: _ghost.Plan, totals: list, chunk: Any
@@ -633,7 +591,7 @@ def _ghost_sums(
         return totals, raw_norms
 
     def summarise(chunk: Any) -> Any:
-        (parts, records, deltas), extras, index, params = chunk
+        (parts, records, deltas), extras, params = chunk
         plan = traced.plan_of(params)
         scale, keep, finite, pad, safe_sq, raw, arrays, grads, pe_grads = parts
 
@@ -681,9 +639,7 @@ def _ghost_sums(
                 extras = extras._replace(
                     grad_norms=jnp.where(chosen, norms, extras.grad_norms)
                 )
-        if index is None:
-            return totals, extras
-        return totals, jax.tree.map(ft.partial(_place, size, index), extras)
+        return totals, extras
 
     totals, extras = setup.map(
         example,
@@ -691,10 +647,8 @@ def _ghost_sums(
         kwargs,
         (*in_axes, *[0] * len(extra)),
         known,
-        out_axes=(0, 0, 0, None),
-        reduction=jnp.add,
-        chunk_reduction=summarise,
-        own_reduction=True,
+        out_axes=(0, 0, None),
+        accumulator=Accumulator(jnp.add, summarise),
     )
     return traced.grads_tree(totals, setup.single), extras, size
 
