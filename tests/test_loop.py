@@ -48,7 +48,9 @@ def _mixed_oracle(x):
 
 
 def _in_order(a, b):
-    return jnp.matmul(a, b) if a.ndim == 2 else a + b
+    """Two summaries merged whole: sums added, products multiplied in order."""
+    (sum_a, product_a), (sum_b, product_b) = a, b
+    return sum_a + sum_b, product_a @ product_b
 
 
 # Divisors, non-divisors (the last chunk a window over earlier examples), one chunk,
@@ -108,7 +110,7 @@ def test_rows_cost_what_they_hold_not_n_per_chunk():
 
     def temp(n):
         x = jnp.ones((n, 4))
-        body = _body(example, x, _loop.Accumulator(jnp.add, summarise))
+        body = _body(example, x, _loop.Accumulator.adding(summarise))
         return temp_bytes(lambda x: _run(body, x, 16), x)
 
     small, large = temp(1024), temp(16384)
@@ -123,7 +125,7 @@ def test_row_types_follow_the_examples():
         return out["sum"].sum(0), out["rows"]
 
     _, (rows, row_sums) = _run(
-        _body(_example, x, _loop.Accumulator(jnp.add, summarise)), x, 4
+        _body(_example, x, _loop.Accumulator.adding(summarise)), x, 4
     )
     assert rows.shape == (6, 3) and rows.dtype == jnp.bfloat16
     assert row_sums.shape == (6,) and row_sums.dtype == jnp.bfloat16

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools as ft
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -198,6 +199,11 @@ def fold(reduction: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
     return jax.tree.map(reduction, a, b)
 
 
+# Reductions that are sums: summaries split over devices are then combined by one
+# all-reduce (in the order XLA chooses) instead of a gather and an ordered fold.
+SUMS = (jnp.add, lax.add, operator.add)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Accumulator:
     """How the chunks' outputs combine into one result, leaf by leaf, when they are
@@ -207,7 +213,8 @@ class Accumulator:
     examples along each output's mapped axis) to a pair `(summary, rows)`:
 
     * the summaries are folded over the chunks, in order and without an identity
-      element, by `reduction` applied leaf by leaf (a sum, or a user's fold);
+      element, by `combine(a, b)` (a sum, a user's reduction leaf by leaf, or a
+      merge of whole summaries such as running means and variances);
     * every leaf of `rows` holds one row per example of the chunk along its axis 0,
       and is stacked: the result has one row per example, in example order, as
       `jax.vmap` stacks (each chunk's rows are written in place at its offset, so
@@ -215,14 +222,16 @@ class Accumulator:
 
     A user's `reduction` / `chunk_reduction` is the accumulator with no rows
     (`folding`); clipping sums the clipped gradients and stacks per-example norms,
-    values and auxiliary outputs beside them. `summary`: the types of one chunk's
-    summary, when the caller knows them (it checked the user's reduction); else
-    the loop takes them from the summaries themselves. `finish(summary, rows)`
-    gives the caller's result.
+    values and auxiliary outputs beside them. `sums`: `combine` adds leaf by leaf
+    (devices' summaries are then combined by one all-reduce). `summary`: the types
+    of one chunk's summary, when the caller knows them (it checked the user's
+    reduction); else the loop takes them from the summaries themselves.
+    `finish(summary, rows)` gives the caller's result.
     """
 
-    reduction: Callable[[Any, Any], Any]
+    combine: Callable[[Any, Any], Any]
     summarise: Callable[[Any], tuple[Any, Any]]
+    sums: bool = False
     summary: Any = None
     finish: Callable[[Any, Any], Any] = lambda summary, rows: (summary, rows)
     # Whether `summarise` returns any rows (else their types are not traced for).
@@ -235,14 +244,21 @@ class Accumulator:
         chunk_reduction: Callable[[Any], Any],
         summary: Any = None,
     ) -> Accumulator:
-        """The public `reduction` / `chunk_reduction` pair: summaries only."""
+        """The public `reduction` / `chunk_reduction` pair: summaries only, folded
+        leaf by leaf."""
         return cls(
-            reduction,
+            ft.partial(fold, reduction),
             lambda out: (chunk_reduction(out), ()),
+            reduction in SUMS,
             summary,
             lambda summary, rows: summary,
             rows=False,
         )
+
+    @classmethod
+    def adding(cls, summarise: Callable[[Any], tuple[Any, Any]]) -> Accumulator:
+        """Summaries added leaf by leaf, rows stacked."""
+        return cls(ft.partial(fold, jnp.add), summarise, sums=True)
 
 
 class Signature(NamedTuple):
@@ -416,7 +432,7 @@ class Body:
         """Fold the chunks' summaries, in order, with no identity, and stack their
         rows.
 
-        A forward scan folds `acc = reduction(acc, s_i)`; the first chunk's summary
+        A forward scan folds `acc = combine(acc, s_i)`; the first chunk's summary
         replaces the (never used) initial value, so no identity element is needed and
         order is kept (non-commutative reductions work). Rows are written into one
         preallocated buffer per leaf at the chunk's offset. When `B` does not divide
@@ -431,9 +447,8 @@ class Body:
         def summarise(ys: list[Any]) -> Any:
             return accumulator.summarise(out_tree.unflatten(ys))
 
-        combine = ft.partial(fold, accumulator.reduction)
         return self._fold(
-            self.chunk_fn, self.axes, self.out_axes, summarise, combine,
+            self.chunk_fn, self.axes, self.out_axes, summarise, accumulator.combine,
             accumulator.summary, leaves, plan, report, 0, accumulator.rows,
         )  # fmt: skip
 
@@ -580,7 +595,7 @@ class Body:
                     in_axes=(list(out_axes),),
                 )(ys)
 
-            combine = jax.vmap(ft.partial(fold, accumulator.reduction))
+            combine = jax.vmap(accumulator.combine)
             return self._fold(
                 shares, local, shifted, summarise, combine, None, leaves, plan,
                 report, 1, accumulator.rows,

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -58,7 +57,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from . import _progress
 from ._axes import Inputs
-from ._loop import Body, fold, make_plan, spec_entries, zeros
+from ._loop import Accumulator, Body, make_plan, spec_entries, zeros
 
 
 AXIS_NAME = "chunkvmap"
@@ -261,7 +260,7 @@ def evaluate(
         if reduced:  # every device folds all the summaries, in device order
             summaries = {k: v[0] for k, v in outs.items()}
             rows = {k: v[1] for k, v in outs.items()}
-            return _fold_devices(accumulator.reduction, summaries, axes), rows
+            return _fold_devices(accumulator, summaries, axes), rows
         return outs
 
     def run(*values):
@@ -338,7 +337,7 @@ def _split_evaluation(
         if accumulator is not None:
             summaries, rows = split
             pieces["head"] = (
-                _fold_shares(accumulator.reduction, summaries, lay),
+                _fold_shares(accumulator, summaries, lay),
                 jax.tree.map(lambda y: _merge(y, 0, lay), rows),
             )
         else:
@@ -367,7 +366,7 @@ def _split_evaluation(
             head_rows,
             tail_rows,
         )
-        return fold(accumulator.reduction, head_summary, tail_summary), rows
+        return accumulator.combine(head_summary, tail_summary), rows
     if "head" not in pieces:
         return pieces["tail"]
     if "tail" not in pieces:
@@ -416,17 +415,17 @@ def _entry(axes: tuple[str, ...]) -> Any:
     return axes[0] if len(axes) == 1 else axes
 
 
-def _fold_shares(reduction: Any, summaries: Any, lay: Layout) -> Any:
+def _fold_shares(accumulator: Accumulator, summaries: Any, lay: Layout) -> Any:
     """The D devices' summaries (leading axis) folded in device order; a sum is one
     reduction over the sharded axis."""
-    if reduction in _SUMS:
+    if accumulator.sums:
         return jax.tree.map(lambda s: jnp.sum(s, axis=0), summaries)
     # the D summaries gathered (their shardings over other axes kept)
     summaries = jax.tree.map(lambda s: _without(s, lay), summaries)
     acc = jax.tree.map(lambda s: s[0], summaries)
     if lay.size > 1:
         rest = jax.tree.map(lambda s: s[1:], summaries)
-        acc, _ = lax.scan(lambda a, s: (fold(reduction, a, s), None), acc, rest)
+        acc, _ = lax.scan(lambda a, s: (accumulator.combine(a, s), None), acc, rest)
     return acc
 
 
@@ -513,13 +512,13 @@ def _respec(
     return P(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
 
 
-def _fold_devices(reduction: Any, outs: dict[str, Any], axes: tuple) -> Any:
+def _fold_devices(accumulator: Accumulator, outs: dict[str, Any], axes: tuple) -> Any:
     """Inside the `shard_map`: the devices' summaries (and the global remainder's,
     computed by the first device) gathered and folded in device order.
 
     Summaries typed with a sharding over other Explicit axes are replicated before
     the gather (they are one summary per device) and get their type back after."""
-    if reduction in _SUMS:  # a sum: one all-reduce, no gather of D summaries
+    if accumulator.sums:  # a sum: one all-reduce, no gather of D summaries
         total = [lax.psum(outs[k], axes) for k in ("local", "rem") if k in outs]
         if "rem" in outs:  # zeros on every device but the first
             total[-1] = jax.tree.map(lambda s: s[0], total[-1])
@@ -532,18 +531,13 @@ def _fold_devices(reduction: Any, outs: dict[str, Any], axes: tuple) -> Any:
         acc = jax.tree.map(lambda s: s[0], summaries)
         if jax.tree.leaves(summaries)[0].shape[0] > 1:
             rest = jax.tree.map(lambda s: s[1:], summaries)
-            acc, _ = lax.scan(lambda a, s: (fold(reduction, a, s), None), acc, rest)
+            acc, _ = lax.scan(lambda a, s: (accumulator.combine(a, s), None), acc, rest)
     if "rem" in outs:
         tail = jax.tree.map(lambda s: s[0, 0], lax.all_gather(outs["rem"], axes))
-        acc = tail if acc is None else fold(reduction, acc, tail)
+        acc = tail if acc is None else accumulator.combine(acc, tail)
     return jax.tree.map(
         lambda y, spec: y if spec is None else jax.sharding.reshard(y, spec), acc, specs
     )
-
-
-# Reductions that are sums: the devices' summaries are then combined by one psum
-# (an all-reduce, in the order XLA chooses) instead of a gather and an ordered fold.
-_SUMS = (jnp.add, lax.add, operator.add)
 
 
 def _typed_spec(y: Any) -> Any:

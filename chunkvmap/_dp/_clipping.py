@@ -368,7 +368,7 @@ def _clipped_sums(
         kwargs,
         tuple(all_axes),
         known,
-        accumulator=Accumulator(jnp.add, summarise),
+        accumulator=Accumulator.adding(summarise),
     )
     return total, extras, size
 
@@ -648,7 +648,7 @@ def _ghost_sums(
         (*in_axes, *[0] * len(extra)),
         known,
         out_axes=(0, 0, None),
-        accumulator=Accumulator(jnp.add, summarise),
+        accumulator=Accumulator.adding(summarise),
     )
     return traced.grads_tree(totals, setup.single), extras, size
 
