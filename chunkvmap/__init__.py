@@ -17,6 +17,12 @@ from ._dp._clipping import (
     clipped_grad_sum as clipped_grad_sum,
 )
 from ._dp._ghost import GhostReport as GhostReport, ghost_report as ghost_report
+from ._dp._statistics import (
+    GradStats as GradStats,
+    per_example_grad_gram as per_example_grad_gram,
+    per_example_grad_norms as per_example_grad_norms,
+    per_example_grad_stats as per_example_grad_stats,
+)
 from ._transforms._batch_map import batch_map as batch_map
 from ._transforms._batch_vmap import batch_vmap as batch_vmap
 from ._transforms._grads import per_example_grads as per_example_grads
@@ -37,6 +43,7 @@ __all__ = [
     "ClippedGrad",
     "GhostFallbackWarning",
     "GhostReport",
+    "GradStats",
     "batch_jacfwd",
     "batch_jacrev",
     "batch_map",
@@ -47,5 +54,8 @@ __all__ = [
     "ghost_report",
     "identity",
     "last_batch_size",
+    "per_example_grad_gram",
+    "per_example_grad_norms",
+    "per_example_grad_stats",
     "per_example_grads",
 ]

@@ -569,18 +569,20 @@ class Body:
         local = [None if a is None else a + 1 for a in axes]
         shifted = [None if o is None else o + 1 for o in out_axes]
 
+        # The shares' sharding (of their axis, at each mapped input's axis). A value
+        # that does not depend on the examples comes back from the vmap over the
+        # shares broadcast, unsharded; it takes this sharding, as every other has.
+        entry = next(
+            spec_entries(x)[a]
+            for x, a in zip(leaves, axes)
+            if a is not None and isinstance(x, jax.Array)
+        )
+
         def shares(part: list[Any], length: int) -> list[Any]:
             ys = jax.vmap(
                 lambda ls: self.chunk_fn(ls, length), in_axes=(list(axes),),
                 out_axes=list(out_axes),
             )(part)  # fmt: skip
-            # An output that does not depend on the examples comes back broadcast over
-            # the shares; it takes the shares' sharding, as every other output has.
-            entry = next(
-                spec_entries(x)[a]
-                for x, a in zip(part, axes)
-                if a is not None and isinstance(x, jax.Array)
-            )
             return [
                 y if o is None else _with_entry(y, o, entry)
                 for y, o in zip(ys, out_axes)
@@ -590,12 +592,17 @@ class Body:
         if accumulator is not None:
 
             def summarise(ys: list[Any]) -> Any:  # one summary per share
-                return jax.vmap(
+                result = jax.vmap(
                     lambda y: accumulator.summarise(self.out_tree.unflatten(y)),
                     in_axes=(list(out_axes),),
                 )(ys)
+                return jax.tree.map(lambda y: _with_entry(y, 0, entry), result)
 
-            combine = jax.vmap(accumulator.combine)
+            def combine(a: Any, b: Any) -> Any:  # share by share
+                if not jax.tree.leaves(a):  # nothing to fold (rows only)
+                    return a
+                return jax.vmap(accumulator.combine)(a, b)
+
             return self._fold(
                 shares, local, shifted, summarise, combine, None, leaves, plan,
                 report, 1, accumulator.rows,

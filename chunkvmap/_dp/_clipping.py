@@ -202,6 +202,8 @@ class _Clipping:
     # differentiated arguments may not hold examples.
     jax_privacy: bool = False
     method: str = "vmap"
+    # Whether the clipped sum is wanted (else only the per-example extras: norms).
+    sums: bool = True
 
     def prepare(self, grads: Any, pad: Any) -> tuple[Any, jax.Array]:
         """One example's gradient, transformed, cast and made NaN-safe, and the
@@ -360,7 +362,7 @@ def _clipped_sums(
 
     def summarise(chunk: Any) -> Any:  # the clipped sum; per-example extras stacked
         (grads, scales), extras = chunk
-        return scaled_sum(scales, grads), extras
+        return (scaled_sum(scales, grads) if config.sums else ()), extras
 
     total, extras = setup.map(
         example,
@@ -592,6 +594,8 @@ def _ghost_sums(
 
     def summarise(chunk: Any) -> Any:
         (parts, records, deltas), extras, params = chunk
+        if not config.sums:  # only the norms (the records are then left unused)
+            return (), extras
         plan = traced.plan_of(params)
         scale, keep, finite, pad, safe_sq, raw, arrays, grads, pe_grads = parts
 
@@ -650,6 +654,8 @@ def _ghost_sums(
         out_axes=(0, 0, None),
         accumulator=Accumulator.adding(summarise),
     )
+    if not config.sums:
+        return None, extras, size
     return traced.grads_tree(totals, setup.single), extras, size
 
 

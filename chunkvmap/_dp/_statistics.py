@@ -1,0 +1,469 @@
+"""Per-example gradient statistics in chunks: norms, moments and dot products.
+
+What is wanted from per-example gradients is usually a statistic of them, not the
+`N x parameters` tensor itself:
+
+* `per_example_grad_norms`: `||g_i||` for every example (`method="ghost"`: from each
+  use's activations and cotangents, without per-example gradients where a rule
+  applies; see `clipped_grad_sum`);
+* `per_example_grad_stats`: the mean gradient, the per-parameter variance and sum of
+  squares over the examples, and the squared norms, in one pass;
+* `per_example_grad_gram`: `<g_i(a), g_j(b)>` between the examples of two batches (or
+  of one), chunked over both.
+
+Each chunk forms the gradients of its examples only, so memory is that of `batch_size`
+gradients (plus the statistic), never `N x parameters`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .._core import _axes, _cache
+from .._core._loop import Accumulator
+from .._core._options import check_bool, decorator_form
+from .._transforms._batch_vmap import batch_vmap
+from .._transforms._grads import GradSetup, filtered_value_and_grad
+from . import _clipping
+
+
+def _stats_dtype(dtype: Any) -> Any:
+    """Statistics are accumulated in at least float32 (bfloat16 gradients too)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return dtype if dtype.itemsize >= 8 else jnp.dtype(jnp.complex64)
+    return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
+
+
+def _sum_dtype(leaves: Sequence[Any]) -> Any:
+    """The real dtype of a sum over leaves: float32, or wider for wider leaves."""
+    widths = [jnp.finfo(_stats_dtype(x.dtype)).dtype for x in leaves]
+    return max(widths, key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
+
+
+def _sq_norm(tree: Any) -> jax.Array:
+    """`||g||^2` over every leaf of one example's gradient, in at least float32."""
+    leaves = jax.tree.leaves(tree)
+    dtype = _sum_dtype(leaves)
+    total = jnp.zeros((), dtype)
+    for x in leaves:
+        total = total + jnp.sum(jnp.real(x * jnp.conj(x))).astype(dtype)
+    return total
+
+
+@decorator_form("fun")
+def per_example_grad_norms(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    batch_argnums: int | Sequence[int] | None = None,
+    batch_size: int | str | None = None,
+    method: str = "vmap",
+    shard: bool | str | tuple[str, ...] = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
+    progress: Any = False,
+    chunk_size: int | str | None = None,
+) -> Callable[..., Any]:
+    """The L2 norm of every example's gradient, `batch_size` examples at a time.
+
+    `per_example_grad_norms(fun)(*args)[i]` is the global L2 norm (over every
+    differentiated leaf) of `jax.grad(fun, argnums)` at example `i`, as
+    `jax.vmap(jax.grad(fun, argnums))` followed by a norm per example would give it,
+    without holding the `N` gradients. The arguments are mapped as in
+    `per_example_grads` (by default every argument that is not differentiated holds
+    one example per leading index).
+
+    `method="ghost"` computes each norm from the activations and output cotangents of
+    every use of a parameter (dense layers, convolutions, embedding lookups,
+    elementwise and other linear uses; see `clipped_grad_sum` and `ghost_report`),
+    so no per-example gradient is formed for the leaves those rules cover; the others
+    get exact per-example gradients, as with `method="vmap"`. Norms are used for
+    data pruning scores, outlier and mislabelled-example detection, importance
+    sampling and monitoring clipping rates.
+
+    Usable as a decorator too, with its options as keywords and without `fun`.
+
+    Args:
+      fun: the loss of one example; it must return a real scalar (or `(scalar, aux)`
+        with `has_aux`).
+      argnums: which positional argument(s) to differentiate.
+      has_aux: whether `fun` returns `(loss, aux)`; `aux` is then stacked per example
+        and returned beside the norms.
+      batch_argnums: the positional arguments holding the examples (default: every
+        argument not in `argnums`).
+      batch_size: examples per chunk (None: all at once; "auto": the largest that
+        fits `memory_limit`).
+      method: "vmap" (per-example gradients, one chunk at a time) or "ghost".
+      shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
+      mesh: the mesh for `shard`.
+      remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
+      memory_limit: the budget for `batch_size="auto"`.
+      progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size`.
+
+    Returns:
+      A function with `fun`'s arguments returning the norms, shape `(N,)` and
+      dtype float32 (at least; float64 for float64 gradients), or `(norms, aux)`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import per_example_grad_norms
+      >>> def loss(w, x):
+      ...     return jnp.dot(w, x)  # the gradient of example x is x itself
+      >>> x = jnp.array([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0]])
+      >>> per_example_grad_norms(loss, batch_size=2)(jnp.ones(2), x)
+      Array([5. , 0.5, 0. ], dtype=float32)
+    """
+    name = "per_example_grad_norms"
+    check_bool(name, "has_aux", has_aux)
+    _clipping._check_method(name, method)
+    setup = GradSetup(
+        name,
+        fun,
+        argnums,
+        batch_argnums,
+        exclusive=True,
+        batch_size=batch_size,
+        chunk_size=chunk_size,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        memory_limit=memory_limit,
+        progress=progress,
+    )
+    config = _clipping._Clipping(
+        math.inf,
+        nan_safe=False,
+        return_grad_norms=True,
+        has_aux=has_aux,
+        method=method,
+        sums=False,
+    )
+
+    def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        _, extras, _ = _clipping._clipped_sums(setup, fun, config, args, kwargs, known)
+        return (extras.grad_norms, extras.aux) if has_aux else extras.grad_norms
+
+    return setup.mapper.transform(call, fun)
+
+
+class GradStats(NamedTuple):
+    """Statistics of the per-example gradients `g_i` of `N` examples.
+
+    Attributes:
+      mean: `(1/N) sum_i g_i`, the gradient of the mean loss (the structure of the
+        differentiated arguments).
+      variance: `(1/N) sum_i (g_i - mean)^2` per parameter: the variance over the
+        examples, normalised by `N` (multiply by `N / (N - 1)` for the unbiased
+        estimate).
+      sum_sq: `sum_i g_i^2` per parameter (for a negative log-likelihood, `N` times
+        the empirical Fisher diagonal).
+      sq_norms: `||g_i||^2` per example, shape `(N,)`.
+      aux: `fun`'s auxiliary output per example (with `has_aux`), else None.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import per_example_grad_stats
+      >>> stats = per_example_grad_stats(jnp.dot)(jnp.ones(2), jnp.eye(2))
+      >>> stats.variance, stats.sq_norms
+      (Array([0.25, 0.25], dtype=float32), Array([1., 1.], dtype=float32))
+    """
+
+    mean: Any
+    variance: Any
+    sum_sq: Any
+    sq_norms: jax.Array
+    aux: Any = None
+
+
+def _merge_moments(a: Any, b: Any) -> Any:
+    """Two chunks' `(count, mean, m2)` merged (Chan et al.'s parallel update: no
+    cancellation from subtracting large sums of squares)."""
+    count_a, mean_a, m2_a = a
+    count_b, mean_b, m2_b = b
+    count = count_a + count_b
+    share = count_b / count
+
+    def mean(ma: jax.Array, mb: jax.Array) -> jax.Array:
+        return ma + (mb - ma) * share.astype(ma.dtype)
+
+    def m2(ma: jax.Array, mb: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
+        delta = mb - ma
+        weight = (count_a * share).astype(ma.dtype)
+        return sa + sb + delta * jnp.conj(delta) * weight
+
+    return (
+        count,
+        jax.tree.map(mean, mean_a, mean_b),
+        jax.tree.map(m2, mean_a, mean_b, m2_a, m2_b),
+    )
+
+
+@decorator_form("fun")
+def per_example_grad_stats(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    batch_argnums: int | Sequence[int] | None = None,
+    batch_size: int | str | None = None,
+    shard: bool | str | tuple[str, ...] = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
+    progress: Any = False,
+    chunk_size: int | str | None = None,
+) -> Callable[..., Any]:
+    """The mean, variance and sum of squares of the per-example gradients, and their
+    squared norms, `batch_size` examples at a time.
+
+    For per-example gradients `g_i = jax.grad(fun, argnums)(example i)`, returns a
+    `GradStats` with the mean gradient `(1/N) sum_i g_i`, the per-parameter variance
+    `(1/N) sum_i (g_i - mean)^2`, the per-parameter `sum_i g_i^2`, and
+    `||g_i||^2` for every example: what `jax.vmap(jax.grad(fun))` followed by these
+    reductions gives, without holding the `N` gradients. Each chunk forms its
+    examples' gradients and reduces them to its count, mean and centred sum of
+    squares; chunks are merged exactly (a parallel variance update, so a large mean
+    does not cancel the variance). Statistics are accumulated in at least float32.
+    Uses: the gradient noise scale (to choose the batch size), adaptive optimisers
+    and curvature proxies such as the empirical Fisher diagonal.
+
+    The arguments are mapped as in `per_example_grads`. Usable as a decorator too.
+
+    Args:
+      fun: the loss of one example; a real scalar (or `(scalar, aux)` with
+        `has_aux`).
+      argnums: which positional argument(s) to differentiate.
+      has_aux: whether `fun` returns `(loss, aux)`; `aux` is stacked per example.
+      batch_argnums: the positional arguments holding the examples (default: every
+        argument not in `argnums`).
+      batch_size: examples per chunk (None: all at once; "auto": the largest that
+        fits `memory_limit`).
+      shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
+      mesh: the mesh for `shard`.
+      remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
+      memory_limit: the budget for `batch_size="auto"`.
+      progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size`.
+
+    Returns:
+      A function with `fun`'s arguments returning a `GradStats`.
+
+    Raises:
+      ValueError: for zero examples (the mean is undefined).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import per_example_grad_stats
+      >>> def loss(w, x):
+      ...     return jnp.dot(w, x)  # the gradient of example x is x itself
+      >>> x = jnp.array([[1.0, 0.0], [3.0, 2.0]])
+      >>> stats = per_example_grad_stats(loss, batch_size=1)(jnp.ones(2), x)
+      >>> stats.mean, stats.variance, stats.sum_sq, stats.sq_norms
+      (Array([2., 1.], dtype=float32), Array([1., 1.], dtype=float32),
+       Array([10.,  4.], dtype=float32), Array([ 1., 13.], dtype=float32))
+    """
+    name = "per_example_grad_stats"
+    check_bool(name, "has_aux", has_aux)
+    setup = GradSetup(
+        name,
+        fun,
+        argnums,
+        batch_argnums,
+        exclusive=True,
+        batch_size=batch_size,
+        chunk_size=chunk_size,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        memory_limit=memory_limit,
+        progress=progress,
+    )
+
+    def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        diff, in_axes = setup.resolve(args)
+        value_and_grad = filtered_value_and_grad(fun, diff, setup.single, has_aux, name)
+
+        def example(*inputs: Any, **kw: Any) -> Any:
+            value, grads = value_and_grad(*inputs, **kw)
+            aux = value[1] if has_aux else None
+            grads = jax.tree.map(lambda g: g.astype(_stats_dtype(g.dtype)), grads)
+            return grads, _sq_norm(grads), aux
+
+        def summarise(chunk: Any) -> Any:
+            grads, sq_norms, aux = chunk
+            count = jnp.asarray(sq_norms.shape[0], jnp.float32)
+            mean = jax.tree.map(lambda g: g.mean(0), grads)
+
+            def centred(g: jax.Array) -> jax.Array:  # sum_i |g_i - mean|^2
+                d = g - g.mean(0, keepdims=True)
+                return jnp.sum(jnp.real(d * jnp.conj(d)), 0).astype(g.dtype)
+
+            m2 = jax.tree.map(centred, grads)
+            return (count, mean, m2), (sq_norms, aux)
+
+        size = _axes_size(setup, args, in_axes, kwargs)
+        if size == 0:
+            raise ValueError(
+                f"{name} needs at least one example (the mean over zero examples is "
+                f"undefined), but the examples' axis has size 0."
+            )
+        (count, mean, m2), (sq_norms, aux) = setup.map(
+            example,
+            args,
+            kwargs,
+            in_axes,
+            known,
+            accumulator=Accumulator(_merge_moments, summarise),
+        )
+        variance = jax.tree.map(lambda s: s / count.astype(s.dtype), m2)
+        sum_sq = jax.tree.map(
+            lambda s, m: s + count.astype(s.dtype) * jnp.real(m * jnp.conj(m)),
+            m2,
+            mean,
+        )
+        return GradStats(mean, variance, sum_sq, sq_norms, aux)
+
+    return setup.mapper.transform(call, fun)
+
+
+def _axes_size(setup: GradSetup, args: tuple, in_axes: tuple, kwargs: dict) -> int:
+    """The number of examples of a call (its mapped arguments' leading size)."""
+    mapped = _clipping._mapped_leaves(setup.name, args, in_axes, kwargs)
+    return _axes.mapped_size(*mapped, None, transform=setup.name)
+
+
+def _tree_vdot(a: Any, b: Any) -> jax.Array:
+    """`<a, b>` over every leaf of two gradients, in at least float32."""
+    pairs = list(zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    dtype = _sum_dtype([x for pair in pairs for x in pair])
+    total = jnp.zeros((), dtype)
+    for x, y in pairs:
+        total = total + jnp.real(jnp.vdot(y.astype(dtype), x.astype(dtype)))
+    return total
+
+
+@decorator_form("fun")
+def per_example_grad_gram(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_argnums: int | Sequence[int] | None = None,
+    batch_size: int | None = None,
+    other_batch_size: int | None = None,
+    shard: bool | str | tuple[str, ...] = False,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool | Callable[..., Any] = True,
+    progress: Any = False,
+    chunk_size: int | None = None,
+) -> Callable[..., Any]:
+    """Dot products between per-example gradients: a Gram matrix, chunked over both
+    batches.
+
+    `per_example_grad_gram(fun)(*args)` is the `N x N` matrix
+    `G[i, j] = <g_i, g_j>` of the per-example gradients `g_i = jax.grad(fun,
+    argnums)(example i)` (the dot product summed over every differentiated leaf).
+    With a second batch, `gram(*args, other=other_args)` is the `N x M` cross-Gram
+    `G[i, j] = <g_i(args), g_j(other_args)>`: `other_args` is a tuple of `fun`'s
+    positional arguments for the `M` other examples (its differentiated arguments
+    are usually the same parameters), e.g. training examples against test
+    predictions for TracIn-style influence scores. To restrict the dot products to
+    some parameters (the last layers, as attribution methods often do), pass those
+    as the differentiated argument and the others unmapped.
+
+    The rows are evaluated `batch_size` examples at a time, and for each such chunk
+    the other batch `other_batch_size` examples at a time (default: `batch_size`),
+    so memory holds `batch_size + other_batch_size` gradients and the `batch_size x
+    M` block of the result; the other batch's gradients are recomputed once per
+    chunk of rows.
+
+    Args:
+      fun: the loss of one example; a real scalar.
+      argnums: which positional argument(s) to differentiate.
+      batch_argnums: the positional arguments holding the examples (default: every
+        argument not in `argnums`), in both batches.
+      batch_size: examples of the rows' batch per chunk (None: all at once).
+      other_batch_size: examples of the other batch per chunk (default:
+        `batch_size`).
+      shard: spread the rows' examples over the devices of `mesh` (see
+        `batch_vmap`).
+      mesh: the mesh for `shard`.
+      remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
+      progress: a host progress bar over the chunks of rows.
+      chunk_size: an alias of `batch_size`.
+
+    Returns:
+      A function of `fun`'s arguments (and `other=`, a tuple of them) returning the
+      Gram matrix, float32 (at least), shape `(N, N)` or `(N, M)`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import per_example_grad_gram
+      >>> def loss(w, x):
+      ...     return jnp.dot(w, x)  # the gradient of example x is x itself
+      >>> x = jnp.array([[1.0, 0.0], [3.0, 2.0], [0.0, 1.0]])
+      >>> per_example_grad_gram(loss, batch_size=2)(jnp.ones(2), x)
+      Array([[ 1.,  3.,  0.],
+             [ 3., 13.,  2.],
+             [ 0.,  2.,  1.]], dtype=float32)
+    """
+    name = "per_example_grad_gram"
+    setup = GradSetup(
+        name,
+        fun,
+        argnums,
+        batch_argnums,
+        exclusive=True,
+        batch_size=batch_size,
+        chunk_size=chunk_size,
+        shard=shard,
+        mesh=mesh,
+        remat=remat,
+        progress=progress,
+    )
+    inner_size = other_batch_size
+    if inner_size is None:
+        inner_size = setup.mapper.options.batch_size
+    # the other batch's chunking (validated now, so errors name this function)
+    inner_setup = GradSetup(
+        name, fun, argnums, batch_argnums, exclusive=True, batch_size=inner_size
+    )
+
+    def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        kwargs = dict(kwargs)
+        other = tuple(kwargs.pop("other", args))
+        if kwargs:
+            raise TypeError(
+                f"{name} takes fun's positional arguments and other= only, but got "
+                f"the keyword arguments {sorted(kwargs)}."
+            )
+        diff, in_axes = setup.resolve(args)
+        other_diff, other_axes = inner_setup.resolve(other)
+        if other_diff != diff or len(other) != len(args):
+            raise ValueError(
+                f"{name} other= must hold fun's {len(args)} positional arguments, "
+                f"as the call does, but got {len(other)}."
+            )
+        grad = filtered_value_and_grad(fun, diff, setup.single, False, name)
+
+        def row(*example: Any) -> Any:  # one example's dot products with `other`
+            _, g = grad(*example)
+
+            def entry(g: Any, *other_example: Any) -> Any:
+                _, h = grad(*other_example)
+                return _tree_vdot(g, h)
+
+            axes = (None, *other_axes)
+            return batch_vmap(entry, in_axes=axes, batch_size=inner_size)(g, *other)
+
+        return setup.map(row, args, {}, in_axes, known)
+
+    return setup.mapper.transform(call, fun)

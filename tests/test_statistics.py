@@ -1,0 +1,257 @@
+"""Per-example gradient statistics against `jax.vmap(jax.grad(fun))` followed by the
+statistic: norms (both methods), mean / variance / sum of squares, Gram matrices;
+on an MLP and the models DP is trained on (GPT-style LMs with gathered and tied
+embeddings and a scanned layer stack, a convnet), over chunk plans, meshes and
+dtypes, with the memory each holds."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from chunkvmap import (
+    GradStats,
+    per_example_grad_gram,
+    per_example_grad_norms,
+    per_example_grad_stats,
+)
+
+from . import test_ghost_models as models
+from .helpers import init_mlp, mlp, temp_bytes, tree_allclose
+
+
+def mlp_loss(p, x, y):
+    return jnp.sum((mlp(p, x) - y) ** 2)
+
+
+def mlp_data(n, sizes=(4, 8, 3), seed=0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    params = init_mlp(k[0], list(sizes))
+    x = jax.random.normal(k[1], (n, sizes[0]))
+    y = jax.random.normal(k[2], (n, sizes[-1]))
+    return params, x, y
+
+
+def oracle_grads(loss, params, *batch):
+    """The N per-example gradients (leaves with a leading N), and flattened."""
+    grads = jax.vmap(jax.grad(loss), in_axes=(None, *[0] * len(batch)))(params, *batch)
+    n = batch[0].shape[0]
+    flat = jnp.concatenate([g.reshape(n, -1) for g in jax.tree.leaves(grads)], 1)
+    return grads, flat
+
+
+def test_norms_match_vmap_on_the_dp_models():
+    """Both methods on the GPT-style LMs (gathered, tied, scanned) and the convnet,
+    N = 7 in chunks of 3; ghost forms no per-example gradient there."""
+    params, loss = models.dp_models()
+    data = models.dp_batch(7)
+    _, flat = oracle_grads(loss, params, *data)
+    expected = jnp.linalg.norm(flat, axis=1)
+    for method in ("vmap", "ghost"):
+        norms = jax.jit(per_example_grad_norms(loss, batch_size=3, method=method))(
+            params, *data
+        )
+        assert norms.shape == (7,) and norms.dtype == jnp.float32
+        np.testing.assert_allclose(norms, expected, rtol=2e-5)
+
+
+@pytest.mark.parametrize("n, batch", [(1, 1), (7, 3), (12, 4), (5, 8)])
+def test_stats_match_vmap_over_chunk_plans(n, batch):
+    params, x, y = mlp_data(n)
+    grads, flat = oracle_grads(mlp_loss, params, x, y)
+    stats = per_example_grad_stats(mlp_loss, batch_size=batch)(params, x, y)
+    assert isinstance(stats, GradStats) and stats.aux is None
+    tree_allclose(stats.mean, jax.tree.map(lambda g: g.mean(0), grads))
+    tree_allclose(
+        stats.variance, jax.tree.map(lambda g: g.var(0), grads), rtol=1e-4, atol=1e-5
+    )
+    tree_allclose(stats.sum_sq, jax.tree.map(lambda g: (g**2).sum(0), grads), rtol=1e-4)
+    np.testing.assert_allclose(stats.sq_norms, (flat**2).sum(1), rtol=1e-5)
+
+
+def test_stats_on_the_dp_models_with_aux():
+    params, loss = models.dp_models()
+    data = models.dp_batch(7)
+    grads, flat = oracle_grads(loss, params, *data)
+
+    def with_aux(p, tokens, img, label):
+        return loss(p, tokens, img, label), {"label": label}
+
+    stats = jax.jit(per_example_grad_stats(with_aux, has_aux=True, batch_size=3))(
+        params, *data
+    )
+    tree_allclose(stats.mean, jax.tree.map(lambda g: g.mean(0), grads), atol=1e-6)
+    tree_allclose(
+        stats.variance, jax.tree.map(lambda g: g.var(0), grads), rtol=1e-4, atol=1e-6
+    )
+    np.testing.assert_allclose(stats.sq_norms, (flat**2).sum(1), rtol=1e-5)
+    np.testing.assert_array_equal(stats.aux["label"], data[2])
+
+
+def test_variance_is_exact_beside_a_large_mean():
+    """Gradients with mean 1e4 and spread 1: a float32 variance from sums of squares
+    (`E[g^2] - E[g]^2`) loses every digit; chunks merged by their means and centred
+    sums keep it to float32's precision."""
+    offsets = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32)
+
+    def loss(w, d):
+        return jnp.dot(w, 1e4 + d)  # the gradient of example d is 1e4 + d
+
+    stats = per_example_grad_stats(loss, batch_size=7)(jnp.zeros(3), offsets)
+    expected = np.var(1e4 + offsets.astype(np.float64), axis=0)
+    np.testing.assert_allclose(stats.variance, expected, rtol=2e-3)
+
+
+def test_bf16_parameters_give_float32_statistics():
+    params, x, y = mlp_data(6)
+    params16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+
+    def loss(p, x, y):
+        return mlp_loss(p, x.astype(jnp.bfloat16), y.astype(jnp.bfloat16)).astype(
+            jnp.float32
+        )
+
+    grads = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(params16, x, y)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    stats = per_example_grad_stats(loss, batch_size=4)(params16, x, y)
+    for leaf in jax.tree.leaves((stats.mean, stats.variance, stats.sum_sq)):
+        assert leaf.dtype == jnp.float32
+    # bfloat16 gradients (8 bits of mantissa) round differently when XLA fuses the
+    # chunked program differently: equal to bfloat16's precision
+    tree_allclose(
+        stats.mean, jax.tree.map(lambda g: g.mean(0), grads), rtol=2e-2, atol=2e-3
+    )
+    tree_allclose(stats.sum_sq, jax.tree.map(lambda g: (g**2).sum(0), grads), rtol=2e-2)
+    norms = per_example_grad_norms(loss, batch_size=4)(params16, x, y)
+    np.testing.assert_allclose(norms**2, stats.sq_norms, rtol=1e-2)
+
+
+def test_stats_and_norms_on_a_mesh():
+    """Examples split over 8 devices (13: a global remainder) and over an Explicit
+    mesh (16, sharded): the chunks' moments merge across devices as within one."""
+    params, x, y = mlp_data(16)
+    grads, flat = oracle_grads(mlp_loss, params, x[:13], y[:13])
+    stats = jax.jit(per_example_grad_stats(mlp_loss, batch_size=1, shard=True))(
+        params, x[:13], y[:13]
+    )
+    tree_allclose(stats.mean, jax.tree.map(lambda g: g.mean(0), grads))
+    tree_allclose(
+        stats.variance, jax.tree.map(lambda g: g.var(0), grads), rtol=1e-4, atol=1e-6
+    )
+    np.testing.assert_allclose(stats.sq_norms, (flat**2).sum(1), rtol=1e-5)
+
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    where = jax.sharding.NamedSharding(mesh, jax.P("data"))
+    grads, flat = oracle_grads(mlp_loss, params, x, y)
+    with jax.set_mesh(mesh):
+        xs, ys = jax.device_put(x, where), jax.device_put(y, where)
+        stats = per_example_grad_stats(mlp_loss, batch_size=3)(params, xs, ys)
+        norms = per_example_grad_norms(mlp_loss, batch_size=3, method="ghost")(
+            params, xs, ys
+        )
+    tree_allclose(
+        stats.variance, jax.tree.map(lambda g: g.var(0), grads), rtol=1e-4, atol=1e-6
+    )
+    np.testing.assert_allclose(norms, jnp.linalg.norm(flat, axis=1), rtol=1e-5)
+    assert norms.sharding.spec == jax.P("data")
+
+
+@pytest.mark.parametrize("batch, other_batch", [(3, 2), (None, None), (8, None)])
+def test_gram_matches_vmap(batch, other_batch):
+    params, x, y = mlp_data(7)
+    _, flat = oracle_grads(mlp_loss, params, x, y)
+    gram = per_example_grad_gram(
+        mlp_loss, batch_size=batch, other_batch_size=other_batch
+    )
+    expected = flat @ flat.T
+    scale = float(jnp.abs(expected).max())
+    np.testing.assert_allclose(gram(params, x, y), expected, atol=1e-5 * scale)
+    _, x2, y2 = mlp_data(5, seed=1)
+    _, flat2 = oracle_grads(mlp_loss, params, x2, y2)
+    cross = jax.jit(gram)(params, x, y, other=(params, x2, y2))
+    assert cross.shape == (7, 5)
+    np.testing.assert_allclose(cross, flat @ flat2.T, atol=1e-5 * scale)
+
+
+def test_gram_on_the_dp_models_and_a_parameter_subset():
+    """The LMs and the convnet; then the dot products of the convnet's output layer
+    only (its other parameters passed unmapped, not differentiated)."""
+    params, loss = models.dp_models()
+    data = models.dp_batch(5)
+    _, flat = oracle_grads(loss, params, *data)
+    gram = jax.jit(per_example_grad_gram(loss, batch_size=2))(params, *data)
+    expected = flat @ flat.T
+    np.testing.assert_allclose(gram, expected, atol=1e-5 * float(expected.max()))
+
+    def last_layer_loss(fc, rest, tokens, img, label):
+        return models.cnn_loss({**rest, "fc": fc}, img, label)
+
+    cnn = params["cnn"]
+    rest = {k: v for k, v in cnn.items() if k != "fc"}
+    fc_grads = jax.vmap(jax.grad(last_layer_loss), in_axes=(None, None, 0, 0, 0))(
+        cnn["fc"], rest, *data
+    )
+    fc_flat = fc_grads.reshape(5, -1)
+    sub = per_example_grad_gram(last_layer_loss, batch_argnums=(2, 3, 4), batch_size=2)(
+        cnn["fc"], rest, *data
+    )
+    np.testing.assert_allclose(sub, fc_flat @ fc_flat.T, rtol=1e-5, atol=1e-6)
+
+
+def test_equinox_modules_as_parameters():
+    """An Equinox MLP (its activation function and static fields are not
+    differentiated): norms and stats as from `eqx.filter_vmap(eqx.filter_grad)`."""
+    model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (9, 3))
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    grads = eqx.filter_vmap(eqx.filter_grad(loss), in_axes=(None, 0))(model, x)
+    leaves = [g for g in jax.tree.leaves(grads)]
+    flat = jnp.concatenate([g.reshape(9, -1) for g in leaves], 1)
+    for method in ("vmap", "ghost"):
+        norms = per_example_grad_norms(loss, batch_size=4, method=method)(model, x)
+        np.testing.assert_allclose(norms, jnp.linalg.norm(flat, axis=1), rtol=1e-5)
+    stats = per_example_grad_stats(loss, batch_size=4)(model, x)
+    expected = jax.tree.map(lambda g: g.var(0), grads)
+    tree_allclose(
+        jax.tree.leaves(stats.variance), jax.tree.leaves(expected), rtol=1e-4, atol=1e-6
+    )
+
+
+def test_memory_is_a_chunk_of_gradients_not_n():
+    """Compiled temporary memory of N = 512 examples of a 784-256-10 MLP (about
+    200k parameters) in chunks of 16: each statistic holds a few chunks of
+    gradients, where `jax.vmap(jax.grad)` holds all N."""
+    params, x, y = mlp_data(512, sizes=(784, 256, 10))
+    n_params = sum(a.size for a in jax.tree.leaves(params))
+    chunk = 16 * n_params * 4
+    full = temp_bytes(
+        lambda p, x, y: jax.vmap(jax.grad(mlp_loss), in_axes=(None, 0, 0))(p, x, y),
+        params, x, y,
+    )  # fmt: skip
+    assert full > 20 * chunk
+    for fn in (
+        per_example_grad_stats(mlp_loss, batch_size=16),
+        per_example_grad_norms(mlp_loss, batch_size=16),
+        per_example_grad_norms(mlp_loss, batch_size=16, method="ghost"),
+    ):
+        assert temp_bytes(fn, params, x, y) < 4 * chunk
+    gram = per_example_grad_gram(mlp_loss, batch_size=16, other_batch_size=8)
+    assert temp_bytes(gram, params, x, y) < 4 * chunk
+
+
+def test_errors_name_the_function_and_argument():
+    params, x, y = mlp_data(3)
+    with pytest.raises(ValueError, match="per_example_grad_stats needs at least one"):
+        per_example_grad_stats(mlp_loss)(params, x[:0], y[:0])
+    with pytest.raises(ValueError, match="per_example_grad_norms method must be one"):
+        per_example_grad_norms(mlp_loss, method="fast")
+    with pytest.raises(ValueError, match="other= must hold fun's 3 positional"):
+        per_example_grad_gram(mlp_loss)(params, x, y, other=(params, x))
+    with pytest.raises(TypeError, match="takes fun's positional arguments and other="):
+        per_example_grad_gram(mlp_loss)(params, x, y, scale=2.0)
