@@ -6,6 +6,8 @@ dtypes, with the memory each holds."""
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -37,25 +39,32 @@ def mlp_data(n, sizes=(4, 8, 3), seed=0):
 
 def oracle_grads(loss, params, *batch):
     """The N per-example gradients (leaves with a leading N), and flattened."""
-    grads = jax.vmap(jax.grad(loss), in_axes=(None, *[0] * len(batch)))(params, *batch)
+    in_axes = (None, *[0] * len(batch))
+    grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=in_axes))(params, *batch)
     n = batch[0].shape[0]
     flat = jnp.concatenate([g.reshape(n, -1) for g in jax.tree.leaves(grads)], 1)
     return grads, flat
 
 
-def test_norms_match_vmap_on_the_dp_models():
-    """Both methods on the GPT-style LMs (gathered, tied, scanned) and the convnet,
-    N = 7 in chunks of 3; ghost forms no per-example gradient there."""
+@functools.cache
+def dp_case(n, seed=40):
+    """The models DP is trained on (`test_ghost_models.dp_models`), a batch of `n`
+    examples and its per-example gradients (computed once per file)."""
     params, loss = models.dp_models()
-    data = models.dp_batch(7)
-    _, flat = oracle_grads(loss, params, *data)
-    expected = jnp.linalg.norm(flat, axis=1)
-    for method in ("vmap", "ghost"):
-        norms = jax.jit(per_example_grad_norms(loss, batch_size=3, method=method))(
-            params, *data
-        )
-        assert norms.shape == (7,) and norms.dtype == jnp.float32
-        np.testing.assert_allclose(norms, expected, rtol=2e-5)
+    data = models.dp_batch(n, seed)
+    return params, loss, data, *oracle_grads(loss, params, *data)
+
+
+def test_norms_match_vmap_on_the_dp_models():
+    """Ghost norms on the GPT-style LMs (gathered, tied, scanned) and the convnet,
+    N = 7 in chunks of 3 (every leaf has a rule there: no per-example gradient;
+    `method="vmap"` is the MLP's and Equinox's test below)."""
+    params, loss, data, _, flat = dp_case(7)
+    norms = jax.jit(per_example_grad_norms(loss, batch_size=3, method="ghost"))(
+        params, *data
+    )
+    assert norms.shape == (7,) and norms.dtype == jnp.float32
+    np.testing.assert_allclose(norms, jnp.linalg.norm(flat, axis=1), rtol=2e-5)
 
 
 @pytest.mark.parametrize("n, batch", [(1, 1), (7, 3), (12, 4), (5, 8)])
@@ -73,9 +82,7 @@ def test_stats_match_vmap_over_chunk_plans(n, batch):
 
 
 def test_stats_on_the_dp_models_with_aux():
-    params, loss = models.dp_models()
-    data = models.dp_batch(7)
-    grads, flat = oracle_grads(loss, params, *data)
+    params, loss, data, grads, flat = dp_case(7)
 
     def with_aux(p, tokens, img, label):
         return loss(p, tokens, img, label), {"label": label}
@@ -159,12 +166,15 @@ def test_stats_and_norms_on_a_mesh():
     assert norms.sharding.spec == jax.P("data")
 
 
-@pytest.mark.parametrize("batch, other_batch", [(3, 2), (None, None), (8, None)])
-def test_gram_matches_vmap(batch, other_batch):
+@pytest.mark.parametrize(
+    "batch, other_batch, method",
+    [(3, 2, "vmap"), (None, None, "vmap"), (8, None, "ghost"), (3, 2, "ghost")],
+)
+def test_gram_matches_vmap(batch, other_batch, method):
     params, x, y = mlp_data(7)
     _, flat = oracle_grads(mlp_loss, params, x, y)
     gram = per_example_grad_gram(
-        mlp_loss, batch_size=batch, other_batch_size=other_batch
+        mlp_loss, batch_size=batch, other_batch_size=other_batch, method=method
     )
     expected = flat @ flat.T
     scale = float(jnp.abs(expected).max())
@@ -177,14 +187,17 @@ def test_gram_matches_vmap(batch, other_batch):
 
 
 def test_gram_on_the_dp_models_and_a_parameter_subset():
-    """The LMs and the convnet; then the dot products of the convnet's output layer
-    only (its other parameters passed unmapped, not differentiated)."""
-    params, loss = models.dp_models()
-    data = models.dp_batch(5)
-    _, flat = oracle_grads(loss, params, *data)
-    gram = jax.jit(per_example_grad_gram(loss, batch_size=2))(params, *data)
-    expected = flat @ flat.T
-    np.testing.assert_allclose(gram, expected, atol=1e-5 * float(expected.max()))
+    """The LMs and the convnet by ghost rules (dense pairs over tokens, embedding
+    rows matched by token, convolution patches), a batch against another (the MLP's
+    test covers a batch against itself); then the dot products of the convnet's
+    output layer only (its other parameters passed unmapped, not differentiated)."""
+    params, loss, data, _, flat = dp_case(7)
+    *_, other, _, other_flat = dp_case(3, seed=50)
+    gram = jax.jit(per_example_grad_gram(loss, batch_size=3, method="ghost"))
+    cross = gram(params, *data, other=(params, *other))
+    expected = flat @ other_flat.T
+    scale = float(jnp.abs(expected).max())
+    np.testing.assert_allclose(cross, expected, atol=1e-5 * scale)
 
     def last_layer_loss(fc, rest, tokens, img, label):
         return models.cnn_loss({**rest, "fc": fc}, img, label)
@@ -194,7 +207,7 @@ def test_gram_on_the_dp_models_and_a_parameter_subset():
     fc_grads = jax.vmap(jax.grad(last_layer_loss), in_axes=(None, None, 0, 0, 0))(
         cnn["fc"], rest, *data
     )
-    fc_flat = fc_grads.reshape(5, -1)
+    fc_flat = fc_grads.reshape(7, -1)
     sub = per_example_grad_gram(last_layer_loss, batch_argnums=(2, 3, 4), batch_size=2)(
         cnn["fc"], rest, *data
     )
@@ -243,6 +256,11 @@ def test_memory_is_a_chunk_of_gradients_not_n():
         assert temp_bytes(fn, params, x, y) < 4 * chunk
     gram = per_example_grad_gram(mlp_loss, batch_size=16, other_batch_size=8)
     assert temp_bytes(gram, params, x, y) < 4 * chunk
+    # by ghost rules: activations and cotangents only, no gradient formed
+    ghost = per_example_grad_gram(
+        mlp_loss, batch_size=16, other_batch_size=8, method="ghost"
+    )
+    assert temp_bytes(ghost, params, x, y) < chunk / 8
 
 
 def test_errors_name_the_function_and_argument():
@@ -255,3 +273,7 @@ def test_errors_name_the_function_and_argument():
         per_example_grad_gram(mlp_loss)(params, x, y, other=(params, x))
     with pytest.raises(TypeError, match="takes fun's positional arguments and other="):
         per_example_grad_gram(mlp_loss)(params, x, y, scale=2.0)
+    with pytest.raises(ValueError, match="method='ghost' needs other= examples of"):
+        per_example_grad_gram(mlp_loss, method="ghost")(
+            params, x, y, other=(params, x[:, :2], y)
+        )

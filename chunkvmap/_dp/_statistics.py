@@ -29,7 +29,7 @@ from .._core._loop import Accumulator
 from .._core._options import check_bool, decorator_form
 from .._transforms._batch_vmap import batch_vmap
 from .._transforms._grads import GradSetup, filtered_value_and_grad
-from . import _clipping
+from . import _clipping, _ghost, _ghost_rules as rules
 
 
 def _stats_dtype(dtype: Any) -> Any:
@@ -351,6 +351,92 @@ def _tree_vdot(a: Any, b: Any) -> jax.Array:
     return total
 
 
+def _shapes(args: tuple, in_axes: tuple) -> list[Any]:
+    """The types of one example of the mapped arguments (and the others whole)."""
+    return [
+        (jnp.shape(x)[1:] if a is not None else jnp.shape(x), jnp.result_type(x))
+        for arg, a in zip(args, in_axes)
+        for x in jax.tree.leaves(arg)
+    ]
+
+
+class _GhostDots:
+    """Dot products of two examples' gradients by ghost clipping's rules: each
+    example's loss is evaluated once with probes (`_ghost.Plan.run`), giving every
+    use's activations and cotangents; a leaf under a ghost rule gets
+    `<G(a), G(b)> = sum_{u, v} <G_u(a), G_v(b)>` from those arrays (for a dense use
+    `sum_{t, s} <x_t, x'_s> <d_t, d'_s>`; for embedding lookups, the cotangents of
+    matching rows), any other leaf its gradient formed per example."""
+
+    def __init__(self, name: str, fun: Any, args: tuple, diff: tuple, in_axes: tuple):
+        mapped = [i for i, a in enumerate(in_axes) if a is not None]
+        self.traced = traced = _ghost.Traced(
+            fun, list(args), {}, diff, mapped,
+            strip=True, has_aux=False, keep_batch_dim=False,
+        )  # fmt: skip
+        value = traced.value_aval
+        if (
+            value is None
+            or value.shape != ()
+            or not jnp.issubdtype(value.dtype, jnp.floating)
+        ):
+            raise TypeError(
+                f"{name} fun must return a real scalar loss, but it returns {value}."
+            )
+        leaves = traced.plan.leaves
+        self.ghost = [k for k, x in enumerate(leaves) if x.rule == _ghost.GHOST]
+        self.formed = [k for k, x in enumerate(leaves) if x.rule == _ghost.INSTANTIATED]
+        self.pe = [k for k, x in enumerate(leaves) if x.rule == _ghost.PER_EXAMPLE]
+        self.acc = _ghost.accumulation_dtype([x.dtype for x in leaves])
+
+    def parts(self, example: Sequence[Any]) -> tuple[Any, Any, Any]:
+        """One example's plan, the arrays of its ghost leaves' uses, and the
+        gradients of the others."""
+        traced = self.traced
+        values = traced.arrays(list(example), {})
+        plan = traced.plan_here(values)
+        positions = plan.diff_positions
+
+        def loss(probes: dict, pe_values: list) -> Any:
+            vals = list(values)
+            for k, v in zip(self.pe, pe_values):
+                vals[positions[k]] = v
+            outs, records = plan.run(vals, probes)
+            return outs[0], records
+
+        (deltas, pe_grads), records = jax.grad(loss, argnums=(0, 1), has_aux=True)(
+            plan.probes(), [values[positions[k]] for k in self.pe]
+        )
+        arrays = {k: plan.arrays(k, records, deltas) for k in self.ghost}
+        grads = {k: plan.instantiate(k, records, deltas) for k in self.formed}
+        grads.update(zip(self.pe, pe_grads))
+        return plan, arrays, grads
+
+    def dot(self, plan: Any, a: tuple, b: tuple) -> jax.Array:
+        """`<g(a), g(b)>` from two examples' `(arrays, grads)`."""
+        (arrays_a, grads_a), (arrays_b, grads_b) = a, b
+        total = jnp.zeros((), self.acc)
+        for k in self.ghost:
+            leaf = plan.leaves[k]
+            for (i, j), p in leaf.pairs.items():
+                u, v = leaf.uses[i].form, leaf.uses[j].form
+                ai, aj, bi, bj = (
+                    arrays_a[k][i],
+                    arrays_a[k][j],
+                    arrays_b[k][i],
+                    arrays_b[k][j],
+                )
+                total = total + rules.pair_term(p.kind, u, ai, v, bj, self.acc)
+                if i != j:  # the ordered pair (j, i) too: <G_j(a), G_i(b)>
+                    total = total + rules.pair_term(p.kind, u, bi, v, aj, self.acc)
+        for k, g in grads_a.items():
+            h = grads_b[k]
+            total = total + jnp.real(
+                jnp.vdot(h.astype(self.acc), g.astype(self.acc))
+            ).astype(self.acc)
+        return total
+
+
 @decorator_form("fun")
 def per_example_grad_gram(
     fun: Callable[..., Any],
@@ -359,6 +445,7 @@ def per_example_grad_gram(
     batch_argnums: int | Sequence[int] | None = None,
     batch_size: int | None = None,
     other_batch_size: int | None = None,
+    method: str = "vmap",
     shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
@@ -416,6 +503,7 @@ def per_example_grad_gram(
              [ 0.,  2.,  1.]], dtype=float32)
     """
     name = "per_example_grad_gram"
+    _clipping._check_method(name, method)
     setup = GradSetup(
         name,
         fun,
@@ -452,6 +540,29 @@ def per_example_grad_gram(
                 f"{name} other= must hold fun's {len(args)} positional arguments, "
                 f"as the call does, but got {len(other)}."
             )
+        axes = (None, *other_axes)
+        if method == "ghost":
+            shapes, other_shapes = _shapes(args, in_axes), _shapes(other, other_axes)
+            if other_shapes != shapes:
+                raise ValueError(
+                    f"{name} method='ghost' needs other= examples of the shapes of "
+                    f"the call's ({shapes}), but got {other_shapes}; use "
+                    f"method='vmap'."
+                )
+            dots = _GhostDots(name, fun, args, diff, in_axes)
+
+            def ghost_row(*example: Any) -> Any:
+                _, *mine = dots.parts(example)
+
+                def entry(mine: Any, *other_example: Any) -> Any:
+                    plan, *theirs = dots.parts(other_example)
+                    return dots.dot(plan, tuple(mine), tuple(theirs))
+
+                inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
+                return inner(mine, *other)
+
+            return setup.map(ghost_row, args, {}, in_axes, known)
+
         grad = filtered_value_and_grad(fun, diff, setup.single, False, name)
 
         def row(*example: Any) -> Any:  # one example's dot products with `other`
@@ -461,8 +572,8 @@ def per_example_grad_gram(
                 _, h = grad(*other_example)
                 return _tree_vdot(g, h)
 
-            axes = (None, *other_axes)
-            return batch_vmap(entry, in_axes=axes, batch_size=inner_size)(g, *other)
+            inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
+            return inner(g, *other)
 
         return setup.map(row, args, {}, in_axes, known)
 
