@@ -38,6 +38,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_sharding.py --out benchmarks/results/sharding.md
 	$(BIN)/python benchmarks/bench_compile.py --out benchmarks/results/compile.md
 	$(BIN)/python benchmarks/bench_clipping.py --out benchmarks/results/clipping.md
+	$(BIN)/python benchmarks/bench_statistics.py --out benchmarks/results/statistics.md
 
 # On a machine with a GPU: the headline workloads until jax.vmap runs out of memory,
 # under 4 minutes (`python benchmarks/gpu.py --quick` is the CPU smoke test).

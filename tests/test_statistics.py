@@ -7,6 +7,8 @@ dtypes, with the memory each holds."""
 from __future__ import annotations
 
 import functools
+import importlib.util
+import pathlib
 
 import equinox as eqx
 import jax
@@ -277,3 +279,26 @@ def test_errors_name_the_function_and_argument():
         per_example_grad_gram(mlp_loss, method="ghost")(
             params, x, y, other=(params, x[:, :2], y)
         )
+
+
+def test_tracin_example_finds_flipped_labels_and_proponents(capsys):
+    """examples/tracin.py: ghost self-influence ranks the flipped labels first (far
+    above chance), proponents share their test example's label, and the scores are
+    `sum_c lr <g_c(train), g_c(test)>` computed from `jax.vmap(jax.grad)`."""
+    path = pathlib.Path(__file__).parents[1] / "examples" / "tracin.py"
+    spec = importlib.util.spec_from_file_location("tracin", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--epochs", "4", "--test-examples", "2"])
+    assert "strongest proponents" in capsys.readouterr().out
+    assert result["precision"] > 10 * result["chance"]
+    assert result["same_label"] >= 0.8
+    (x, y), (xs, ys) = result["train"], result["test"]
+    expected = 0.0
+    for params in result["checkpoints"]:
+        _, train_flat = oracle_grads(module.loss, params, x, y)
+        _, test_flat = oracle_grads(module.loss, params, xs, ys)
+        expected = expected + 0.1 * train_flat @ test_flat.T
+    scale = float(np.abs(expected).max())
+    np.testing.assert_allclose(result["scores"], expected, atol=1e-5 * scale)

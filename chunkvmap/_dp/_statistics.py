@@ -9,7 +9,7 @@ What is wanted from per-example gradients is usually a statistic of them, not th
 * `per_example_grad_stats`: the mean gradient, the per-parameter variance and sum of
   squares over the examples, and the squared norms, in one pass;
 * `per_example_grad_gram`: `<g_i(a), g_j(b)>` between the examples of two batches (or
-  of one), chunked over both.
+  of one), chunked over both (`method="ghost"`: from activations and cotangents).
 
 Each chunk forms the gradients of its examples only, so memory is that of `batch_size`
 gradients (plus the statistic), never `N x parameters`.
@@ -468,9 +468,10 @@ def per_example_grad_gram(
 
     The rows are evaluated `batch_size` examples at a time, and for each such chunk
     the other batch `other_batch_size` examples at a time (default: `batch_size`),
-    so memory holds `batch_size + other_batch_size` gradients and the `batch_size x
-    M` block of the result; the other batch's gradients are recomputed once per
-    chunk of rows.
+    so memory holds `batch_size + other_batch_size` gradients (with
+    `method="ghost"`: their activations and cotangents) and the `batch_size x M`
+    block of the result; the other batch's gradients are recomputed once per chunk
+    of rows.
 
     Args:
       fun: the loss of one example; a real scalar.
@@ -480,6 +481,12 @@ def per_example_grad_gram(
       batch_size: examples of the rows' batch per chunk (None: all at once).
       other_batch_size: examples of the other batch per chunk (default:
         `batch_size`).
+      method: "vmap" (each chunk's per-example gradients, dotted) or "ghost"
+        (each dot product from the two examples' activations and cotangents by
+        ghost clipping's rules, e.g. `sum_{t, s} <x_t, x'_s> <d_t, d'_s>` for a
+        dense use, matching rows for an embedding lookup; the gradients of other
+        leaves are formed per example). With "ghost" the other batch's examples
+        must have the shapes of the call's.
       shard: spread the rows' examples over the devices of `mesh` (see
         `batch_vmap`).
       mesh: the mesh for `shard`.

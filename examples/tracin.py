@@ -1,0 +1,166 @@
+"""TracIn on scikit-learn's digits: which training examples shaped a prediction.
+
+TracIn (Pruthi et al., 2020) scores the influence of training example `z` on a test
+example `z'` by the dot products of their loss gradients, summed over checkpoints of
+the training run and weighted by the learning rate:
+`TracIn(z, z') = sum_c lr_c <g_c(z), g_c(z')>`. Its self-influence
+`sum_c lr_c ||g_c(z)||^2` is large for examples the model finds hard to fit, such as
+mislabelled ones.
+
+This script trains a small MLP with SGD on the digits, with 5% of the training labels
+flipped at random, keeping a checkpoint per epoch; then, with chunkvmap:
+
+* `per_example_grad_norms` (ghost norms: no per-example gradient is formed) gives every
+  training example's self-influence, and the examples with the largest are checked
+  against the flipped ones;
+* `per_example_grad_gram` with `other=` (the cross-Gram of training against test
+  examples, by ghost rules as well) gives the influence of every training example on
+  a few test predictions, and the most influential ones (proponents) are shown with
+  their labels and images.
+
+Memory holds a chunk of activations and cotangents, never the training set's
+per-example gradients.
+
+    python examples/tracin.py [--epochs 10] [--batch-size 128] [--test-examples 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from chunkvmap import per_example_grad_gram, per_example_grad_norms
+from chunkvmap.demo import init_mlp, load_digits, logits, loss
+
+
+SHADES = " .:-=+*#%@"
+
+
+def flip_labels(
+    y: np.ndarray, share: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`y` with a random `share` of its labels changed to another class, and which."""
+    rng = np.random.default_rng(seed)
+    flipped = rng.random(len(y)) < share
+    noisy = y.copy()
+    noisy[flipped] = (y[flipped] + rng.integers(1, 10, flipped.sum())) % 10
+    return noisy, flipped
+
+
+def train(x, y, epochs: int, lr: float, seed: int) -> list:
+    """SGD on mini-batches of 32; the parameters after every epoch."""
+    params = init_mlp(jax.random.key(seed), [64, 32, 10])
+
+    @jax.jit
+    def step(params, xb, yb):
+        grads = jax.grad(lambda p: jnp.mean(jax.vmap(loss, (None, 0, 0))(p, xb, yb)))(
+            params
+        )
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads)
+
+    rng = np.random.default_rng(seed)
+    checkpoints = []
+    usable = len(x) - len(x) % 32
+    for _ in range(epochs):
+        order = rng.permutation(len(x))[:usable].reshape(-1, 32)
+        for idx in order:
+            params = step(params, x[idx], y[idx])
+        checkpoints.append(params)
+    return checkpoints
+
+
+def predict(params, x):
+    """The logits of a batch of examples."""
+    return jax.vmap(logits, (None, 0))(params, x)
+
+
+def glyph(image: np.ndarray) -> list[str]:
+    """An 8x8 digit as 8 lines of text."""
+    levels = np.clip((image * (len(SHADES) - 1)).round().astype(int), 0, 9)
+    return ["".join(SHADES[v] * 2 for v in row) for row in levels.reshape(8, 8)]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--learning-rate", type=float, default=0.1)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--test-examples", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    x_train, x_test, y_clean, y_test = load_digits(args.seed)
+    y_train, flipped = flip_labels(y_clean, 0.05, args.seed)
+    checkpoints = train(x_train, y_train, args.epochs, args.learning_rate, args.seed)
+    accuracy = float(
+        jnp.mean(jnp.argmax(predict(checkpoints[-1], x_test), -1) == y_test)
+    )
+    print(
+        f"{len(x_train)} training examples ({flipped.sum()} labels flipped), "
+        f"{args.epochs} epochs of SGD: test accuracy {accuracy:.3f}"
+    )
+
+    # Self-influence: sum_c lr ||g_c(z)||^2, by ghost norms.
+    norms = jax.jit(
+        per_example_grad_norms(loss, batch_size=args.batch_size, method="ghost")
+    )
+    self_influence = sum(
+        args.learning_rate * norms(p, x_train, y_train) ** 2 for p in checkpoints
+    )
+    k = int(flipped.sum())
+    top = np.argsort(-np.asarray(self_influence))[:k]
+    precision = float(flipped[top].mean())
+    print(
+        f"\nSelf-influence: of the {k} training examples with the largest, "
+        f"{int(flipped[top].sum())} have a flipped label (precision {precision:.2f}; "
+        f"{flipped.mean():.2f} by chance)."
+    )
+
+    # Influence on test predictions: sum_c lr <g_c(z), g_c(z')>, by ghost rules.
+    chosen = np.arange(args.test_examples)
+    xs, ys = x_test[chosen], y_test[chosen]
+    gram = jax.jit(
+        per_example_grad_gram(loss, batch_size=args.batch_size, method="ghost")
+    )
+    scores = sum(
+        args.learning_rate * gram(p, x_train, y_train, other=(p, xs, ys))
+        for p in checkpoints
+    )
+    same = []
+    for j in range(len(chosen)):
+        proponents = np.argsort(-np.asarray(scores[:, j]))[:5]
+        same.append(float(np.mean(y_train[proponents] == ys[j])))
+        print(
+            f"\nTest example {chosen[j]} (label {ys[j]}) and its 5 strongest "
+            f"proponents (training label, influence):"
+        )
+        columns = [glyph(xs[j])] + [glyph(x_train[i]) for i in proponents]
+        for row in zip(*columns):
+            print("  " + "   ".join(row))
+        print(
+            "  "
+            + "   ".join(
+                f"{'test ' + str(ys[j]):<16}"
+                if c == 0
+                else f"{str(y_train[i]) + f' {float(scores[i, j]):.3f}':<16}"
+                for c, i in enumerate([None, *proponents])
+            )
+        )
+    share = float(np.mean(same))
+    print(f"\nProponents sharing their test example's label: {share:.2f}.")
+    return {
+        "accuracy": accuracy,
+        "precision": precision,
+        "chance": float(flipped.mean()),
+        "same_label": share,
+        "scores": np.asarray(scores),
+        "checkpoints": checkpoints,
+        "train": (x_train, y_train),
+        "test": (xs, ys),
+    }
+
+
+if __name__ == "__main__":
+    main()
