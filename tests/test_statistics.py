@@ -83,21 +83,18 @@ def test_stats_match_vmap_over_chunk_plans(n, batch):
     np.testing.assert_allclose(stats.sq_norms, (flat**2).sum(1), rtol=1e-5)
 
 
-def test_stats_on_the_dp_models_with_aux():
-    params, loss, data, grads, flat = dp_case(7)
+def test_stats_with_aux():
+    params, x, y = mlp_data(7)
+    grads, _ = oracle_grads(mlp_loss, params, x, y)
 
-    def with_aux(p, tokens, img, label):
-        return loss(p, tokens, img, label), {"label": label}
+    def with_aux(p, x, y):
+        return mlp_loss(p, x, y), {"y": y}
 
     stats = jax.jit(per_example_grad_stats(with_aux, has_aux=True, batch_size=3))(
-        params, *data
+        params, x, y
     )
-    tree_allclose(stats.mean, jax.tree.map(lambda g: g.mean(0), grads), atol=1e-6)
-    tree_allclose(
-        stats.variance, jax.tree.map(lambda g: g.var(0), grads), rtol=1e-4, atol=1e-6
-    )
-    np.testing.assert_allclose(stats.sq_norms, (flat**2).sum(1), rtol=1e-5)
-    np.testing.assert_array_equal(stats.aux["label"], data[2])
+    tree_allclose(stats.mean, jax.tree.map(lambda g: g.mean(0), grads))
+    np.testing.assert_array_equal(stats.aux["y"], y)
 
 
 def test_variance_is_exact_beside_a_large_mean():
@@ -236,6 +233,25 @@ def test_equinox_modules_as_parameters():
     tree_allclose(
         jax.tree.leaves(stats.variance), jax.tree.leaves(expected), rtol=1e-4, atol=1e-6
     )
+
+
+def test_norms_on_every_framework_with_aux():
+    """Ghost norms with `has_aux` on the layers of each framework as their users
+    write them (`test_ghost_models.families`: Equinox attention, MLP, embedding,
+    convolution and a scanned layer stack; linen `nn.Embed`/`attend`, `nn.Conv`,
+    `nn.scan(nn.remat(...))`; NNX `nnx.Embed`, `nnx.Conv`, `nnx.vmap`-stacked layers
+    run by `nnx.scan`), N = 5 in chunks of 2, against `jax.vmap(eqx.filter_grad)`."""
+    params, loss = models.families()
+    batch = models.family_batch(5)
+    grads, aux = eqx.filter_jit(
+        eqx.filter_vmap(eqx.filter_grad(loss, has_aux=True), in_axes=(None, 0))
+    )(params, batch)
+    flat = jnp.concatenate([g.reshape(5, -1) for g in jax.tree.leaves(grads)], 1)
+    norms, got_aux = eqx.filter_jit(
+        per_example_grad_norms(loss, has_aux=True, batch_size=2, method="ghost")
+    )(params, batch)
+    np.testing.assert_allclose(norms, jnp.linalg.norm(flat, axis=1), rtol=2e-5)
+    np.testing.assert_array_equal(got_aux["first"], batch["tok"][:, 0])
 
 
 def test_memory_is_a_chunk_of_gradients_not_n():

@@ -300,14 +300,22 @@ def per_example_grad_stats(
 
         def summarise(chunk: Any) -> Any:
             grads, sq_norms, aux = chunk
-            count = jnp.asarray(sq_norms.shape[0], jnp.float32)
-            mean = jax.tree.map(lambda g: g.mean(0), grads)
+            n = sq_norms.shape[0]
+            count = jnp.asarray(n, jnp.float32)
 
-            def centred(g: jax.Array) -> jax.Array:  # sum_i |g_i - mean|^2
-                d = g - g.mean(0, keepdims=True)
-                return jnp.sum(jnp.real(d * jnp.conj(d)), 0).astype(g.dtype)
+            def moments(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+                # The chunk's examples are along the last axis (`out_axes` below):
+                # contiguous reductions, fused with the subtraction and the square
+                # (over a leading axis they are strided, several times slower on
+                # CPU, and a contraction would materialise the squares).
+                mean = g.mean(-1)
+                d = g - mean[..., None]
+                return mean, jnp.sum(jnp.real(d * jnp.conj(d)), -1).astype(g.dtype)
 
-            m2 = jax.tree.map(centred, grads)
+            leaves, tree = jax.tree.flatten(grads)
+            pairs = [moments(g) for g in leaves]
+            mean = tree.unflatten([m for m, _ in pairs])
+            m2 = tree.unflatten([s for _, s in pairs])
             return (count, mean, m2), (sq_norms, aux)
 
         size = _axes_size(setup, args, in_axes, kwargs)
@@ -322,6 +330,7 @@ def per_example_grad_stats(
             kwargs,
             in_axes,
             known,
+            out_axes=(-1, 0, 0),
             accumulator=Accumulator(_merge_moments, summarise),
         )
         variance = jax.tree.map(lambda s: s / count.astype(s.dtype), m2)
