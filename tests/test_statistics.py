@@ -57,7 +57,8 @@ def dp_case(n, seed=40):
     return params, loss, data, *oracle_grads(loss, params, *data)
 
 
-@pytest.mark.parametrize("n, batch", [(1, 1), (7, 3), (12, 4), (5, 8)])
+# A remainder and B > N; divisors and single examples are the kernel's (test_loop)
+@pytest.mark.parametrize("n, batch", [(7, 3), (5, 8)])
 def test_stats_match_vmap_over_chunk_plans(n, batch):
     params, x, y = mlp_data(n)
     grads, flat = oracle_grads(mlp_loss, params, x, y)
@@ -160,7 +161,7 @@ def test_stats_and_norms_on_a_mesh():
 
 @pytest.mark.parametrize(
     "batch, other_batch, method",
-    [(3, 2, "vmap"), (None, None, "vmap"), (8, None, "ghost"), (3, 2, "ghost")],
+    [(3, 2, "vmap"), (8, None, "ghost"), (3, 2, "ghost")],
 )
 def test_gram_matches_vmap(batch, other_batch, method):
     params, x, y = mlp_data(7)
