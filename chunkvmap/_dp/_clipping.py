@@ -141,12 +141,32 @@ def global_norm(tree: Any) -> jax.Array:
     so a zero gradient gives norm 0 and finite derivatives. A gradient with a NaN has a
     NaN norm; one with an infinity (and no NaN) an infinite norm.
     """
+    return _norm_of_square(global_sq_norm(tree))
+
+
+def global_sq_norm(tree: Any) -> jax.Array:
+    """The squared L2 norm of all leaves together, accumulated in at least float32
+    (float64 for double-precision leaves)."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.zeros((), jnp.float32)
     acc = _ghost.accumulation_dtype([x.dtype for x in leaves])
-    total = sum(jnp.sum(jnp.square(jnp.abs(x).astype(acc))) for x in leaves)
-    return _norm_of_square(total)
+    return sum(jnp.sum(jnp.square(jnp.abs(x).astype(acc))) for x in leaves)
+
+
+def check_scalar_loss(name: str, traced: _ghost.Traced) -> None:
+    """The traced loss of one example is a real scalar (with aux: its first
+    element), as ghost clipping's rules need."""
+    value = traced.value_aval
+    if (
+        value is None
+        or value.shape != ()
+        or not jnp.issubdtype(value.dtype, jnp.floating)
+    ):
+        raise TypeError(
+            f"{name} fun must return a real scalar loss (with aux: as the first "
+            f"element), but it returns {value}."
+        )
 
 
 def _norm_of_square(total: jax.Array) -> jax.Array:
@@ -410,16 +430,7 @@ def _ghost_sums(
             keep_batch_dim=config.keep_batch_dim,
             expand=batch_args,
         )
-    value = traced.value_aval
-    if (
-        value is None
-        or value.shape != ()
-        or not jnp.issubdtype(value.dtype, jnp.floating)
-    ):
-        raise TypeError(
-            f"{name} fun must return a real scalar loss (with aux: as the first "
-            f"element), but it returns {value}."
-        )
+    check_scalar_loss(name, traced)
     report = traced.report()
     plan = traced.plan
     _warn_fallback(setup, fun, report)
@@ -477,19 +488,7 @@ def _ghost_sums(
         pad = inputs.pop() if has_pad else None
         values = traced.arrays(inputs[:n_args], kw)
         plan = traced.plan_here(values)
-        positions = plan.diff_positions
-
-        def loss(probes: dict, pe_values: list) -> Any:
-            vals = list(values)
-            for k, v in zip(pe, pe_values):
-                vals[positions[k]] = v
-            outs, records = plan.run(vals, probes)
-            return outs[0], (outs, records)
-
-        probes = plan.probes()
-        (deltas, pe_grads), (outs, records) = jax.grad(
-            loss, argnums=(0, 1), has_aux=True
-        )(probes, [values[positions[k]] for k in pe])
+        deltas, pe_grads, outs, records = plan.backward(values, pe)
         safe_sq = jnp.zeros((), acc)  # ||G||^2 of the leaves not in `other`, made safe
         raw = jnp.zeros((), acc)  # and as it is
         arrays, grads = {}, {}

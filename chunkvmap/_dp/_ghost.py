@@ -375,6 +375,24 @@ class Plan:
         """A zero probe for each use's output (with its scans' axes)."""
         return {p: self.uses_at[p][0].probe() for p in self.probe_paths}
 
+    def backward(self, values: Sequence[Any], per_example: Sequence[int]) -> tuple:
+        """One example's loss at `values`, evaluated with zero probes: every use's
+        output cotangent (`{use.path: delta}`), the gradients of the leaves
+        `per_example` (formed as they are), the outputs and the records (`run`)."""
+        positions = self.diff_positions
+
+        def loss(probes: dict, pe_values: list) -> Any:
+            vals = list(values)
+            for k, v in zip(per_example, pe_values):
+                vals[positions[k]] = v
+            outs, records = self.run(vals, probes)
+            return outs[0], (outs, records)
+
+        (deltas, pe_grads), (outs, records) = jax.grad(
+            loss, argnums=(0, 1), has_aux=True
+        )(self.probes(), [values[positions[k]] for k in per_example])
+        return deltas, pe_grads, outs, records
+
     def run(self, invals: Sequence[Any], probes: dict) -> tuple[list, dict]:
         """The jaxpr's outputs at `invals`, with `probes[path]` added to the output
         of each use, and the operands each use records (`{use.key: [arrays]}`)."""

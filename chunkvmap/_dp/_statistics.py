@@ -40,22 +40,6 @@ def _stats_dtype(dtype: Any) -> Any:
     return dtype if dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
 
 
-def _sum_dtype(leaves: Sequence[Any]) -> Any:
-    """The real dtype of a sum over leaves: float32, or wider for wider leaves."""
-    widths = [jnp.finfo(_stats_dtype(x.dtype)).dtype for x in leaves]
-    return max(widths, key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
-
-
-def _sq_norm(tree: Any) -> jax.Array:
-    """`||g||^2` over every leaf of one example's gradient, in at least float32."""
-    leaves = jax.tree.leaves(tree)
-    dtype = _sum_dtype(leaves)
-    total = jnp.zeros((), dtype)
-    for x in leaves:
-        total = total + jnp.sum(jnp.real(x * jnp.conj(x))).astype(dtype)
-    return total
-
-
 @decorator_form("fun")
 def per_example_grad_norms(
     fun: Callable[..., Any],
@@ -296,7 +280,7 @@ def per_example_grad_stats(
             value, grads = value_and_grad(*inputs, **kw)
             aux = value[1] if has_aux else None
             grads = jax.tree.map(lambda g: g.astype(_stats_dtype(g.dtype)), grads)
-            return grads, _sq_norm(grads), aux
+            return grads, _clipping.global_sq_norm(grads), aux
 
         def summarise(chunk: Any) -> Any:
             grads, sq_norms, aux = chunk
@@ -353,10 +337,11 @@ def _axes_size(setup: GradSetup, args: tuple, in_axes: tuple, kwargs: dict) -> i
 def _tree_vdot(a: Any, b: Any) -> jax.Array:
     """`<a, b>` over every leaf of two gradients, in at least float32."""
     pairs = list(zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    dtype = _sum_dtype([x for pair in pairs for x in pair])
-    total = jnp.zeros((), dtype)
+    acc = _ghost.accumulation_dtype([x.dtype for pair in pairs for x in pair])
+    total = jnp.zeros((), acc)
     for x, y in pairs:
-        total = total + jnp.real(jnp.vdot(y.astype(dtype), x.astype(dtype)))
+        x, y = x.astype(_stats_dtype(x.dtype)), y.astype(_stats_dtype(y.dtype))
+        total = total + jnp.real(jnp.vdot(y, x)).astype(acc)
     return total
 
 
@@ -383,15 +368,7 @@ class _GhostDots:
             fun, list(args), {}, diff, mapped,
             strip=True, has_aux=False, keep_batch_dim=False,
         )  # fmt: skip
-        value = traced.value_aval
-        if (
-            value is None
-            or value.shape != ()
-            or not jnp.issubdtype(value.dtype, jnp.floating)
-        ):
-            raise TypeError(
-                f"{name} fun must return a real scalar loss, but it returns {value}."
-            )
+        _clipping.check_scalar_loss(name, traced)
         leaves = traced.plan.leaves
         self.ghost = [k for k, x in enumerate(leaves) if x.rule == _ghost.GHOST]
         self.formed = [k for k, x in enumerate(leaves) if x.rule == _ghost.INSTANTIATED]
@@ -401,21 +378,9 @@ class _GhostDots:
     def parts(self, example: Sequence[Any]) -> tuple[Any, Any, Any]:
         """One example's plan, the arrays of its ghost leaves' uses, and the
         gradients of the others."""
-        traced = self.traced
-        values = traced.arrays(list(example), {})
-        plan = traced.plan_here(values)
-        positions = plan.diff_positions
-
-        def loss(probes: dict, pe_values: list) -> Any:
-            vals = list(values)
-            for k, v in zip(self.pe, pe_values):
-                vals[positions[k]] = v
-            outs, records = plan.run(vals, probes)
-            return outs[0], records
-
-        (deltas, pe_grads), records = jax.grad(loss, argnums=(0, 1), has_aux=True)(
-            plan.probes(), [values[positions[k]] for k in self.pe]
-        )
+        values = self.traced.arrays(list(example), {})
+        plan = self.traced.plan_here(values)
+        deltas, pe_grads, _, records = plan.backward(values, self.pe)
         arrays = {k: plan.arrays(k, records, deltas) for k in self.ghost}
         grads = {k: plan.instantiate(k, records, deltas) for k in self.formed}
         grads.update(zip(self.pe, pe_grads))
@@ -438,12 +403,8 @@ class _GhostDots:
                 total = total + rules.pair_term(p.kind, u, ai, v, bj, self.acc)
                 if i != j:  # the ordered pair (j, i) too: <G_j(a), G_i(b)>
                     total = total + rules.pair_term(p.kind, u, bi, v, aj, self.acc)
-        for k, g in grads_a.items():
-            h = grads_b[k]
-            total = total + jnp.real(
-                jnp.vdot(h.astype(self.acc), g.astype(self.acc))
-            ).astype(self.acc)
-        return total
+        formed = _tree_vdot(grads_a, {k: grads_b[k] for k in grads_a})
+        return total + formed.astype(self.acc)
 
 
 @decorator_form("fun")
