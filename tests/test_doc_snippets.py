@@ -335,6 +335,7 @@ CHECKS: dict[str, Callable[[Page], None]] = {
 PAGES_WITH_CODE = [page for page in PAGES if blocks(page)]
 
 
+@pytest.mark.optimized  # the pages show what users see
 @pytest.mark.parametrize("page", PAGES_WITH_CODE)
 def test_page_snippets_run_and_print_what_they_show(page):
     run = run_page(page)

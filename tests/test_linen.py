@@ -253,6 +253,7 @@ def normed_run(vmap):
     return run()
 
 
+@pytest.mark.optimized  # bitwise: the same initialisation as nn.vmap
 def test_mutable_batch_stats_per_member():
     variables, (out, stats) = normed_run(chunked(2))
     variables_ref, (out_ref, stats_ref) = normed_run(nn.vmap)
