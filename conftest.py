@@ -1,19 +1,41 @@
 """Root conftest: how the suite compiles, and names for the doctests in `chunkvmap/`.
 
-The suite's programs are small, so compiling them costs far more than running them:
-they are compiled without LLVM's optimisations (`jax_disable_most_optimizations`),
-which takes about a third of the time. That changes float rounding in the last bits
-only, never the HLO: results to tolerance, compiled memory figures and errors are those
-users get. The doctests, and the tests marked `optimized` (a bitwise claim such as the
-same random initialisation as a reference, or printed output compared with the docs),
-compile as users do.
+The suite's programs are small, so compiling them costs far more than running them.
+They are compiled with XLA CPU's older fusion emitters (`xla_cpu_use_fusion_emitters`,
+where this XLA has the flag) and without LLVM's optimisations
+(`jax_disable_most_optimizations`): a fifth of the compile time. That changes how
+fused loops are emitted and float rounding in the last bits, never the HLO: results
+(to tolerance), compiled memory figures and errors are those users get. The
+doctests, and the tests marked `optimized` (a bitwise claim such as the same random
+initialisation as a reference), compile with LLVM's optimisations; XLA reads its
+flags once per process, so they keep the older emitters.
 """
 
 import os
+import subprocess
+import sys
 
 
-# Set before JAX reads it; subprocesses started by tests (examples, hosts) inherit it.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+def _fast_compiles() -> None:
+    # Set in the environment before JAX reads it, so that the test workers and the
+    # processes tests start (examples, hosts) inherit it; checked once, by the first
+    # process, as XLA aborts on a flag it does not know.
+    if os.environ.get("CHUNKVMAP_TESTS_COMPILE"):
+        return
+    os.environ["CHUNKVMAP_TESTS_COMPILE"] = "set"
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false"
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices('cpu')"],
+        env={**os.environ, "XLA_FLAGS": flags.strip()},
+        capture_output=True,
+        timeout=300,
+    )
+    if probe.returncode == 0:
+        os.environ["XLA_FLAGS"] = flags.strip()
+
+
+_fast_compiles()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -24,7 +46,7 @@ import chunkvmap  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "optimized: compile with XLA's default optimisations, as users do"
+        "markers", "optimized: compile with LLVM's optimisations, as users do"
     )
 
 
