@@ -42,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 import chunkvmap  # noqa: E402
+from tests.helpers import compiled_as_users  # noqa: E402
 
 
 def pytest_configure(config):
@@ -52,20 +53,12 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _compile_as_marked(request):
-    # The caches are cleared on both sides: a program compiled one way is never
-    # reused by a test that asked for the other.
     doctest = type(request.node).__name__ == "DoctestItem"
     if not (doctest or request.node.get_closest_marker("optimized")):
         yield
         return
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.clear_caches()
-    jax.config.update("jax_disable_most_optimizations", False)
-    try:
+    with compiled_as_users():
         yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
-        jax.clear_caches()
 
 
 @pytest.fixture(autouse=True)

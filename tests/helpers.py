@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+
+
+@contextlib.contextmanager
+def compiled_as_users():
+    """Compile with LLVM's optimisations inside, as users do (the suite compiles
+    without them: the root conftest.py). For claims that are bitwise against another
+    program. JAX's caches are cleared on both sides, so that no program compiled one
+    way is reused by a caller that asked for the other."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.clear_caches()
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+        jax.clear_caches()
 
 
 def tree_allclose(actual: Any, expected: Any, *, rtol=1e-5, atol=1e-6) -> None:

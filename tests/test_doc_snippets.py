@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .helpers import temp_bytes, tree_allclose
+from .helpers import compiled_as_users, temp_bytes, tree_allclose
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -247,8 +247,11 @@ def check_readme(run: Page) -> None:
         in_axes=None,
         axis_size=7,
     )
-    expected = jax.jit(vmapped(4).init)(ns["key"], ns["x"])
-    tree_allclose(ns["variables"], expected, rtol=0, atol=0)  # bit-identical
+    with compiled_as_users():  # bit-identical as users compile
+        variables = ns["Ensemble"](4).init(ns["key"], ns["x"])
+        expected = jax.jit(vmapped(4).init)(ns["key"], ns["x"])
+    tree_allclose(variables, expected, rtol=0, atol=0)
+    tree_allclose(ns["variables"], expected)  # the page's, compiled by the suite
 
     ns = namespace(run, "grads, count = jax.jit(clipped_grad_sum(")
     assert int(ns["count"]) == ns["x"].shape[0]
@@ -311,8 +314,11 @@ def check_linen(run: Page) -> None:
     nn, x = ns["nn"], ns["x"]
     kwargs = dict(variable_axes={"params": 0}, split_rngs={"params": True})
     model = nn.vmap(nn.Dense, in_axes=None, axis_size=7, **kwargs)(features=4)
-    expected = jax.jit(model.init)(jax.random.key(0), x)
-    tree_allclose(ns["variables"], expected, rtol=0, atol=0)  # exactly
+    with compiled_as_users():  # exactly, as users compile
+        variables = ns["model"].init(jax.random.key(0), x)
+        expected = jax.jit(model.init)(jax.random.key(0), x)
+    tree_allclose(variables, expected, rtol=0, atol=0)
+    tree_allclose(ns["variables"], expected)  # the page's, compiled by the suite
     tree_allclose(ns["y"], jax.jit(model.apply)(expected, x))
 
 
@@ -333,18 +339,9 @@ CHECKS: dict[str, Callable[[Page], None]] = {
     "docs/adapters/nnx.md": check_nnx,
 }
 PAGES_WITH_CODE = [page for page in PAGES if blocks(page)]
-# Pages whose checks are bitwise (the same initialisation as a reference) compile as
-# users do; the others' printed values are rounded and agree either way (conftest.py).
-BITWISE = {"README.md", "docs/adapters/linen.md"}
 
 
-@pytest.mark.parametrize(
-    "page",
-    [
-        pytest.param(page, marks=pytest.mark.optimized) if page in BITWISE else page
-        for page in PAGES_WITH_CODE
-    ],
-)
+@pytest.mark.parametrize("page", PAGES_WITH_CODE)
 def test_page_snippets_run_and_print_what_they_show(page):
     run = run_page(page)
     assert run.printed, f"{page}: its snippets show no output"
@@ -365,4 +362,3 @@ def test_every_snippet_is_run_or_says_why_not():
         assert block.reason, f"{block.page}:{block.line}: `<!-- not run: why -->`"
     assert len(skipped) <= 2, [(b.page, b.line, b.reason) for b in skipped]
     assert set(CHECKS) <= set(PAGES_WITH_CODE)
-    assert BITWISE <= set(PAGES_WITH_CODE)
