@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .._core import _axes, _cache
 from .._core._loop import Accumulator
@@ -199,6 +200,7 @@ def per_example_grad_stats(
     *,
     batch_argnums: int | Sequence[int] | None = None,
     batch_size: int | str | None = None,
+    method: str = "vmap",
     shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
@@ -220,6 +222,16 @@ def per_example_grad_stats(
     Uses: the gradient noise scale (to choose the batch size), adaptive optimisers
     and curvature proxies such as the empirical Fisher diagonal.
 
+    With `method="vmap"` a chunk holds its examples' gradients at once (`batch_size`
+    times the parameters). With `method="ghost"` a chunk holds its examples'
+    activations and output cotangents at each use of a parameter (ghost clipping's
+    rules: dense layers, convolutions, embedding lookups, elementwise and other
+    linear uses; see `clipped_grad_sum`) and forms one example's gradient at a time
+    from them, updating the moments example by example: memory of a few copies of
+    the parameters plus a chunk of activations, whatever `batch_size`. Leaves no
+    rule covers get exact per-example gradients, as with `method="vmap"`. On an
+    accelerator the one-at-a-time formation is slower than a chunk of gradients.
+
     The arguments are mapped as in `per_example_grads`. Usable as a decorator too.
 
     Args:
@@ -231,6 +243,8 @@ def per_example_grad_stats(
         argument not in `argnums`).
       batch_size: examples per chunk (None: all at once; "auto": the largest that
         fits `memory_limit`).
+      method: "vmap" (a chunk of gradients at a time) or "ghost" (one example's
+        gradient at a time, from activations and cotangents).
       shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
       mesh: the mesh for `shard`.
       remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
@@ -257,6 +271,7 @@ def per_example_grad_stats(
     """
     name = "per_example_grad_stats"
     check_bool(name, "has_aux", has_aux)
+    _clipping._check_method(name, method)
     setup = GradSetup(
         name,
         fun,
@@ -308,15 +323,29 @@ def per_example_grad_stats(
                 f"{name} needs at least one example (the mean over zero examples is "
                 f"undefined), but the examples' axis has size 0."
             )
-        (count, mean, m2), (sq_norms, aux) = setup.map(
-            example,
-            args,
-            kwargs,
-            in_axes,
-            known,
-            out_axes=(-1, 0, 0),
-            accumulator=Accumulator(_merge_moments, summarise),
-        )
+        if method == "ghost":
+            moments = _GhostMoments(name, fun, args, kwargs, diff, in_axes, has_aux)
+            (count, mean, m2), (sq_norms, aux) = setup.map(
+                moments.example,
+                args,
+                kwargs,
+                in_axes,
+                known,
+                out_axes=(0, 0, None),
+                accumulator=Accumulator(_merge_moments, moments.summarise),
+            )
+            mean = moments.traced.grads_tree(mean, setup.single)
+            m2 = moments.traced.grads_tree(m2, setup.single)
+        else:
+            (count, mean, m2), (sq_norms, aux) = setup.map(
+                example,
+                args,
+                kwargs,
+                in_axes,
+                known,
+                out_axes=(-1, 0, 0),
+                accumulator=Accumulator(_merge_moments, summarise),
+            )
         variance = jax.tree.map(lambda s: s / count.astype(s.dtype), m2)
         sum_sq = jax.tree.map(
             lambda s, m: s + count.astype(s.dtype) * jnp.real(m * jnp.conj(m)),
@@ -326,6 +355,90 @@ def per_example_grad_stats(
         return GradStats(mean, variance, sum_sq, sq_norms, aux)
 
     return setup.mapper.transform(call, fun)
+
+
+class _GhostMoments:
+    """A chunk's gradient moments from each use's activations and cotangents
+    (ghost clipping's evaluation of one example, `_ghost.Plan.backward`): the chunk
+    keeps those, and forms one example's gradient at a time from them in a scan,
+    updating the mean and centred sum of squares example by example (Welford); the
+    leaves no rule covers come formed per example, as with `method="vmap"`."""
+
+    def __init__(
+        self, name: str, fun: Any, args: tuple, kwargs: dict, diff: tuple,
+        in_axes: tuple, has_aux: bool,
+    ):  # fmt: skip
+        mapped = [i for i, a in enumerate(in_axes) if a is not None]
+        self.traced = traced = _ghost.Traced(
+            fun, list(args), kwargs, diff, mapped,
+            strip=True, has_aux=has_aux, keep_batch_dim=False,
+        )  # fmt: skip
+        _clipping.check_scalar_loss(name, traced)
+        self.leaves = leaves = traced.plan.leaves
+        self.pe = [k for k, x in enumerate(leaves) if x.rule == _ghost.PER_EXAMPLE]
+        self.ruled = [k for k, x in enumerate(leaves) if k not in self.pe]
+        self.acc = _ghost.accumulation_dtype([x.dtype for x in leaves])
+
+    def example(self, *inputs: Any, **kw: Any) -> Any:
+        traced = self.traced
+        values = traced.arrays(list(inputs), kw)
+        plan = traced.plan_here(values)
+        deltas, pe_grads, outs, records = plan.backward(values, self.pe)
+        _, aux = traced.out_tree.unflatten(outs)
+        pe_grads = [g.astype(_stats_dtype(g.dtype)) for g in pe_grads]
+        one = jnp.ones((), jnp.float32)  # a chunk's count is the sum of these
+        # The parameters, unmapped, tell the chunk which plan made these records.
+        return (records, deltas, pe_grads, one), aux, traced.params_of(values)
+
+    def summarise(self, chunk: Any) -> Any:
+        (records, deltas, pe_grads, ones), aux, params = chunk
+        plan = self.traced.plan_of(params)
+        count = ones.sum()
+        means: list[Any] = [None] * len(self.leaves)
+        m2s: list[Any] = [None] * len(self.leaves)
+        sq_norms = jnp.zeros(ones.shape, self.acc)
+        for k, g in zip(self.pe, pe_grads):  # formed per example: axis 0
+            means[k] = g.mean(0)
+            d = g - means[k]
+            m2s[k] = jnp.sum(jnp.real(d * jnp.conj(d)), 0).astype(g.dtype)
+            sq_norms = sq_norms + _row_sq_norms(g, self.acc)
+        ruled = [k for k in self.ruled if self.leaves[k].uses]
+
+        def step(carry: Any, xs: Any) -> Any:
+            seen, means, m2s = carry
+            recs, dels = xs
+            seen = seen + 1
+            new_means, new_m2s = [], []
+            sq = jnp.zeros((), self.acc)
+            for k, mean, m2 in zip(ruled, means, m2s):
+                g = plan.instantiate(k, recs, dels).astype(mean.dtype)
+                d = g - mean
+                new_means.append(mean + d / seen.astype(mean.dtype))
+                # |g - mean_old|^2 (n - 1) / n: Welford's update, real
+                w = ((seen - 1) / seen).astype(m2.dtype)
+                new_m2s.append(m2 + jnp.real(d * jnp.conj(d)).astype(m2.dtype) * w)
+                sq = sq + jnp.sum(jnp.real(g * jnp.conj(g)).astype(self.acc))
+            return (seen, new_means, new_m2s), sq
+
+        zeros = [
+            jnp.zeros(self.leaves[k].shape, _stats_dtype(self.leaves[k].dtype))
+            for k in ruled
+        ]
+        init = (jnp.zeros((), jnp.float32), zeros, zeros)
+        (_, rule_means, rule_m2s), sq = lax.scan(step, init, (records, deltas))
+        sq_norms = sq_norms + sq
+        for k, mean, m2 in zip(ruled, rule_means, rule_m2s):
+            means[k], m2s[k] = mean, m2
+        for k in self.ruled:  # a leaf the loss does not use: zero gradients
+            if means[k] is None:
+                leaf = self.leaves[k]
+                means[k] = m2s[k] = jnp.zeros(leaf.shape, _stats_dtype(leaf.dtype))
+        return (count, means, m2s), (sq_norms, aux)
+
+
+def _row_sq_norms(g: jax.Array, acc: Any) -> jax.Array:
+    """`||g_i||^2` of every row of `g` (examples along axis 0)."""
+    return jnp.sum(jnp.real(g * jnp.conj(g)).reshape(g.shape[0], -1), 1).astype(acc)
 
 
 def _axes_size(setup: GradSetup, args: tuple, in_axes: tuple, kwargs: dict) -> int:
