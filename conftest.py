@@ -6,9 +6,9 @@ where this XLA has the flag) and without LLVM's optimisations
 (`jax_disable_most_optimizations`): a fifth of the compile time. That changes how
 fused loops are emitted and float rounding in the last bits, never the HLO: results
 (to tolerance), compiled memory figures and errors are those users get. The
-doctests, and the tests marked `optimized` (a bitwise claim such as the same random
-initialisation as a reference), compile with LLVM's optimisations; XLA reads its
-flags once per process, so they keep the older emitters.
+tests marked `optimized` and the doctests in `BITWISE_DOCTESTS` (a bitwise claim such
+as the same random initialisation as a reference) compile with LLVM's optimisations;
+XLA reads its flags once per process, so they keep the older emitters.
 """
 
 import os
@@ -51,10 +51,15 @@ def pytest_configure(config):
     )
 
 
+# Doctests whose claim is bitwise against another program (marks cannot reach them).
+BITWISE_DOCTESTS = {"chunkvmap.linen.batch_vmap"}
+
+
 @pytest.fixture(autouse=True)
 def _compile_as_marked(request):
     doctest = type(request.node).__name__ == "DoctestItem"
-    if not (doctest or request.node.get_closest_marker("optimized")):
+    bitwise = doctest and request.node.name in BITWISE_DOCTESTS
+    if not (bitwise or request.node.get_closest_marker("optimized")):
         yield
         return
     with compiled_as_users():
