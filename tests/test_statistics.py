@@ -195,14 +195,14 @@ def test_gram_matches_vmap(batch, other_batch, method):
 
 def test_ghost_stats_on_the_dp_models_with_aux():
     """The LMs (gathered and tied embeddings, a scanned layer stack) and the convnet:
-    one example's gradient at a time from its uses' activations and cotangents,
-    a remainder chunk, and `aux` stacked per example."""
+    one example's gradient at a time from its uses' activations and cotangents, and
+    `aux` stacked per example (one chunk: the MLP's test has the remainder)."""
     params, loss, data, grads, flat = dp_case(7)
 
     def with_aux(params, *batch):
         return loss(params, *batch), batch[0]
 
-    fn = per_example_grad_stats(with_aux, has_aux=True, batch_size=3, method="ghost")
+    fn = per_example_grad_stats(with_aux, has_aux=True, method="ghost")
     stats = jax.jit(fn)(params, *data)
     tree_allclose(stats.mean, jax.tree.map(lambda g: g.mean(0), grads), atol=1e-5)
     tree_allclose(
