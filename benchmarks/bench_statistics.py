@@ -89,7 +89,11 @@ def methods(loss, batch_size):
         fn = chunkvmap.per_example_grad_gram(loss, batch_size=batch_size, method=method)
         return lambda p, *b: fn(p, *b)
 
-    stats = chunkvmap.per_example_grad_stats(loss, batch_size=batch_size)
+    def stats(method):
+        fn = chunkvmap.per_example_grad_stats(
+            loss, batch_size=batch_size, method=method
+        )
+        return lambda p, *b: stats_vector(fn(p, *b))
 
     def reference_norms(p, *b):
         return jnp.linalg.norm(flat_grads(loss, p, b), axis=1)
@@ -106,7 +110,8 @@ def methods(loss, batch_size):
         ],
         "mean, variance, sum of squares, squared norms": [
             ("vmap(grad), then moments", reference_stats),
-            ("per_example_grad_stats", lambda p, *b: stats_vector(stats(p, *b))),
+            ("per_example_grad_stats vmap", stats("vmap")),
+            ("per_example_grad_stats ghost", stats("ghost")),
         ],
         "Gram matrix (N x N)": [
             ("vmap(grad), then G G^T", reference_gram),
