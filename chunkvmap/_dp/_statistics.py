@@ -169,6 +169,13 @@ class GradStats(NamedTuple):
     aux: Any = None
 
 
+def _moments(g: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """The mean and centred sum of squares of `g`'s examples along `axis`."""
+    mean = g.mean(axis)
+    d = g - jnp.expand_dims(mean, axis)
+    return mean, jnp.sum(jnp.real(d * jnp.conj(d)), axis).astype(g.dtype)
+
+
 def _merge_moments(a: Any, b: Any) -> Any:
     """Two chunks' `(count, mean, m2)` merged (Chan et al.'s parallel update: no
     cancellation from subtracting large sums of squares)."""
@@ -302,17 +309,12 @@ def per_example_grad_stats(
             n = sq_norms.shape[0]
             count = jnp.asarray(n, jnp.float32)
 
-            def moments(g: jax.Array) -> tuple[jax.Array, jax.Array]:
-                # The chunk's examples are along the last axis (`out_axes` below):
-                # contiguous reductions, fused with the subtraction and the square
-                # (over a leading axis they are strided, several times slower on
-                # CPU, and a contraction would materialise the squares).
-                mean = g.mean(-1)
-                d = g - mean[..., None]
-                return mean, jnp.sum(jnp.real(d * jnp.conj(d)), -1).astype(g.dtype)
-
+            # The chunk's examples are along the last axis (`out_axes` below):
+            # contiguous reductions, fused with the subtraction and the square (over
+            # a leading axis they are strided, several times slower on CPU, and a
+            # contraction would materialise the squares).
             leaves, tree = jax.tree.flatten(grads)
-            pairs = [moments(g) for g in leaves]
+            pairs = [_moments(g, -1) for g in leaves]
             mean = tree.unflatten([m for m, _ in pairs])
             m2 = tree.unflatten([s for _, s in pairs])
             return (count, mean, m2), (sq_norms, aux)
@@ -398,27 +400,20 @@ class _GhostMoments:
         m2s: list[Any] = [None] * len(self.leaves)
         sq_norms = jnp.zeros(ones.shape, self.acc)
         for k, g in zip(self.pe, pe_grads):  # formed per example: axis 0
-            means[k] = g.mean(0)
-            d = g - means[k]
-            m2s[k] = jnp.sum(jnp.real(d * jnp.conj(d)), 0).astype(g.dtype)
-            sq_norms = sq_norms + _row_sq_norms(g, self.acc)
+            means[k], m2s[k] = _moments(g, 0)
+            sq_norms = sq_norms + _sq_norm(g, self.acc, rows=True)
         ruled = [k for k in self.ruled if self.leaves[k].uses]
 
         def step(carry: Any, xs: Any) -> Any:
-            seen, means, m2s = carry
+            # one example merged as a chunk of one (Welford's update)
             recs, dels = xs
-            seen = seen + 1
-            new_means, new_m2s = [], []
-            sq = jnp.zeros((), self.acc)
-            for k, mean, m2 in zip(ruled, means, m2s):
-                g = plan.instantiate(k, recs, dels).astype(mean.dtype)
-                d = g - mean
-                new_means.append(mean + d / seen.astype(mean.dtype))
-                # |g - mean_old|^2 (n - 1) / n: Welford's update, real
-                w = ((seen - 1) / seen).astype(m2.dtype)
-                new_m2s.append(m2 + jnp.real(d * jnp.conj(d)).astype(m2.dtype) * w)
-                sq = sq + jnp.sum(jnp.real(g * jnp.conj(g)).astype(self.acc))
-            return (seen, new_means, new_m2s), sq
+            gs = [
+                plan.instantiate(k, recs, dels).astype(mean.dtype)
+                for k, mean in zip(ruled, carry[1])
+            ]
+            one = (jnp.ones((), jnp.float32), gs, [jnp.zeros_like(g) for g in gs])
+            sq = sum((_sq_norm(g, self.acc) for g in gs), jnp.zeros((), self.acc))
+            return _merge_moments(carry, one), sq
 
         zeros = [
             jnp.zeros(self.leaves[k].shape, _stats_dtype(self.leaves[k].dtype))
@@ -436,9 +431,11 @@ class _GhostMoments:
         return (count, means, m2s), (sq_norms, aux)
 
 
-def _row_sq_norms(g: jax.Array, acc: Any) -> jax.Array:
-    """`||g_i||^2` of every row of `g` (examples along axis 0)."""
-    return jnp.sum(jnp.real(g * jnp.conj(g)).reshape(g.shape[0], -1), 1).astype(acc)
+def _sq_norm(g: jax.Array, acc: Any, rows: bool = False) -> jax.Array:
+    """`||g||^2` in `acc`, or of each row of `g` (examples along axis 0) with
+    `rows`."""
+    sq = jnp.real(g * jnp.conj(g)).astype(acc)
+    return jnp.sum(sq.reshape(g.shape[0], -1), 1) if rows else jnp.sum(sq)
 
 
 def _axes_size(setup: GradSetup, args: tuple, in_axes: tuple, kwargs: dict) -> int:
