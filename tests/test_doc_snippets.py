@@ -28,6 +28,7 @@ import re
 import sys
 import tokenize
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -208,6 +209,18 @@ def reference_clipped_sum(loss, clip, params, *batch):
     return clipped_sum(params, *batch)
 
 
+def check_same_init(shown: Any, chunked: Any, reference: Any, *args: Any) -> Any:
+    """A page's claim that `chunked.init(*args)` equals `reference.init(*args)` bit
+    for bit, checked as users compile; the page's own `shown` variables (compiled by
+    the suite, conftest.py) to rounding. Returns the reference's variables."""
+    with compiled_as_users():
+        variables = chunked.init(*args)
+        expected = jax.jit(reference.init)(*args)
+    tree_allclose(variables, expected, rtol=0, atol=0)
+    tree_allclose(shown, expected)
+    return expected
+
+
 def check_readme(run: Page) -> None:
     ns = namespace(run, "x = jnp.arange(10.0)")
     x = ns["x"]
@@ -247,11 +260,7 @@ def check_readme(run: Page) -> None:
         in_axes=None,
         axis_size=7,
     )
-    with compiled_as_users():  # bit-identical as users compile
-        variables = ns["Ensemble"](4).init(ns["key"], ns["x"])
-        expected = jax.jit(vmapped(4).init)(ns["key"], ns["x"])
-    tree_allclose(variables, expected, rtol=0, atol=0)
-    tree_allclose(ns["variables"], expected)  # the page's, compiled by the suite
+    check_same_init(ns["variables"], ns["Ensemble"](4), vmapped(4), ns["key"], ns["x"])
 
     ns = namespace(run, "grads, count = jax.jit(clipped_grad_sum(")
     assert int(ns["count"]) == ns["x"].shape[0]
@@ -314,11 +323,9 @@ def check_linen(run: Page) -> None:
     nn, x = ns["nn"], ns["x"]
     kwargs = dict(variable_axes={"params": 0}, split_rngs={"params": True})
     model = nn.vmap(nn.Dense, in_axes=None, axis_size=7, **kwargs)(features=4)
-    with compiled_as_users():  # exactly, as users compile
-        variables = ns["model"].init(jax.random.key(0), x)
-        expected = jax.jit(model.init)(jax.random.key(0), x)
-    tree_allclose(variables, expected, rtol=0, atol=0)
-    tree_allclose(ns["variables"], expected)  # the page's, compiled by the suite
+    expected = check_same_init(
+        ns["variables"], ns["model"], model, jax.random.key(0), x
+    )
     tree_allclose(ns["y"], jax.jit(model.apply)(expected, x))
 
 
