@@ -436,11 +436,10 @@ def test_model_parallel_mesh():
         assert outs[1][0]["w1"].sharding.spec == P(None, "model")
 
 
-def test_memory_embedding_scan_and_late_conv():
-    """XLA's compiled temp memory: an LM whose embedding has 8192 rows, with a
-    scanned layer stack, plus a late-stage convolution (256 channels at 4 x 4
-    positions), N = 64 in chunks of 16. Ghost holds a small fraction of 16
-    per-example gradients of the parameters (which `method="vmap"` forms)."""
+def memory_case():
+    """An LM whose embedding has 8192 rows, with a scanned layer stack, plus a
+    late-stage convolution (256 channels at 4 x 4 positions), and N = 64 examples:
+    parameters, loss and batch (zeros: for compiled memory only)."""
     rng = np.random.default_rng(2)
 
     def n(*shape):
@@ -463,8 +462,14 @@ def test_memory_embedding_scan_and_late_conv():
         )
         return jnp.sum(h**2) + jnp.sum(c.mean((0, 1, 2)) @ p["head"])
 
-    tokens = jnp.zeros((64, 8), "i4")
-    img = jnp.zeros((64, 4, 4, 128))
+    return p, loss, jnp.zeros((64, 8), "i4"), jnp.zeros((64, 4, 4, 128))
+
+
+def test_memory_embedding_scan_and_late_conv():
+    """XLA's compiled temp memory of `memory_case` in chunks of 16. Ghost holds a
+    small fraction of 16 per-example gradients of the parameters (which
+    `method="vmap"` forms)."""
+    p, loss, tokens, img = memory_case()
     report = ghost_report(loss, p, tokens[0], img[0])
     assert set(report.as_dict().values()) == {"ghost"}
     size = 4 * sum(x.size for x in jax.tree.leaves(p))  # bytes of the parameters

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._core import _axes, _cache
+from .._core import _axes, _cache, _memory
 from .._core._loop import Accumulator
 from .._core._options import check_bool, decorator_form
 from .._transforms._batch_vmap import batch_vmap
@@ -472,11 +472,14 @@ class _GhostDots:
     `sum_{t, s} <x_t, x'_s> <d_t, d'_s>`; for embedding lookups, the cotangents of
     matching rows), any other leaf its gradient formed per example."""
 
-    def __init__(self, name: str, fun: Any, args: tuple, diff: tuple, in_axes: tuple):
+    def __init__(
+        self, name: str, fun: Any, args: tuple, diff: tuple, in_axes: tuple,
+        has_aux: bool,
+    ):  # fmt: skip
         mapped = [i for i, a in enumerate(in_axes) if a is not None]
         self.traced = traced = _ghost.Traced(
             fun, list(args), {}, diff, mapped,
-            strip=True, has_aux=False, keep_batch_dim=False,
+            strip=True, has_aux=has_aux, keep_batch_dim=False,
         )  # fmt: skip
         _clipping.check_scalar_loss(name, traced)
         leaves = traced.plan.leaves
@@ -485,16 +488,17 @@ class _GhostDots:
         self.pe = [k for k, x in enumerate(leaves) if x.rule == _ghost.PER_EXAMPLE]
         self.acc = _ghost.accumulation_dtype([x.dtype for x in leaves])
 
-    def parts(self, example: Sequence[Any]) -> tuple[Any, Any, Any]:
-        """One example's plan, the arrays of its ghost leaves' uses, and the
+    def parts(self, example: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
+        """One example's plan, `aux`, the arrays of its ghost leaves' uses, and the
         gradients of the others."""
         values = self.traced.arrays(list(example), {})
         plan = self.traced.plan_here(values)
-        deltas, pe_grads, _, records = plan.backward(values, self.pe)
+        deltas, pe_grads, outs, records = plan.backward(values, self.pe)
+        _, aux = self.traced.out_tree.unflatten(outs)
         arrays = {k: plan.arrays(k, records, deltas) for k in self.ghost}
         grads = {k: plan.instantiate(k, records, deltas) for k in self.formed}
         grads.update(zip(self.pe, pe_grads))
-        return plan, arrays, grads
+        return plan, aux, arrays, grads
 
     def dot(self, plan: Any, a: tuple, b: tuple) -> jax.Array:
         """`<g(a), g(b)>` from two examples' `(arrays, grads)`."""
@@ -521,16 +525,18 @@ class _GhostDots:
 def per_example_grad_gram(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
     *,
     batch_argnums: int | Sequence[int] | None = None,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     other_batch_size: int | None = None,
     method: str = "vmap",
     shard: bool | str | tuple[str, ...] = False,
     mesh: jax.sharding.Mesh | None = None,
     remat: bool | Callable[..., Any] = True,
+    memory_limit: int | str | None = None,
     progress: Any = False,
-    chunk_size: int | None = None,
+    chunk_size: int | str | None = None,
 ) -> Callable[..., Any]:
     """Dot products between per-example gradients: a Gram matrix, chunked over both
     batches.
@@ -551,14 +557,21 @@ def per_example_grad_gram(
     so memory holds `batch_size + other_batch_size` gradients (with
     `method="ghost"`: their activations and cotangents) and the `batch_size x M`
     block of the result; the other batch's gradients are recomputed once per chunk
-    of rows.
+    of rows. With `batch_size="auto"` the rows' chunk is the largest whose program
+    fits `memory_limit` (by XLA's compiled estimate, as in `batch_vmap`): with
+    `other_batch_size` given, the other batch is chunked by it; without, both
+    batches are chunked by the same size, the largest that fits.
 
     Args:
-      fun: the loss of one example; a real scalar.
+      fun: the loss of one example; a real scalar (or `(scalar, aux)` with
+        `has_aux`).
       argnums: which positional argument(s) to differentiate.
+      has_aux: whether `fun` returns `(loss, aux)`; the rows' `aux` is stacked per
+        example and returned beside the matrix (the other batch's is not used).
       batch_argnums: the positional arguments holding the examples (default: every
         argument not in `argnums`), in both batches.
-      batch_size: examples of the rows' batch per chunk (None: all at once).
+      batch_size: examples of the rows' batch per chunk (None: all at once;
+        "auto": the largest that fits `memory_limit`).
       other_batch_size: examples of the other batch per chunk (default:
         `batch_size`).
       method: "vmap" (each chunk's per-example gradients, dotted) or "ghost"
@@ -571,12 +584,14 @@ def per_example_grad_gram(
         `batch_vmap`).
       mesh: the mesh for `shard`.
       remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
+      memory_limit: the budget for `batch_size="auto"`.
       progress: a host progress bar over the chunks of rows.
       chunk_size: an alias of `batch_size`.
 
     Returns:
       A function of `fun`'s arguments (and `other=`, a tuple of them) returning the
-      Gram matrix, float32 (at least), shape `(N, N)` or `(N, M)`.
+      Gram matrix, float32 (at least), shape `(N, N)` or `(N, M)`; with `has_aux`,
+      `(matrix, aux)`.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -590,27 +605,97 @@ def per_example_grad_gram(
              [ 0.,  2.,  1.]], dtype=float32)
     """
     name = "per_example_grad_gram"
+    check_bool(name, "has_aux", has_aux)
     _clipping._check_method(name, method)
+    if other_batch_size is not None and (
+        isinstance(other_batch_size, bool) or not isinstance(other_batch_size, int)
+    ):
+        raise TypeError(
+            f"{name} other_batch_size must be a positive int or None, but got "
+            f"other_batch_size={other_batch_size!r}."
+        )
+    options = dict(shard=shard, mesh=mesh, remat=remat, progress=progress)
     setup = GradSetup(
-        name,
-        fun,
-        argnums,
-        batch_argnums,
-        exclusive=True,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        progress=progress,
-    )
-    inner_size = other_batch_size
-    if inner_size is None:
-        inner_size = setup.mapper.options.batch_size
+        name, fun, argnums, batch_argnums, exclusive=True, batch_size=batch_size,
+        chunk_size=chunk_size, memory_limit=memory_limit, **options,
+    )  # fmt: skip
+    rows_size = setup.mapper.options.batch_size
+    # "auto" without other_batch_size: one size for both batches, searched here
+    joint = rows_size == "auto" and other_batch_size is None
+    if other_batch_size is None and not joint:
+        other_batch_size = rows_size
     # the other batch's chunking (validated now, so errors name this function)
     inner_setup = GradSetup(
-        name, fun, argnums, batch_argnums, exclusive=True, batch_size=inner_size
-    )
+        name, fun, argnums, batch_argnums, exclusive=True,
+        batch_size=None if joint else other_batch_size,
+    )  # fmt: skip
+    fixed: dict[tuple[int, bool], GradSetup] = {}
+
+    def sized(b: int, measuring: bool = False) -> GradSetup:
+        """The rows' chunking at a chosen size (a measured program runs on one
+        device, as `batch_vmap`'s search measures one)."""
+        if (b, measuring) not in fixed:
+            opts = dict(options, shard=False, mesh=None) if measuring else options
+            fixed[b, measuring] = GradSetup(
+                name, fun, argnums, batch_argnums, exclusive=True, batch_size=b,
+                **opts,
+            )  # fmt: skip
+        return fixed[b, measuring]
+
+    def evaluate(
+        rows: GradSetup, inner_size: Any, args: tuple, other: tuple, known: Any
+    ) -> Any:
+        diff, in_axes = rows.resolve(args)
+        axes = (None, *inner_setup.resolve(other)[1])
+        if method == "ghost":
+            dots = _GhostDots(name, fun, args, diff, in_axes, has_aux)
+
+            def ghost_row(*example: Any) -> Any:
+                _, aux, *mine = dots.parts(example)
+
+                def entry(mine: Any, *other_example: Any) -> Any:
+                    plan, _, *theirs = dots.parts(other_example)
+                    return dots.dot(plan, tuple(mine), tuple(theirs))
+
+                inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
+                return inner(mine, *other), aux
+
+            out = rows.map(ghost_row, args, {}, in_axes, known)
+        else:
+            grad = filtered_value_and_grad(fun, diff, rows.single, has_aux, name)
+
+            def row(*example: Any) -> Any:  # one example's dot products with `other`
+                value, g = grad(*example)
+
+                def entry(g: Any, *other_example: Any) -> Any:
+                    _, h = grad(*other_example)
+                    return _tree_vdot(g, h)
+
+                inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
+                return inner(g, *other), value[1] if has_aux else None
+
+            out = rows.map(row, args, {}, in_axes, known)
+        return out if has_aux else out[0]
+
+    def choose(args: tuple, other: tuple) -> int:
+        """The largest size for both batches whose program fits the budget."""
+        leaves, treedef = jax.tree.flatten((args, other))
+        dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+        abstract = [_axes.sized(leaves[i], None, 0) for i in dyn]
+
+        def measure(b: int) -> int:
+            def program(*values: Any) -> Any:
+                full = list(leaves)
+                for i, v in zip(dyn, values):
+                    full[i] = v
+                a, o = jax.tree.unflatten(treedef, full)
+                return evaluate(sized(b, True), b, a, o, None)
+
+            return _memory.temp_bytes(name, program, abstract)
+
+        key = (treedef, tuple(jax.typeof(leaves[i]) for i in dyn))
+        size = _axes_size(setup, args, setup.resolve(args)[1], {})
+        return setup.mapper.auto.choose(key, measure, size)
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         kwargs = dict(kwargs)
@@ -627,7 +712,6 @@ def per_example_grad_gram(
                 f"{name} other= must hold fun's {len(args)} positional arguments, "
                 f"as the call does, but got {len(other)}."
             )
-        axes = (None, *other_axes)
         if method == "ghost":
             shapes, other_shapes = _shapes(args, in_axes), _shapes(other, other_axes)
             if other_shapes != shapes:
@@ -636,32 +720,9 @@ def per_example_grad_gram(
                     f"the call's ({shapes}), but got {other_shapes}; use "
                     f"method='vmap'."
                 )
-            dots = _GhostDots(name, fun, args, diff, in_axes)
-
-            def ghost_row(*example: Any) -> Any:
-                _, *mine = dots.parts(example)
-
-                def entry(mine: Any, *other_example: Any) -> Any:
-                    plan, *theirs = dots.parts(other_example)
-                    return dots.dot(plan, tuple(mine), tuple(theirs))
-
-                inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
-                return inner(mine, *other)
-
-            return setup.map(ghost_row, args, {}, in_axes, known)
-
-        grad = filtered_value_and_grad(fun, diff, setup.single, False, name)
-
-        def row(*example: Any) -> Any:  # one example's dot products with `other`
-            _, g = grad(*example)
-
-            def entry(g: Any, *other_example: Any) -> Any:
-                _, h = grad(*other_example)
-                return _tree_vdot(g, h)
-
-            inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
-            return inner(g, *other)
-
-        return setup.map(row, args, {}, in_axes, known)
+        if joint:
+            b = choose(args, other)
+            return evaluate(sized(b), b, args, other, known)
+        return evaluate(setup, other_batch_size, args, other, known)
 
     return setup.mapper.transform(call, fun)
