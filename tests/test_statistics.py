@@ -290,12 +290,16 @@ def test_gram_on_the_dp_models_and_a_parameter_subset():
     np.testing.assert_allclose(sub, fc_flat @ fc_flat.T, rtol=1e-5, atol=1e-6)
 
 
-def test_equinox_modules_as_parameters():
+def test_equinox_and_flax_models_as_parameters():
     """An Equinox MLP (its activation function and static fields are not
-    differentiated): ghost norms and stats as from
-    `eqx.filter_vmap(eqx.filter_grad)`. (Ghost norms on the layers of every framework
-    and on the DP models are `test_ghost_models`' clipped sums' norms: the same
-    evaluation, which the norms run without the sum.)"""
+    differentiated): ghost norms and stats as from `eqx.filter_vmap(eqx.filter_grad)`;
+    a linen layer's variables and an NNX layer's state: ghost moments and Gram as from
+    `jax.vmap(jax.grad)`. (Ghost norms on the layers of every framework and on the DP
+    models are `test_ghost_models`' clipped sums' norms: the same evaluation, which
+    the norms run without the sum.)"""
+    import flax.linen as nn
+    from flax import nnx
+
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (9, 3))
 
@@ -312,6 +316,27 @@ def test_equinox_modules_as_parameters():
     tree_allclose(
         jax.tree.leaves(stats.variance), jax.tree.leaves(expected), rtol=1e-4, atol=1e-6
     )
+
+    dense = nn.Dense(2)
+    graphdef, state = nnx.split(nnx.Linear(3, 2, rngs=nnx.Rngs(2)))
+    for params, apply in (
+        (dense.init(jax.random.key(1), x[:1]), dense.apply),
+        (state, lambda s, x: nnx.merge(graphdef, s)(x)),
+    ):
+
+        def flax_loss(params, x):
+            return jnp.sum(jnp.tanh(apply(params, x)) ** 2)
+
+        grads, flat = oracle_grads(flax_loss, params, x)
+        stats = per_example_grad_stats(flax_loss, batch_size=4, method="ghost")(
+            params, x
+        )
+        assert jax.tree.structure(stats.mean) == jax.tree.structure(params)
+        tree_allclose(
+            stats.variance, jax.tree.map(lambda g: g.var(0), grads), atol=1e-6
+        )
+        gram = per_example_grad_gram(flax_loss, batch_size=4, method="ghost")(params, x)
+        np.testing.assert_allclose(gram, flat @ flat.T, rtol=1e-5, atol=1e-6)
 
 
 def test_memory_is_a_chunk_of_gradients_not_n():
