@@ -16,6 +16,20 @@ import subprocess
 import sys
 
 
+# Starts XLA's CPU client, which parses XLA_FLAGS (and aborts on a flag it does not
+# know): through jaxlib alone where it has `make_cpu_client` (a tenth of a second), else
+# through JAX.
+_PROBE = """
+try:
+    from jaxlib.xla_client import make_cpu_client
+except ImportError:
+    import jax
+    jax.devices("cpu")
+else:
+    make_cpu_client()
+"""
+
+
 def _fast_compiles() -> None:
     # Set in the environment before JAX reads it, so that the test workers and the
     # processes tests start (examples, hosts) inherit it; checked once, by the first
@@ -26,7 +40,7 @@ def _fast_compiles() -> None:
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false"
     probe = subprocess.run(
-        [sys.executable, "-c", "import jax; jax.devices('cpu')"],
+        [sys.executable, "-c", _PROBE],
         env={**os.environ, "XLA_FLAGS": flags.strip()},
         capture_output=True,
         timeout=300,
@@ -37,12 +51,13 @@ def _fast_compiles() -> None:
 
 _fast_compiles()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import importlib.util  # noqa: E402
+
 import pytest  # noqa: E402
 
-import chunkvmap  # noqa: E402
-from tests.helpers import compiled_as_users  # noqa: E402
+
+# JAX and the package are imported by the fixtures, in the processes that run tests:
+# the xdist controller, which only hands out files, starts sooner without them.
 
 
 def pytest_configure(config):
@@ -62,12 +77,19 @@ def _compile_as_marked(request):
     if not (bitwise or request.node.get_closest_marker("optimized")):
         yield
         return
+    from tests.helpers import compiled_as_users
+
     with compiled_as_users():
         yield
 
 
 @pytest.fixture(autouse=True)
 def _doctest_namespace(doctest_namespace):
+    import jax
+    import jax.numpy as jnp
+
+    import chunkvmap
+
     doctest_namespace["jax"] = jax
     doctest_namespace["jnp"] = jnp
     doctest_namespace["chunkvmap"] = chunkvmap
@@ -75,11 +97,7 @@ def _doctest_namespace(doctest_namespace):
 
 # The adapters import their framework at module top; skip their doctests without it.
 collect_ignore = []
-try:
-    import equinox  # noqa: F401
-except ImportError:
+if importlib.util.find_spec("equinox") is None:
     collect_ignore.append("chunkvmap/eqx.py")
-try:
-    import flax  # noqa: F401
-except ImportError:
+if importlib.util.find_spec("flax") is None:
     collect_ignore += ["chunkvmap/linen.py", "chunkvmap/nnx.py"]

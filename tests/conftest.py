@@ -1,13 +1,18 @@
 """Make mistakes loud: several CPU devices, no implicit rank or dtype promotion."""
 
-import jax
 import pytest
 
 
-# Must run before JAX initialises its backends (collection happens before any test).
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_numpy_rank_promotion", "raise")
-jax.config.update("jax_numpy_dtype_promotion", "strict")
+def pytest_configure(config):
+    # Before JAX initialises its backends (collection happens before any test); not in
+    # the xdist controller, which runs no test and so never needs JAX.
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 @pytest.fixture
