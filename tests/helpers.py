@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import jax
@@ -25,6 +26,18 @@ def compiled_as_users():
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
         jax.clear_caches()
+
+
+def users_environment() -> dict[str, str]:
+    """This process's environment for a script run as a user would run it: no JAX or
+    XLA settings (no device count, no promotion rules), except the compile settings
+    the suite runs with (the root conftest.py: the script compiles as fast)."""
+    keep = ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k in keep or not k.startswith(("XLA_", "JAX_"))
+    }
 
 
 def tree_allclose(actual: Any, expected: Any, *, rtol=1e-5, atol=1e-6) -> None:

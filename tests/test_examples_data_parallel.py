@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from .helpers import users_environment
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "data_parallel.py"
@@ -16,7 +18,7 @@ TIMEOUT_S = 120
 def test_data_parallel_example_trains_and_checks_itself():
     # A fresh process: the script sets its own device count, and its own (standard)
     # dtype promotion, as a user running it would have.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    env = users_environment()
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     try:
         result = subprocess.run(

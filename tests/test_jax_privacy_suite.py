@@ -18,6 +18,8 @@ import tarfile
 
 import pytest
 
+from .helpers import users_environment
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VERSION = "2.0.0"
@@ -51,7 +53,7 @@ def test_jax_privacy_clipped_grad_tests_pass(tmp_path):
     (tmp_path / "test_jax_privacy_clipped_grad.py").write_text(
         source.replace(IMPORT, "import shim_clipping as gradient_clipping")
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    env = users_environment()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
     try:
         result = subprocess.run(
