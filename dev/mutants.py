@@ -49,6 +49,9 @@ MUTANTS = {
     "stop eqx.filter_batch_vmap": stop("filter_batch_vmap", "test_eqx"),
     "stop linen.batch_vmap": stop("chunkvmap.linen.batch_vmap", "test_linen"),
     "stop nnx.batch_vmap": stop("chunkvmap.nnx.batch_vmap", "test_nnx"),
+    "stop per_example_grad_norms": stop("per_example_grad_norms", "test_statistics"),
+    "stop per_example_grad_stats": stop("per_example_grad_stats", "test_statistics"),
+    "stop per_example_grad_gram": stop("per_example_grad_gram", "test_statistics"),
     "remainder window one example early": (
         (
             "chunkvmap/_core/_loop.py",
