@@ -160,6 +160,31 @@ def clipped_sum_oracle(loss_fn):
     return ref
 
 
+def _grads(loss_fn, w, xs):
+    return jax.vmap(jax.grad(loss_fn), (None, 0))(w, xs)
+
+
+def norms_oracle(loss_fn):
+    return lambda w, xs: jnp.linalg.norm(_grads(loss_fn, w, xs), axis=1)
+
+
+def stats_oracle(loss_fn):
+    def ref(w, xs):
+        g = _grads(loss_fn, w, xs)
+        sq = (g**2).sum(0), (g**2).sum(1)
+        return chunkvmap.GradStats(g.mean(0), g.var(0), *sq, None)
+
+    return ref
+
+
+def gram_oracle(loss_fn):
+    def ref(w, xs):
+        g = _grads(loss_fn, w, xs)
+        return g @ g.T
+
+    return ref
+
+
 LINEN_AXES = dict(variable_axes={"params": None}, split_rngs={"params": False})
 
 
@@ -192,6 +217,7 @@ class Case:
     oracle: Callable[[Callable[..., Any]], Callable[..., Any]]
     args: Callable[[int, np.random.Generator], tuple]
     basis: bool = False  # N counts basis vectors of length N (the Jacobians)
+    block: bool = False  # a chunk holds B values per example (the Gram's B x N rows)
 
     def counted_user(self) -> tuple[Callable[..., Any], Callable[[], int]]:
         """The user function and a function returning how often it was traced."""
@@ -302,6 +328,31 @@ CASES = [
         ),
         lambda f: lambda w, xs: clipped_sum_oracle(f)(w, xs)[0],
         lambda n, rng: (normal(rng, D), normal(rng, n, D)),
+    ),
+    Case(
+        "per_example_grad_norms",
+        "per_example_grad_norms",
+        loss,
+        _same(chunkvmap.per_example_grad_norms),
+        norms_oracle,
+        lambda n, rng: (normal(rng, D), normal(rng, n, D)),
+    ),
+    Case(
+        "per_example_grad_stats",
+        "per_example_grad_stats",
+        loss,
+        _same(chunkvmap.per_example_grad_stats),
+        stats_oracle,
+        lambda n, rng: (normal(rng, D), normal(rng, n, D)),
+    ),
+    Case(
+        "per_example_grad_gram",
+        "per_example_grad_gram",
+        loss,
+        _same(chunkvmap.per_example_grad_gram),
+        gram_oracle,
+        lambda n, rng: (normal(rng, D), normal(rng, n, D)),
+        block=True,
     ),
     Case(
         "batch_jacfwd",
@@ -417,8 +468,9 @@ def test_temp_memory_is_flat_in_n(case):
     bytes measured for every case), allowed 4 bytes per example; and for the Jacobians,
     whose basis vectors have length N, one chunk of B basis vectors plus one more
     length-N vector, 4 * (B + 1) bytes per example (20160 bytes measured in all, and
-    (B + 1) * 4 * (N_LARGE - N_SMALL) for B = 2, 4, 8 alike). Either slack is at most
-    1/20 of the control's growth.
+    (B + 1) * 4 * (N_LARGE - N_SMALL) for B = 2, 4, 8 alike); for the Gram, a chunk of
+    rows' dot products with every example, 4 * B bytes per example (15360 measured).
+    Each slack is at most 1/20 of the control's growth.
     """
     run, _ = case.make(case.user, batch_size=B)
     oracle = case.oracle(case.user)
@@ -432,6 +484,7 @@ def test_temp_memory_is_flat_in_n(case):
     dn = N_LARGE - N_SMALL
     assert growth["oracle"] >= 2 * H * dn, sizes
     slack = 4 * dn + (4 * (B + 1) * dn if case.basis else 0)
+    slack += 4 * B * dn if case.block else 0
     assert growth["chunked"] <= slack, sizes
 
 
@@ -578,6 +631,14 @@ DECORATED = {
         _loss,
         (np.ones(3, np.float32), normal(_rng, 7, 3)),
     ),
+    **{
+        name: ({}, _loss, (np.ones(3, np.float32), normal(_rng, 7, 3)))
+        for name in (
+            "per_example_grad_norms",
+            "per_example_grad_stats",
+            "per_example_grad_gram",
+        )
+    },
     "batch_jacfwd": ({}, jnp.sin, (np.linspace(0, 1, 7, dtype=np.float32),)),
     "batch_jacrev": ({}, jnp.sin, (np.linspace(0, 1, 7, dtype=np.float32),)),
     "batch_vectorize": (
