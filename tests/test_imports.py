@@ -1,6 +1,7 @@
 """`import chunkvmap` needs only JAX; every public name is importable and documented."""
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
@@ -12,33 +13,67 @@ import chunkvmap
 
 FRAMEWORKS = ("flax", "equinox", "optax")
 
-CHECK = """
+# One fresh interpreter for every import check (each costs an import of JAX): what
+# `import chunkvmap` loads; the adapters' errors with their framework missing; and, as
+# the meta check, that a framework once imported is seen.
+PROBE = f"""
 import sys
-import {module}
-loaded = sorted(m for m in {frameworks!r} if m in sys.modules)
-print(",".join(loaded))
+
+def loaded():
+    print("loaded:", ",".join(m for m in {FRAMEWORKS!r} if m in sys.modules))
+
+import chunkvmap
+loaded()
+for framework, modules in (
+    ("flax", ("chunkvmap.linen", "chunkvmap.nnx")), ("equinox", ("chunkvmap.eqx",))
+):
+    sys.modules[framework] = None  # as if not installed
+    for name in modules:
+        try:
+            __import__(name)
+        except ImportError as e:
+            print(name, "->", e)
+del sys.modules["flax"], sys.modules["equinox"]
+import optax
+loaded()
 """
 
 
-def loaded_frameworks(module: str) -> list[str]:
-    code = CHECK.format(module=module, frameworks=FRAMEWORKS)
+@functools.cache
+def probe() -> list[str]:
     out = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", PROBE],
         capture_output=True,
         text=True,
         check=True,
         timeout=120,
     )
-    return [m for m in out.stdout.strip().split(",") if m]
+    return out.stdout.splitlines()
 
 
 def test_import_chunkvmap_loads_no_framework():
-    assert loaded_frameworks("chunkvmap") == []
+    assert probe()[0] == "loaded: "
 
 
 def test_meta_the_check_can_fail():
-    """The subprocess check does see a framework when one is imported."""
-    assert loaded_frameworks("chunkvmap, optax") == ["optax"]
+    """The check does see a framework when one is imported."""
+    assert probe()[-1] == "loaded: optax"
+
+
+def test_adapters_without_their_framework_name_the_extra():
+    lines = probe()[1:-1]
+    assert len(lines) == 3, lines
+    for name, extra, line in zip(
+        ("chunkvmap.linen", "chunkvmap.nnx", "chunkvmap.eqx"),
+        ("flax", "flax", "equinox"),
+        lines,
+    ):
+        assert line.startswith(f"{name} -> "), line
+        assert f"pip install chunkvmap[{extra}]" in line, line
+    assert all(
+        line.startswith(f"{n} -> {n} needs Flax")
+        for n, line in zip(("chunkvmap.linen", "chunkvmap.nnx"), lines)
+    ), lines
 
 
 @pytest.mark.parametrize("name", chunkvmap.__all__)
@@ -50,23 +85,6 @@ def test_public_names_importable_and_documented(name):
 
 def test_version():
     assert isinstance(chunkvmap.__version__, str) and chunkvmap.__version__
-
-
-def test_flax_adapters_without_flax_name_the_extra():
-    code = (
-        "import sys; sys.modules['flax'] = None\n"
-        "for name in ('chunkvmap.linen', 'chunkvmap.nnx'):\n"
-        "    try:\n        __import__(name)\n"
-        "    except ImportError as e:\n        print(name, '->', e)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
-    )
-    lines = out.stdout.splitlines()
-    assert len(lines) == 2, out.stdout + out.stderr
-    for name, line in zip(("chunkvmap.linen", "chunkvmap.nnx"), lines):
-        assert line.startswith(f"{name} -> {name} needs Flax"), line
-        assert "pip install chunkvmap[flax]" in line, line
 
 
 # The layers of the package, lowest first: a module imports only modules of its own
