@@ -313,7 +313,7 @@ def batch_vmap(
     for the remainder, `remat` and `batch_size="auto"`). With `reduction`, the method's
     outputs are folded chunk by chunk instead of stacked, e.g. a loss summed over the
     batch (`reduction=jnp.add, chunk_reduction=lambda y: y.sum(0)`); collections that
-    come back (`init`, `mutable=[...]`) are then produced by a second, unreduced pass.
+    come back (`init`, `mutable=[...]`) are stacked beside them, in the same pass.
 
     Unlike `nn.vmap`, which warns and drops them, keyword arguments of the transformed
     method are supported: array leaves are mapped over their leading axis (as

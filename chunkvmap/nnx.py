@@ -283,7 +283,7 @@ def batch_vmap(
     With `reduction`, `f`'s outputs (which must then be arrays) are folded chunk by
     chunk instead of stacked, e.g. a loss summed over the batch
     (`reduction=jnp.add, chunk_reduction=lambda y: y.sum(0)`). If `f` also changes
-    state, a second, unreduced pass produces the new state.
+    state, the new state is stacked per example beside them, in the same pass.
 
     Args:
       f: the function to vectorise; graph nodes among its arguments are handled as

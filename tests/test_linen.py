@@ -14,7 +14,7 @@ import pytest
 
 from chunkvmap.linen import batch_vmap
 
-from .helpers import tree_allclose
+from .helpers import jaxpr_eqns, tree_allclose
 
 
 @pytest.fixture(autouse=True)
@@ -338,13 +338,41 @@ def test_summed_loss_with_a_reduction_jit_and_grad(b):
     params, (_, value_ref, grads_ref, losses_ref, state_ref) = loss_reference()
     kw = dict(SHARED, variable_axes={"params": None, "intermediates": 0})
     init, value, grads, total, state = loss_run(chunked(b, **SUM), params, **kw)
-    # init goes through the reduction too (its parameters come from a second pass).
+    # init goes through the reduction too (its parameters kept beside the sum).
     assert_same_variables(init, params)
     assert value.shape == total.shape == ()
     tree_allclose(value, value_ref, rtol=1e-5)
     tree_allclose(total, losses_ref.sum(), rtol=1e-5)
     tree_allclose(grads, grads_ref, rtol=1e-4)
     tree_allclose(state, state_ref)  # a mapped collection comes back stacked
+
+
+def test_a_reduction_and_state_make_one_loop_over_the_chunks():
+    """The loss folded and the sown collection stacked in the same chunked evaluation
+    (one loop, the user's method evaluated once per chunk), with progress reported
+    once per chunk; and so over devices."""
+    params, _ = loss_reference()
+    calls = []
+    kw = dict(SHARED, variable_axes={"params": None, "intermediates": 0})
+    model = chunked(3, **SUM, progress=lambda done, total: calls.append(done))(
+        Loss, **kw
+    )()
+    jaxpr = jax.make_jaxpr(
+        lambda p: model.apply({"params": p}, X, T, mutable=["intermediates"])
+    )(params)
+    scans = [e for e in jaxpr_eqns(jaxpr) if e.primitive.name == "scan"]
+    assert len(scans) == 1, len(scans)
+    jax.block_until_ready(model.apply({"params": params}, X, T, mutable=True))
+    jax.effects_barrier()
+    assert calls == [1, 2, 3, 4]
+    # over 8 devices (10 examples: a global remainder), under jit
+    _, (_, _, _, losses_ref, state_ref) = loss_reference()
+    sharded = chunked(1, **SUM, shard=True)(Loss, **kw)()
+    total, state = jax.jit(
+        lambda p: sharded.apply({"params": p}, X, T, mutable=["intermediates"])
+    )(params)
+    tree_allclose(total, losses_ref.sum(), rtol=1e-5)
+    tree_allclose(state, state_ref)
 
 
 # --------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from flax import nnx
 
 from chunkvmap.nnx import batch_vmap
 
-from .helpers import tree_allclose
+from .helpers import jaxpr_eqns, tree_allclose
 
 
 @pytest.fixture(autouse=True)
@@ -203,6 +203,27 @@ def test_optimizer_step_with_dropout_per_example(options):
         rtol=1e-4,
         atol=1e-5,
     )
+
+
+def test_a_reduction_and_state_make_one_loop_over_the_chunks():
+    """The losses folded and the RNG state (split per example) stacked, the
+    parameters (unmapped) kept: one chunked evaluation, one loop."""
+    graphdef, state = nnx.split(MLP(nnx.Rngs(params=0, dropout=1)))
+    axes = nnx.StateAxes({nnx.RngState: 0, ...: None})
+
+    def total(state, x, t):
+        model = nnx.merge(graphdef, state)
+
+        @nnx.split_rngs(splits=x.shape[0], only="dropout")
+        @chunked(3, **SUM)(in_axes=(axes, 0, 0))
+        def losses(model, x, t):
+            return (model(x)[0] - t) ** 2
+
+        return losses(model, x, t)
+
+    jaxpr = jax.make_jaxpr(total)(state, X, T)
+    scans = [e for e in jaxpr_eqns(jaxpr) if e.primitive.name == "scan"]
+    assert len(scans) == 1, len(scans)
 
 
 # --------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 The Flax adapters (`chunkvmap.linen`, `chunkvmap.nnx`) map a pure function that returns
 `(outputs, state)`: the user's outputs, and the variables and RNG counters it updated.
-Outputs follow the user's `reduction`; state, which is per example, is always stacked.
-No framework is imported here.
+Outputs follow the user's `reduction`; state, which is per example, is always stacked:
+with a reduction, in the same evaluation (one accumulator folds the outputs and stacks
+the state). No framework is imported here.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from .._core import _axes, _cache
+from .._core import _axes, _chunked, _loop
 from .._core._options import ChunkOptions, identity
 from .._transforms._batch_vmap import Mapper, out_paths
 
@@ -47,49 +49,77 @@ class StatefulMap:
         out_axes: Any,
         state_axes: Any,
     ) -> tuple[Any, Any]:
-        """`fn(*args) -> (y, state)` mapped by the core; returns `(y, state)`.
-
-        Without a reduction, one chunked evaluation stacks both. With one, `y` is
-        folded and `state` cannot be (a fold has no room for per-example values), so
-        when `fn` returns any state a second, unreduced evaluation produces it (XLA
-        drops the parts of that pass that only `y` needs).
-        """
+        """`fn(*args) -> (y, state)` mapped by the core; returns `(y, state)`, in one
+        chunked evaluation: without a reduction both are stacked; with one, `y` is
+        folded by it and `state` stacked beside it (`_folded_and_stacked`)."""
         mapper = self.mapper
         options = mapper.options
         in_axes = _axes.check_axes_spec(
             "in_axes", in_axes, top_level_tuple=True, transform=options.name
         )
-        stacked = options.replace(reduction=None, chunk_reduction=identity)
-
-        def state_paths(state: Any) -> list[str]:
-            return out_paths(state, self.state_root)
 
         def both_paths(out: Any) -> list[str]:
-            return out_paths(out[0]) + state_paths(out[1])
-
-        def run(f, out_spec, opts, names):
-            return mapper(f, args, {}, in_axes, out_spec, opts, out_names=names)
+            return out_paths(out[0]) + out_paths(out[1], self.state_root)
 
         if options.reduction is None:
-            y, state = run(fn, (out_axes, state_axes), stacked, both_paths)
+            stacked = options.replace(reduction=None, chunk_reduction=identity)
+            y, state = mapper(
+                fn, args, {}, in_axes, (out_axes, state_axes), stacked,
+                out_names=both_paths,
+            )  # fmt: skip
             chunk_reduction = options.chunk_reduction
             return (y if chunk_reduction is identity else chunk_reduction(y)), state
+        accumulator = _folded_and_stacked(
+            options.name, options.reduction, options.chunk_reduction
+        )
+        return mapper(
+            fn, args, {}, in_axes, (out_axes, state_axes),
+            options.replace(accumulator=accumulator), out_names=both_paths,
+        )  # fmt: skip
 
-        state_tree: list[Any] = []
 
-        @_cache.wraps(fn)  # messages name the user's function, as `fn` does
-        def outputs_only(*a):
-            y, state = fn(*a)
-            state_tree[:] = [jax.tree.structure(state)]
-            return y
+def _folded_and_stacked(
+    name: str, reduction: Callable[[Any, Any], Any], chunk_reduction: Callable
+) -> _loop.Accumulator:
+    """The accumulator of `(y, state)` outputs: `y` folded by the user's `reduction`
+    (after `chunk_reduction`, checked as the core checks them), every mapped leaf of
+    `state` stacked one row per example (moved to axis 0 for the loop and back), and
+    an unmapped one (the same for every example) kept from the first chunk."""
 
-        y = run(outputs_only, out_axes, options, out_paths)
-        (treedef,) = state_tree
-        if treedef.num_leaves == 0:
-            return y, treedef.unflatten([])
-        # The second pass is reported by nobody: progress counts the evaluation's
-        # chunks.
-        quiet = stacked.replace(progress=False, reporter=None)
-        state_only = _cache.wraps(fn)(lambda *a: fn(*a)[1])
-        state = run(state_only, state_axes, quiet, state_paths)
-        return y, state
+    def prepare(signature: _loop.Signature, length: int) -> _loop.Accumulator:
+        out_tree, out_avals, out_axes = signature
+        y_tree, state_tree = out_tree.children()
+        k = y_tree.num_leaves
+        _chunked.summary_avals(
+            name, reduction, chunk_reduction, y_tree, out_avals[:k], out_axes[:k],
+            [length or 1],
+        )  # fmt: skip
+        axes = list(out_axes[k:])
+
+        def summarise(out: Any) -> Any:
+            y, state = out
+            leaves = jax.tree.leaves(state)
+            kept = [x for x, a in zip(leaves, axes) if a is None]
+            rows = [
+                jnp.moveaxis(x, a, 0) for x, a in zip(leaves, axes) if a is not None
+            ]
+            return (chunk_reduction(y), kept), rows
+
+        def combine(a: Any, b: Any) -> Any:
+            return _loop.fold(reduction, a[0], b[0]), a[1]
+
+        def finish(summary: Any, rows: Any) -> Any:
+            y, kept = summary
+            kept, rows = iter(kept), iter(rows)
+            leaves = [
+                next(kept) if a is None else jnp.moveaxis(next(rows), 0, a)
+                for a in axes
+            ]
+            return y, state_tree.unflatten(leaves)
+
+        return _loop.Accumulator(combine, summarise, finish=finish)
+
+    def unprepared(*_: Any) -> Any:
+        raise AssertionError("prepared for the chunk function's signature first")
+
+    return _loop.Accumulator(unprepared, unprepared, prepare=prepare)

@@ -30,8 +30,10 @@ def body(
     """The `_loop.Body` of a traced chunk function (traced for chunks of `length`),
     combined as `options` say: stacked, folded by the user's reduction (checked here,
     once, before any loop is built: `summary_avals`), or accumulated by a front end's
-    own `_loop.Accumulator` (not checked)."""
+    own `_loop.Accumulator` (prepared here for this signature, when it asks)."""
     accumulator = options.accumulator
+    if accumulator is not None and accumulator.prepare is not None:
+        accumulator = accumulator.prepare(signature, length)
     if accumulator is None and options.reduction is not None:
         summary = summary_avals(
             options.name, options.reduction, options.chunk_reduction,

@@ -236,6 +236,11 @@ class Accumulator:
     finish: Callable[[Any, Any], Any] = lambda summary, rows: (summary, rows)
     # Whether `summarise` returns any rows (else their types are not traced for).
     rows: bool = True
+    # `prepare(signature, length)`, when given, is called once with the chunk
+    # function's `Signature` (and the length of its chunks) before any loop is built,
+    # and returns the accumulator to use: for one whose leaves depend on the outputs'
+    # structure and axes, and that checks a user's reduction on the outputs it folds.
+    prepare: Callable[[Any, int], Accumulator] | None = None
 
     @classmethod
     def folding(
