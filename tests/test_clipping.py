@@ -8,6 +8,7 @@ the gradient sum, the per-example values, norms and aux, and the sensitivity.
 
 from __future__ import annotations
 
+import functools as ft
 import warnings
 
 import dp_accounting
@@ -49,6 +50,7 @@ class Oracle:
         return getattr(self.clipped, name)
 
 
+@ft.partial(jax.jit, static_argnums=0)
 def params(seed=0):
     k1, k2 = jax.random.split(jax.random.key(seed))
     return {
@@ -57,6 +59,7 @@ def params(seed=0):
     }
 
 
+@ft.partial(jax.jit, static_argnums=(0, 1))  # one program, not one per op
 def batch(n, seed=1):
     kx, ky = jax.random.split(jax.random.key(seed))
     x = 2.0 * jax.random.normal(kx, (n, D_IN))

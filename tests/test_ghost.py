@@ -17,12 +17,36 @@ from .helpers import temp_bytes, tree_allclose
 
 # Test data from NumPy: eager jax.random compiles one kernel per shape, which is most
 # of a small test's time on CPU.
+# Inputs are made with NumPy and converted on the host: an array op run eagerly compiles
+# a program per shape.
 def normal(seed, *shape, scale=1.0):
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * scale, "f4")
+    x = np.random.default_rng(seed).normal(size=shape) * scale
+    return jnp.asarray(x.astype(np.float32))
 
 
 def integers(seed, high, *shape):
-    return jnp.asarray(np.random.default_rng(seed).integers(0, high, shape), "i4")
+    x = np.random.default_rng(seed).integers(0, high, shape)
+    return jnp.asarray(x.astype(np.int32))
+
+
+def clipped_by_hand(loss, params, one_each, clip, pad=None):
+    """The clipped sum by hand, as nan_safe defines it (in one compiled program): each
+    example's gradient with its non-finite entries zeroed, scaled by
+    min(1, clip / norm), and by 0 where `pad` marks a padding example."""
+
+    @jax.jit
+    def run(params, one_each, pad):
+        grads = jax.vmap(jax.grad(loss), (None, 0))(params, one_each)
+        grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0), grads)
+        n = jax.tree.leaves(one_each)[0].shape[0]
+        norms = jnp.sqrt(
+            sum(jnp.sum(g.reshape(n, -1) ** 2, 1) for g in jax.tree.leaves(grads))
+        )
+        scale = jnp.minimum(1, clip / norms)
+        scale = scale if pad is None else jnp.where(pad, 0, scale)
+        return jax.tree.map(lambda g: jnp.tensordot(scale, g, 1), grads)
+
+    return run(params, one_each, pad)
 
 
 def filled(tree, seed):
@@ -351,16 +375,7 @@ def test_padding_dtype_and_partly_nonfinite_gradients():
         "lin": "masked", "emb": "masked"
     }  # fmt: skip
 
-    def reference(pad):
-        grads = jax.vmap(jax.grad(loss), (None, 0))(p, one_each)
-        grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0), grads)
-        norms = jnp.sqrt(
-            sum(jnp.sum(g.reshape(7, -1) ** 2, 1) for g in jax.tree.leaves(grads))
-        )
-        scale = jnp.where(pad, 0, jnp.minimum(1, 1.5 / norms))
-        return jax.tree.map(lambda g: jnp.tensordot(scale, g, 1), grads)
-
-    grads = jax.vmap(jax.grad(loss), (None, 0))(p, one_each)
+    grads = jax.jit(jax.vmap(jax.grad(loss), (None, 0)))(p, one_each)
     assert not bool(jnp.isfinite(grads["lin"][2]).all()) and bool(
         jnp.isfinite(grads["w1"][2]).all()
     )
@@ -380,7 +395,7 @@ def test_padding_dtype_and_partly_nonfinite_gradients():
     assert finite.tolist() == [True, True, False, True, False, True, True]
     assert jnp.isfinite(norms[1]).tolist() == finite.tolist()
     np.testing.assert_allclose(norms[1][finite], norms[0][finite], rtol=1e-5)
-    expected = reference(pad)
+    expected = clipped_by_hand(loss, p, one_each, 1.5, pad)
     tree_allclose(results[1][0], expected, rtol=1e-5, atol=1e-6)
     # dtype=: the sum cast (method="vmap" casts each gradient first: bf16 precision)
     bf16 = jax.jit(clipped_grad(loss, **opts, dtype=jnp.bfloat16, method="ghost"))
@@ -443,15 +458,10 @@ def test_nan_safe_where_masking_cannot():
     }  # fmt: skip
     expected = jax.jit(clipped_grad(loss, **opts))(p, (t, z, x))
     tree_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    grads = jax.vmap(jax.grad(loss), (None, 0))(p, (t[:, None], z[:, None], x[:, None]))
+    one_each = (t[:, None], z[:, None], x[:, None])
+    grads = jax.jit(jax.vmap(jax.grad(loss), (None, 0)))(p, one_each)
     assert bool(jnp.isfinite(grads["w"]).all())
-    grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0), grads)
-    norms = jnp.sqrt(
-        sum(jnp.sum(g.reshape(6, -1) ** 2, 1) for g in jax.tree.leaves(grads))
-    )
-    by_hand = jax.tree.map(
-        lambda g: jnp.tensordot(jnp.minimum(1, 0.8 / norms), g, 1), grads
-    )
+    by_hand = clipped_by_hand(loss, p, one_each, 0.8)
     tree_allclose(got, by_hand, rtol=1e-5, atol=1e-6)
 
 

@@ -41,6 +41,7 @@ def data(n, key=1):
 PARAMS = init_mlp(jax.random.key(0), SIZES)
 
 
+@ft.partial(jax.jit, static_argnums=(0, 3, 4))  # one program, not one per op
 def reference_clipped(fun, params, args, clip, in_axes=(None, 0, 0)):
     grads = jax.vmap(jax.grad(fun), in_axes)(params, *args)
     norms = jnp.sqrt(
@@ -97,7 +98,7 @@ def test_per_example_grads_match_vmap_of_grad(n, batch_size):
     out = per_example_grads(loss, batch_argnums=(1, 2), batch_size=batch_size)(
         PARAMS, x, y
     )
-    expected = jax.vmap(jax.grad(loss), (None, 0, 0))(PARAMS, x, y)
+    expected = jax.jit(jax.vmap(jax.grad(loss), (None, 0, 0)))(PARAMS, x, y)
     tree_allclose(out, expected, atol=1e-5)
 
 
@@ -203,11 +204,13 @@ def test_clipped_sum_without_norms_and_sharded():
 
 def test_matches_optax_differentially_private_aggregate():
     x, y = data(12)
-    per_example = jax.vmap(jax.grad(loss), (None, 0, 0))(PARAMS, x, y)
+    per_example = jax.vmap(jax.grad(loss), (None, 0, 0))
     dp = optax.contrib.differentially_private_aggregate(
         l2_norm_clip=0.7, noise_multiplier=0.0, key=jax.random.key(0)
     )
-    mean, _ = dp.update(per_example, dp.init(PARAMS))
+    mean, _ = jax.jit(lambda p, x, y: dp.update(per_example(p, x, y), dp.init(p)))(
+        PARAMS, x, y
+    )
     total, count = clipped_grad_sum(loss, 0.7, batch_argnums=(1, 2), batch_size=5)(
         PARAMS, x, y
     )
