@@ -107,7 +107,10 @@ def test_auto_under_jit_grad_and_with_reduction(monkeypatch):
         return (jax.vmap(mlp, (None, 0))(p, X) ** 2).sum()
 
     tree_allclose(
-        jax.jit(jax.grad(loss))(PARAMS), jax.grad(ref)(PARAMS), rtol=1e-4, atol=2e-4
+        jax.jit(jax.grad(loss))(PARAMS),
+        jax.jit(jax.grad(ref))(PARAMS),
+        rtol=1e-4,
+        atol=2e-4,
     )
     assert 1 <= last_batch_size() < X.shape[0]
     # The search measures the forward chunked program (with its reduction) that the

@@ -43,7 +43,7 @@ def test_batch_vmap_equals_vmap(case):
     def f(v, s):
         return jnp.sin(v) * s + v.sum()
 
-    expected = jax.vmap(f, (in_axis, None), out_axis)(x, c)
+    expected = jax.jit(jax.vmap(f, (in_axis, None), out_axis))(x, c)
     if reduce:
         axis = out_axis % expected.ndim
         actual = batch_vmap(

@@ -69,7 +69,7 @@ def test_matches_vmap_under_jit_and_grad(n, b):
     def loss(p, xs):
         return (stacked(p, xs) ** 2).sum()
 
-    expected = jax.grad(loss_ref, argnums=(0, 1))(PARAMS, x)
+    expected = jax.jit(jax.grad(loss_ref, argnums=(0, 1)))(PARAMS, x)
     tree_allclose(
         jax.jit(jax.grad(loss, argnums=(0, 1)))(PARAMS, x), expected, atol=1e-5
     )
