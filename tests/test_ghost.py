@@ -17,16 +17,16 @@ from .helpers import temp_bytes, tree_allclose
 
 # Test data from NumPy: eager jax.random compiles one kernel per shape, which is most
 # of a small test's time on CPU.
-# Inputs are made with NumPy and converted on the host: an array op run eagerly compiles
-# a program per shape.
+# Inputs are made with NumPy and transferred with `jax.device_put`: an array op run
+# eagerly compiles a program per shape (so does `jnp.asarray` of a NumPy array).
 def normal(seed, *shape, scale=1.0):
     x = np.random.default_rng(seed).normal(size=shape) * scale
-    return jnp.asarray(x.astype(np.float32))
+    return jax.device_put(x.astype(np.float32))
 
 
 def integers(seed, high, *shape):
     x = np.random.default_rng(seed).integers(0, high, shape)
-    return jnp.asarray(x.astype(np.int32))
+    return jax.device_put(x.astype(np.int32))
 
 
 def clipped_by_hand(loss, params, one_each, clip, pad=None):

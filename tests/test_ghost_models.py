@@ -359,7 +359,7 @@ def dp_batch(n, seed=40):
     tokens = np.random.default_rng(seed).integers(0, LV, (n, LT))
     tokens[0, 2] = tokens[0, 0]  # a token repeated in one sequence
     return (
-        jnp.asarray(tokens, "i4"),
+        jax.device_put(tokens.astype(np.int32)),
         normal(seed + 1, n, 8, 8, 3, scale=1.0),
         integers(seed + 2, 5, n),
     )
@@ -443,7 +443,7 @@ def memory_case():
     rng = np.random.default_rng(2)
 
     def n(*shape):
-        return jnp.asarray(rng.normal(size=shape) / shape[-2] ** 0.5, "f4")
+        return jax.device_put((rng.normal(size=shape) / shape[-2] ** 0.5).astype("f4"))
 
     p = {
         "emb": n(8192, 64), "stack": n(4, 64, 64), "conv": n(3, 3, 128, 256),

@@ -29,7 +29,7 @@ PARAMS = {
 
 
 def data(n):  # made on the host: an eager op compiles per shape
-    return jnp.asarray(np.linspace(-2.0, 2.0, n * 3, dtype=np.float32).reshape(n, 3))
+    return jax.device_put(np.linspace(-2.0, 2.0, n * 3, dtype=np.float32).reshape(n, 3))
 
 
 def sum0(y):
