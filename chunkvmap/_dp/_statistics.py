@@ -607,23 +607,18 @@ def per_example_grad_gram(
     name = "per_example_grad_gram"
     check_bool(name, "has_aux", has_aux)
     _clipping._check_method(name, method)
-    if other_batch_size is not None and (
-        isinstance(other_batch_size, bool) or not isinstance(other_batch_size, int)
-    ):
-        raise TypeError(
-            f"{name} other_batch_size must be a positive int or None, but got "
-            f"other_batch_size={other_batch_size!r}."
-        )
+    other_batch_size = _axes.check_positive_int(
+        "other_batch_size", other_batch_size, transform=name
+    )
     options = dict(shard=shard, mesh=mesh, remat=remat, progress=progress)
     setup = GradSetup(
         name, fun, argnums, batch_argnums, exclusive=True, batch_size=batch_size,
         chunk_size=chunk_size, memory_limit=memory_limit, **options,
     )  # fmt: skip
-    rows_size = setup.mapper.options.batch_size
     # "auto" without other_batch_size: one size for both batches, searched here
-    joint = rows_size == "auto" and other_batch_size is None
+    joint = setup.mapper.options.auto and other_batch_size is None
     if other_batch_size is None and not joint:
-        other_batch_size = rows_size
+        other_batch_size = setup.mapper.options.batch_size
     # the other batch's chunking (validated now, so errors name this function)
     inner_setup = GradSetup(
         name, fun, argnums, batch_argnums, exclusive=True,
@@ -643,10 +638,13 @@ def per_example_grad_gram(
         return fixed[b, measuring]
 
     def evaluate(
-        rows: GradSetup, inner_size: Any, args: tuple, other: tuple, known: Any
-    ) -> Any:
-        diff, in_axes = rows.resolve(args)
-        axes = (None, *inner_setup.resolve(other)[1])
+        rows: GradSetup, inner_size: Any, args: tuple, other: tuple, known: Any,
+        resolved: tuple,
+    ) -> Any:  # fmt: skip
+        """The matrix of `args` against `other` (`resolved`: the call's
+        differentiated arguments, its `in_axes` and the other batch's)."""
+        diff, in_axes, other_axes = resolved
+        axes = (None, *other_axes)
         if method == "ghost":
             dots = _GhostDots(name, fun, args, diff, in_axes, has_aux)
 
@@ -677,7 +675,7 @@ def per_example_grad_gram(
             out = rows.map(row, args, {}, in_axes, known)
         return out if has_aux else out[0]
 
-    def choose(args: tuple, other: tuple) -> int:
+    def choose(args: tuple, other: tuple, resolved: tuple) -> int:
         """The largest size for both batches whose program fits the budget."""
         leaves, treedef = jax.tree.flatten((args, other))
         dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
@@ -689,12 +687,12 @@ def per_example_grad_gram(
                 for i, v in zip(dyn, values):
                     full[i] = v
                 a, o = jax.tree.unflatten(treedef, full)
-                return evaluate(sized(b, True), b, a, o, None)
+                return evaluate(sized(b, True), b, a, o, None, resolved)
 
             return _memory.temp_bytes(name, program, abstract)
 
         key = (treedef, tuple(jax.typeof(leaves[i]) for i in dyn))
-        size = _axes_size(setup, args, setup.resolve(args)[1], {})
+        size = _axes_size(setup, args, resolved[1], {})
         return setup.mapper.auto.choose(key, measure, size)
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
@@ -720,9 +718,10 @@ def per_example_grad_gram(
                     f"the call's ({shapes}), but got {other_shapes}; use "
                     f"method='vmap'."
                 )
+        resolved = (diff, in_axes, other_axes)
         if joint:
-            b = choose(args, other)
-            return evaluate(sized(b), b, args, other, known)
-        return evaluate(setup, other_batch_size, args, other, known)
+            b = choose(args, other, resolved)
+            return evaluate(sized(b), b, args, other, known, resolved)
+        return evaluate(setup, other_batch_size, args, other, known, resolved)
 
     return setup.mapper.transform(call, fun)
