@@ -13,7 +13,7 @@ import opt_einsum
 import pytest
 from jax import lax
 
-from chunkvmap import ghost_report
+from chunkvmap import clipped_grad_sum, ghost_report
 from chunkvmap._dp import _ghost
 
 
@@ -53,12 +53,14 @@ def per_example(loss, params, *data):
     return jax.jit(jax.vmap(one))(*data), plan
 
 
-def check(loss, params, *data):
-    """The instantiated gradients and ghost norms against vmap(grad); returns the
-    plan."""
+def check(loss, params, *data, oracle_data=None):
+    """The instantiated gradients and ghost norms against vmap(grad) (at
+    `oracle_data`, the same examples, if given); returns the plan."""
     got, plan = per_example(loss, params, *data)
     expected = jax.tree.leaves(
-        jax.jit(jax.vmap(jax.grad(loss), (None, *[0] * len(data))))(params, *data)
+        jax.jit(jax.vmap(jax.grad(loss), (None, *[0] * len(data))))(
+            params, *(oracle_data or data)
+        )
     )
     assert got, "no leaf has a rule"
     for k, res in got.items():
@@ -140,6 +142,51 @@ def test_lookups_fill_and_clip_modes():
     plan = check(loss, p, t)
     assert pair_kinds(plan, "E") == ["einsum", "rows", "rows-einsum"]
     assert pair_kinds(plan, "emb", ".weight") == ["rows"]
+
+
+def test_lookups_with_narrow_integer_ids():
+    """`uint8` ids into tables of 300 rows (more than the ids' dtype counts): by
+    `jnp.take` in fill and clip modes, `table[ids]` and `nnx.Embed`. The rows are
+    compared with the table's size and clamped as int32 (in the ids' own dtype the
+    size wraps: rows past 43 would be dropped or clamped), so the ghost norms and
+    the clipped sums equal `method="vmap"`'s."""
+    nnx = pytest.importorskip("flax.nnx")
+    rows = 300
+    embed_def, embed_state = nnx.split(nnx.Embed(rows, D, rngs=nnx.Rngs(0)))
+
+    def loss(p, t):
+        h = jnp.take(p["fill"], t, axis=0, mode="fill", fill_value=0.0)
+        h = h + jnp.take(p["clip"], t, axis=0, mode="clip") + p["index"][t]
+        h = h + nnx.merge(embed_def, p["embed"])(t)
+        return jnp.sum(jnp.tanh(h @ p["w"]) ** 2)
+
+    p = {
+        "fill": normal(1, rows, D), "clip": normal(2, rows, D),
+        "index": normal(3, rows, D), "embed": embed_state, "w": normal(4, D, 3),
+    }  # fmt: skip
+    ids = np.random.default_rng(0).integers(0, 256, (6, T)).astype(np.uint8)
+    ids[:, 0] = [0, 43, 44, 255, 200, 100]  # about where 300 wraps in uint8 (44)
+    # The references take the same ids as int32: XLA:CPU's scatter (the transpose
+    # of a lookup) itself mishandles uint8 ids into 300 rows under the suite's
+    # compile flags (the older fusion emitters).
+    wide = jax.device_put(ids.astype(np.int32))
+    ids = jax.device_put(ids)
+    plan = check(loss, p, ids, oracle_data=[wide])
+    assert {rules(plan)[k] for k in ("['fill']", "['clip']", "['index']")} == {
+        _ghost.GHOST
+    }
+
+    @jax.jit
+    def sums(p, ids, wide):
+        return [
+            clipped_grad_sum(loss, 0.5, return_norms=True, method=m)(p, t)
+            for m, t in (("ghost", ids), ("vmap", wide))
+        ]
+
+    (ghost, _, ghost_norms), (vmap, _, vmap_norms) = sums(p, ids, wide)
+    np.testing.assert_allclose(ghost_norms, vmap_norms, rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(ghost), jax.tree.leaves(vmap)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
 def test_scans_stacked_and_repeated():

@@ -353,7 +353,7 @@ class Use:
             if k == self.slot:
                 operands.append(w)
             elif k in self.record:
-                operands.append(next(it))
+                operands.append(self.rule.operand(k, next(it)))
             else:
                 operands.append(jnp.zeros(v.aval.shape, v.aval.dtype))
         return bind(self.eqn.primitive, operands, self.eqn.params)
@@ -792,6 +792,10 @@ class Rule:
     def form(self, use: Use) -> Form | None:
         return None
 
+    def operand(self, k: int, recorded: Any) -> Any:
+        """Recorded operand `k` as the replayed use binds it."""
+        return recorded
+
 
 class Elementwise(Rule):
     """`x + b`, `x - b`, `x * s`, `x / s`, `select(pred, x, b)`: biases, scales and
@@ -970,6 +974,14 @@ class Gather(Rule):
     def record(self, eqn, slot):
         return (1,)
 
+    def operand(self, k, recorded):
+        # Narrow indices as int32 (the same values): XLA:CPU's scatter transposing a
+        # lookup can mishandle indices whose dtype cannot count the table's rows
+        # (uint8 ids into more than 256 rows).
+        if k == 1 and jnp.dtype(recorded.dtype).itemsize < 4:
+            return recorded.astype(jnp.int32)
+        return recorded
+
     def form(self, use: Use) -> Form | None:
         layout = use.layout
         if layout is None or use.slot != 0 or layout.scale != 1.0:
@@ -1015,14 +1027,13 @@ class Gather(Rule):
         def build(recorded, delta):
             (idx,) = recorded
             idx = idx.reshape(positions, idx.shape[-1]) if indices.ndim else idx
-            row = idx[:, component]
+            row, in_range = _row_index(idx[:, component], rows_n)
             if dropped:
-                valid = (row >= 0) & (row < rows_n)
+                valid = in_range
                 for k in others:
                     valid = valid & (idx[:, k] == 0)
             else:
                 valid = jnp.ones(row.shape, bool)
-            row = jnp.clip(row, 0, rows_n - 1)
             d = delta.transpose((*range(n_lead), *(n_lead + a for a in perm)))
             return [row, valid, d.reshape((positions, *off_shape))]
 
@@ -1040,6 +1051,27 @@ class Gather(Rule):
         )
         form.complete = _complete(layout, use.leaf_aval.shape)
         return form
+
+
+def _row_index(row: jax.Array, rows_n: int) -> tuple[jax.Array, jax.Array]:
+    """Indices `row` of any integer dtype as int32 rows clamped into `[0, rows_n)`,
+    and whether each was in range. Exact for narrow dtypes (`uint8` ids into a table
+    of more than 256 rows: `rows_n` is never cast to the ids' dtype, where it would
+    wrap) and for wide ones (clamped in their own dtype before the cast)."""
+    dtype = jnp.dtype(row.dtype)
+    if not jnp.issubdtype(dtype, jnp.integer):  # (gather takes integer indices)
+        row = row.astype(jnp.int32)
+        dtype = jnp.dtype(jnp.int32)
+    top = int(jnp.iinfo(dtype).max)
+    in_range = row >= 0 if jnp.issubdtype(dtype, jnp.signedinteger) else None
+    if rows_n - 1 < top:  # else every non-negative index is in range
+        below = row < np.asarray(rows_n, dtype)
+        in_range = below if in_range is None else in_range & below
+    if in_range is None:
+        in_range = jnp.ones(row.shape, bool)
+    hi = np.asarray(max(min(rows_n - 1, top), 0), dtype)
+    row = jnp.clip(row, np.asarray(0, dtype), hi).astype(jnp.int32)
+    return row, in_range
 
 
 def _patches(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil, lhs_spec):
