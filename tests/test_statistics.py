@@ -114,6 +114,32 @@ def test_variance_is_exact_beside_a_large_mean():
         np.testing.assert_allclose(stats.variance, expected, rtol=2e-3)
 
 
+def test_ghost_stats_where_no_leaf_has_a_ghost_rule():
+    """A parameter used only through `w**2` (no ghost rule): method="ghost" runs
+    the per-example path, as clipping does, and gives method="vmap"'s statistics."""
+
+    def loss(w, x):
+        return jnp.tanh(w**2 * x).sum()
+
+    rng = np.random.default_rng(3)
+    w, x = rng.normal(size=3).astype(np.float32), rng.normal(size=(5, 3))
+    x = x.astype(np.float32)
+    g = 2 * w * x * (1 - np.tanh(w**2 * x) ** 2)  # the per-example gradients
+
+    @jax.jit
+    def both(w, x):
+        return [
+            per_example_grad_stats(loss, batch_size=3, method=m)(w, x)
+            for m in ("ghost", "vmap")
+        ]
+
+    for stats in both(jax.device_put(w), jax.device_put(x)):
+        np.testing.assert_allclose(stats.mean, g.mean(0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(stats.variance, g.var(0), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(stats.sum_sq, (g**2).sum(0), rtol=1e-5)
+        np.testing.assert_allclose(stats.sq_norms, (g**2).sum(1), rtol=1e-5)
+
+
 def test_bf16_parameters_give_float32_statistics():
     params, x, y = mlp_data(6)
     params16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)

@@ -325,8 +325,12 @@ def per_example_grad_stats(
                 f"{name} needs at least one example (the mean over zero examples is "
                 f"undefined), but the examples' axis has size 0."
             )
+        moments = None
         if method == "ghost":
             moments = _GhostMoments(name, fun, args, kwargs, diff, in_axes, has_aux)
+            if moments.traced.report().runs == "vmap":
+                moments = None  # no leaf has a ghost norm: the per-example path
+        if moments is not None:
             (count, mean, m2), (sq_norms, aux) = setup.map(
                 moments.example,
                 args,
