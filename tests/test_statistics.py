@@ -228,6 +228,40 @@ def test_gram_matches_vmap(batch, other_batch, method):
     np.testing.assert_allclose(cross, flat @ flat2.T, atol=1e-5 * scale)
 
 
+def test_gram_of_a_batch_sharded_over_an_explicit_mesh():
+    """A batch against itself on an Explicit 8-device mesh: 16 examples sharded
+    over it (the rows of the matrix stay sharded; the columns' examples are
+    gathered, else a row and a column would be sharded over one axis), and 13
+    spread by `shard=True` (a remainder); both methods give the unsharded matrix."""
+    params, x, y = mlp_data(16)
+    _, flat = oracle_grads(mlp_loss, params, x, y)
+    x, y = np.asarray(x), np.asarray(y)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def grams(**options):
+        fs = [
+            per_example_grad_gram(mlp_loss, method=m, **options)
+            for m in ("vmap", "ghost")
+        ]
+        return jax.jit(lambda *args: [f(*args) for f in fs])
+
+    with jax.set_mesh(mesh):
+        where = jax.P("data")
+        even = grams(batch_size=4)(
+            params, jax.device_put(x, where), jax.device_put(y, where)
+        )
+        uneven = grams(batch_size=3, shard=True)(
+            params, jax.device_put(x[:13]), jax.device_put(y[:13])
+        )
+    expected = flat @ flat.T
+    atol = 1e-5 * float(np.abs(expected).max())
+    for g in even:
+        np.testing.assert_allclose(g, expected, rtol=1e-5, atol=atol)
+        assert g.sharding.spec[0] == "data"
+    for g in uneven:
+        np.testing.assert_allclose(g, expected[:13, :13], rtol=1e-5, atol=atol)
+
+
 def test_gram_with_aux_and_auto():
     """`has_aux` (the rows' aux stacked) by both methods; `batch_size="auto"` with one
     size for both batches (the largest whose program fits, by XLA's estimate), and

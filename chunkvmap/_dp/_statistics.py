@@ -459,6 +459,24 @@ def _tree_vdot(a: Any, b: Any) -> jax.Array:
     return total
 
 
+def _whole_examples(tree: Any, axis: int | None) -> Any:
+    """The other batch of a Gram matrix with its examples' axis not sharded over an
+    Explicit mesh: every row's chunk is dotted with all of it, and a row sharded
+    like a column would shard their product twice over one mesh axis."""
+    if axis is None or rules.explicit_spec() is None:
+        return tree
+
+    def whole(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or not jnp.ndim(x):
+            return x
+        spec = getattr(jax.typeof(x).sharding, "spec", None)
+        if not spec or spec[axis] is None:
+            return x
+        return jax.sharding.reshard(x, jax.P(*spec[:axis], None, *spec[axis + 1 :]))
+
+    return jax.tree.map(whole, tree)
+
+
 def _shapes(args: tuple, in_axes: tuple) -> list[Any]:
     """The types of one example of the mapped arguments (and the others whole)."""
     return [
@@ -649,6 +667,7 @@ def per_example_grad_gram(
         differentiated arguments, its `in_axes` and the other batch's)."""
         diff, in_axes, other_axes = resolved
         axes = (None, *other_axes)
+        other = tuple(_whole_examples(a, ax) for a, ax in zip(other, other_axes))
         if method == "ghost":
             dots = _GhostDots(name, fun, args, diff, in_axes, has_aux)
 
