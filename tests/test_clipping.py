@@ -477,9 +477,8 @@ def test_option_combinations_match_jax_privacy(data):
 
 def test_python_float_parameters_and_clip_norm_zero():
     """`clipped_grad` differentiates Python float leaves of the parameters, as
-    `jax.grad` and jax-privacy do (`clipped_grad_sum` and `per_example_grads` keep
-    their rule: floating-point arrays only); `l2_clip_norm=0` gives zero sums and
-    inf unclipped ones, in both clipping functions."""
+    `jax.grad` and jax-privacy do (and so does `clipped_grad_sum`); `l2_clip_norm=0`
+    gives zero sums and inf unclipped ones, in both clipping functions."""
 
     def fun(params, data, key):
         out = params["w"] * data + params["b"]
@@ -499,11 +498,13 @@ def test_python_float_parameters_and_clip_norm_zero():
             )
         assert jax.tree.structure(got) == jax.tree.structure(params)
         tree_allclose(got, expected, rtol=1e-6)
-    # Python floats are constants here (as for equinox.filter_grad)
+    # differentiated here too: each example's gradient (x_i, 1), clipped to norm 1
     total, _ = clipped_grad_sum(lambda p, x: fun(p, x, key), 1.0, batch_argnums=1)(
         params, data
     )
-    assert total == {"w": None, "b": None}
+    x = np.array([10.0, 20.0, 30.0])
+    scale = 1 / np.sqrt(x**2 + 1)
+    tree_allclose(total, {"w": np.sum(x * scale), "b": np.sum(scale)}, rtol=1e-6)
     p, xy = call_args(loss, 6)
     for clip, check in ((0.0, lambda g: not np.any(g)), (jnp.inf, None)):
         theirs = Oracle(loss, l2_clip_norm=clip)(p, xy)

@@ -370,6 +370,64 @@ def test_python_float_fields_are_constants_like_filter_grad():
     tree_allclose(out, expected)
 
 
+def test_python_float_parameters_are_differentiated_like_jax_grad():
+    """Python floats in the parameters' dicts and lists are differentiated, as by
+    `jax.grad` (a float32 gradient), by every entry point; a Python
+    int is not (None)."""
+    from chunkvmap import (
+        per_example_grad_gram,
+        per_example_grad_norms,
+        per_example_grad_stats,
+    )
+
+    def f(p, x):
+        h = jnp.tanh(x @ p["w"]) * p["s"] + p["c"][0] * x[:2] ** 2
+        return jnp.sum(h) + p["n"]
+
+    w = np.random.default_rng(0).normal(size=(4, 2)).astype(np.float32)
+    params = {"w": jax.device_put(w), "s": 2.0, "c": [0.5], "n": 3}
+    x = jax.device_put(np.linspace(-1, 1, 24, dtype=np.float32).reshape(6, 4))
+
+    @jax.jit
+    def oracle(floats, x):  # the floats as weakly typed arguments, as jax.grad has
+        return jax.vmap(jax.grad(lambda q, x: f({**q, "n": 3}, x)), (None, 0))(
+            floats, x
+        )
+
+    expected = oracle({k: v for k, v in params.items() if k != "n"}, x)
+    flat = np.concatenate(
+        [np.asarray(g).reshape(6, -1) for g in jax.tree.leaves(expected)], 1
+    )
+    norms = np.linalg.norm(flat, axis=1)
+    clipped = jax.tree.map(
+        lambda g: np.einsum("n,n...->...", np.minimum(1, 0.5 / norms), g), expected
+    )
+
+    @jax.jit
+    def ours(x):  # the floats stay Python floats (as arguments of jit they are not)
+        sums = [
+            clipped_grad_sum(f, 0.5, batch_size=4, method=m)(params, x)[0]
+            for m in ("vmap", "ghost")
+        ]
+        return (
+            per_example_grads(f, batch_size=4)(params, x),
+            sums,
+            per_example_grad_norms(f, method="ghost")(params, x),
+            per_example_grad_stats(f, method="ghost")(params, x).mean,
+            per_example_grad_gram(f, batch_size=4)(params, x),
+        )
+
+    grads, sums, got_norms, mean, gram = ours(x)
+    assert grads["n"] is None and grads["s"].dtype == jnp.float32
+    tree_allclose({**grads, "n": None}, {**expected, "n": None}, rtol=1e-5)
+    for total in sums:
+        assert total["n"] is None
+        tree_allclose({**total, "n": None}, {**clipped, "n": None}, rtol=1e-5)
+    np.testing.assert_allclose(got_norms, norms, rtol=1e-5)
+    np.testing.assert_allclose(mean["s"], np.mean(expected["s"]), rtol=1e-5)
+    np.testing.assert_allclose(gram, flat @ flat.T, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("limit", [16 * 2**10])  # all 64 examples do not fit
 def test_auto_batch_size_is_chosen_once_and_reported(limit, monkeypatch):
     from chunkvmap import last_batch_size

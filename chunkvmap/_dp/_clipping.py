@@ -36,7 +36,12 @@ from .._core._options import (
     identity,
 )
 from .._transforms._batch_vmap import function_name
-from .._transforms._grads import GradSetup, filtered_value_and_grad, resolve_argnums
+from .._transforms._grads import (
+    GradSetup,
+    differentiable_floats,
+    filtered_value_and_grad,
+    resolve_argnums,
+)
 from . import _ghost
 
 
@@ -276,21 +281,6 @@ def _single_example_hint(name: str, config: _Clipping):
         raise
 
 
-def _floats_to_arrays(tree: Any) -> Any:
-    """`tree` with its Python float leaves as JAX scalars (differentiated, as by
-    `jax.grad` and jax-privacy), in plain containers (dicts, lists, tuples): the
-    float fields of other pytree nodes, such as an Equinox module's
-    hyperparameters, stay constants (as with `equinox.filter_grad`)."""
-
-    def plain(x: Any) -> bool:
-        return x is None or isinstance(x, (dict, list, tuple))
-
-    def convert(x: Any) -> Any:
-        return jnp.asarray(x) if isinstance(x, float) else x
-
-    return jax.tree.map(convert, tree, is_leaf=lambda x: not plain(x))
-
-
 def _squeeze_leading_one(x: Any) -> Any:
     """An aux leaf of one example without the size-1 batch axis `fun` kept."""
     if np.ndim(x) >= 1 and np.shape(x)[0] == 1:
@@ -313,10 +303,7 @@ def _clipped_sums(
     padding = kwargs.pop("is_padding_example", None) if config.jax_privacy else None
     diff, in_axes = setup.resolve(args)
     batch_args = [i for i, a in enumerate(in_axes) if a is not None]
-    if config.jax_privacy:  # Python floats are differentiated, as by jax.grad
-        args = tuple(
-            _floats_to_arrays(a) if i in diff else a for i, a in enumerate(args)
-        )
+    args = differentiable_floats(args, diff, in_axes)  # as jax.grad differentiates
     mapped = _mapped_leaves(name, args, in_axes, kwargs)
     size = _axes.mapped_size(
         *mapped,
@@ -1066,8 +1053,9 @@ def clipped_grad_sum(
     NaN entries in the sum, so a diverging model is seen, not hidden. Zero gradients are
     safe (their norm is 0 and they are left unscaled, with no 0/0), the sum keeps each
     parameter's dtype (norms are accumulated in at least float32), and, as in
-    `per_example_grads`, only floating-point arrays are differentiated (other leaves
-    get None), so Equinox modules and Flax variables work as parameters. Zero examples
+    `per_example_grads`, floating-point arrays and Python floats in plain containers
+    are differentiated (other leaves get None), so Equinox modules and Flax variables
+    work as parameters. Zero examples
     give zero sums and a count of 0 (a Poisson-sampled lot may be empty).
 
     Usable as a decorator too, with its options as keywords and without `fun`:

@@ -29,7 +29,11 @@ from .._core import _axes, _cache, _memory
 from .._core._loop import Accumulator
 from .._core._options import check_bool, decorator_form
 from .._transforms._batch_vmap import batch_vmap
-from .._transforms._grads import GradSetup, filtered_value_and_grad
+from .._transforms._grads import (
+    GradSetup,
+    differentiable_floats,
+    filtered_value_and_grad,
+)
 from . import _clipping, _ghost, _ghost_rules as rules
 
 
@@ -296,6 +300,7 @@ def per_example_grad_stats(
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         diff, in_axes = setup.resolve(args)
+        args = differentiable_floats(args, diff, in_axes)
         value_and_grad = filtered_value_and_grad(fun, diff, setup.single, has_aux, name)
 
         def example(*inputs: Any, **kw: Any) -> Any:
@@ -733,6 +738,8 @@ def per_example_grad_gram(
                 f"{name} other= must hold fun's {len(args)} positional arguments, "
                 f"as the call does, but got {len(other)}."
             )
+        args = differentiable_floats(args, diff, in_axes)
+        other = differentiable_floats(other, diff, other_axes)
         if method == "ghost":
             shapes, other_shapes = _shapes(args, in_axes), _shapes(other, other_axes)
             if other_shapes != shapes:

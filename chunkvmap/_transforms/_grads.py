@@ -4,9 +4,11 @@ and filtered gradients it shares with the clipped sums (`_clipping`).
 `per_example_grads` is the `batch_vmap` pipeline (`_batch_vmap.vmap_call`) over the
 gradient of one example, stacked.
 
-Parameters may be any pytree: leaves that are not floating-point arrays (integer
-arrays, functions, strings, the static parts of an Equinox module) are not
-differentiated and get `None` in the gradient, as with `equinox.filter_grad`.
+Parameters may be any pytree: floating-point arrays and Python floats in plain
+containers (dicts, lists, tuples) are differentiated, as by `jax.grad`; other leaves
+(integer arrays, Python ints and bools, functions, strings, the static parts and float
+hyperparameters of an Equinox module) are not, and get `None` in the gradient, as with
+`equinox.filter_grad`.
 """
 
 from __future__ import annotations
@@ -115,6 +117,31 @@ def check_loss(name: str, fun: Any, out: Any, has_aux: bool) -> None:
             f"but it returned {describe(loss)}. Per-example gradients need one "
             f"scalar per example: reduce the loss to a scalar inside the function."
         )
+
+
+def floats_to_arrays(tree: Any) -> Any:
+    """`tree` with its Python float (and complex) leaves as JAX scalars, weakly
+    typed as `jax.grad` makes them (so they are differentiated), in plain containers
+    (dicts, lists, tuples): the float fields of other pytree nodes, such as an
+    Equinox module's hyperparameters, stay constants (as with
+    `equinox.filter_grad`)."""
+
+    def plain(x: Any) -> bool:
+        return x is None or isinstance(x, (dict, list, tuple))
+
+    def convert(x: Any) -> Any:
+        return jnp.asarray(x) if isinstance(x, (float, complex)) else x
+
+    return jax.tree.map(convert, tree, is_leaf=lambda x: not plain(x))
+
+
+def differentiable_floats(args: Sequence[Any], diff: Sequence[int], in_axes) -> tuple:
+    """The call's arguments with the Python floats of the differentiated ones (not
+    mapped) as JAX scalars (`floats_to_arrays`): differentiated, as by `jax.grad`."""
+    return tuple(
+        floats_to_arrays(a) if i in diff and in_axes[i] is None else a
+        for i, a in enumerate(args)
+    )
 
 
 def filtered_value_and_grad(
@@ -325,9 +352,10 @@ def per_example_grads(
     evaluated in chunks of `batch_size` (see `chunkvmap.batch_vmap`), so the working
     memory is that of `batch_size` gradients plus the `N` stacked results.
 
-    Only floating-point arrays are differentiated; any other leaf of a differentiated
-    argument (integer arrays, Python floats such as hyperparameters, functions, an
-    Equinox module's static parts) gets None in the gradient, as with
+    Floating-point arrays and Python floats in plain containers (dicts, lists,
+    tuples) are differentiated, as by `jax.grad`; any other leaf of a differentiated
+    argument (integer arrays, Python ints and bools, functions, an Equinox module's
+    static parts and float hyperparameters) gets None in the gradient, as with
     `equinox.filter_grad`, so Equinox modules and Flax variable dicts work as
     parameters directly.
 
@@ -386,6 +414,7 @@ def per_example_grads(
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         diff, in_axes = setup.resolve(args)
+        args = differentiable_floats(args, diff, in_axes)
         grad_fn = _filtered_grad(fun, diff, setup.single, has_aux)
         return setup.map(grad_fn, args, kwargs, in_axes, known)
 
