@@ -368,3 +368,41 @@ def test_messages_a_newcomer_meets():
     with pytest.raises(ValueError) as info:
         batch_vmap(jnp.sin, out_axes=3)(jnp.ones((2, 3)))
     assert str(info.value).count("out of range") == 1
+
+
+def test_ghost_report_checks_its_loss_and_keywords():
+    """`ghost_report` of a non-scalar loss raises as `clipped_grad_sum` does (it
+    printed a report); a chunking option passed to it is named, not handed to the
+    loss; the loss's own keyword arguments still reach it."""
+    from chunkvmap import clipped_grad_sum, ghost_report
+
+    p, x = {"w": jnp.ones((3, 2))}, jnp.ones(3)
+
+    def outputs(p, x):
+        return jnp.tanh(x @ p["w"])
+
+    for call in (
+        lambda: ghost_report(outputs, p, x),
+        lambda: clipped_grad_sum(outputs, 1.0, method="ghost")(p, x[None]),
+    ):
+        with pytest.raises(TypeError, match=r"must return a real scalar loss"):
+            call()
+
+    def loss(p, x, scale=1.0, **options):
+        return scale * jnp.sum(jnp.tanh(x @ p["w"]))
+
+    def strict(p, x):
+        return jnp.sum(jnp.tanh(x @ p["w"]))
+
+    for fun in (loss, strict):
+        with pytest.raises(
+            TypeError,
+            match=r"ghost_report got the keyword argument 'batch_size', which "
+            rf".*{fun.__name__} does not (name|take)\. ghost_report\(fun, \*args, "
+            r"argnums=0, batch_argnums=None, has_aux=False, \*\*kwargs\) takes "
+            r".*batch_size is an option of the chunked functions",
+        ):
+            ghost_report(fun, p, x, batch_size=4)
+    with pytest.raises(TypeError, match=r"keyword argument 'scal', which .*strict"):
+        ghost_report(strict, p, x, scal=2.0)
+    assert ghost_report(loss, p, x, scale=2.0).as_dict() == {"args[0]['w']": "ghost"}

@@ -43,6 +43,7 @@ from .._transforms._grads import (
     resolve_argnums,
 )
 from . import _ghost
+from ._ghost import check_scalar_loss
 
 
 class AuxiliaryOutput(NamedTuple):
@@ -157,21 +158,6 @@ def global_sq_norm(tree: Any) -> jax.Array:
         return jnp.zeros((), jnp.float32)
     acc = _ghost.accumulation_dtype([x.dtype for x in leaves])
     return sum(jnp.sum(jnp.square(jnp.abs(x).astype(acc))) for x in leaves)
-
-
-def check_scalar_loss(name: str, traced: _ghost.Traced) -> None:
-    """The traced loss of one example is a real scalar (with aux: its first
-    element), as ghost clipping's rules need."""
-    value = traced.value_aval
-    if (
-        value is None
-        or value.shape != ()
-        or not jnp.issubdtype(value.dtype, jnp.floating)
-    ):
-        raise TypeError(
-            f"{name} fun must return a real scalar loss (with aux: as the first "
-            f"element), but it returns {value}."
-        )
 
 
 def _norm_of_square(total: jax.Array) -> jax.Array:

@@ -662,6 +662,21 @@ def _one_example_sharding(aval: Any, stripped: bool) -> Any:
     return jax.sharding.NamedSharding(mesh, jax.P(*(spec[1:] if stripped else spec)))
 
 
+def check_scalar_loss(name: str, traced: Traced) -> None:
+    """The traced loss of one example is a real scalar (with aux: its first
+    element), as ghost clipping's rules need."""
+    value = traced.value_aval
+    if (
+        value is None
+        or value.shape != ()
+        or not jnp.issubdtype(value.dtype, jnp.floating)
+    ):
+        raise TypeError(
+            f"{name} fun must return a real scalar loss (with aux: as the first "
+            f"element), but it returns {value}."
+        )
+
+
 class Traced:
     """One example's loss as a jaxpr of its array leaves, with the ghost plan.
 
@@ -982,6 +997,12 @@ def ghost_report(
       each rule; `.rows` holds `(path, shape, rule, reason)`, `.as_dict()` maps each
       leaf's key path to its rule, `.runs` says whether the ghost path runs.
 
+    Raises:
+      TypeError: when `fun` does not return a real scalar loss (as
+        `clipped_grad_sum` requires), or for a keyword argument `fun` does not take
+        (or an option of the chunked functions, such as `batch_size`, that `fun`
+        does not name): the report takes no chunking options.
+
     Examples:
       >>> import jax.numpy as jnp
       >>> from chunkvmap import ghost_report
@@ -997,6 +1018,7 @@ def ghost_report(
 
     name = "ghost_report"
     check_callable(name, "fun", fun)
+    _check_keywords(name, fun, kwargs)
     nums, _ = check_argnums(name, "argnums", argnums)
     diff = resolve_argnums(name, "argnums", nums, len(args))
     if batch_argnums is None:
@@ -1018,4 +1040,53 @@ def ghost_report(
         has_aux=has_aux,
         keep_batch_dim=False,
     )
+    check_scalar_loss(name, traced)
     return traced.report()
+
+
+# The options of the chunked gradient functions, which ghost_report does not take.
+_OPTIONS = frozenset(
+    {
+        "batch_size", "chunk_size", "shard", "remat", "memory_limit", "progress",
+        "l2_clip_norm", "return_norms", "nan_safe", "keep_batch_dim",
+        "microbatch_size", "rescale_to_unit_norm",
+        "normalize_by", "return_values", "return_grad_norms", "prng_argnum",
+        "pre_clipping_transform", "other_batch_size", "spmd_axis_name",
+    }
+)  # fmt: skip
+
+
+def _check_keywords(name: str, fun: Callable[..., Any], kwargs: dict) -> None:
+    """`ghost_report`'s other keyword arguments are `fun`'s: one it cannot take,
+    or an option of the chunked functions that it does not name, is a mistake."""
+    import inspect
+
+    from .._transforms._batch_vmap import function_name
+
+    try:
+        params = inspect.signature(fun).parameters
+    except (TypeError, ValueError):  # no signature to check against
+        return
+    named = {
+        k
+        for k, p in params.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    for key in kwargs:
+        if key in named or (takes_any and key not in _OPTIONS):
+            continue
+        option = (
+            f" {key} is an option of the chunked functions (clipped_grad_sum, "
+            f"clipped_grad, per_example_grad_norms, ...); the report does not depend "
+            f"on it: pass it to those, not here."
+            if key in _OPTIONS
+            else ""
+        )
+        raise TypeError(
+            f"{name} got the keyword argument {key!r}, which {function_name(fun)} "
+            f"does not {'name' if takes_any else 'take'}. {name}(fun, *args, "
+            f"argnums=0, batch_argnums=None, has_aux=False, **kwargs) takes one "
+            f"example's arguments: *args and **kwargs are passed to fun as they "
+            f"are.{option}"
+        )

@@ -384,7 +384,7 @@ class _GhostMoments:
             fun, list(args), kwargs, diff, mapped,
             strip=True, has_aux=has_aux, keep_batch_dim=False,
         )  # fmt: skip
-        _clipping.check_scalar_loss(name, traced)
+        _ghost.check_scalar_loss(name, traced)
         self.leaves = leaves = traced.plan.leaves
         self.pe = [k for k, x in enumerate(leaves) if x.rule == _ghost.PER_EXAMPLE]
         self.ruled = [k for k, x in enumerate(leaves) if k not in self.pe]
@@ -508,7 +508,7 @@ class _GhostDots:
             fun, list(args), {}, diff, mapped,
             strip=True, has_aux=has_aux, keep_batch_dim=False,
         )  # fmt: skip
-        _clipping.check_scalar_loss(name, traced)
+        _ghost.check_scalar_loss(name, traced)
         leaves = traced.plan.leaves
         self.ghost = [k for k, x in enumerate(leaves) if x.rule == _ghost.GHOST]
         self.formed = [k for k, x in enumerate(leaves) if x.rule == _ghost.INSTANTIATED]
