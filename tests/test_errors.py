@@ -1,5 +1,7 @@
 """Bad input gets an error naming the argument, what was expected and what arrived."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -406,3 +408,70 @@ def test_ghost_report_checks_its_loss_and_keywords():
     with pytest.raises(TypeError, match=r"keyword argument 'scal', which .*strict"):
         ghost_report(strict, p, x, scal=2.0)
     assert ghost_report(loss, p, x, scale=2.0).as_dict() == {"args[0]['w']": "ghost"}
+
+
+def test_a_loss_written_for_a_whole_batch_gets_a_note():
+    """A jax-privacy-style `loss(params, batch)` handed to the functions that map
+    each example fails inside the loss with its own error, which gets a note (the
+    loss sees one example; clipped_grad takes a loss of a whole batch); an error
+    that is not the loss's own gets none."""
+    from chunkvmap import clipped_grad_sum, per_example_grads
+
+    def loss(params, batch):  # for a whole batch: one example has no batch axis
+        x, y = batch
+        return jnp.mean(jnp.sum((x @ params - y[:, None]) ** 2, 1))
+
+    p, batch = jnp.ones(3), (jnp.ones((5, 3)), jnp.ones(5))
+    for fn in (
+        per_example_grads(loss),
+        clipped_grad_sum(loss, 1.0),
+        clipped_grad_sum(loss, 1.0, method="ghost"),
+    ):
+        with pytest.raises(IndexError, match=r"Too many indices") as info:
+            fn(p, batch)
+        (note,) = [n for n in info.value.__notes__ if "one example" in n]
+        assert re.search(
+            r"(per_example_grads|clipped_grad_sum) calls .*loss on one example at a "
+            r"time, with the batch axis removed .* use chunkvmap\.clipped_grad, "
+            r"which takes a loss of a whole batch",
+            note,
+        )
+
+    def concrete(params, x):  # a tracer error: no note
+        return jnp.sum(params * x) if x[0] > 0 else jnp.sum(params)
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        per_example_grads(concrete)(p, batch[0])
+    assert not any("one example" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_argnums_pointing_at_the_examples_is_named():
+    """`argnums` at the batch (the default `batch_argnums` then maps the
+    parameters): said so, where the parameters' leaves were reported as
+    inconsistent sizes; a batch whose own sizes disagree keeps that message."""
+    from chunkvmap import clipped_grad_sum, per_example_grads
+
+    def loss(p, batch):
+        x, y = batch
+        return jnp.sum((x @ p["w"] + p["b"] - y) ** 2)
+
+    p = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    batch = (jnp.ones((5, 3)), jnp.ones((5, 2)))
+    for fn in (
+        per_example_grads(loss, argnums=1),
+        clipped_grad_sum(loss, 1.0, argnums=1),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=r"differentiates args\[1\] \(argnums=1\), whose leaves all have "
+            r"size 5 along axis 0, as a batch of examples has, and maps every other "
+            r"argument \(batch_argnums=None\), the parameters included: "
+            r"args\[0\]\['b'\] has 2; args\[0\]\['w'\] has 3\. argnums selects the "
+            r"parameters to differentiate, passed whole to every example \(not "
+            r"mapped\); batch_argnums selects the arguments holding the examples.* "
+            r"Here the examples are differentiated and the parameters mapped: if "
+            r"args\[1\] holds the examples, pass argnums=0 and batch_argnums=1\.",
+        ):
+            fn(p, batch)
+    with pytest.raises(ValueError, match=r"inconsistent sizes"):
+        per_example_grads(loss)(p, (jnp.ones((5, 3)), jnp.ones((4, 2))))

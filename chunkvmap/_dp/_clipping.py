@@ -40,6 +40,8 @@ from .._transforms._grads import (
     GradSetup,
     differentiable_floats,
     filtered_value_and_grad,
+    noting_errors,
+    one_example_note,
     resolve_argnums,
 )
 from . import _ghost
@@ -267,6 +269,13 @@ def _single_example_hint(name: str, config: _Clipping):
         raise
 
 
+def _note(name: str, fun: Any, config: _Clipping) -> str | None:
+    """The note on an error `fun` raises on one example (see `one_example_note`):
+    for the compact functions, which call `fun` on one example without a batch
+    axis (`clipped_grad` has its own, `_single_example_hint`)."""
+    return None if config.jax_privacy else one_example_note(name, fun)
+
+
 def _squeeze_leading_one(x: Any) -> Any:
     """An aux leaf of one example without the size-1 batch axis `fun` kept."""
     if np.ndim(x) >= 1 and np.shape(x)[0] == 1:
@@ -323,7 +332,7 @@ def _clipped_sums(
             return ghost
 
     value_and_grad = filtered_value_and_grad(
-        fun, diff, setup.single, config.has_aux, name
+        fun, diff, setup.single, config.has_aux, name, _note(name, fun, config)
     )
 
     def example(*inputs: Any, **kw: Any) -> Any:
@@ -389,9 +398,15 @@ def _ghost_sums(
     for i in diff:  # a bare Python number is differentiated, as jax.grad does
         if isinstance(args[i], (float, complex)):
             args[i] = jnp.asarray(args[i])
+    note = _note(name, fun, config)
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        with noting_errors(note):
+            return fun(*args, **kwargs)
+
     with _single_example_hint(name, config):
         traced = _ghost.Traced(
-            fun,
+            noted,
             args,
             kwargs,
             diff,

@@ -13,6 +13,7 @@ hyperparameters of an Equinox module) are not, and get `None` in the gradient, a
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 from collections.abc import Callable, Sequence
@@ -144,19 +145,49 @@ def differentiable_floats(args: Sequence[Any], diff: Sequence[int], in_axes) -> 
     )
 
 
+def one_example_note(name: str, fun: Any) -> str:
+    """The note on an error raised inside `fun` called on one example: a loss
+    written for a whole batch is the usual cause."""
+    return (
+        f"{name} calls {function_name(fun)} on one example at a time, with the "
+        f"batch axis removed (as jax.vmap does). If {function_name(fun)} was written "
+        f"for a whole batch (jax-privacy style: loss(params, batch) averaging over "
+        f"the batch, or reading batch['x'].shape[0]), write it for one example, or "
+        f"use chunkvmap.clipped_grad, which takes a loss of a whole batch, as "
+        f"jax-privacy's clipped_grad does."
+    )
+
+
+@contextlib.contextmanager
+def noting_errors(note: str | None):
+    """A shape-type error (`TypeError`, `ValueError`, `IndexError`; not JAX's
+    tracer errors) raised inside gets `note` added, and is raised as it was."""
+    try:
+        yield
+    except (TypeError, ValueError, IndexError) as e:
+        tracer_error = isinstance(
+            e, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)
+        )
+        if note and not tracer_error and note not in getattr(e, "__notes__", ()):
+            e.add_note(note)
+        raise
+
+
 def filtered_value_and_grad(
     fun: Callable[..., Any],
     argnums: tuple[int, ...],
     single: bool,
     has_aux: bool,
     name: str = "per_example_grads",
+    note: str | None = None,
 ) -> Callable[..., Any]:
     """`jax.value_and_grad(fun, argnums, has_aux)` w.r.t. the floating-point leaves
     only.
 
     `argnums` are non-negative here. The gradient has the structure of the
     differentiated arguments, with None at every leaf that is not differentiated.
-    `fun`'s output is checked first (`check_loss`: errors name `name` and `fun`).
+    `fun`'s output is checked first (`check_loss`: errors name `name` and `fun`);
+    an error `fun` raises gets `note` (`noting_errors`).
     """
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
@@ -175,7 +206,8 @@ def filtered_value_and_grad(
                 it = iter(values)
                 full = [next(it) if m else x for x, m in zip(leaves, mask)]
                 new_args[i] = jax.tree.unflatten(treedef, full)
-            out = fun(*new_args, **kwargs)
+            with noting_errors(note):
+                out = fun(*new_args, **kwargs)
             check_loss(name, fun, out, has_aux)
             return out
 
@@ -192,11 +224,17 @@ def filtered_value_and_grad(
 
 
 def _filtered_grad(
-    fun: Callable[..., Any], argnums: tuple[int, ...], single: bool, has_aux: bool
+    fun: Callable[..., Any],
+    argnums: tuple[int, ...],
+    single: bool,
+    has_aux: bool,
+    note: str | None = None,
 ) -> Callable[..., Any]:
     """`jax.grad(fun, argnums, has_aux)` w.r.t. the floating-point leaves only (see
     `filtered_value_and_grad`)."""
-    value_and_grad_fn = filtered_value_and_grad(fun, argnums, single, has_aux)
+    value_and_grad_fn = filtered_value_and_grad(
+        fun, argnums, single, has_aux, note=note
+    )
 
     def grad_fn(*args: Any, **kwargs: Any) -> Any:
         value, grads = value_and_grad_fn(*args, **kwargs)
@@ -263,6 +301,7 @@ class GradSetup:
                     )
         if self.batch_argnums is None:  # every argument not differentiated
             mapped = tuple(i for i in range(nargs) if i not in diff)
+            self._check_examples_not_differentiated(args, diff, mapped)
         else:
             mapped = resolve_argnums(
                 self.name, "batch_argnums", self.batch_argnums, nargs
@@ -271,6 +310,57 @@ class GradSetup:
                 check_overlap(self.name, *self.given, diff, mapped)
             self._warn_if_ambiguous(args, diff, mapped)
         return diff, tuple(0 if i in mapped else None for i in range(nargs))
+
+    def _check_examples_not_differentiated(
+        self, args: tuple, diff: tuple, mapped: tuple
+    ) -> None:
+        """With the default `batch_argnums`, `argnums` pointing at the examples
+        instead of the parameters maps the parameters: the leaves of a mapped
+        argument disagree on their leading size, none of them has the size on which
+        the differentiated arguments' leaves all agree (as a batch's do), and the
+        mapping would fail. Said so, where it would report inconsistent sizes."""
+
+        def leading(i: int) -> list[tuple[str, int | None]]:
+            out = []
+            for path, x in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+                if _axes.is_array(x):
+                    size = np.shape(x)[0] if np.ndim(x) else None
+                    out.append((f"args[{i}]{jax.tree_util.keystr(path)}", size))
+            return out
+
+        batch = {n for i in diff for _, n in leading(i)}
+        if len(batch) != 1 or None in batch:
+            return
+        (n,) = batch
+        params = [
+            i
+            for i in mapped
+            if len(sizes := {size for _, size in leading(i)}) > 1 and n not in sizes
+        ]
+        if not params:
+            return
+        examples = sorted({*diff, *(i for i in mapped if i not in params)})
+        shown = [f"{path} has {size}" for i in params for path, size in leading(i)]
+        named = ", ".join(f"args[{i}]" for i in diff)
+
+        def nums(values: list[int]) -> Any:
+            return values[0] if len(values) == 1 else tuple(values)
+
+        raise ValueError(
+            f"{self.name} differentiates {named} "
+            f"(argnums={self.given[0]!r}), whose leaves all have size {n} along "
+            f"axis 0, as a batch of examples has, and maps every other argument "
+            f"(batch_argnums=None), the parameters included: "
+            f"{'; '.join(shown[:4])}{'; ...' if len(shown) > 4 else ''}. argnums "
+            f"selects the parameters to differentiate, passed whole to every "
+            f"example (not mapped); batch_argnums selects the arguments holding the "
+            f"examples, mapped over their leading axis (by default every argument "
+            f"not in argnums). Here the examples are differentiated and the "
+            f"parameters mapped: if {named} "
+            f"hold{'s' * (len(diff) == 1)} the examples, pass argnums="
+            f"{nums(params)!r} and "
+            f"batch_argnums={nums(examples)!r}."
+        )
 
     def _warn_if_ambiguous(self, args: tuple, diff: tuple, mapped: tuple) -> None:
         """Warn (once per transform) when an argument left out of `batch_argnums`
@@ -415,7 +505,8 @@ def per_example_grads(
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         diff, in_axes = setup.resolve(args)
         args = differentiable_floats(args, diff, in_axes)
-        grad_fn = _filtered_grad(fun, diff, setup.single, has_aux)
+        note = one_example_note(name, fun)
+        grad_fn = _filtered_grad(fun, diff, setup.single, has_aux, note)
         return setup.map(grad_fn, args, kwargs, in_axes, known)
 
     return setup.mapper.transform(call, fun)
