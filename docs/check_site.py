@@ -1,13 +1,15 @@
 """Open every page of the built documentation site in headless Chromium.
 
-    python docs/check_site.py [SITE_DIR]     # default: site/
+    python docs/check_site.py [--skip-without-browser] [SITE_DIR]   # default: site/
 
 Serves SITE_DIR on localhost (http.server in a thread) and loads each of its HTML
-pages in Chromium through Playwright (Debian's /usr/bin/chromium, or $CHROMIUM; no
-browser is downloaded). A page fails if it logs a console error or throws, if an
+pages in Chromium through Playwright: $CHROMIUM, else the first of `chromium`,
+`chromium-browser`, `google-chrome`, `google-chrome-stable` on the PATH (no browser
+is downloaded or installed). A page fails if it logs a console error or throws, if an
 image did not load (naturalWidth == 0), or if a mermaid diagram is still source text
 (a `mermaid` block with no <svg> in it). Prints one line per page and exits non-zero
-if any page fails. `make docs` runs it after building the site.
+if any page fails. Without a browser it says how to get one and exits 2, or 0 with
+`--skip-without-browser`. `make docs` runs it that way after building the site.
 """
 
 from __future__ import annotations
@@ -21,7 +23,27 @@ import sys
 import threading
 
 
-CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+NO_BROWSER = (
+    "No Chromium or Chrome found ($CHROMIUM unset; none of {names} on the PATH): the "
+    "pages were not opened in a browser. To check them, install one (Debian/Ubuntu: "
+    "sudo apt-get install chromium) or set CHROMIUM=/path/to/chrome, and run "
+    "`make docs` (or `python docs/check_site.py site`) again."
+).format(names=", ".join(BROWSERS))
+
+
+def find_browser() -> str | None:
+    """The Chromium or Chrome to drive: $CHROMIUM, else the first of `BROWSERS` on
+    the PATH; None when there is none."""
+    given = os.environ.get("CHROMIUM")
+    if given:
+        return given
+    for name in BROWSERS:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
 
 # Run inside each page once it has loaded (and its images have settled).
 _PAGE_CHECK = """
@@ -56,7 +78,7 @@ class _Server(http.server.ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-def check_site(site: pathlib.Path) -> list[str]:
+def check_site(site: pathlib.Path, browser_path: str) -> list[str]:
     from playwright.sync_api import sync_playwright
 
     pages = sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html"))
@@ -70,7 +92,7 @@ def check_site(site: pathlib.Path) -> list[str]:
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(
-                executable_path=CHROMIUM, args=["--no-sandbox"], headless=True
+                executable_path=browser_path, args=["--no-sandbox"], headless=True
             )
             for rel in pages:
                 page = browser.new_page()
@@ -109,11 +131,18 @@ def check_site(site: pathlib.Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    site = pathlib.Path(argv[1] if len(argv) > 1 else "site")
+    args = argv[1:]
+    skip = "--skip-without-browser" in args
+    args = [a for a in args if a != "--skip-without-browser"]
+    site = pathlib.Path(args[0] if args else "site")
     if not site.is_dir():
         print(f"{site} is not a directory: build the site first (mkdocs build)")
         return 2
-    failures = check_site(site)
+    browser_path = find_browser()
+    if browser_path is None:
+        print(("skipped: " if skip else "") + NO_BROWSER)
+        return 0 if skip else 2
+    failures = check_site(site, browser_path)
     n = len(list(site.rglob("*.html")))
     if failures:
         print(f"{len(failures)} problem(s) on {n} page(s) of {site}")

@@ -79,3 +79,42 @@ def test_site_builds_strictly(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     api = (tmp_path / "site" / "api" / "core" / "index.html").read_text()
     assert "batch_size" in api and "chunk_reduction" in api  # rendered docstrings
+
+
+def test_no_make_target_installs_system_packages(tmp_path, monkeypatch, capsys):
+    """`make docs` installs nothing: without Chromium or Chrome, the browser check
+    of docs/check_site.py is skipped with a message saying how to get one (the
+    strict build still runs first); run on its own, the check fails."""
+    recipes = [
+        line
+        for line in (ROOT / "Makefile").read_text().splitlines()
+        if line.startswith("\t")
+    ]
+    installing = re.compile(
+        r"\b(apt-get|apt|dnf|yum|brew|snap)\b.*\binstall\b|\bsudo\b"
+    )
+    assert not [line for line in recipes if installing.search(line)]
+    docs = re.search(r"^docs:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
+    assert "mkdocs build --strict" in docs.group(1)
+    assert "check_site.py --skip-without-browser site" in docs.group(1)
+
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import check_site
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    monkeypatch.delenv("CHROMIUM", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no browser on it
+    site = tmp_path / "site"
+    site.mkdir()
+    assert check_site.main(["check_site.py", "--skip-without-browser", str(site)]) == 0
+    assert check_site.main(["check_site.py", str(site)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("skipped: No Chromium or Chrome found")
+    assert "sudo apt-get install chromium" in out and "CHROMIUM=" in out
+    browser = tmp_path / "google-chrome"
+    browser.write_text("#!/bin/sh\n")
+    browser.chmod(0o755)
+    assert check_site.find_browser() == str(browser)
+    monkeypatch.setenv("CHROMIUM", "/opt/chrome/chrome")
+    assert check_site.find_browser() == "/opt/chrome/chrome"
