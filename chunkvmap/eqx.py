@@ -297,7 +297,7 @@ class _Chunking:
             )
 
         def build():
-            return _cache.uncached(call) if options.shard else _cache.EagerCache(call)
+            return _cache.EagerCache(call, placement=mapper.placement)
 
         key = (
             jax.tree.structure(out_axes, is_leaf=is_none),

@@ -129,6 +129,27 @@ class TraceCounter:
         return self.f(*args, **kwargs)
 
 
+class CompileCounter:
+    """Counts the XLA compilations made while it is entered (JAX's monitoring
+    events), as `with CompileCounter() as compiles: ...; compiles.count`."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def _listen(self, event, duration, **kwargs):
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
 def jaxpr_eqns(jaxpr) -> list:
     """Every equation of `jaxpr`, recursively: also those in the sub-jaxprs held in
     equation parameters (scan and while bodies, cond branches, jit, remat,

@@ -1,5 +1,5 @@
-"""The eager cache: compiled once per call structure, bounded, never keeping user
-functions alive."""
+"""The eager cache: compiled once per program, never stale (a changed closure is
+seen, as by jax.vmap), bounded, never keeping user functions alive."""
 
 import gc
 import weakref
@@ -12,20 +12,23 @@ import pytest
 from chunkvmap import batch_map, batch_vmap
 from chunkvmap._core import _cache
 
-from .helpers import TraceCounter
+from .helpers import CompileCounter, TraceCounter
 
 
 def test_batch_map_compiles_once_and_converts_numpy_inputs():
-    fun = TraceCounter(lambda c: jnp.sin(c) * 2)
+    def fun(c):
+        return jnp.sin(c) * 2
+
     x = np.arange(12.0, dtype=np.float32).reshape(6, 2)
     first = batch_map(fun, x, batch_size=4)
-    traced = fun.count
-    second = batch_map(fun, x + 1, batch_size=4)  # NumPy again: same program
-    assert fun.count == traced
+    with CompileCounter() as compiles:
+        second = batch_map(fun, x + 1, batch_size=4)  # NumPy again: same program
+    assert compiles.count == 0
     np.testing.assert_allclose(first, np.sin(x) * 2, rtol=1e-6)
     np.testing.assert_allclose(second, np.sin(x + 1) * 2, rtol=1e-6)
-    batch_map(fun, x[:5], batch_size=4)  # a new shape is a new program
-    assert fun.count > traced
+    with CompileCounter() as compiles:
+        batch_map(fun, x[:5], batch_size=4)  # a new shape is a new program
+    assert compiles.count > 0
 
 
 def test_batch_map_cache_does_not_keep_fun_alive():
@@ -56,22 +59,89 @@ def test_filter_batch_vmap_cache_does_not_keep_its_options_alive():
 
 
 def test_the_cache_is_bounded_and_forgets_the_least_recently_used():
-    fun = TraceCounter(lambda x, k: x * k)
-    f = batch_vmap(fun, in_axes=(0, None), batch_size=2)
+    f = batch_vmap(lambda x, k: x * k, in_axes=(0, None), batch_size=2)
     x = jnp.ones(3)
     for k in range(_cache.MAX_ENTRIES + 1):  # a static Python int: one entry each
         f(x, k)
-    count = fun.count
-    f(x, _cache.MAX_ENTRIES)  # the most recent: still cached
-    f(x, 1)  # used least recently but one: still cached
-    assert fun.count == count
-    f(x, 0)  # the least recently used was evicted: traced again
-    assert fun.count > count
+    with CompileCounter() as compiles:
+        f(x, _cache.MAX_ENTRIES)  # the most recent: still cached
+        f(x, 1)  # used least recently but one: still cached
+    assert compiles.count == 0
+    with CompileCounter() as compiles:
+        f(x, 0)  # the least recently used was evicted: compiled again
+    assert compiles.count > 0
 
 
-def test_tracers_go_straight_through():
-    fun = TraceCounter(jnp.cos)
-    f = batch_vmap(fun, batch_size=2)
-    g = jax.jit(f)
-    np.testing.assert_allclose(g(jnp.ones(5)), np.cos(np.ones(5)), rtol=1e-6)
-    np.testing.assert_allclose(f(jnp.ones(5)), np.cos(np.ones(5)), rtol=1e-6)
+# The closure of the user's function changes between calls: a closed-over array
+# (replaced, or a global dict's entry), a Python constant, a Python branch.
+STATE = {"t": jnp.zeros(3), "scale": 1.0, "relu": False}
+
+
+def _closure_cases():
+    def reference(v):
+        y = jnp.sum(v * STATE["t"]) * STATE["scale"]
+        return jax.nn.relu(y) if STATE["relu"] else y
+
+    return reference
+
+
+@pytest.mark.parametrize(
+    "entry", ["batch_vmap", "per_example_grads", "clipped_sum", "ghost"]
+)
+def test_eager_calls_see_the_current_closure(entry):
+    """A transform built once and called again returns what jax.vmap returns for
+    the function as it is now (arrays and Python constants in its closure),
+    compiling again only when the program changed, not when an array did."""
+    from chunkvmap import clipped_grad_sum, per_example_grads
+
+    f = _closure_cases()
+    x = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(4, 3) - 5)
+    if entry == "batch_vmap":
+        chunked, oracle = batch_vmap(f, batch_size=3), jax.vmap(f)
+    else:
+        loss = lambda w, v: f(v @ w)  # noqa: E731
+        eye = jnp.eye(3)
+        grads = jax.vmap(jax.grad(loss), (None, 0))
+        if entry == "per_example_grads":
+            made = per_example_grads(loss, batch_size=3)
+            chunked = lambda v: made(eye, v)  # noqa: E731
+            oracle = lambda v: grads(eye, v)  # noqa: E731
+        else:
+            method = "ghost" if entry == "ghost" else "vmap"
+            made = clipped_grad_sum(loss, 1e6, batch_size=3, method=method)
+            chunked = lambda v: made(eye, v)[0]  # noqa: E731
+            oracle = lambda v: grads(eye, v).sum(0)  # noqa: E731
+    STATE.update(t=jnp.zeros(3), scale=1.0, relu=False)
+    try:
+        np.testing.assert_allclose(chunked(x), oracle(x), rtol=1e-6)
+        STATE["t"] = jnp.array([1.0, -2.0, 3.0])  # a new array: no new program
+        with CompileCounter() as compiles:
+            got = chunked(x)
+        assert compiles.count == 0
+        np.testing.assert_allclose(got, oracle(x), rtol=1e-6)
+        for change in ({"scale": 2.5}, {"relu": True}):
+            STATE.update(change)
+            np.testing.assert_allclose(chunked(x), oracle(x), rtol=1e-6)
+    finally:
+        STATE.update(t=jnp.zeros(3), scale=1.0, relu=False)
+
+
+SINK = {}
+
+
+def test_a_changed_host_callback_is_called():
+    """Programs that differ only in the Python function a callback calls are two
+    programs (the jaxpr's text shows the callback without its identity)."""
+    seen, other = [], []
+    f = batch_vmap(lambda v: _with_callback(v, SINK["record"]), batch_size=2)
+    SINK["record"] = seen.append
+    f(jnp.ones(4))
+    SINK["record"] = other.append
+    f(jnp.ones(4))
+    jax.effects_barrier()
+    assert seen and other
+
+
+def _with_callback(v, record):
+    jax.debug.callback(record, v)
+    return v * 2

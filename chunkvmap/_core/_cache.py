@@ -1,10 +1,18 @@
-"""One eager cache for every entry point: compile once per argument structure.
+"""One eager cache for every entry point: compile once per program, never stale.
 
-Called eagerly (no argument is a tracer), a chunkvmap transform runs through one
-`jax.jit` per call structure, kept in a small LRU, so a second call with arguments of
-the same structure, types and static values reuses the compiled program instead of
-tracing the user's function and compiling the chunked loop again. Under an outer
-`jax.jit` the caller's cache does that, and the call goes straight through.
+Called eagerly (no argument is a tracer), a chunkvmap transform traces its whole
+evaluation to a jaxpr (`jax.make_jaxpr`: the user's function and the chunked loop,
+no compilation) and runs it through one `jax.jit` per distinct program, kept in a small
+LRU. Two calls share a compiled program when their jaxprs are the same (Python
+constants, including those in the user's function's closure, are literals of the
+jaxpr, so a changed constant is a new program) and their arguments have the same types
+and shardings; the arrays the trace closed over (a closure's arrays, a model's weights
+held in a global) are arguments of the compiled program, passed anew at every call.
+So an eager call returns what `jax.vmap` would return for the function as it is now,
+as `jax.vmap` does, while a repeated call costs a trace, not a compilation. Under an
+outer `jax.jit` the caller's cache does that, and the call goes straight through.
+
+Every call first resolves its mesh and runs under it (`_mesh.run_under`).
 
 Caches that outlive one transform (`batch_map`'s, keyed by the user's `fun`; the
 adapters', keyed by their options) hold their keys weakly (`memo`), so they never keep
@@ -14,22 +22,24 @@ a user's function alive and disappear with it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools as ft
 import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
+import jax.extend.core as jcore
 import numpy as np
 
-from . import _memory
+from . import _memory, _mesh
 
 
 MAX_ENTRIES = 32
 
 # A call: (positional arguments, keyword arguments, known shardings) -> result. The
 # known shardings are those of an eager call's array arguments, by the id of the
-# tracers that stand for them in the compiled program (a layout visible on concrete
+# tracers that stand for them in the traced program (a layout visible on concrete
 # arrays stays visible inside, where a tracer's type shows only Explicit axes); empty
 # for a call under an outer `jax.jit`, where the types say all there is to see.
 Known = Mapping[int, Any]
@@ -50,24 +60,46 @@ class _LRU(collections.OrderedDict):
         return value
 
 
-class EagerCache:
-    """`call(args, kwargs, known)` through one cached `jax.jit` per call structure.
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a transform's calls run: its `shard=` and `mesh=` options."""
 
-    The key is the pytree structure of `(args, kwargs)` and the values of its non-array
-    leaves (hashable Python values, which become constants of the program, as static
-    arguments of `jax.jit` do); the array leaves are the jitted function's arguments,
-    so `jax.jit` keys them by type and sharding. A call with a tracer, an unhashable
-    non-array leaf, or (unless `numpy_arrays`) a NumPy array is evaluated directly.
-    `numpy_arrays=True` is for entry points that convert NumPy inputs to JAX arrays
-    anyway (so they can be arguments of the compiled program).
+    shard: Any = False
+    mesh: Any = None
+
+
+class EagerCache:
+    """`call(args, kwargs, known)` under the call's mesh, through one cached
+    `jax.jit` per traced program (see the module docstring).
+
+    A call with a tracer, an unhashable non-array leaf, or (unless `numpy_arrays`) a
+    NumPy array is evaluated directly. `numpy_arrays=True` is for entry points that
+    convert NumPy inputs to JAX arrays anyway (so they can be arguments of the
+    compiled program).
     """
 
-    def __init__(self, call: Call, *, numpy_arrays: bool = False):
+    def __init__(
+        self,
+        call: Call,
+        *,
+        numpy_arrays: bool = False,
+        placement: Placement = Placement(),
+        cached: bool = True,
+    ):
         self.call = call
         self.arrays = (jax.Array, np.ndarray) if numpy_arrays else (jax.Array,)
+        self.placement = placement
+        self.cached = cached
         self.entries = _LRU()
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        return _mesh.run_under(
+            self.placement.shard, self.placement.mesh, self._run, args, kwargs
+        )
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        if not self.cached:
+            return self.call(args, kwargs, {})
         flat, treedef = jax.tree.flatten((args, kwargs))
         dyn, static = [], []
         for i, x in enumerate(flat):
@@ -83,32 +115,120 @@ class EagerCache:
             except TypeError:
                 return self.call(args, kwargs, {})
             static.append((i, type(x), x))
-        # The arrays' shardings are part of the key: a layout visible on them decides
-        # how the call is chunked (and the call is told them, see `Call`).
-        shardings = tuple(getattr(flat[i], "sharding", None) for i in dyn)
-        key = (treedef, tuple(static), shardings)
-        run = self.entries.get_or_build(
-            key, lambda: self._compile(treedef, flat, dyn, shardings)
-        )
-        return run(*[flat[i] for i in dyn])
+        values = [flat[i] for i in dyn]
+        # The arrays' shardings decide how the call is chunked (and the call is told
+        # them, see `Call`).
+        shardings = tuple(getattr(v, "sharding", None) for v in values)
 
-    def _compile(
-        self, treedef: Any, flat: list, dyn: list[int], shardings: tuple
-    ) -> Callable:
-        template = list(flat)
-        for i in dyn:
-            template[i] = None  # the arrays of this call are not kept alive
-
-        @jax.jit
-        def run(*values: Any) -> Any:
-            full = list(template)
+        def traced(*values: Any) -> Any:
+            full = list(flat)
             for i, v in zip(dyn, values):
                 full[i] = v
             args, kwargs = jax.tree.unflatten(treedef, full)
             known = {id(v): s for v, s in zip(values, shardings) if s is not None}
             return self.call(args, kwargs, known)
 
-        return run
+        closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*values)
+        consts = list(closed.consts)
+        text, callables, inner = _program_key(closed.jaxpr)
+        key = (
+            treedef,
+            tuple(static),
+            shardings,
+            jax.sharding.get_abstract_mesh(),
+            tuple(_const_type(c) for c in consts),
+            text,
+            callables,
+            tuple(id(c) for c in inner),
+        )
+        entry = self.entries.get(key)
+        if entry is None or not entry.holds(inner):
+            entry = self.entries[key] = _Entry(_compiled(closed.jaxpr), inner)
+            if len(self.entries) > MAX_ENTRIES:
+                self.entries.popitem(last=False)
+        self.entries.move_to_end(key)
+        out = entry.run(consts, *values)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+
+
+class _Entry:
+    """A compiled program and the arrays compiled into it (the constants of its
+    inner jaxprs: arrays a nested `jax.jit` closed over), held weakly: the entry
+    serves a call only while they are the very arrays of that call."""
+
+    def __init__(self, run: Callable[..., Any], inner: list[Any]):
+        self.run = run
+        self.refs = [_weak(c) for c in inner]
+
+    def holds(self, inner: list[Any]) -> bool:
+        return all(ref() is c for ref, c in zip(self.refs, inner))
+
+
+def _weak(value: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
+
+
+def _const_type(c: Any) -> Any:
+    """A closed-over constant's type, with its sharding (an argument of the
+    compiled program)."""
+    return (jax.typeof(c), getattr(c, "sharding", None))
+
+
+def _compiled(jaxpr: Any) -> Callable[..., Any]:
+    """`jaxpr` as one jitted function of its constants and arguments."""
+
+    @jax.jit
+    def run(consts: list[Any], *values: Any) -> Any:
+        return jax.core.eval_jaxpr(jaxpr, consts, *values)
+
+    return run
+
+
+# Parameters of JAX's primitives holding differentiation rules: an eager call's
+# program is evaluated, never differentiated, so they do not tell programs apart.
+_RULES = frozenset(
+    {"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "jvp", "fwd_jaxpr_thunk", "bwd", "fwd"}
+)
+
+
+def _program_key(jaxpr: Any) -> tuple[str, tuple[Any, ...], list[Any]]:
+    """What tells two traced programs apart: their text (equations, shapes, literal
+    constants), the Python callables they call back into (host callbacks, which the
+    text shows without identity), and the constants of their inner jaxprs (arrays
+    that a nested `jax.jit` closed over are compiled into the program: a new array
+    there is a new program)."""
+    callables: list[Any] = []
+    inner: list[Any] = []
+    _walk(jaxpr, callables, inner)
+    return str(jaxpr), tuple(callables), inner
+
+
+def _walk(jaxpr: Any, callables: list[Any], inner: list[Any]) -> None:
+    for eqn in jaxpr.eqns:
+        for name, value in eqn.params.items():
+            if name in _RULES:
+                continue
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, jcore.ClosedJaxpr):
+                    inner.extend(v.consts)
+                    _walk(v.jaxpr, callables, inner)
+                elif isinstance(v, jcore.Jaxpr):
+                    _walk(v, callables, inner)
+                elif callable(v) and not isinstance(v, type):
+                    callables.append(_identity(getattr(v, "callback_func", v)))
+
+
+def _identity(value: Any) -> Any:
+    """A callable as a key: itself when hashable (callables compare as they
+    define: a bound method by its object and function), else by identity."""
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
 
 
 _MEMO: weakref.WeakKeyDictionary[Any, _LRU] = weakref.WeakKeyDictionary()
@@ -128,9 +248,12 @@ def memo(owner: Any, key: Hashable, build: Callable[[], Any]) -> Any:
     return entries.get_or_build(key, build)
 
 
-def uncached(call: Call) -> Callable[[tuple, dict], Any]:
-    """`call` run directly, with no known shardings (the arguments show their own)."""
-    return lambda args, kwargs: call(args, kwargs, {})
+def uncached(
+    call: Call, placement: Placement = Placement()
+) -> Callable[[tuple, dict], Any]:
+    """`call` run directly under the call's mesh, with no known shardings (the
+    arguments show their own)."""
+    return EagerCache(call, placement=placement, cached=False)
 
 
 _AUTO_KEY = "chunkvmap: batch_size state"
@@ -212,11 +335,15 @@ def transform(
     auto: Any = None,
     cached: bool = True,
     numpy_arrays: bool = False,
+    placement: Placement = Placement(),
 ) -> Callable[..., Any]:
-    """The public function of a transform: `call` through an `EagerCache` (when
-    `cached`), with `wrapped`'s name and docstring, holding its `"auto"` state (when
-    it has one) for `last_batch_size`."""
-    run = EagerCache(call, numpy_arrays=numpy_arrays) if cached else uncached(call)
+    """The public function of a transform: `call` under the call's mesh
+    (`placement`: the transform's `shard=` and `mesh=`), through an `EagerCache`
+    (when `cached`), with `wrapped`'s name and docstring, holding its `"auto"` state
+    (when it has one) for `last_batch_size`."""
+    run = EagerCache(
+        call, numpy_arrays=numpy_arrays, placement=placement, cached=cached
+    )
 
     @wraps(wrapped)
     def transformed(*args: Any, **kwargs: Any) -> Any:

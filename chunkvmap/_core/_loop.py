@@ -100,6 +100,15 @@ def zeros(shape: Sequence[int], aval: Any) -> Any:
     """Zeros of `shape` with `aval`'s dtype, weakly typed when `aval` is, and with its
     sharding type when it has one (Explicit mesh axes) of the same rank."""
     sharding = getattr(aval, "sharding", None)
+    if (
+        isinstance(sharding, jax.sharding.NamedSharding)
+        and sharding.mesh.empty
+        and not jax.sharding.get_abstract_mesh().empty
+    ):
+        # A value typed without a mesh under a context mesh (an input the caller
+        # did not place): zeros of that type, not of the context's.
+        with jax.sharding.use_abstract_mesh(sharding.mesh):
+            return zeros(shape, aval)
     if not (
         isinstance(sharding, jax.sharding.NamedSharding)
         and any(sharding.spec)
@@ -113,9 +122,12 @@ def zeros(shape: Sequence[int], aval: Any) -> Any:
 
 
 def sharding_in_types(leaves: Sequence[Any]) -> bool:
-    """Whether any of `leaves` is typed with a sharding over Explicit mesh axes (then
-    loop carries must be built with the types of the values, not of abstract
-    shapes)."""
+    """Whether any of `leaves` is typed with a sharding over Explicit mesh axes, or
+    an Explicit context mesh types new values (then loop carries must be built with
+    the types of the values, not of abstract shapes)."""
+    context = jax.sharding.get_abstract_mesh()
+    if any(t == jax.sharding.AxisType.Explicit for t in context.axis_types):
+        return True
     for x in leaves:
         if isinstance(x, jax.Array):
             mesh = getattr(jax.typeof(x).sharding, "mesh", None)
@@ -123,6 +135,17 @@ def sharding_in_types(leaves: Sequence[Any]) -> bool:
             if any(t == jax.sharding.AxisType.Explicit for t in types):
                 return True
     return False
+
+
+def typed_as(y: Any, like: Any) -> Any:
+    """`y` with `like`'s sharding type (a value typed without a mesh, written into a
+    buffer typed with the context's, is replicated over it: nothing moves)."""
+    want = jax.typeof(like).sharding
+    if jax.typeof(y).sharding == want or getattr(want, "mesh", None) is None:
+        return y
+    if want.mesh.empty:
+        return y
+    return jax.sharding.reshard(y, want)
 
 
 def spec_entries(x: Any) -> list[Any]:
@@ -160,7 +183,9 @@ def _write_chunks(
         report(i)
         start = plan.start(i)
         return [
-            y if axis is None else lax.dynamic_update_slice_in_dim(b, y, start, axis)
+            y
+            if axis is None
+            else lax.dynamic_update_slice_in_dim(b, typed_as(y, b), start, axis)
             for b, y, axis in zip(buffers, ys, out_axes)
         ], None
 

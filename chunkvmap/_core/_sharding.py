@@ -175,6 +175,10 @@ def _requested(
         )
     if mesh is None:
         mesh = default_mesh() if ambient.empty else ambient
+    elif not ambient.empty and all_auto(mesh).abstract_mesh == ambient:
+        # The mesh entered for the call with Auto axes (the caller does not hold it:
+        # `_mesh.resolve`).
+        mesh = all_auto(mesh)
     elif not ambient.empty and mesh.abstract_mesh != ambient:
         raise ValueError(
             f"{name}(shard={shard!r}) was called under jax.set_mesh({ambient}), which "
@@ -197,6 +201,14 @@ def _requested(
             f"{', '.join(map(repr, missing))}: its axes are {names}."
         )
     return Layout(mesh, tuple(shard))
+
+
+def all_auto(mesh: Mesh) -> Mesh:
+    """`mesh` with every axis `Auto`."""
+    types = (AxisType.Auto,) * len(mesh.axis_names)
+    if tuple(mesh.axis_types) == types:
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
 
 
 def _inputs_mesh(leaves: Sequence[Any], known: Mapping[int, Any]) -> Any:

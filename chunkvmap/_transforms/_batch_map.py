@@ -126,12 +126,11 @@ def batch_map(
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         return _map_call(fun_ref(), args[0], options, strip_dim0, auto, known)
 
-    if options.shard:  # sharded calls place their inputs on the mesh: not cached
-        return call((xs,), {}, {})
+    placement = _cache.Placement(options.shard, options.mesh)
     run = _cache.memo(
         fun,
         (options, strip_dim0),
-        lambda: _cache.EagerCache(call, numpy_arrays=True),
+        lambda: _cache.EagerCache(call, numpy_arrays=True, placement=placement),
     )
     return run((xs,), {})
 

@@ -304,11 +304,20 @@ class Mapper:
     def transform(
         self, call: _cache.Call, wrapped: Callable[..., Any], cached: bool = True
     ) -> Callable[..., Any]:
-        """The public function running `call(args, kwargs)`: through the eager cache
-        (sharded calls place their inputs on the mesh first, so they are not
-        cached), with `wrapped`'s name and docstring, known to `last_batch_size`."""
-        cached = cached and not self.options.shard
-        return _cache.transform(call, wrapped=wrapped, auto=self.auto, cached=cached)
+        """The public function running `call(args, kwargs)` under the call's mesh,
+        through the eager cache, with `wrapped`'s name and docstring, known to
+        `last_batch_size`."""
+        return _cache.transform(
+            call,
+            wrapped=wrapped,
+            auto=self.auto,
+            cached=cached,
+            placement=self.placement,
+        )
+
+    @property
+    def placement(self) -> _cache.Placement:
+        return _cache.Placement(self.options.shard, self.options.mesh)
 
 
 def vmap_call(
@@ -458,14 +467,17 @@ def _trace(
     # chunk with the final output axes batches the cached trace instead of tracing `f`
     # a second time.
     all_zero = isinstance(out_axes, int) and out_axes == 0
-    traced = f_flat if all_zero else jax.jit(f_flat)
+    # Inlined where they are called (`inline=True`): the arrays `f` closes over then
+    # become constants of the caller's program, not of a nested jaxpr, so that an
+    # eager call passes them as arguments (`_cache.EagerCache`).
+    traced = f_flat if all_zero else jax.jit(f_flat, inline=True)
     jitted: dict[tuple, Callable[..., Any]] = {}
 
     def vmapped(flat_out_axes: Any, length: int) -> Callable[..., Any]:
         key = (flat_out_axes, length)
         if key not in jitted:
             jitted[key] = jax.jit(
-                _cache.wraps(f)(vmap_flat(traced, flat_out_axes, length))
+                _cache.wraps(f)(vmap_flat(traced, flat_out_axes, length)), inline=True
             )
         return jitted[key]
 
