@@ -109,10 +109,12 @@ def zeros(shape: Sequence[int], aval: Any) -> Any:
         # did not place): zeros of that type, not of the context's.
         with jax.sharding.use_abstract_mesh(sharding.mesh):
             return zeros(shape, aval)
+    context = jax.sharding.get_abstract_mesh()
     if not (
         isinstance(sharding, jax.sharding.NamedSharding)
         and any(sharding.spec)
         and len(shape) == len(aval.shape)
+        and (context.empty or sharding.mesh.abstract_mesh == context)
     ):
         sharding = None
     if getattr(aval, "weak_type", False):

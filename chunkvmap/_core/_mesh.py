@@ -57,8 +57,9 @@ def resolve(shard: Any, mesh: Mesh | None, leaves: list[Any]) -> Any:
             continue
         if isinstance(x, jax.core.Tracer):
             sharding = jax.typeof(x).sharding
-            if typed is None and _explicit(getattr(sharding, "mesh", None)):
-                typed = sharding.mesh
+            mesh_of = getattr(sharding, "mesh", None)
+            if typed is None and mesh_of is not None and not mesh_of.empty:
+                typed = mesh_of
         elif placed is None:
             sharding = x.sharding
             if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:

@@ -175,7 +175,13 @@ def _requested(
         )
     if mesh is None:
         mesh = default_mesh() if ambient.empty else ambient
-    elif not ambient.empty and all_auto(mesh).abstract_mesh == ambient:
+    elif ambient.empty:
+        # A mesh the caller does not hold and the inputs are not on: its axes are
+        # used as Auto ones (`_mesh.resolve`), so that no sharding type of it
+        # reaches the caller.
+        if not _on(mesh, leaves, known):
+            mesh = all_auto(mesh)
+    elif all_auto(mesh).abstract_mesh == ambient:
         # The mesh entered for the call with Auto axes (the caller does not hold it:
         # `_mesh.resolve`).
         mesh = all_auto(mesh)
@@ -209,6 +215,15 @@ def all_auto(mesh: Mesh) -> Mesh:
     if tuple(mesh.axis_types) == types:
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
+
+
+def _on(mesh: Mesh, leaves: Sequence[Any], known: Mapping[int, Any]) -> bool:
+    """Whether any of `leaves` is placed on `mesh` (or typed over it)."""
+    for x in leaves:
+        sharding = _visible_sharding(x, known)
+        if sharding is not None and sharding.mesh in (mesh, mesh.abstract_mesh):
+            return True
+    return False
 
 
 def _inputs_mesh(leaves: Sequence[Any], known: Mapping[int, Any]) -> Any:
@@ -574,12 +589,13 @@ def _assemble(outs: dict[str, Any], out_axes: Sequence[Any], lay: Layout) -> Any
     """The stacked outputs: the devices' shares, then the global remainder's."""
     if "rem" not in outs:
         return outs["local"]
-    replicated = NamedSharding(lay.mesh, P()) if isinstance(lay.mesh, Mesh) else P()
     tail = [y[0] for y in outs["rem"]]
-    if "local" not in outs:
-        return lax.with_sharding_constraint(tail, replicated)
-    assembled = [
-        y if a is None else jnp.concatenate([y, t], axis=a)
-        for y, t, a in zip(outs["local"], tail, out_axes)
-    ]
-    return lax.with_sharding_constraint(assembled, replicated)
+    assembled = tail
+    if "local" in outs:
+        assembled = [
+            y if a is None else jnp.concatenate([y, t], axis=a)
+            for y, t, a in zip(outs["local"], tail, out_axes)
+        ]
+    if not isinstance(lay.mesh, Mesh):  # only an abstract mesh: left to the compiler
+        return assembled
+    return lax.with_sharding_constraint(assembled, NamedSharding(lay.mesh, P()))

@@ -1,0 +1,316 @@
+"""Every entry point, however the caller holds the mesh (8 simulated devices).
+
+The matrix crosses five dimensions:
+
+* how the mesh is held: `mesh=` only, inputs placed with `jax.device_put` only,
+  `jax.set_mesh` only, none at all (`shard=True`: all devices), and the mixes
+  `mesh=` + placed and `jax.set_mesh` + placed;
+* the mesh: Explicit (8,), Auto (8,), and Explicit (4, 2) with a "model" axis that
+  the weights are sharded over;
+* the call: eager, `jax.jit`, `jax.grad`, `jax.jit(jax.grad)`, `jax.vmap` of it;
+* N: divisible by the devices (16), uneven (13), fewer than the devices (3), 1;
+* the entry point: every public transform and the three adapters.
+
+Every pair of values of any two dimensions appears in some case (a greedy pairwise
+covering, deterministic), and every entry point meets every way of holding a mesh.
+Each case is checked against the same computation by `jax.vmap` on unsharded
+inputs, and for stacked `batch_vmap` outputs the sharding against `jax.vmap`'s on
+the same inputs. Where `jax.vmap` itself refuses the call (eager `jax.grad` of an
+output typed over an Explicit mesh with no mesh entered: JAX cannot place the
+cotangent's seed), chunkvmap may refuse it too, with the same error. The docs'
+sharding page shows `table()`; a test keeps it in step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs 8 devices (jax_num_cpu_devices=8)"
+)
+
+ENTRIES = (
+    "batch_vmap",
+    "batch_vmap(reduction)",
+    "batch_map",
+    "batch_vectorize",
+    "per_example_grads",
+    "clipped_grad_sum",
+    "clipped_grad_sum(ghost)",
+    "clipped_grad",
+    "per_example_grad_norms",
+    "per_example_grad_stats",
+    "per_example_grad_gram",
+    "eqx.filter_batch_vmap",
+    "linen.batch_vmap",
+    "nnx.batch_vmap",
+)
+HOLDS = ("mesh=", "placed", "set_mesh", "none", "mesh= + placed", "set_mesh + placed")
+KINDS = ("explicit", "auto", "2d")
+MODES = ("eager", "jit", "grad", "jit(grad)", "vmap")
+SIZES = (16, 13, 3, 1)
+DIMS = (ENTRIES, HOLDS, KINDS, MODES, SIZES)
+
+
+def _pairwise() -> list[tuple]:
+    """A deterministic set of cases covering every pair of values of any two
+    dimensions: one case per (entry point, way of holding the mesh), each other
+    dimension's value chosen to cover the most pairs not yet covered (ties: the
+    value used least so far), then cases for any pair left."""
+    todo = {
+        (i, a, j, b)
+        for i, j in itertools.combinations(range(len(DIMS)), 2)
+        for a in DIMS[i]
+        for b in DIMS[j]
+    }
+    used: dict[tuple[int, object], int] = {}
+    cases = []
+
+    def complete(partial: dict[int, object]) -> tuple:
+        for d in range(len(DIMS)):
+            if d in partial:
+                continue
+
+            def gain(v, d=d):
+                new = sum(_pair(d, v, e, partial[e]) in todo for e in partial)
+                return (new, -used.get((d, v), 0))
+
+            partial[d] = max(DIMS[d], key=gain)
+        case = tuple(partial[d] for d in range(len(DIMS)))
+        for d, v in enumerate(case):
+            used[(d, v)] = used.get((d, v), 0) + 1
+        for i, j in itertools.combinations(range(len(DIMS)), 2):
+            todo.discard((i, case[i], j, case[j]))
+        return case
+
+    for entry, hold in itertools.product(ENTRIES, HOLDS):
+        cases.append(complete({0: entry, 1: hold}))
+    while todo:
+        i, a, j, b = min(todo, key=repr)
+        cases.append(complete({i: a, j: b}))
+    return cases
+
+
+def _pair(d: int, v: object, e: int, w: object) -> tuple:
+    return (d, v, e, w) if d < e else (e, w, d, v)
+
+
+CASES = _pairwise()
+
+
+def table() -> str:
+    """The entry points x ways of holding a mesh, with the calls each is tested in
+    (markdown; docs/sharding.md shows it)."""
+    modes: dict[tuple[str, str], set[str]] = {}
+    for entry, hold, _, mode, _ in CASES:
+        modes.setdefault((entry, hold), set()).add(mode)
+    lines = [
+        "| entry point | " + " | ".join(f"`{h}`" if "=" in h else h for h in HOLDS) + " |",
+        "|---" * (len(HOLDS) + 1) + "|",
+    ]
+    for entry in ENTRIES:
+        cells = [
+            ", ".join(m for m in MODES if m in modes.get((entry, h), ()))
+            for h in HOLDS
+        ]
+        lines.append(f"| `{entry}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def mesh_of(kind: str):
+    if kind == "2d":
+        return jax.make_mesh((4, 2), ("data", "model"))
+    axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+    return jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+
+
+def mesh_args(hold: str, kind: str, mesh) -> dict:
+    """The chunking options a user holding the mesh this way passes."""
+    if hold == "none":
+        return {"shard": True}
+    names = "data" if kind == "2d" else True
+    if "mesh=" in hold:
+        return {"shard": names, "mesh": mesh}
+    if kind == "auto":  # an Auto mesh's layout is not in the types: name its axis
+        return {"shard": "data"}
+    return {}
+
+
+def loss(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+def f(w, x):
+    return jnp.tanh(x @ w)
+
+
+def clip(g, c=1.0):
+    norm = jnp.sqrt(jnp.sum(g * g))
+    return g * jnp.minimum(1.0, c / jnp.maximum(norm, 1e-30))
+
+
+def _grads(w, x):
+    return jax.vmap(jax.grad(loss), (None, 0))(w, x)
+
+
+def entry_point(entry: str, opts: dict):
+    """`(chunked, reference)`: functions of `(w, x)` computing the same thing, the
+    first with `entry` and `opts`, the second with `jax.vmap`."""
+    import chunkvmap as cv
+
+    b = dict(batch_size=2, **opts)
+    if entry == "batch_vmap":
+        return cv.batch_vmap(f, (None, 0), **b), jax.vmap(f, (None, 0))
+    if entry == "batch_vmap(reduction)":
+        chunked = cv.batch_vmap(
+            f, (None, 0), reduction=jnp.add, chunk_reduction=lambda y: y.sum(0), **b
+        )
+        return chunked, lambda w, x: jax.vmap(f, (None, 0))(w, x).sum(0)
+    if entry == "batch_map":
+        return (
+            lambda w, x: cv.batch_map(lambda xs: jnp.tanh(xs @ w), x, **b),
+            jax.vmap(f, (None, 0)),
+        )
+    if entry == "batch_vectorize":
+        vec = cv.batch_vectorize(
+            lambda w, x: jnp.tanh(x @ w), signature="(i,j),(i)->(j)", **b
+        )
+        return (lambda w, x: vec(w[None], x)), jax.vmap(f, (None, 0))
+    if entry == "per_example_grads":
+        return cv.per_example_grads(loss, **b), _grads
+    if entry in ("clipped_grad_sum", "clipped_grad_sum(ghost)"):
+        method = "ghost" if "ghost" in entry else "vmap"
+        summed = cv.clipped_grad_sum(loss, 1.0, method=method, **b)
+        return (
+            lambda w, x: summed(w, x)[0],
+            lambda w, x: jax.vmap(clip)(_grads(w, x)).sum(0),
+        )
+    if entry == "clipped_grad":
+        clipped = cv.clipped_grad(
+            lambda w, xs: jnp.sum(jax.vmap(loss, (None, 0))(w, xs)),
+            l2_clip_norm=1.0,
+            batch_argnums=1,
+            **b,
+        )
+        return clipped, lambda w, x: jax.vmap(clip)(_grads(w, x)).sum(0)
+    if entry == "per_example_grad_norms":
+        return (
+            cv.per_example_grad_norms(loss, **b),
+            lambda w, x: jnp.sqrt(jnp.sum(_grads(w, x) ** 2, axis=(1, 2))),
+        )
+    if entry == "per_example_grad_stats":
+        stats = cv.per_example_grad_stats(loss, **b)
+        return (
+            lambda w, x: stats(w, x).mean,
+            lambda w, x: _grads(w, x).mean(0),
+        )
+    if entry == "per_example_grad_gram":
+        g = lambda w, x: _grads(w, x).reshape(x.shape[0], -1)  # noqa: E731
+        return (
+            cv.per_example_grad_gram(loss, **b),
+            lambda w, x: g(w, x) @ g(w, x).T,
+        )
+    if entry == "eqx.filter_batch_vmap":
+        from chunkvmap.eqx import filter_batch_vmap
+
+        return filter_batch_vmap(f, in_axes=(None, 0), **b), jax.vmap(f, (None, 0))
+    if entry == "linen.batch_vmap":
+        import flax.linen as nn
+
+        from chunkvmap import linen as cl
+
+        dense = cl.batch_vmap(
+            nn.Dense,
+            variable_axes={"params": None},
+            split_rngs={"params": False},
+            in_axes=0,
+            **b,
+        )(8, use_bias=False)
+        return (
+            lambda w, x: dense.apply({"params": {"kernel": w}}, x[:, None, :])[:, 0],
+            lambda w, x: x @ w,
+        )
+    if entry == "nnx.batch_vmap":
+        from chunkvmap import nnx as cn
+
+        return cn.batch_vmap(f, in_axes=(None, 0), **b), jax.vmap(f, (None, 0))
+    raise AssertionError(entry)
+
+
+def inputs(n: int, hold: str, mesh, kind: str):
+    rng = np.random.default_rng(n)
+    w = (rng.normal(size=(6, 8)) / 3).astype(np.float32)
+    x = rng.normal(size=(n, 6)).astype(np.float32)
+    if "placed" not in hold:
+        return jax.device_put(w), jax.device_put(x)
+    data = "data" if n % mesh.shape["data"] == 0 else None
+    model = "model" if kind == "2d" else None
+    return (
+        jax.device_put(w, NamedSharding(mesh, P(None, model))),
+        jax.device_put(x, NamedSharding(mesh, P(data))),
+    )
+
+
+def called(fn, mode: str):
+    """`fn(w, x)` as `mode` calls it."""
+
+    def total(w, x):
+        return sum(jnp.sum(y) for y in jax.tree.leaves(fn(w, x)))
+
+    if mode == "eager":
+        return fn
+    if mode == "jit":
+        return jax.jit(fn)
+    if mode == "grad":
+        return jax.grad(total)
+    if mode == "jit(grad)":
+        return jax.jit(jax.grad(total))
+    return lambda w, x: jax.vmap(fn, (None, 0))(w, jnp.stack([x, 0.5 * x]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_every_entry_point_wherever_the_mesh_is_held(case):
+    entry, hold, kind, mode, n = case
+    mesh = mesh_of(kind)
+    chunked, reference = entry_point(entry, mesh_args(hold, kind, mesh))
+    w, x = inputs(n, hold, mesh, kind)
+    held = jax.set_mesh(mesh) if "set_mesh" in hold else contextlib.nullcontext()
+    plain_w, plain_x = jax.device_get((w, x))
+    want = jax.jit(called(reference, mode))(plain_w, plain_x)
+    with held:
+        try:
+            got = called(chunked, mode)(w, x)
+        except Exception as error:  # only where jax.vmap refuses it too
+            with pytest.raises(type(error)):
+                called(reference, mode)(w, x)
+            return
+    np.testing.assert_allclose(
+        *(np.concatenate([np.ravel(y) for y in jax.tree.leaves(t)]) for t in (got, want)),
+        rtol=2e-5,
+        atol=2e-6,
+    )
+    if entry == "batch_vmap" and mode in ("eager", "jit") and "placed" in hold:
+        with held:
+            ref = called(reference, mode)(w, x)
+        assert got.sharding.spec == ref.sharding.spec, (got.sharding, ref.sharding)
+
+
+def test_the_matrix_covers_every_pair_and_every_holding():
+    assert {(e, h) for e, h, *_ in CASES} == set(itertools.product(ENTRIES, HOLDS))
+    for i, j in itertools.combinations(range(len(DIMS)), 2):
+        seen = {(c[i], c[j]) for c in CASES}
+        assert seen == set(itertools.product(DIMS[i], DIMS[j])), (i, j)
+
+
+def test_the_sharding_page_shows_the_matrix():
+    page = (Path(__file__).parents[1] / "docs" / "sharding.md").read_text()
+    assert table() in page, "docs/sharding.md: paste tests/test_wherever.table()"
