@@ -97,3 +97,23 @@ def test_compile_benchmark_runs(tmp_path):
         assert all(float(c) > 0 for c in cells[4:])
         if cells[3] == "lax.map":
             assert cells[-3:] == ["1.00", "1.00", "1.00"]
+
+
+def test_eager_benchmark_runs(tmp_path):
+    """`benchmarks/bench_eager.py --quick`: a row per function, each checked against
+    jax.vmap before it is timed."""
+    script = GPU.parent / "bench_eager.py"
+    out = tmp_path / "eager.md"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--repeats", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "ms" not in r]
+    assert len(rows) == 4, rows
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[1:4])

@@ -42,7 +42,7 @@ import chunkvmap.eqx
 import chunkvmap.linen
 import chunkvmap.nnx
 
-from .helpers import temp_bytes, tree_allclose
+from .helpers import CompileCounter, temp_bytes, tree_allclose
 
 
 D, H, K = 8, 256, 4  # input features, hidden width (the per-example work), outputs
@@ -429,27 +429,38 @@ def chunked(case: Case, n: int, **options):
 # (a) Values.
 
 
+def close_to_oracle(case, out, n: int) -> None:
+    """`out` equals the oracle's value for `n` examples. A Gram matrix's entries are
+    dot products of whole gradients, summed in another order than the oracle's:
+    float32's rounding there reaches a few 1e-5 of the largest entry."""
+    gram = case.id == "per_example_grad_gram"  # entries up to ~150
+    tree_allclose(
+        out, expected(case.id, n), rtol=1e-4 if gram else 1e-5, atol=1e-4 if gram else 1e-6
+    )
+
+
 @ft.cache
 def eager_session(case_id: str, n: int):
     """The transform with `batch_size=B` and a counted user function, called eagerly
     on the standard inputs of `n` examples and again on new arrays of the same types:
-    the first output and the trace counts before, after the first call and after the
-    second. Shared by (a) and (e), so that each compiles once."""
+    the first output, the trace counts before and after the first call, and the
+    compilations made by the second. Shared by (a) and (e), so that each compiles once."""
     case = next(c for c in CASES if c.id == case_id)
     user, traces = case.counted_user()
     run, _ = case.make(user, batch_size=B)
     before = traces()
     out = run(*inputs(case, n))
     first = traces()
-    run(*inputs(case, n, seed=1))
-    return out, (before, first, traces())
+    with CompileCounter() as compiles:
+        run(*inputs(case, n, seed=1))
+    return out, (before, first, compiles.count)
 
 
 @ALL
 @pytest.mark.parametrize("n", N_VALUES)
 def test_values_match_the_oracle(case, n):
     out, _ = eager_session(case.id, n)
-    tree_allclose(out, expected(case.id, n))
+    close_to_oracle(case, out, n)
 
 
 # --------------------------------------------------------------------------------------
@@ -509,7 +520,7 @@ def test_progress_reports_every_chunk(case):
 
 @ALL
 def test_chunk_size_is_an_alias(case):
-    tree_allclose(chunked(case, N_OPTIONS, chunk_size=B), expected(case.id, N_OPTIONS))
+    close_to_oracle(case, chunked(case, N_OPTIONS, chunk_size=B), N_OPTIONS)
     with pytest.raises(TypeError, match="both batch_size=4 and its alias chunk_size=4"):
         case.make(case.user, batch_size=B, chunk_size=B)[0](*inputs(case, N_OPTIONS))
 
@@ -521,7 +532,7 @@ def test_auto_batch_size(case, caplog):
     run, handle = case.make(case.user, batch_size="auto", memory_limit="64KiB")
     with caplog.at_level(logging.INFO, logger="chunkvmap"):
         out = run(*inputs(case, N_OPTIONS))
-    tree_allclose(out, expected(case.id, N_OPTIONS))
+    close_to_oracle(case, out, N_OPTIONS)
     # The chunkvmap logger reports the choice of this very transform, by its name.
     choices = [
         int(m.group(1))
@@ -548,13 +559,13 @@ def test_auto_batch_size(case, caplog):
 )
 def test_remat_options_keep_values(case, remat):
     out = chunked(case, N_OPTIONS, batch_size=B, remat=remat)
-    tree_allclose(out, expected(case.id, N_OPTIONS))
+    close_to_oracle(case, out, N_OPTIONS)
 
 
 @ALL
 def test_shard_keeps_values(case):
     out = chunked(case, N_SHARD, batch_size=B, shard=True, mesh=MESH)
-    tree_allclose(out, expected(case.id, N_SHARD))
+    close_to_oracle(case, out, N_SHARD)
 
 
 # --------------------------------------------------------------------------------------
@@ -586,10 +597,12 @@ def test_invalid_progress_names_function_and_argument(case):
 @pytest.mark.parametrize(
     "case", [c for c in CASES if c.id not in FLAX_IDS], ids=lambda c: c.id
 )
-def test_second_eager_call_does_not_retrace(case):
-    _, (before, first, second) = eager_session(case.id, N_OPTIONS)
+def test_second_eager_call_does_not_recompile(case):
+    _, (before, first, compiles) = eager_session(case.id, N_OPTIONS)
     assert first > before  # the first call traces the user's function
-    assert second == first  # the second, with new arrays of the same types, does not
+    # The second, with new arrays of the same types, traces it again (an eager call
+    # sees the function as it is now, as jax.vmap does) but compiles nothing.
+    assert compiles == 0
 
 
 # The Flax adapters are left out of the check above: called eagerly, `Module.apply`

@@ -475,3 +475,17 @@ def test_argnums_pointing_at_the_examples_is_named():
             fn(p, batch)
     with pytest.raises(ValueError, match=r"inconsistent sizes"):
         per_example_grads(loss)(p, (jnp.ones((5, 3)), jnp.ones((4, 2))))
+
+
+def test_a_scalar_keyword_argument_is_told_how_to_pass_it_unmapped():
+    """Keyword arguments are always mapped (as in jax.vmap): the advice for a scalar
+    one is not in_axes=None, which a keyword cannot be given."""
+
+    def f(x, scale):
+        return x * scale
+
+    with pytest.raises(ValueError, match=r"kwargs\['scale'\].*positionally with "
+                       r"in_axes=None.*functools.partial"):
+        batch_vmap(f, batch_size=2)(jnp.ones(4), scale=2.0)
+    with pytest.raises(ValueError, match=r"args\[1\].*: give it in_axes=None"):
+        batch_vmap(f, batch_size=2)(jnp.ones(4), 2.0)

@@ -149,7 +149,13 @@ def canonical_in_axis(
     if axis is None:
         return None
     unmap = {  # how a value is passed unmapped, by the option that maps it
-        "in_axes": "give it in_axes=None",
+        "in_axes": (
+            "pass it positionally with in_axes=None at its position, or bind it "
+            "with functools.partial (keyword arguments are always mapped over axis "
+            "0, as in jax.vmap)"
+            if path.startswith("kwargs")
+            else "give it in_axes=None"
+        ),
         "batch_argnums": (
             "pass it positionally, outside batch_argnums (keyword arguments are "
             "always mapped)"
