@@ -77,6 +77,39 @@ MUTANTS = {
         ),
         ["test_sharding", "test_layouts", "test_conformance", "test_memory"],
     ),
+    "eager cache: programs keyed without their text (Python constants)": (
+        (
+            "chunkvmap/_core/_cache.py",
+            "        text, callables, inner = _program_key(closed.jaxpr)\n",
+            "        text, callables, inner = _program_key(closed.jaxpr)\n"
+            "        text = ''\n",
+        ),
+        ["test_cache", "test_compose"],
+    ),
+    "eager cache: the chunk's jits keep the closure's arrays inside": (
+        (
+            "chunkvmap/_transforms/_batch_vmap.py",
+            "vmap_flat(traced, flat_out_axes, length)), inline=True",
+            "vmap_flat(traced, flat_out_axes, length))",
+        ),
+        ["test_cache", "test_conformance"],
+    ),
+    "mesh: never resolved (nothing entered)": (
+        (
+            "chunkvmap/_core/_mesh.py",
+            "    target = resolve(shard, mesh, flat)\n",
+            "    target = None\n",
+        ),
+        ["test_wherever", "test_sharding", "test_layouts"],
+    ),
+    "mesh: mesh= entered with its own axis types over unplaced inputs": (
+        (
+            "chunkvmap/_core/_mesh.py",
+            "return mesh if held else _sharding.all_auto(mesh)",
+            "return mesh",
+        ),
+        ["test_wherever", "test_sharding", "test_layouts"],
+    ),
 }
 
 

@@ -314,3 +314,13 @@ def test_the_matrix_covers_every_pair_and_every_holding():
 def test_the_sharding_page_shows_the_matrix():
     page = (Path(__file__).parents[1] / "docs" / "sharding.md").read_text()
     assert table() in page, "docs/sharding.md: paste tests/test_wherever.table()"
+
+
+# Beyond the pairwise sample: `jax.vmap` of a chunked call on inputs placed on an
+# Explicit mesh with no mesh entered, which jax.vmap itself runs (the call must not
+# run eagerly under an abstract mesh alone).
+@pytest.mark.parametrize("kind", ["explicit", "2d"])
+@pytest.mark.parametrize("hold, n", [("placed", 16), ("mesh= + placed", 13)])
+@pytest.mark.parametrize("entry", ["batch_vmap", "clipped_grad_sum"])
+def test_vmap_of_a_call_on_placed_inputs(entry, hold, n, kind):
+    test_every_entry_point_wherever_the_mesh_is_held((entry, hold, kind, "vmap", n))
