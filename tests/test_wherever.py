@@ -324,3 +324,40 @@ def test_the_sharding_page_shows_the_matrix():
 @pytest.mark.parametrize("entry", ["batch_vmap", "clipped_grad_sum"])
 def test_vmap_of_a_call_on_placed_inputs(entry, hold, n, kind):
     test_every_entry_point_wherever_the_mesh_is_held((entry, hold, kind, "vmap", n))
+
+
+@pytest.mark.parametrize("n", [12, 13, 3])
+def test_the_seed_call_with_a_mesh_passed(n):
+    """`batch_vmap(f, shard=True, mesh=jax.make_mesh(...))` with no mesh entered, on a
+    plain (replicated) batch of 12, 13 or 3 examples over 4 devices: eagerly, under
+    jax.jit and under jax.grad."""
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    f = cv_batch_vmap(jnp.sin, batch_size=2, shard=True, mesh=mesh)
+    x = jax.device_put(np.linspace(0.0, 1.0, n, dtype=np.float32))
+    want = np.sin(np.asarray(x))
+    np.testing.assert_allclose(f(x), want, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(f)(x), want, rtol=1e-6)
+    grad = jax.grad(lambda v: jnp.sum(f(v)))(x)
+    np.testing.assert_allclose(grad, np.cos(np.asarray(x)), rtol=1e-6)
+
+
+def test_an_unmapped_argument_sharded_over_the_examples_axis_without_set_mesh():
+    """in_axes=(0, None), both arguments placed over the mesh axis the examples are
+    split over, shard=True, no mesh entered: eager, jit and grad."""
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(8, 3)).astype(np.float32)
+    b = rng.normal(size=(8, 3)).astype(np.float32)
+    sa, sb = (jax.device_put(v, NamedSharding(mesh, P("x"))) for v in (a, b))
+    fn = cv_batch_vmap(lambda u, v: u * v.sum(), in_axes=(0, None), batch_size=2,
+                       shard=True)
+    for out in (fn(sa, sb), jax.jit(fn)(sa, sb)):
+        np.testing.assert_allclose(out, a * b.sum(), rtol=1e-5)
+    grad = jax.jit(jax.grad(lambda u, v: jnp.sum(fn(u, v)), argnums=1))(sa, sb)
+    np.testing.assert_allclose(grad, np.full_like(b, a.sum()), rtol=1e-5)
+
+
+def cv_batch_vmap(*args, **kwargs):
+    from chunkvmap import batch_vmap
+
+    return batch_vmap(*args, **kwargs)
