@@ -145,3 +145,24 @@ def test_a_changed_host_callback_is_called():
 def _with_callback(v, record):
     jax.debug.callback(record, v)
     return v * 2
+
+
+def test_progress_calls_reuse_the_compiled_program():
+    """A progress callback is a new Python closure at every trace; equal closures
+    (same code, same contents) are the same program."""
+    calls = []
+    f = batch_vmap(jnp.sin, batch_size=2, progress=lambda i, n: calls.append(i))
+    x = jnp.ones(6)
+    f(x)
+    with CompileCounter() as compiles:
+        f(x)
+        jax.effects_barrier()
+    assert compiles.count == 0
+    assert calls == [1, 2, 3] * 2  # chunks done, once per chunk and call
+
+
+def test_a_recursive_closure_is_a_key():
+    def countdown(n):
+        return 0 if n == 0 else countdown(n - 1)
+
+    assert _cache._identity(countdown) == _cache._identity(countdown)

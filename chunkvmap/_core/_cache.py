@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools as ft
+import types
 import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
@@ -221,14 +222,44 @@ def _walk(jaxpr: Any, callables: list[Any], inner: list[Any]) -> None:
                     callables.append(_identity(getattr(v, "callback_func", v)))
 
 
-def _identity(value: Any) -> Any:
-    """A callable as a key: itself when hashable (callables compare as they
-    define: a bound method by its object and function), else by identity."""
+def _identity(value: Any, depth: int = 0) -> Any:
+    """A callable (or what a closure holds) as a key: a function by its code and
+    what its closure holds (JAX wraps a callback in a new closure at every trace),
+    lists, tuples and dicts by their items, a hashable value by itself (callables compare as they define: a bound method by
+    its object and function), anything else by identity (held, so that the identity
+    cannot be reused while the key lives)."""
+    if depth > 8:  # deep (or self-referring) closures: by identity
+        return _Same(value)
+    if isinstance(value, types.FunctionType):
+        cells = []
+        for cell in value.__closure__ or ():
+            try:
+                cells.append(_identity(cell.cell_contents, depth + 1))
+            except ValueError:  # an empty cell
+                cells.append(None)
+        return ("function", value.__code__, tuple(cells))
+    if type(value) in (list, tuple):
+        return (type(value), tuple(_identity(v, depth + 1) for v in value))
+    if type(value) is dict:
+        return (dict, tuple((k, _identity(v, depth + 1)) for k, v in value.items()))
     try:
         hash(value)
     except TypeError:
-        return ("id", id(value))
+        return _Same(value)
     return value
+
+
+class _Same:
+    """A key part equal only to the very same object."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
 
 
 _MEMO: weakref.WeakKeyDictionary[Any, _LRU] = weakref.WeakKeyDictionary()

@@ -10,6 +10,8 @@ the process that owns that device.
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 import sys
 from collections.abc import Callable
@@ -116,16 +118,26 @@ class _UserBar:
         self.bar.update(1)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Host:
+    """The host side of one loop's progress callback: equal for equal reporters and
+    totals, so that an eager call's program is the same from call to call (see
+    `_cache.EagerCache`)."""
+
+    report: Any
+    total: int
+
+    def __call__(self, i: Any) -> None:
+        self.report(int(i), self.total)
+
+
 def tick(report: Reporter | None, index: Any, total: int, when: Any = None) -> None:
     """Emit one progress callback for chunk `index` (only where `when` holds)."""
     if report is None:
         return
 
-    def host(i: Any) -> None:
-        report(int(i), total)
-
     def emit() -> None:
-        jax.debug.callback(host, index)
+        jax.debug.callback(_Host(report, total), index)
 
     if when is None:
         emit()
