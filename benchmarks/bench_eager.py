@@ -63,7 +63,9 @@ def cases(quick: bool):
 
     def clipped_by_vmap(p, x, y):
         g = jax.vmap(jax.grad(loss), (None, 0, 0))(p, x, y)
-        sq = sum(jnp.sum(t**2, axis=tuple(range(1, t.ndim))) for t in jax.tree.leaves(g))
+        sq = sum(
+            jnp.sum(t**2, axis=tuple(range(1, t.ndim))) for t in jax.tree.leaves(g)
+        )
         factor = jnp.minimum(1.0, 1.0 / jnp.maximum(jnp.sqrt(sq), 1e-30))
         return jax.tree.map(lambda t: jnp.tensordot(factor, t, 1), g), x.shape[0]
 

@@ -112,7 +112,9 @@ def test_eager_benchmark_runs(tmp_path):
         env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "ms" not in r]
+    rows = [
+        r for r in out.read_text().splitlines() if r.startswith("| ") and "ms" not in r
+    ]
     assert len(rows) == 4, rows
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]

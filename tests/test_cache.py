@@ -12,7 +12,7 @@ import pytest
 from chunkvmap import batch_map, batch_vmap
 from chunkvmap._core import _cache
 
-from .helpers import CompileCounter, TraceCounter
+from .helpers import CompileCounter
 
 
 def test_batch_map_compiles_once_and_converts_numpy_inputs():

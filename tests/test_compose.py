@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.test_util import check_grads
 
@@ -223,8 +222,6 @@ def test_remat_options_give_the_same_gradients(setup, remat, reduce):
 
 
 def test_f_traced_once_under_grad_with_remainder(setup):
-    from .helpers import TraceCounter
-
     params, x = setup
     counted = TraceCounter(model)
 

@@ -435,7 +435,10 @@ def close_to_oracle(case, out, n: int) -> None:
     float32's rounding there reaches a few 1e-5 of the largest entry."""
     gram = case.id == "per_example_grad_gram"  # entries up to ~150
     tree_allclose(
-        out, expected(case.id, n), rtol=1e-4 if gram else 1e-5, atol=1e-4 if gram else 1e-6
+        out,
+        expected(case.id, n),
+        rtol=1e-4 if gram else 1e-5,
+        atol=1e-4 if gram else 1e-6,
     )
 
 
@@ -444,7 +447,8 @@ def eager_session(case_id: str, n: int):
     """The transform with `batch_size=B` and a counted user function, called eagerly
     on the standard inputs of `n` examples and again on new arrays of the same types:
     the first output, the trace counts before and after the first call, and the
-    compilations made by the second. Shared by (a) and (e), so that each compiles once."""
+    compilations made by the second. Shared by (a) and (e), so that each compiles
+    once."""
     case = next(c for c in CASES if c.id == case_id)
     user, traces = case.counted_user()
     run, _ = case.make(user, batch_size=B)

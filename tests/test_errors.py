@@ -484,8 +484,11 @@ def test_a_scalar_keyword_argument_is_told_how_to_pass_it_unmapped():
     def f(x, scale):
         return x * scale
 
-    with pytest.raises(ValueError, match=r"kwargs\['scale'\].*positionally with "
-                       r"in_axes=None.*functools.partial"):
+    with pytest.raises(
+        ValueError,
+        match=r"kwargs\['scale'\].*positionally with "
+        r"in_axes=None.*functools.partial",
+    ):
         batch_vmap(f, batch_size=2)(jnp.ones(4), scale=2.0)
     with pytest.raises(ValueError, match=r"args\[1\].*: give it in_axes=None"):
         batch_vmap(f, batch_size=2)(jnp.ones(4), 2.0)

@@ -33,6 +33,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+import chunkvmap as cv
+
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices (jax_num_cpu_devices=8)"
@@ -114,13 +116,14 @@ def table() -> str:
     for entry, hold, _, mode, _ in CASES:
         modes.setdefault((entry, hold), set()).add(mode)
     lines = [
-        "| entry point | " + " | ".join(f"`{h}`" if "=" in h else h for h in HOLDS) + " |",
+        "| entry point | "
+        + " | ".join(f"`{h}`" if "=" in h else h for h in HOLDS)
+        + " |",
         "|---" * (len(HOLDS) + 1) + "|",
     ]
     for entry in ENTRIES:
         cells = [
-            ", ".join(m for m in MODES if m in modes.get((entry, h), ()))
-            for h in HOLDS
+            ", ".join(m for m in MODES if m in modes.get((entry, h), ())) for h in HOLDS
         ]
         lines.append(f"| `{entry}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -165,8 +168,6 @@ def _grads(w, x):
 def entry_point(entry: str, opts: dict):
     """`(chunked, reference)`: functions of `(w, x)` computing the same thing, the
     first with `entry` and `opts`, the second with `jax.vmap`."""
-    import chunkvmap as cv
-
     b = dict(batch_size=2, **opts)
     if entry == "batch_vmap":
         return cv.batch_vmap(f, (None, 0), **b), jax.vmap(f, (None, 0))
@@ -294,7 +295,10 @@ def test_every_entry_point_wherever_the_mesh_is_held(case):
                 called(reference, mode)(w, x)
             return
     np.testing.assert_allclose(
-        *(np.concatenate([np.ravel(y) for y in jax.tree.leaves(t)]) for t in (got, want)),
+        *(
+            np.concatenate([np.ravel(y) for y in jax.tree.leaves(t)])
+            for t in (got, want)
+        ),
         rtol=2e-5,
         atol=2e-6,
     )
@@ -332,7 +336,7 @@ def test_the_seed_call_with_a_mesh_passed(n):
     plain (replicated) batch of 12, 13 or 3 examples over 4 devices: eagerly, under
     jax.jit and under jax.grad."""
     mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
-    f = cv_batch_vmap(jnp.sin, batch_size=2, shard=True, mesh=mesh)
+    f = cv.batch_vmap(jnp.sin, batch_size=2, shard=True, mesh=mesh)
     x = jax.device_put(np.linspace(0.0, 1.0, n, dtype=np.float32))
     want = np.sin(np.asarray(x))
     np.testing.assert_allclose(f(x), want, rtol=1e-6)
@@ -349,15 +353,10 @@ def test_an_unmapped_argument_sharded_over_the_examples_axis_without_set_mesh():
     a = rng.normal(size=(8, 3)).astype(np.float32)
     b = rng.normal(size=(8, 3)).astype(np.float32)
     sa, sb = (jax.device_put(v, NamedSharding(mesh, P("x"))) for v in (a, b))
-    fn = cv_batch_vmap(lambda u, v: u * v.sum(), in_axes=(0, None), batch_size=2,
-                       shard=True)
+    fn = cv.batch_vmap(
+        lambda u, v: u * v.sum(), in_axes=(0, None), batch_size=2, shard=True
+    )
     for out in (fn(sa, sb), jax.jit(fn)(sa, sb)):
         np.testing.assert_allclose(out, a * b.sum(), rtol=1e-5)
     grad = jax.jit(jax.grad(lambda u, v: jnp.sum(fn(u, v)), argnums=1))(sa, sb)
     np.testing.assert_allclose(grad, np.full_like(b, a.sum()), rtol=1e-5)
-
-
-def cv_batch_vmap(*args, **kwargs):
-    from chunkvmap import batch_vmap
-
-    return batch_vmap(*args, **kwargs)

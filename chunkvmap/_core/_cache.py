@@ -50,8 +50,14 @@ Call = Callable[[tuple, dict, Known], Any]
 class _LRU(collections.OrderedDict):
     """A bounded mapping that forgets its least recently used entry."""
 
-    def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        if key in self:
+    def get_or_build(
+        self,
+        key: Hashable,
+        build: Callable[[], Any],
+        valid: Callable[[Any], bool] = lambda value: True,
+    ) -> Any:
+        """The value of `key` (built when missing, or when `valid` rejects it)."""
+        if key in self and valid(self[key]):
             self.move_to_end(key)
             return self[key]
         value = build()
@@ -142,12 +148,11 @@ class EagerCache:
             callables,
             tuple(id(c) for c in inner),
         )
-        entry = self.entries.get(key)
-        if entry is None or not entry.holds(inner):
-            entry = self.entries[key] = _Entry(_compiled(closed.jaxpr), inner)
-            if len(self.entries) > MAX_ENTRIES:
-                self.entries.popitem(last=False)
-        self.entries.move_to_end(key)
+        entry = self.entries.get_or_build(
+            key,
+            lambda: _Entry(_compiled(closed.jaxpr), inner),
+            lambda entry: entry.holds(inner),
+        )
         out = entry.run(consts, *values)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
@@ -225,9 +230,10 @@ def _walk(jaxpr: Any, callables: list[Any], inner: list[Any]) -> None:
 def _identity(value: Any, depth: int = 0) -> Any:
     """A callable (or what a closure holds) as a key: a function by its code and
     what its closure holds (JAX wraps a callback in a new closure at every trace),
-    lists, tuples and dicts by their items, a hashable value by itself (callables compare as they define: a bound method by
-    its object and function), anything else by identity (held, so that the identity
-    cannot be reused while the key lives)."""
+    lists, tuples and dicts by their items, a hashable value by itself (callables
+    compare as they define: a bound method by its object and function), anything
+    else by identity (held, so that the identity cannot be reused while the key
+    lives)."""
     if depth > 8:  # deep (or self-referring) closures: by identity
         return _Same(value)
     if isinstance(value, types.FunctionType):
@@ -277,14 +283,6 @@ def memo(owner: Any, key: Hashable, build: Callable[[], Any]) -> Any:
     except TypeError:
         return build()
     return entries.get_or_build(key, build)
-
-
-def uncached(
-    call: Call, placement: Placement = Placement()
-) -> Callable[[tuple, dict], Any]:
-    """`call` run directly under the call's mesh, with no known shardings (the
-    arguments show their own)."""
-    return EagerCache(call, placement=placement, cached=False)
 
 
 _AUTO_KEY = "chunkvmap: batch_size state"

@@ -100,16 +100,16 @@ def zeros(shape: Sequence[int], aval: Any) -> Any:
     """Zeros of `shape` with `aval`'s dtype, weakly typed when `aval` is, and with its
     sharding type when it has one (Explicit mesh axes) of the same rank."""
     sharding = getattr(aval, "sharding", None)
+    context = jax.sharding.get_abstract_mesh()
     if (
         isinstance(sharding, jax.sharding.NamedSharding)
         and sharding.mesh.empty
-        and not jax.sharding.get_abstract_mesh().empty
+        and not context.empty
     ):
         # A value typed without a mesh under a context mesh (an input the caller
         # did not place): zeros of that type, not of the context's.
         with jax.sharding.use_abstract_mesh(sharding.mesh):
             return zeros(shape, aval)
-    context = jax.sharding.get_abstract_mesh()
     if not (
         isinstance(sharding, jax.sharding.NamedSharding)
         and any(sharding.spec)
@@ -143,9 +143,8 @@ def typed_as(y: Any, like: Any) -> Any:
     """`y` with `like`'s sharding type (a value typed without a mesh, written into a
     buffer typed with the context's, is replicated over it: nothing moves)."""
     want = jax.typeof(like).sharding
-    if jax.typeof(y).sharding == want or getattr(want, "mesh", None) is None:
-        return y
-    if want.mesh.empty:
+    mesh = getattr(want, "mesh", None)
+    if mesh is None or mesh.empty or jax.typeof(y).sharding == want:
         return y
     return jax.sharding.reshard(y, want)
 

@@ -7,7 +7,7 @@ resolves the call's mesh once, in this order:
    `jax.sharding.use_abstract_mesh` inside `jit`): the call already runs under it;
 2. the `mesh=` argument;
 3. the mesh the inputs are placed on: a concrete array's `NamedSharding`, or the
-   sharding type of a traced input over `Explicit` axes;
+   mesh in a traced input's sharding type;
 4. for `shard=True` with none of these, a 1-D mesh over all devices.
 
 and runs the whole evaluation under it:
@@ -77,9 +77,7 @@ def resolve(shard: Any, mesh: Mesh | None, leaves: list[Any]) -> Any:
 
 
 def _explicit(mesh: Any) -> bool:
-    return mesh is not None and not mesh.empty and any(
-        t == jax.sharding.AxisType.Explicit for t in mesh.axis_types
-    )
+    return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
 def run_under(shard: Any, mesh: Mesh | None, run: Run, args: tuple, kwargs: dict):

@@ -11,7 +11,6 @@ the process that owns that device.
 from __future__ import annotations
 
 import dataclasses
-
 import inspect
 import sys
 from collections.abc import Callable

@@ -185,7 +185,7 @@ def _requested(
         # The mesh entered for the call with Auto axes (the caller does not hold it:
         # `_mesh.resolve`).
         mesh = all_auto(mesh)
-    elif not ambient.empty and mesh.abstract_mesh != ambient:
+    elif mesh.abstract_mesh != ambient:
         raise ValueError(
             f"{name}(shard={shard!r}) was called under jax.set_mesh({ambient}), which "
             f"differs from mesh={mesh}. Call it outside jax.set_mesh, pass no mesh "

@@ -394,10 +394,7 @@ def _ghost_sums(
     per-example gradients of the leaves whose uses have rules; None when no leaf has
     a ghost norm (the per-example path is then the cheaper one)."""
     name = setup.name
-    args = list(args)
-    for i in diff:  # a bare Python number is differentiated, as jax.grad does
-        if isinstance(args[i], (float, complex)):
-            args[i] = jnp.asarray(args[i])
+    args = list(args)  # (Python floats made differentiable by `_clipped_sums`)
     note = _note(name, fun, config)
 
     def noted(*args: Any, **kwargs: Any) -> Any:
