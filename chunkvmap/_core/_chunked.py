@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from . import _axes, _loop, _memory, _progress, _sharding
+from . import _axes, _conv, _loop, _memory, _progress, _sharding
 from ._axes import Inputs
 from ._options import ChunkOptions, identity
 
@@ -43,6 +43,8 @@ def body(
             options.reduction, options.chunk_reduction, summary
         )
     post = options.chunk_reduction if accumulator is None else identity
+    # Every chunk's convolutions in the layout XLA:CPU runs fast inside a loop.
+    chunk_fn = _conv.canonical(chunk_fn)
     return _loop.Body(
         options.name, chunk_fn, axes, signature, accumulator, post, options.remat
     )

@@ -1,0 +1,237 @@
+"""Convolutions inside the chunk loop in the layout XLA:CPU runs fast.
+
+XLA:CPU evaluates a convolution with Eigen only when it is *canonical*: input
+`(N, spatial..., C)`, kernel `(spatial..., I, O)`, output `(N, spatial..., O)`, in
+float16 or float32. Its pass that transposes other convolutions into that form visits
+the entry computation only, so a convolution inside a while loop (every chunk of
+chunkvmap's loop) in any other layout runs on a naive path 10-90x slower: NCHW/OIHW
+(lax's default, Equinox's `Conv2d`), and in every layout the backward pass, whose
+input- and kernel-gradient convolutions JAX writes in transposed layouts.
+
+`canonical(fn)` evaluates a chunk function with each such convolution rewritten:
+transposes around a canonical convolution (what XLA does outside loops), as a
+`jax.custom_jvp` whose tangent convolutions are laid out so that *their transposes*,
+the convolutions reverse mode runs, are canonical too. Values are those of the same
+convolution; only the order of its floating-point sums follows Eigen's, as it does
+outside a loop. Other backends are left alone.
+"""
+
+from __future__ import annotations
+
+import functools as ft
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+
+_CONV = "conv_general_dilated"
+_FAST_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+
+# Layouts as (batch or output-feature, feature or input-feature, spatial...) axis
+# positions, ConvDimensionNumbers' order, for `nd` spatial dimensions.
+
+
+def _canonical(nd: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Eigen's layouts: images `(N, spatial..., C)` and kernels `(spatial..., I, O)`."""
+    image = (0, nd + 1, *range(1, nd + 1))
+    kernel = (nd + 1, nd, *range(nd))
+    return image, kernel
+
+
+def _for_input_grad(nd: int) -> tuple[int, ...]:
+    """The kernel as `(spatial..., O, I)`: JAX transposes a convolution with respect
+    to its input into one whose kernel swaps I and O, then canonical."""
+    return (nd, nd + 1, *range(nd))
+
+
+def _for_kernel_grad(nd: int) -> tuple[tuple[int, ...], ...]:
+    """Input `(C, spatial..., N)`, kernel `(I, spatial..., O)`, output
+    `(spatial..., N, O)`: JAX transposes a convolution with respect to its kernel
+    into one that swaps the input's N and C (then `(N', spatial..., C')`), takes
+    the output as its kernel with O and N swapped (then `(spatial..., I', O')`) and
+    returns the kernel with I and O swapped (then `(N', spatial..., C')`): all
+    canonical."""
+    return (
+        (nd + 1, 0, *range(1, nd + 1)),
+        (nd + 1, 0, *range(1, nd + 1)),
+        (
+            nd,
+            nd + 1,
+            *range(nd),
+        ),
+    )
+
+
+def _laid_out(
+    lhs: Any, rhs: Any, params: dict, lhs_at: Sequence[int], rhs_at: Sequence[int],
+    out_at: Sequence[int],
+) -> Any:  # fmt: skip
+    """The convolution `params` describe, evaluated with its operands transposed so
+    that each role (batch, feature, spatial...) sits at the `*_at` positions, and
+    its output transposed back to the layout `params` give it."""
+    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    rank = len(lhs_spec)
+    lhs_perm, rhs_perm, out_perm = [0] * rank, [0] * rank, [0] * rank
+    for role in range(rank):
+        lhs_perm[lhs_at[role]] = lhs_spec[role]
+        rhs_perm[rhs_at[role]] = rhs_spec[role]
+        out_perm[out_spec[role]] = out_at[role]
+    numbers = lax.ConvDimensionNumbers(tuple(lhs_at), tuple(rhs_at), tuple(out_at))
+    y = lax.conv_general_dilated_p.bind(
+        _transpose(lhs, lhs_perm),
+        _transpose(rhs, rhs_perm),
+        **{**params, "dimension_numbers": numbers},
+    )
+    return _transpose(y, out_perm)
+
+
+def _transpose(x: Any, perm: Sequence[int]) -> Any:
+    return x if list(perm) == list(range(len(perm))) else lax.transpose(x, perm)
+
+
+@ft.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _conv(lhs: Any, rhs: Any, params: dict) -> Any:
+    image, kernel = _canonical(len(params["dimension_numbers"][0]) - 2)
+    return _laid_out(lhs, rhs, params, image, kernel, image)
+
+
+@ft.partial(_conv.defjvp, symbolic_zeros=True)
+def _conv_jvp(params: dict, primals: Sequence[Any], tangents: Sequence[Any]):
+    lhs, rhs = primals
+    d_lhs, d_rhs = tangents
+    nd = len(params["dimension_numbers"][0]) - 2
+    image, _ = _canonical(nd)
+    out = _conv(lhs, rhs, params)
+    parts = []
+    if not isinstance(d_lhs, SymbolicZero):
+        parts.append(_laid_out(d_lhs, rhs, params, image, _for_input_grad(nd), image))
+    if not isinstance(d_rhs, SymbolicZero):
+        parts.append(_laid_out(lhs, d_rhs, params, *_for_kernel_grad(nd)))
+    tangent = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    return out, tangent
+
+
+def _rewritten(eqn: Any) -> bool:
+    """Whether `eqn` is a convolution chunkvmap lays out for XLA:CPU."""
+    if eqn.primitive.name != _CONV:
+        return False
+    lhs, rhs = (v.aval for v in eqn.invars)
+    nd = len(eqn.params["dimension_numbers"][0]) - 2
+    return (
+        1 <= nd <= 3
+        and lhs.dtype in _FAST_DTYPES
+        and rhs.dtype == lhs.dtype
+        and lhs.size > 0
+        and rhs.size > 0
+    )
+
+
+def _sub_jaxprs(value: Any) -> list[Any]:
+    if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+    return []
+
+
+def has_convolution(jaxpr: Any) -> bool:
+    """Whether `jaxpr` (or a jaxpr inside it) has a convolution to rewrite."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        if _rewritten(eqn):
+            return True
+        for value in eqn.params.values():
+            if any(has_convolution(sub) for sub in _sub_jaxprs(value)):
+                return True
+    return False
+
+
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """`jaxpr` evaluated with its convolutions (and those of its sub-jaxprs) laid
+    out for XLA:CPU."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        if _rewritten(eqn):
+            outs = [_conv(*ins, dict(eqn.params))]
+        else:
+            outs = _bind(eqn, ins)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
+    """`eqn` on `ins`, its sub-jaxprs rewritten where they hold convolutions."""
+    params = dict(eqn.params)
+    for key, value in eqn.params.items():
+        subs = _sub_jaxprs(value)
+        if not subs or not any(has_convolution(s) for s in subs):
+            continue
+        if isinstance(value, (tuple, list)):
+            params[key] = type(value)(_rewrite(v) for v in value)
+        else:
+            params[key] = _rewrite(value)
+    bound = eqn.primitive.get_bind_params(params)
+    # (older JAX returns (subfuns, params), newer the params)
+    subfuns, kw = ((), bound) if isinstance(bound, dict) else bound
+    outs = eqn.primitive.bind(*subfuns, *ins, **kw)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _rewrite(sub: Any) -> Any:
+    """A sub-jaxpr (open or closed, as it came) with its convolutions rewritten; an
+    open one that would need constants is kept as it is."""
+    if not isinstance(sub, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+        return sub
+    closed = sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, ())
+    avals = [_struct(v.aval) for v in closed.jaxpr.invars]
+    new = jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a))(*avals)
+    if isinstance(sub, jcore.ClosedJaxpr):
+        return new
+    return sub if new.consts else new.jaxpr
+
+
+def _struct(aval: Any) -> jax.ShapeDtypeStruct:
+    sharding = getattr(aval, "sharding", None)
+    if sharding is not None and getattr(sharding, "mesh", None) is not None:
+        sharding = None if sharding.mesh.empty else sharding
+    return jax.ShapeDtypeStruct(
+        aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding
+    )
+
+
+def canonical(fn: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    """`fn` (a chunk function: flat leaves to flat leaves) with its convolutions laid
+    out for XLA:CPU when the default backend is the CPU; `fn` itself otherwise."""
+
+    @ft.wraps(fn)
+    def laid_out(leaves: list[Any], length: int) -> list[Any]:
+        if jax.default_backend() != "cpu":
+            return fn(leaves, length)
+        # Arrays are traced; anything else (static leaves) is closed over as it is.
+        traced = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+        def flat(*arrays: Any) -> list[Any]:
+            full = list(leaves)
+            for k, x in zip(traced, arrays):
+                full[k] = x
+            return fn(full, length)
+
+        arrays = [leaves[k] for k in traced]
+        closed = jax.make_jaxpr(flat)(*arrays)
+        if not has_convolution(closed.jaxpr):
+            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
+        return _evaluate(closed.jaxpr, closed.consts, arrays)
+
+    return laid_out
