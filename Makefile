@@ -39,6 +39,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_compile.py --out benchmarks/results/compile.md
 	$(BIN)/python benchmarks/bench_clipping.py --out benchmarks/results/clipping.md
 	$(BIN)/python benchmarks/bench_statistics.py --out benchmarks/results/statistics.md
+	$(BIN)/python benchmarks/bench_families.py --out benchmarks/results/families.md
 
 # On a machine with a GPU: the headline workloads until jax.vmap runs out of memory,
 # under 4 minutes (`python benchmarks/gpu.py --quick` is the CPU smoke test).

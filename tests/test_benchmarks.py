@@ -119,3 +119,29 @@ def test_eager_benchmark_runs(tmp_path):
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[1:4])
+
+
+def test_family_benchmark_runs(tmp_path):
+    """`benchmarks/bench_families.py --quick` on the NCHW convolution families (the
+    layout XLA:CPU is slow on inside loops; one with a depthwise convolution): five
+    rows each, every program checked against its reference before it is timed."""
+    script = GPU.parent / "bench_families.py"
+    out = tmp_path / "families.md"
+    proc = subprocess.run(
+        [
+            sys.executable, str(script), "--quick", "--rounds", "1",
+            "--only", "NCHW", "--out", str(out),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| ")][1:]
+    assert len(rows) == 10, rows
+    assert sum("depthwise" in r for r in rows) == 5, rows
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[2:5]), row
+        assert float(cells[7]) > 0, row

@@ -13,11 +13,14 @@ transposes around a canonical convolution (what XLA does outside loops), as a
 `jax.custom_jvp` whose tangent convolutions are laid out so that *their transposes*,
 the convolutions reverse mode runs, are canonical too. Values are those of the same
 convolution; only the order of its floating-point sums follows Eigen's, as it does
-outside a loop. Other backends are left alone.
+outside a loop. Other backends are left alone, and so are the derivative rules of a
+user's own `custom_jvp`/`custom_vjp` (Python callables, not jaxprs): a convolution
+inside one is right but keeps JAX's layout under `grad`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools as ft
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -105,13 +108,21 @@ def _conv_jvp(params: dict, primals: Sequence[Any], tangents: Sequence[Any]):
     lhs, rhs = primals
     d_lhs, d_rhs = tangents
     nd = len(params["dimension_numbers"][0]) - 2
-    image, _ = _canonical(nd)
+    image, kernel = _canonical(nd)
     out = _conv(lhs, rhs, params)
     parts = []
     if not isinstance(d_lhs, SymbolicZero):
         parts.append(_laid_out(d_lhs, rhs, params, image, _for_input_grad(nd), image))
     if not isinstance(d_rhs, SymbolicZero):
-        parts.append(_laid_out(lhs, d_rhs, params, *_for_kernel_grad(nd)))
+        # Under Explicit sharding a batched tangent (the shares of a mesh, a user's
+        # vmap) would fold a sharded axis into the input's last (batch) dimension,
+        # which sharding in types refuses: there the kernel gradient keeps JAX's
+        # layout (right, and as slow inside a loop as it was).
+        mesh = jax.sharding.get_abstract_mesh()
+        laid = image, kernel, image
+        if mesh.empty or not mesh.explicit_axes:
+            laid = _for_kernel_grad(nd)
+        parts.append(_laid_out(lhs, d_rhs, params, *laid))
     tangent = parts[0] if len(parts) == 1 else parts[0] + parts[1]
     return out, tangent
 
@@ -163,10 +174,13 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[An
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        if _rewritten(eqn):
-            outs = [_conv(*ins, dict(eqn.params))]
-        else:
-            outs = _bind(eqn, ins)
+        # In the context the equation was traced in (its mesh, as jax.core.eval_jaxpr).
+        ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            if _rewritten(eqn):
+                outs = [_conv(*ins, dict(eqn.params))]
+            else:
+                outs = _bind(eqn, ins)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
