@@ -38,11 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+
 sys.path.insert(0, str(Path(__file__).parent))
 
-import chunkvmap as cv  # noqa: E402
 from _common import machine  # noqa: E402
 from _dp_models import LM, lm_loss, lm_params  # noqa: E402
+
+import chunkvmap as cv  # noqa: E402
 
 
 def _normal(rng, *shape, fan):
@@ -245,7 +247,9 @@ def programs(model, batch: int, clip: float = 1.0) -> dict:
 
     def vmap_clipped(p, x, y):
         grads = jax.vmap(jax.grad(loss), (None, 0, 0))(p, x, y)
-        sq = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, 1) for g in jax.tree.leaves(grads))
+        sq = sum(
+            jnp.sum(g.reshape(g.shape[0], -1) ** 2, 1) for g in jax.tree.leaves(grads)
+        )
         scale = jnp.minimum(1.0, clip / jnp.maximum(jnp.sqrt(sq), 1e-12))
         return jax.tree.map(lambda g: jnp.tensordot(scale, g, 1), grads)
 
@@ -373,7 +377,8 @@ def main(argv=None):
         if args.only and args.only.lower() not in name.lower():
             continue
         rows += measure(name, family, n, batch, rounds, args.quick, rng)
-        print("\n".join(table(rows[-5:], n, batch, rounds).splitlines()[-5:]), flush=True)
+        lines = table(rows[-5:], n, batch, rounds).splitlines()[-5:]
+        print("\n".join(lines), flush=True)
     text = table(rows, n, batch, rounds)
     print(text)
     if args.out:

@@ -129,8 +129,15 @@ def test_family_benchmark_runs(tmp_path):
     out = tmp_path / "families.md"
     proc = subprocess.run(
         [
-            sys.executable, str(script), "--quick", "--rounds", "1",
-            "--only", "NCHW", "--out", str(out),
+            sys.executable,
+            str(script),
+            "--quick",
+            "--rounds",
+            "1",
+            "--only",
+            "NCHW",
+            "--out",
+            str(out),
         ],  # fmt: skip
         capture_output=True,
         text=True,
