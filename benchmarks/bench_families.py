@@ -16,8 +16,9 @@ Each family is measured five ways, chunkvmap beside its reference in the same ru
   written with `jax.vmap(jax.grad(loss))`, and / the non-private step (`jax.grad`
   of the summed loss through `jax.vmap`).
 
-Times are medians of `--rounds` interleaved rounds (every program of a family once
-per round), so machine load shifts numerator and denominator alike. Memory is XLA's
+Times are medians of `--rounds` interleaved rounds (every program of a family in
+each round, run back to back for at least 20 ms and averaged, after one untimed
+call), so machine load shifts numerator and denominator alike. Memory is XLA's
 compiled temporary memory (`memory_analysis()`), chunkvmap's / the reference's.
 With `--quick`, tiny sizes and two rounds (a smoke run: the test suite runs it).
 
@@ -309,14 +310,24 @@ def measure(name, family, n, batch, rounds, quick, rng):
                 if not _close(out, ref_out):
                     raise AssertionError(f"{name}, {what}: chunkvmap != reference")
     step = jax.jit(progs["grad of the summed loss"][1])
-    jax.block_until_ready(step(*args))
-    times = {k: [] for k in compiled}
-    times["step"] = []
+    exes = [*compiled.items(), ("step", step)]
+    # Each program runs back to back for at least 20 ms a round (its mean is the
+    # round's time): a millisecond program timed once right after a large one
+    # measures the caches, not the program.
+    reps = {}
+    for k, exe in exes:
+        t0 = time.perf_counter()
+        jax.block_until_ready(exe(*args))
+        reps[k] = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-6)))
+    times = {k: [] for k, _ in exes}
     for _ in range(rounds):
-        for k, exe in [*compiled.items(), ("step", step)]:
-            t0 = time.perf_counter()
+        for k, exe in exes:
             jax.block_until_ready(exe(*args))
-            times[k].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for _ in range(reps[k]):
+                out = exe(*args)
+            jax.block_until_ready(out)
+            times[k].append((time.perf_counter() - t0) / reps[k])
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = []
     for what in progs:
@@ -339,7 +350,8 @@ def table(rows, n, batch, rounds) -> str:
         "",
         f"{machine()}.",
         f"N={n} examples in chunks of {batch}, under `jax.jit`; times are medians of "
-        f"{rounds} interleaved rounds.",
+        f"{rounds} interleaved rounds (each program run back to back for at least "
+        "20 ms a round, after an untimed call).",
         "",
         "A ratio is chunkvmap's time divided by its reference's, measured in the same "
         "run: 1.00 is `jax.vmap`'s speed, below 1 faster. The reference of a "

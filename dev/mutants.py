@@ -110,6 +110,42 @@ MUTANTS = {
         ),
         ["test_wherever", "test_sharding", "test_layouts"],
     ),
+    "conv: chunks keep their convolutions' layouts": (
+        (
+            "chunkvmap/_core/_chunked.py",
+            "chunk_fn = _conv.canonical(chunk_fn)",
+            "chunk_fn = chunk_fn",
+        ),
+        ["test_conv"],
+    ),
+    "conv: kernel gradient in the forward layout": (
+        ("chunkvmap/_core/_conv.py", "laid = _for_kernel_grad(nd)", "pass"),
+        ["test_conv"],
+    ),
+    "conv: input gradient's kernel with I and O unswapped": (
+        (
+            "chunkvmap/_core/_conv.py",
+            "return (nd, nd + 1, *range(nd))",
+            "return (nd + 1, nd, *range(nd))",
+        ),
+        ["test_conv"],
+    ),
+    "conv: output transposed back by the inverse permutation": (
+        (
+            "chunkvmap/_core/_conv.py",
+            "out_perm[out_spec[role]] = out_at[role]",
+            "out_perm[out_at[role]] = out_spec[role]",
+        ),
+        ["test_conv"],
+    ),
+    "conv: the input's tangent dropped": (
+        (
+            "chunkvmap/_core/_conv.py",
+            "if not isinstance(d_lhs, SymbolicZero):",
+            "if False:",
+        ),
+        ["test_conv"],
+    ),
 }
 
 
