@@ -1,29 +1,19 @@
-"""Shared pieces of the benchmark scripts: the model and the timers."""
+"""Shared pieces of the benchmark scripts: the timers, and the test suite's MLP and
+clipped-sum oracle."""
 
 from __future__ import annotations
 
+import pathlib
 import statistics
+import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 
-def init_mlp(key, sizes):
-    """Parameters of an MLP with layer widths `sizes`: a list of (w, b) pairs."""
-    params = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
-        key, k = jax.random.split(key)
-        params.append((jax.random.normal(k, (a, b)) / a**0.5, jnp.zeros(b)))
-    return params
-
-
-def mlp(params, x, activation=jnp.tanh):
-    """The MLP's output for one example `x`."""
-    for w, b in params[:-1]:
-        x = activation(x @ w + b)
-    w, b = params[-1]
-    return x @ w + b
+# The models and oracles are the test suite's (one definition of each).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from tests.helpers import clipped_sum, init_mlp, mlp  # noqa: E402, F401
 
 
 def cold_compile_seconds(fn, args, repeats):

@@ -42,7 +42,7 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import machine  # noqa: E402
+from _common import clipped_sum, machine  # noqa: E402
 from _dp_models import LM, lm_loss, lm_params  # noqa: E402
 
 import chunkvmap as cv  # noqa: E402
@@ -247,12 +247,7 @@ def programs(model, batch: int, clip: float = 1.0) -> dict:
     c_loss = cv.batch_vmap(loss, (None, 0, 0), batch_size=batch)
 
     def vmap_clipped(p, x, y):
-        grads = jax.vmap(jax.grad(loss), (None, 0, 0))(p, x, y)
-        sq = sum(
-            jnp.sum(g.reshape(g.shape[0], -1) ** 2, 1) for g in jax.tree.leaves(grads)
-        )
-        scale = jnp.minimum(1.0, clip / jnp.maximum(jnp.sqrt(sq), 1e-12))
-        return jax.tree.map(lambda g: jnp.tensordot(scale, g, 1), grads)
+        return clipped_sum(loss, clip, (p, x, y))[0]
 
     def non_private(p, x, y):
         return jax.grad(lambda p: v_loss(p, x, y).sum())(p)

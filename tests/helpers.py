@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools as ft
 import os
 from typing import Any
 
@@ -183,3 +184,50 @@ def mlp(params, x, activation=jnp.tanh):
         x = activation(x @ w + b)
     w, b = params[-1]
     return x @ w + b
+
+
+def clipped_sum(
+    fun, clip, args, *, in_axes=None, argnums=0, kwargs=None, finite_only=False,
+    pad=None,
+):  # fmt: skip
+    """The oracle of every clipped sum: DP-SGD's clipped sum written out with
+    `jax.vmap(jax.grad)` over all N examples at once.
+
+    Each example's gradient g_i (every leaf of the `argnums` arguments of `fun`, on
+    `args` mapped along `in_axes`: by default the first argument unmapped and the
+    others along axis 0) is scaled by min(1, clip / ||g_i||) and the scaled gradients
+    are summed. `finite_only` zeroes non-finite gradient entries first (`nan_safe`'s
+    definition); `pad` (N booleans) scales padding examples by 0. The norm and the
+    scale use the double-`where` idiom, so that the oracle itself has finite
+    derivatives where g_i = 0 (it is differentiated to check second order). Returns
+    the sum (structured like `jax.grad(fun, argnums)`) and the N norms, from one
+    compiled program.
+    """
+    args = tuple(args)
+    if in_axes is None:
+        in_axes = (None,) + (0,) * (len(args) - 1)
+    argnums = tuple(argnums) if isinstance(argnums, list) else argnums
+    return _clipped_sum(
+        fun, in_axes, argnums, finite_only, clip, args, kwargs or {}, pad
+    )
+
+
+@ft.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _clipped_sum(fun, in_axes, argnums, finite_only, clip, args, kwargs, pad):
+    grads = jax.vmap(jax.grad(ft.partial(fun, **kwargs), argnums), in_axes)(*args)
+    if finite_only:
+        grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0), grads)
+    squares = sum(
+        jnp.sum(jnp.abs(g.reshape(g.shape[0], -1)) ** 2, 1)
+        for g in jax.tree.leaves(grads)
+    )
+    positive = squares > 0
+    norms = jnp.where(positive, jnp.sqrt(jnp.where(positive, squares, 1)), 0)
+    clipped = norms > clip
+    scale = jnp.where(clipped, clip / jnp.where(clipped, norms, 1), 1)
+    if pad is not None:
+        scale = jnp.where(pad, 0, scale)
+    total = jax.tree.map(
+        lambda g: jnp.einsum("n,n...->...", scale.astype(g.dtype), g), grads
+    )
+    return total, norms

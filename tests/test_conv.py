@@ -25,7 +25,7 @@ import chunkvmap
 from chunkvmap import batch_vmap, clipped_grad_sum, per_example_grads
 from chunkvmap.eqx import filter_batch_vmap
 
-from .helpers import jaxpr_eqns, tree_allclose
+from .helpers import clipped_sum, jaxpr_eqns, tree_allclose
 
 
 N, B = 7, 3  # examples in chunks of 3: two full chunks and a remainder
@@ -409,13 +409,7 @@ def net_data(layout, n=N, seed=30):
 
 
 def hand_clipped(loss, clip, p, img, y):
-    """per-example grads, their global L2 norms, scaled by min(1, clip / norm), sum."""
-    grads = jax.vmap(jax.grad(loss), (None, 0, 0))(p, img, y)
-    norms = jnp.sqrt(
-        sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, 1) for g in jax.tree.leaves(grads))
-    )
-    scale = jnp.minimum(1.0, clip / norms)
-    return jax.tree.map(lambda g: jnp.einsum("n,n...->...", scale, g), grads), norms
+    return clipped_sum(loss, clip, (p, img, y))
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -431,7 +425,7 @@ def test_per_example_grads(layout):
 def test_clipped_grad_sum(layout, method):
     _, loss = net(layout)
     p, (img, y) = net_params(layout), net_data(layout)
-    by_hand = jax.jit(hand_clipped, static_argnums=0)
+    by_hand = hand_clipped
     clip = float(np.median(by_hand(loss, 1.0, p, img, y)[1]))
     expected_sum, expected_norms = by_hand(loss, clip, p, img, y)
     assert 0 < int((expected_norms > clip).sum()) < N  # some clipped, some not
@@ -715,7 +709,7 @@ def test_ghost_clipping_on_an_explicit_mesh():
     mesh); entering `eqn.ctx.manager` around each bind there makes this pass."""
     mesh, p, img, y = explicit_inputs()
     _, loss = net("NCHW")
-    by_hand = jax.jit(hand_clipped, static_argnums=0)
+    by_hand = hand_clipped
     host = jax.device_get((p, img, y))
     expected = by_hand(loss, 1.0, *host)[0]
     with jax.set_mesh(mesh):

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .helpers import compiled_as_users, temp_bytes, tree_allclose
+from .helpers import clipped_sum, compiled_as_users, temp_bytes, tree_allclose
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -196,17 +196,7 @@ def per_example_grads_of(ns: dict):
 def reference_clipped_sum(loss, clip, params, *batch):
     """`jax.vmap(jax.grad(loss))` over `batch`, each gradient clipped to global L2
     norm `clip`, summed: all N gradients at once."""
-
-    @jax.jit
-    def clipped_sum(params, *batch):
-        in_axes = (None,) + (0,) * len(batch)
-        grads = jax.vmap(jax.grad(loss), in_axes)(params, *batch)
-        leaves = jax.tree.leaves(grads)
-        squares = [jnp.sum(g**2, axis=tuple(range(1, g.ndim))) for g in leaves]
-        scale = clip / jnp.maximum(jnp.sqrt(sum(squares)), clip)
-        return jax.tree.map(lambda g: jnp.tensordot(scale, g, axes=1), grads)
-
-    return clipped_sum(params, *batch)
+    return clipped_sum(loss, clip, (params, *batch))[0]
 
 
 def check_same_init(shown: Any, chunked: Any, reference: Any, *args: Any) -> Any:

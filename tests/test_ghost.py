@@ -12,7 +12,7 @@ import pytest
 import chunkvmap
 from chunkvmap import clipped_grad, clipped_grad_sum, ghost_report
 
-from .helpers import temp_bytes, tree_allclose
+from .helpers import clipped_sum, temp_bytes, tree_allclose
 
 
 # Test data from NumPy: eager jax.random compiles one kernel per shape, which is most
@@ -30,23 +30,10 @@ def integers(seed, high, *shape):
 
 
 def clipped_by_hand(loss, params, one_each, clip, pad=None):
-    """The clipped sum by hand, as nan_safe defines it (in one compiled program): each
-    example's gradient with its non-finite entries zeroed, scaled by
-    min(1, clip / norm), and by 0 where `pad` marks a padding example."""
-
-    @jax.jit
-    def run(params, one_each, pad):
-        grads = jax.vmap(jax.grad(loss), (None, 0))(params, one_each)
-        grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0), grads)
-        n = jax.tree.leaves(one_each)[0].shape[0]
-        norms = jnp.sqrt(
-            sum(jnp.sum(g.reshape(n, -1) ** 2, 1) for g in jax.tree.leaves(grads))
-        )
-        scale = jnp.minimum(1, clip / norms)
-        scale = scale if pad is None else jnp.where(pad, 0, scale)
-        return jax.tree.map(lambda g: jnp.tensordot(scale, g, 1), grads)
-
-    return run(params, one_each, pad)
+    """The clipped sum by hand, as nan_safe defines it: each example's gradient with
+    its non-finite entries zeroed, scaled by min(1, clip / norm), and by 0 where
+    `pad` marks a padding example."""
+    return clipped_sum(loss, clip, (params, one_each), finite_only=True, pad=pad)[0]
 
 
 def filled(tree, seed):

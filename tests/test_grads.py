@@ -15,6 +15,7 @@ from chunkvmap import clipped_grad_sum, per_example_grads
 
 from .helpers import (
     check_auto_choice,
+    clipped_sum,
     init_mlp,
     mlp,
     record_auto_searches,
@@ -41,45 +42,12 @@ def data(n, key=1):
 PARAMS = init_mlp(jax.random.key(0), SIZES)
 
 
-@ft.partial(jax.jit, static_argnums=(0, 3, 4))  # one program, not one per op
 def reference_clipped(fun, params, args, clip, in_axes=(None, 0, 0)):
-    grads = jax.vmap(jax.grad(fun), in_axes)(params, *args)
-    norms = jnp.sqrt(
-        sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, 1) for g in jax.tree.leaves(grads))
-    )
-    scale = jnp.minimum(1.0, clip / norms)
-    total = jax.tree.map(lambda g: jnp.einsum("n,n...->...", scale, g), grads)
-    return total, norms
+    return clipped_sum(fun, clip, (params, *args), in_axes=in_axes)
 
 
 def hand_clipped_sum(fun, clip, args, in_axes, argnums=0, **kwargs):
-    """DP-SGD's clipped sum written out: jax.vmap(jax.grad), clip, sum.
-
-    Each example's gradient g_i (all leaves of the `argnums` arguments) is scaled by
-    min(1, clip / ||g_i||) and the scaled gradients are summed. The norm and the scale
-    are written with the double-`where` idiom so that this reference itself has finite
-    derivatives where g_i = 0 (it can then be differentiated to check second order).
-    Returns the sum (structured like `jax.grad(fun, argnums)`) and the N norms.
-    """
-    # Jitted: one compile instead of op-by-op dispatch (which is slow under grad).
-    return _hand_clipped_sum(fun, in_axes, argnums, clip, args, kwargs)
-
-
-@ft.partial(jax.jit, static_argnums=(0, 1, 2))
-def _hand_clipped_sum(fun, in_axes, argnums, clip, args, kwargs):
-    grads = jax.vmap(jax.grad(ft.partial(fun, **kwargs), argnums), in_axes)(*args)
-    squares = sum(
-        jnp.sum(jnp.abs(g.reshape(g.shape[0], -1)) ** 2, 1)
-        for g in jax.tree.leaves(grads)
-    )
-    positive = squares > 0
-    norms = jnp.where(positive, jnp.sqrt(jnp.where(positive, squares, 1)), 0)
-    clipped = norms > clip
-    scale = jnp.where(clipped, clip / jnp.where(clipped, norms, 1), 1)
-    total = jax.tree.map(
-        lambda g: jnp.einsum("n,n...->...", scale.astype(g.dtype), g), grads
-    )
-    return total, norms
+    return clipped_sum(fun, clip, args, in_axes=in_axes, argnums=argnums, kwargs=kwargs)
 
 
 # ---------------------------------------------------------------------------------
