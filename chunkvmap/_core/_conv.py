@@ -54,20 +54,12 @@ def _for_input_grad(nd: int) -> tuple[int, ...]:
 
 def _for_kernel_grad(nd: int) -> tuple[tuple[int, ...], ...]:
     """Input `(C, spatial..., N)`, kernel `(I, spatial..., O)`, output
-    `(spatial..., N, O)`: JAX transposes a convolution with respect to its kernel
-    into one that swaps the input's N and C (then `(N', spatial..., C')`), takes
-    the output as its kernel with O and N swapped (then `(spatial..., I', O')`) and
-    returns the kernel with I and O swapped (then `(N', spatial..., C')`): all
-    canonical."""
-    return (
-        (nd + 1, 0, *range(1, nd + 1)),
-        (nd + 1, 0, *range(1, nd + 1)),
-        (
-            nd,
-            nd + 1,
-            *range(nd),
-        ),
-    )
+    `(spatial..., N, O)`. JAX transposes a convolution with respect to its kernel
+    into one whose input is this input with N and C swapped, whose kernel is this
+    output with N and O swapped and whose output is this kernel with I and O
+    swapped: laid out like this, all three are canonical."""
+    swapped = (nd + 1, 0, *range(1, nd + 1))
+    return swapped, swapped, (nd, nd + 1, *range(nd))
 
 
 def _laid_out(
