@@ -42,7 +42,7 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import clipped_sum, machine  # noqa: E402
+from _common import clipped_sum, init_mlp, machine, mlp  # noqa: E402
 from _dp_models import LM, lm_loss, lm_params  # noqa: E402
 
 import chunkvmap as cv  # noqa: E402
@@ -59,21 +59,10 @@ def _xent(logits, y):
 # --- the families: (params, model(params, x), loss(params, x, y), inputs, labels) ---
 
 
-def mlp(rng, n, quick):
+def mlp_family(rng, n, quick):
     d, h = (16, 8) if quick else (784, 512)
-    p = [
-        (_normal(rng, d, h, fan=d), jnp.zeros(h)),
-        (_normal(rng, h, h, fan=h), jnp.zeros(h)),
-        (_normal(rng, h, 10, fan=h), jnp.zeros(10)),
-    ]
-
-    def model(p, x):
-        for w, b in p[:-1]:
-            x = jnp.tanh(x @ w + b)
-        return x @ p[-1][0] + p[-1][1]
-
-    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-    return p, model, x
+    params = init_mlp(jax.random.key(int(rng.integers(1 << 30))), [d, h, h, 10])
+    return params, mlp, jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
 
 
 def _cnn(rng, n, quick, layout):
@@ -225,7 +214,7 @@ def groupnorm_resnet(rng, n, quick):
 
 
 FAMILIES = {
-    "MLP": mlp,
+    "MLP": mlp_family,
     "CNN, NCHW/OIHW": cnn_nchw,
     "CNN, NHWC/HWIO": cnn_nhwc,
     "Equinox Conv2d CNN": eqx_cnn,

@@ -408,10 +408,6 @@ def net_data(layout, n=N, seed=30):
     return img, normal(seed + 1, (n, 2))
 
 
-def hand_clipped(loss, clip, p, img, y):
-    return clipped_sum(loss, clip, (p, img, y))
-
-
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_per_example_grads(layout):
     _, loss = net(layout)
@@ -425,9 +421,8 @@ def test_per_example_grads(layout):
 def test_clipped_grad_sum(layout, method):
     _, loss = net(layout)
     p, (img, y) = net_params(layout), net_data(layout)
-    by_hand = hand_clipped
-    clip = float(np.median(by_hand(loss, 1.0, p, img, y)[1]))
-    expected_sum, expected_norms = by_hand(loss, clip, p, img, y)
+    clip = float(np.median(clipped_sum(loss, 1.0, (p, img, y))[1]))
+    expected_sum, expected_norms = clipped_sum(loss, clip, (p, img, y))
     assert 0 < int((expected_norms > clip).sum()) < N  # some clipped, some not
     chunked = clipped_grad_sum(
         loss, clip, batch_size=B, return_norms=True, method=method
@@ -680,12 +675,11 @@ def nchw1(w, x):
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated CPU devices")
 def test_grad_on_an_explicit_mesh():
-    """Reverse mode with the examples sharded over an Explicit axis (it passed
-    before the rewrite). The kernel-gradient tangent convolution
-    (`_for_kernel_grad`: the input's batch dimension last) is mapped over the
-    devices' shares, and JAX's batching rule merges the sharded share axis into
-    that minor batch dimension: a reshape Explicit sharding rejects
-    (ShardingTypeError at `_conv_jvp`)."""
+    """Reverse mode with the examples sharded over an Explicit axis. The
+    kernel-gradient tangent convolution is mapped over the devices' shares; laid out
+    with the input's batch dimension last (`_for_kernel_grad`), JAX's batching rule
+    would merge the sharded share axis into it, a reshape Explicit sharding rejects
+    (ShardingTypeError), so under an Explicit mesh `_conv_jvp` keeps JAX's layout."""
     mesh, p, img, _ = explicit_inputs()
     w = p["c1"]
 
@@ -700,18 +694,15 @@ def test_grad_on_an_explicit_mesh():
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated CPU devices")
 def test_ghost_clipping_on_an_explicit_mesh():
-    """method="ghost" with the examples sharded over an Explicit axis (it passed
-    before the rewrite). `_conv._evaluate` binds each equation in the caller's
-    context, not in the one it was traced in (`jax.core.eval_jaxpr` enters
-    `eqn.ctx.manager`: abstract mesh, threefry, compute type, XLA metadata), so a
-    dot_general the ghost chunk traced under the Auto form of the mesh is bound
-    under the Explicit one (ValueError: context mesh ... should match the aval
-    mesh); entering `eqn.ctx.manager` around each bind there makes this pass."""
+    """method="ghost" with the examples sharded over an Explicit axis. The ghost
+    chunk traces some equations under the Auto form of the mesh; bound in the
+    caller's (Explicit) context they would fail (ValueError: context mesh ... should
+    match the aval mesh), so `_conv._evaluate` enters each equation's own context
+    (`eqn.ctx.manager`, as `jax.core.eval_jaxpr` does)."""
     mesh, p, img, y = explicit_inputs()
     _, loss = net("NCHW")
-    by_hand = hand_clipped
     host = jax.device_get((p, img, y))
-    expected = by_hand(loss, 1.0, *host)[0]
+    expected = clipped_sum(loss, 1.0, host)[0]
     with jax.set_mesh(mesh):
         ghost = clipped_grad_sum(loss, 1.0, batch_size=1, method="ghost")
         total, count = jax.jit(ghost)(p, img, y)

@@ -42,14 +42,6 @@ def data(n, key=1):
 PARAMS = init_mlp(jax.random.key(0), SIZES)
 
 
-def reference_clipped(fun, params, args, clip, in_axes=(None, 0, 0)):
-    return clipped_sum(fun, clip, (params, *args), in_axes=in_axes)
-
-
-def hand_clipped_sum(fun, clip, args, in_axes, argnums=0, **kwargs):
-    return clipped_sum(fun, clip, args, in_axes=in_axes, argnums=argnums, kwargs=kwargs)
-
-
 # ---------------------------------------------------------------------------------
 # per_example_grads
 
@@ -106,7 +98,7 @@ def test_every_argument_not_differentiated_is_mapped_by_default():
     out = per_example_grads(loss, batch_size=4)(PARAMS, x, y)
     tree_allclose(out, jax.vmap(jax.grad(loss), (None, 0, 0))(PARAMS, x, y), atol=1e-5)
     total, count = clipped_grad_sum(loss, 0.5, batch_size=4)(PARAMS, x, y)
-    expected, _ = hand_clipped_sum(loss, 0.5, (PARAMS, x, y), (None, 0, 0))
+    expected, _ = clipped_sum(loss, 0.5, (PARAMS, x, y))
     tree_allclose(total, expected, rtol=1e-5, atol=1e-6)
     # Shared values: name the mapped ones.
     shared = per_example_grads(loss, batch_argnums=1, batch_size=4)(PARAMS, x, y[0])
@@ -149,7 +141,7 @@ def test_clipped_sum_matches_reference(n, batch_size):
     total, count, norms = clipped_grad_sum(
         loss, clip, batch_argnums=(1, 2), batch_size=batch_size, return_norms=True
     )(PARAMS, x, y)
-    expected, expected_norms = reference_clipped(loss, PARAMS, (x, y), clip)
+    expected, expected_norms = clipped_sum(loss, clip, (PARAMS, x, y))
     tree_allclose(total, expected, rtol=1e-5, atol=1e-5)
     tree_allclose(norms, expected_norms)
     assert count.dtype == jnp.int32 and int(count) == n
@@ -158,7 +150,7 @@ def test_clipped_sum_matches_reference(n, batch_size):
 
 def test_clipped_sum_without_norms_and_sharded():
     x, y = data(13)
-    expected, norms = reference_clipped(loss, PARAMS, (x, y), 0.5)
+    expected, norms = clipped_sum(loss, 0.5, (PARAMS, x, y))
     for shard in (False, True):
         f = clipped_grad_sum(loss, 0.5, batch_argnums=(1, 2), batch_size=3, shard=shard)
         total, count = jax.jit(f)(PARAMS, x, y)
@@ -214,16 +206,14 @@ def test_zero_gradients_are_nan_free_also_under_grad():
     total, _, norms = clipped_grad_sum(f, 1.0, batch_size=2, return_norms=True)(w, x)
     assert np.all(np.isfinite(total)) and np.all(np.isfinite(norms))
     np.testing.assert_allclose(norms[:2], 0.0)
-    expected, expected_norms = hand_clipped_sum(f, 1.0, (w, x), (None, 0))
+    expected, expected_norms = clipped_sum(f, 1.0, (w, x))
     tree_allclose(total, expected)
     tree_allclose(norms, expected_norms)
     outer = jax.grad(lambda x: clipped_grad_sum(f, 1.0, batch_size=2)(w, x)[0].sum())(x)
     assert np.all(np.isfinite(outer))
     # Second order against jax.grad of the hand-written clipped sum. The zero gradient
     # at x = (1, 1) (w.x = 0) still has a nonzero derivative: 2 w sum(x) = (4, -4).
-    outer_ref = jax.grad(
-        lambda x: hand_clipped_sum(f, 1.0, (w, x), (None, 0))[0].sum()
-    )(x)
+    outer_ref = jax.grad(lambda x: clipped_sum(f, 1.0, (w, x))[0].sum())(x)
     assert np.all(np.isfinite(outer_ref))
     tree_allclose(outer, outer_ref)
     np.testing.assert_allclose(outer[:2], [[0.0, 0.0], [4.0, -4.0]], atol=1e-6)
@@ -243,10 +233,10 @@ def test_second_order_through_the_clipped_sum(batch_size):
         return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(total))
 
     def outer_ref(x, clip):
-        total, _ = hand_clipped_sum(loss, clip, (PARAMS, x, y), (None, 0, 0))
+        total, _ = clipped_sum(loss, clip, (PARAMS, x, y))
         return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(total))
 
-    norms = hand_clipped_sum(loss, clip, (PARAMS, x, y), (None, 0, 0))[1]
+    norms = clipped_sum(loss, clip, (PARAMS, x, y))[1]
     assert 0 < int((norms > clip).sum()) < 7, norms
     actual = jax.jit(jax.grad(outer, (0, 1)))(x, clip)
     expected = jax.grad(outer_ref, (0, 1))(x, clip)
@@ -278,7 +268,7 @@ def test_keeps_parameter_dtypes(dtype):
     assert norms.dtype == jnp.float32
     # The reference in float32 from the very (rounded) values the chunked sum saw.
     wide = jax.tree.map(lambda a: a.astype(jnp.float32), (params, x, y))
-    expected, expected_norms = reference_clipped(loss, wide[0], wide[1:], 1.0)
+    expected, expected_norms = clipped_sum(loss, 1.0, wide)
     atol, norm_rtol = DTYPE_TOLERANCES[dtype]
     for a, e in zip(jax.tree.leaves(total), jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.float32(a), e, rtol=1e-5, atol=atol)
@@ -405,7 +395,7 @@ def test_auto_batch_size_is_chosen_once_and_reported(limit, monkeypatch):
     f = clipped_grad_sum(
         loss, 1.0, batch_argnums=(1, 2), batch_size="auto", memory_limit=limit
     )
-    expected, _ = reference_clipped(loss, PARAMS, (x, y), 1.0)
+    expected, _ = clipped_sum(loss, 1.0, (PARAMS, x, y))
     for _ in range(2):
         tree_allclose(f(PARAMS, x, y)[0], expected, rtol=1e-5, atol=1e-5)
     assert 1 <= last_batch_size(f) <= 64
@@ -461,14 +451,14 @@ def test_clipped_sum_with_several_argnums(argnums):
         return_norms=True,
     )(PARAMS, x, y, bias)
     resolved = tuple(a % 4 for a in argnums)
-    expected = hand_clipped_sum(
-        f, 12.0, (PARAMS, x, y, bias), (None, 0, 0, None), argnums=resolved
+    expected = clipped_sum(
+        f, 12.0, (PARAMS, x, y, bias), in_axes=(None, 0, 0, None), argnums=resolved
     )
     check_clipped(out, expected, 7)
     assert isinstance(out[0], tuple) and len(out[0]) == 2
     assert out[0][resolved.index(3)].shape == bias.shape  # in the order of argnums
     # The norm is global over both arguments: it differs from the params-only norm.
-    alone = hand_clipped_sum(f, 12.0, (PARAMS, x, y, bias), (None, 0, 0, None))[1]
+    alone = clipped_sum(f, 12.0, (PARAMS, x, y, bias), in_axes=(None, 0, 0, None))[1]
     assert np.all(np.asarray(expected[1]) > np.asarray(alone) + 1e-3)
 
 
@@ -488,13 +478,15 @@ def test_clipped_sum_keyword_arguments_are_mapped():
         b: clipped_grad_sum(f, 12.0, batch_size=b, return_norms=True) for b in (4, None)
     }
     mapped = (None, 0, 0, 0, 0)
-    expected = hand_clipped_sum(positional, 12.0, (PARAMS, x, y, offset, scale), mapped)
+    expected = clipped_sum(
+        positional, 12.0, (PARAMS, x, y, offset, scale), in_axes=mapped
+    )
     for g in chunked.values():
         check_clipped(g(PARAMS, x, y, offset=offset, scale=scale), expected, n)
     # Other values, same function: not a cached constant.
     out = chunked[4](PARAMS, x, y, offset=-offset, scale=2 * scale)
     args = (PARAMS, x, y, -offset, 2 * scale)
-    check_clipped(out, hand_clipped_sum(positional, 12.0, args, mapped), n)
+    check_clipped(out, clipped_sum(positional, 12.0, args, in_axes=mapped), n)
 
 
 def test_clipped_sum_in_float64():
@@ -504,7 +496,7 @@ def test_clipped_sum_in_float64():
         out = clipped_grad_sum(
             loss, 12.0, batch_argnums=(1, 2), batch_size=3, return_norms=True
         )(params, x, y)
-        expected = hand_clipped_sum(loss, 12.0, (params, x, y), (None, 0, 0))
+        expected = clipped_sum(loss, 12.0, (params, x, y))
         assert all(g.dtype == jnp.float64 for g in jax.tree.leaves(out[0]))
         assert out[2].dtype == jnp.float64  # norms accumulated in double precision
         # Agreement far beyond float32 (eps 1.2e-7): the whole computation is double.
@@ -538,7 +530,7 @@ def test_clipped_sum_of_complex_parameters(x64):
         out = clipped_grad_sum(
             complex_loss, 12.0, batch_argnums=(1, 2), batch_size=3, return_norms=True
         )(w, x, y)
-        expected = hand_clipped_sum(complex_loss, 12.0, (w, x, y), (None, 0, 0))
+        expected = clipped_sum(complex_loss, 12.0, (w, x, y))
         assert out[0].dtype == dtype and out[2].dtype == real
         assert 0 < int((expected[1] > 12.0).sum()) < 7  # some clipped, some not
         check_clipped(out, expected, 7, rtol=tol, atol=tol)
@@ -560,7 +552,7 @@ def test_clipped_sum_remat_policy_under_grad():
         )(PARAMS, x, y)[0]
 
     def reference(x):
-        return hand_clipped_sum(loss, 12.0, (PARAMS, x, y), (None, 0, 0))[0]
+        return clipped_sum(loss, 12.0, (PARAMS, x, y))[0]
 
     # remat matters under differentiation only: value and gradient in one go.
     tree_allclose(
@@ -587,7 +579,7 @@ def test_clipped_sum_reports_progress(n, batch_size):
     jax.effects_barrier()
     chunks = -(-n // batch_size)
     assert calls == [(k, chunks) for k in range(1, chunks + 1)]
-    check_clipped(out, hand_clipped_sum(loss, 12.0, (PARAMS, x, y), (None, 0, 0)), n)
+    check_clipped(out, clipped_sum(loss, 12.0, (PARAMS, x, y)), n)
 
 
 def test_a_shared_argument_shaped_like_the_examples_warns_once():

@@ -188,11 +188,17 @@ def _bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
             params[key] = type(value)(_rewrite(v) for v in value)
         else:
             params[key] = _rewrite(value)
-    bound = eqn.primitive.get_bind_params(params)
-    # (older JAX returns (subfuns, params), newer the params)
-    subfuns, kw = ((), bound) if isinstance(bound, dict) else bound
+    subfuns, kw = bind_params(eqn.primitive, params)
     outs = eqn.primitive.bind(*subfuns, *ins, **kw)
     return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def bind_params(prim: Any, params: dict) -> tuple[Sequence[Any], dict]:
+    """A jaxpr equation's `params` as `prim.bind` takes them: `(subfuns, params)`
+    (sub-jaxprs of call primitives become functions)."""
+    bound = prim.get_bind_params(params)
+    # (older JAX returns (subfuns, params), newer the params)
+    return ((), bound) if isinstance(bound, dict) else bound
 
 
 def _rewrite(sub: Any) -> Any:

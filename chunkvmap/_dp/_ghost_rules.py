@@ -46,6 +46,8 @@ import numpy as np
 import opt_einsum
 from jax import lax
 
+from .._core._conv import bind_params
+
 
 # --------------------------------------------------------------------------------------
 # Sharding parameters, bound in the current context.
@@ -92,9 +94,7 @@ def explicit_spec(spec: Any = ()) -> Any:
 
 def bind(prim: Any, operands: Sequence[Any], params: dict) -> Any:
     """`prim.bind(*operands, **params)` with `params` as bind takes them, in context."""
-    bound = prim.get_bind_params(params)
-    # (older JAX returns (subfuns, params), newer the params)
-    subfuns, kw = ((), bound) if isinstance(bound, dict) else bound
+    subfuns, kw = bind_params(prim, params)
     return prim.bind(*subfuns, *operands, **in_context(kw))
 
 
