@@ -146,6 +146,18 @@ MUTANTS = {
         ),
         ["test_conv"],
     ),
+    "conv: depthwise convolutions laid out canonically": (
+        ("chunkvmap/_core/_conv.py", "groups > 1\n", "groups < 0\n"),
+        ["test_conv"],
+    ),
+    "conv: a per-example kernel gradient taken for a depthwise convolution": (
+        (
+            "chunkvmap/_core/_conv.py",
+            "and window < math.prod(out[d] for d in out_spec[2:])",
+            "",
+        ),
+        ["test_conv"],
+    ),
 }
 
 

@@ -44,6 +44,14 @@ def close(actual, expected, rtol=1e-5):
 # XLA:CPU's canonical (Eigen) convolution, by number of spatial dimensions.
 CANONICAL = {1: "b0f_0io->b0f", 2: "b01f_01io->b01f", 3: "b012f_012io->b012f"}
 
+
+# The depthwise exception: channels first, where XLA:CPU's naive path runs it (its
+# forward convolution, and its input gradient's, whose kernel swaps I and O).
+def channels_first(nd: int) -> tuple[str, str]:
+    sp = "".join(map(str, range(nd)))
+    return f"bf{sp}_oi{sp}->bf{sp}", f"bf{sp}_io{sp}->bf{sp}"
+
+
 # Sizes by letter of a dimension_numbers string (the per-example lhs batch, "N",
 # is 2: each example holds two images, merged with the mapped axis by vmap).
 SPATIAL = {"H": 8, "W": 7, "D": 4}
@@ -593,10 +601,11 @@ def group_expanded(nd: int) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_compiled_loop_is_as_canonical_as_vmap(case):
-    """Every case's forward and backward convolutions in the loop are canonical,
-    except those jax.vmap's program (no loop) has in another layout too (XLA swaps
-    the operands of a kernel gradient whose output is larger than its input:
-    asymmetric padding, lhs dilation) and XLA's expansion of batch groups."""
+    """Every case's forward and backward convolutions in the loop are canonical
+    (a depthwise one's forward and input gradient channels first), except those
+    jax.vmap's program (no loop) has in another layout too (XLA swaps the operands
+    of a kernel gradient whose output is larger than its input: asymmetric padding,
+    lhs dilation) and XLA's expansion of batch groups."""
     w, x = case.arrays(N, seed=50)
 
     def grad(mapper):
@@ -607,6 +616,9 @@ def test_compiled_loop_is_as_canonical_as_vmap(case):
 
     chunked = conv_labels(grad(lambda f, a: batch_vmap(f, a, batch_size=B)), w, x)
     assert len(chunked) == 3, chunked  # forward, input and kernel gradients
+    if case.options.get("feature_group_count", 1) == case.cin:  # depthwise
+        assert chunked[:2] == list(channels_first(case.nd)), chunked
+        chunked = chunked[2:]
     allowed = set(CANONICAL.values()) | set(conv_labels(grad(jax.vmap), w, x))
     grouped = {"feature_group_count", "batch_group_count"} & set(case.options)
     if grouped:
