@@ -146,6 +146,22 @@ MUTANTS = {
         ),
         ["test_conv"],
     ),
+    "mesh: an eager transform under a held Explicit mesh not staged": (
+        (
+            "chunkvmap/_core/_mesh.py",
+            "return _staged(held, run, flat, tree)",
+            "return run(args, kwargs)",
+        ),
+        ["test_wherever"],
+    ),
+    "mesh: the Flax adapters' calls not run under the call's mesh": (
+        (
+            "chunkvmap/_adapters/_stateful.py",
+            "return _mesh.run_under(options.shard, options.mesh, run, args, {})",
+            "return run(args, {})",
+        ),
+        ["test_wherever"],
+    ),
     "conv: depthwise convolutions laid out canonically": (
         ("chunkvmap/_core/_conv.py", "groups > 1\n", "groups < 0\n"),
         ["test_conv"],

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._core import _axes, _chunked, _loop
+from .._core import _axes, _chunked, _loop, _mesh
 from .._core._options import ChunkOptions, identity
 from .._transforms._batch_vmap import Mapper, out_paths
 
@@ -50,13 +50,29 @@ class StatefulMap:
         state_axes: Any,
     ) -> tuple[Any, Any]:
         """`fn(*args) -> (y, state)` mapped by the core; returns `(y, state)`, in one
-        chunked evaluation: without a reduction both are stacked; with one, `y` is
-        folded by it and `state` stacked beside it (`_folded_and_stacked`)."""
-        mapper = self.mapper
-        options = mapper.options
+        chunked evaluation under the call's mesh (`_mesh.run_under`, as every entry
+        point): without a reduction both are stacked; with one, `y` is folded by it
+        and `state` stacked beside it (`_folded_and_stacked`)."""
+        options = self.mapper.options
         in_axes = _axes.check_axes_spec(
             "in_axes", in_axes, top_level_tuple=True, transform=options.name
         )
+
+        def run(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+            return self._evaluate(fn, args, in_axes, out_axes, state_axes)
+
+        return _mesh.run_under(options.shard, options.mesh, run, args, {})
+
+    def _evaluate(
+        self,
+        fn: Callable[..., tuple[Any, Any]],
+        args: tuple,
+        in_axes: Any,
+        out_axes: Any,
+        state_axes: Any,
+    ) -> tuple[Any, Any]:
+        mapper = self.mapper
+        options = mapper.options
 
         def both_paths(out: Any) -> list[str]:
             return out_paths(out[0]) + out_paths(out[1], self.state_root)

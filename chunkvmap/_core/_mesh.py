@@ -4,7 +4,8 @@ Every entry point's call goes through `run_under` before anything is traced. It
 resolves the call's mesh once, in this order:
 
 1. a mesh the caller has entered (`jax.set_mesh`, or an abstract mesh under
-   `jax.sharding.use_abstract_mesh` inside `jit`): the call already runs under it;
+   `jax.sharding.use_abstract_mesh` inside `jit`): the call already runs under it
+   (staged in one `jax.jit` under an eager transform when it has Explicit axes);
 2. the `mesh=` argument;
 3. the mesh the inputs are placed on: a concrete array's `NamedSharding`, or the
    mesh in a traced input's sharding type;
@@ -85,7 +86,17 @@ def run_under(shard: Any, mesh: Mesh | None, run: Run, args: tuple, kwargs: dict
     flat, tree = jax.tree.flatten((args, kwargs))
     target = resolve(shard, mesh, flat)
     if target is None:
-        return run(args, kwargs)
+        held = jax.sharding.get_abstract_mesh()
+        if held.empty or not held.explicit_axes:
+            return run(args, kwargs)
+        if not any(isinstance(x, jax.core.Tracer) for x in flat):
+            return run(args, kwargs)
+        # Under an eager transform (`jax.grad`, `jax.vmap` outside `jit`) JAX runs
+        # the evaluation op by op, and its eager transposes lose sharding types that
+        # its staged ones keep (a reshard's cotangent stays sharded, and the pad
+        # that transposes a slice of it then fails): staged, the call runs as under
+        # `jax.jit`. Under an outer `jit` the inlined stage changes nothing.
+        return _staged(held, run, flat, tree)
     if isinstance(target, Mesh) and not _explicit(target):
         # Auto axes are not in the types: the evaluation names the mesh itself (a
         # `shard_map` over it), under any context; arrays elsewhere are moved.
@@ -113,7 +124,9 @@ def _moved(x: Any, mesh: Mesh) -> Any:
     return jax.device_put(x, NamedSharding(mesh, P()))
 
 
-def _staged(mesh: Mesh | AbstractMesh, run: Run, flat: list[Any], tree: Any) -> Any:
+def _staged(
+    mesh: Mesh | AbstractMesh, run: Run, flat: list[Any], tree: Any, inline=False
+) -> Any:
     """`run` inside one `jax.jit` under `mesh`'s abstract mesh, its array arguments
     put on `mesh` when it is concrete."""
     dyn = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
@@ -127,7 +140,7 @@ def _staged(mesh: Mesh | AbstractMesh, run: Run, flat: list[Any], tree: Any) -> 
             args, kwargs = tree.unflatten(full)
             return run(args, kwargs)
 
-    return jax.jit(staged)(*[flat[i] for i in dyn])
+    return jax.jit(staged, inline=inline)(*[flat[i] for i in dyn])
 
 
 def _put(x: Any, mesh: Mesh) -> Any:
