@@ -162,6 +162,22 @@ MUTANTS = {
         ),
         ["test_wherever"],
     ),
+    "accumulators: stacked rows left at axis 0": (
+        (
+            "chunkvmap/_core/_accumulators.py",
+            "next(kept) if a is None else jnp.moveaxis(next(stacked), 0, a)",
+            "next(kept) if a is None else next(stacked)",
+        ),
+        ["test_loop", "test_nnx"],
+    ),
+    "accumulators: every fold taken for a sum": (
+        (
+            "chunkvmap/_core/_accumulators.py",
+            "return self.reduction in _loop.SUMS",
+            "return True",
+        ),
+        ["test_loop", "test_sharding"],
+    ),
     "conv: depthwise convolutions laid out canonically": (
         ("chunkvmap/_core/_conv.py", "groups > 1\n", "groups < 0\n"),
         ["test_conv"],

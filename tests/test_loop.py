@@ -1,25 +1,34 @@
 """The kernel's own contract (`_loop`): accumulators that fold summaries and stack
-per-example rows, leaf by leaf, over every chunk plan, under `jit` and `grad`."""
+per-example rows, leaf by leaf, over every chunk plan, under `jit` and `grad`; and
+accumulators composed from leaves over a prefix tree of the outputs
+(`_accumulators`), against `jax.vmap`."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from chunkvmap._core import _loop
+from chunkvmap._core import _accumulators as acc, _loop
 
 from .helpers import temp_bytes, tree_allclose
 
 
-def _body(example, x, accumulator, remat=True):
-    """The `_loop.Body` of `jax.vmap(example)` over the leading axis of `x`."""
+def _body(example, x, accumulator, remat=True, out_axes=0, batch=None):
+    """The `_loop.Body` of `jax.vmap(example, out_axes=out_axes)` over the leading
+    axis of `x` (`out_axes`: one axis or None for every output leaf, or a list of
+    one per leaf), its accumulator prepared for chunks of `batch`."""
     one = jax.eval_shape(example, jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
     flat, tree = jax.tree.flatten(one)
 
-    def chunk_fn(leaves, length):
-        return jax.tree.leaves(jax.vmap(example)(leaves[0]))
+    axes = out_axes if isinstance(out_axes, list) else [out_axes] * len(flat)
 
-    signature = _loop.Signature(tree, flat, [0] * len(flat))
+    def chunk_fn(leaves, length):
+        spec = tree.unflatten(axes)
+        return jax.tree.leaves(jax.vmap(example, out_axes=spec)(leaves[0]))
+
+    signature = _loop.Signature(tree, flat, axes)
+    if accumulator is not None and accumulator.prepare is not None:
+        accumulator = accumulator.prepare(signature, batch or x.shape[0])
     return _loop.Body("f", chunk_fn, [0], signature, accumulator, remat=remat)
 
 
@@ -88,10 +97,96 @@ def test_accumulator_gradients_count_each_example_once(n, batch, remat):
 
 def test_folding_accumulator_has_no_rows_and_returns_the_summary():
     x = jnp.arange(10.0).reshape(5, 2)
-    folding = _loop.Accumulator.folding(jnp.add, lambda out: out["sum"].sum(0))
+    folding = acc.compose(acc.Fold(jnp.add, lambda out: out["sum"].sum(0)))
     body = _body(_example, x, folding)
-    assert not folding.rows
+    assert not body.accumulator.rows and body.accumulator.sums
     np.testing.assert_allclose(_run(body, x, 2), (x**2).sum(0))
+
+
+def _product(matrices):
+    """The ordered product of a chunk's matrices (along axis 0)."""
+    out = matrices[0]
+    for k in range(1, matrices.shape[0]):
+        out = out @ matrices[k]
+    return out
+
+
+# Leaves over a prefix tree of `_example`'s output: a sum, an ordered product (a
+# fold that is not a sum) and stacked rows.
+SPEC = {
+    "sum": acc.Fold(jnp.add, lambda s: s.sum(0)),
+    "prod": acc.Fold(jnp.matmul, _product),
+    "rows": acc.Stack(),
+}
+
+
+def _composed_oracle(x):
+    out = jax.vmap(_example)(x)
+    return {**out, "sum": out["sum"].sum(0), "prod": _product(out["prod"])}
+
+
+@pytest.mark.parametrize("n, batch", [(1, 1), (5, 2), (12, 4), (12, 5), (7, 20)])
+def test_composed_leaves_match_vmap(n, batch):
+    x = jax.random.normal(jax.random.key(n), (n, 2))
+    body = _body(_example, x, acc.compose(SPEC), batch=batch)
+    assert not body.accumulator.sums  # the ordered product is not a sum
+    expected = _composed_oracle(x)
+    tree_allclose(_run(body, x, batch), expected, rtol=1e-5, atol=1e-5)
+    got = jax.jit(lambda x: _run(body, x, batch))(x)
+    tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n, batch", [(12, 5), (3, 8)])
+def test_keep_first_keeps_an_unmapped_output_beside_a_sum(n, batch):
+    x = jax.random.normal(jax.random.key(3), (n, 2))
+
+    def example(x):
+        return x**2, jnp.arange(3.0)  # the second: the same for every example
+
+    spec = (acc.Fold(jnp.add, lambda s: s.sum(0)), acc.KeepFirst())
+    body = _body(example, x, acc.compose(spec), out_axes=[0, None], batch=batch)
+    assert not body.accumulator.sums and not body.accumulator.rows
+    total, kept = _run(body, x, batch)
+    np.testing.assert_allclose(total, (x**2).sum(0), rtol=1e-6)
+    np.testing.assert_array_equal(kept, jnp.arange(3.0))
+    with pytest.raises(AssertionError, match="unmapped outputs only"):
+        _body(example, x, acc.compose((acc.KeepFirst(), acc.KeepFirst())), batch=2)
+
+
+@pytest.mark.parametrize("n, batch, remat", [(12, 5, True), (7, 3, False)])
+def test_composed_leaves_under_grad(n, batch, remat):
+    x = jax.random.normal(jax.random.key(1), (n, 2))
+
+    def scalar(result):
+        rows, row_sums = result["rows"]
+        weights = jnp.arange(1.0, n + 1)
+        return (
+            result["sum"].sum() + result["prod"].sum()
+            + (rows.sum(1) * weights).sum() + (row_sums**2 * weights).sum()
+        )  # fmt: skip
+
+    body = _body(_example, x, acc.compose(SPEC), remat, batch=batch)
+    got = jax.grad(lambda x: scalar(_run(body, x, batch)))(x)
+    want = jax.jit(jax.grad(lambda x: scalar(_composed_oracle(x))))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("out_axes", [1, None])
+def test_stack_keeps_the_output_axes_as_vmap(out_axes):
+    """A stacked leaf comes back at its output axis (1 here); an unmapped one (None)
+    once, as jax.vmap gives it; both beside a sum."""
+    x = jax.random.normal(jax.random.key(2), (9, 3))
+
+    def example(x):
+        return jnp.outer(x, x), x[:2] * 2.0
+
+    if out_axes is None:  # unmapped outputs: each the same for every example
+        example = lambda x: (jnp.zeros((3, 3)), jnp.ones(2))  # noqa: E731
+    spec = (acc.Stack(), acc.Stack())
+    body = _body(example, x, acc.compose(spec), out_axes=out_axes, batch=4)
+    assert body.accumulator.rows == (out_axes is not None)
+    want = jax.vmap(example, out_axes=out_axes)(x)
+    tree_allclose(_run(body, x, 4), want, rtol=1e-6, atol=1e-6)
 
 
 def test_rows_cost_what_they_hold_not_n_per_chunk():

@@ -12,10 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from .._core import _axes, _chunked, _loop, _mesh
+from .._core import _accumulators, _axes, _loop, _mesh
 from .._core._options import ChunkOptions, identity
 from .._transforms._batch_vmap import Mapper, out_paths
 
@@ -98,44 +95,11 @@ def _folded_and_stacked(
     name: str, reduction: Callable[[Any, Any], Any], chunk_reduction: Callable
 ) -> _loop.Accumulator:
     """The accumulator of `(y, state)` outputs: `y` folded by the user's `reduction`
-    (after `chunk_reduction`, checked as the core checks them), every mapped leaf of
-    `state` stacked one row per example (moved to axis 0 for the loop and back), and
-    an unmapped one (the same for every example) kept from the first chunk."""
-
-    def prepare(signature: _loop.Signature, length: int) -> _loop.Accumulator:
-        out_tree, out_avals, out_axes = signature
-        y_tree, state_tree = out_tree.children()
-        k = y_tree.num_leaves
-        _chunked.summary_avals(
-            name, reduction, chunk_reduction, y_tree, out_avals[:k], out_axes[:k],
-            [length or 1],
-        )  # fmt: skip
-        axes = list(out_axes[k:])
-
-        def summarise(out: Any) -> Any:
-            y, state = out
-            leaves = jax.tree.leaves(state)
-            kept = [x for x, a in zip(leaves, axes) if a is None]
-            rows = [
-                jnp.moveaxis(x, a, 0) for x, a in zip(leaves, axes) if a is not None
-            ]
-            return (chunk_reduction(y), kept), rows
-
-        def combine(a: Any, b: Any) -> Any:
-            return _loop.fold(reduction, a[0], b[0]), a[1]
-
-        def finish(summary: Any, rows: Any) -> Any:
-            y, kept = summary
-            kept, rows = iter(kept), iter(rows)
-            leaves = [
-                next(kept) if a is None else jnp.moveaxis(next(rows), 0, a)
-                for a in axes
-            ]
-            return y, state_tree.unflatten(leaves)
-
-        return _loop.Accumulator(combine, summarise, finish=finish)
-
-    def unprepared(*_: Any) -> Any:
-        raise AssertionError("prepared for the chunk function's signature first")
-
-    return _loop.Accumulator(unprepared, unprepared, prepare=prepare)
+    (after `chunk_reduction`, checked as the core checks them), `state` stacked as
+    `jax.vmap` stacks it (a leaf the same for every example kept once)."""
+    return _accumulators.compose(
+        (
+            _accumulators.Fold(reduction, chunk_reduction, name=name),
+            _accumulators.Stack(),
+        )
+    )

@@ -246,9 +246,10 @@ class Accumulator:
       `jax.vmap` stacks (each chunk's rows are written in place at its offset, so
       a call costs O(N) writes, not O(N) per chunk).
 
-    A user's `reduction` / `chunk_reduction` is the accumulator with no rows
-    (`folding`); clipping sums the clipped gradients and stacks per-example norms,
-    values and auxiliary outputs beside them. `sums`: `combine` adds leaf by leaf
+    Accumulators are composed from small leaves over a prefix tree of the outputs
+    (`_accumulators`: a user's `reduction` / `chunk_reduction` is one `Fold`,
+    clipping a `Fold` of the clipped gradients beside a `Stack` of per-example
+    norms, values and auxiliary outputs). `sums`: `combine` adds leaf by leaf
     (devices' summaries are then combined by one all-reduce). `summary`: the types
     of one chunk's summary, when the caller knows them (it checked the user's
     reduction); else the loop takes them from the summaries themselves.
@@ -267,24 +268,6 @@ class Accumulator:
     # and returns the accumulator to use: for one whose leaves depend on the outputs'
     # structure and axes, and that checks a user's reduction on the outputs it folds.
     prepare: Callable[[Any, int], Accumulator] | None = None
-
-    @classmethod
-    def folding(
-        cls,
-        reduction: Callable[[Any, Any], Any],
-        chunk_reduction: Callable[[Any], Any],
-        summary: Any = None,
-    ) -> Accumulator:
-        """The public `reduction` / `chunk_reduction` pair: summaries only, folded
-        leaf by leaf."""
-        return cls(
-            ft.partial(fold, reduction),
-            lambda out: (chunk_reduction(out), ()),
-            reduction in SUMS,
-            summary,
-            lambda summary, rows: summary,
-            rows=False,
-        )
 
     @classmethod
     def adding(cls, summarise: Callable[[Any], tuple[Any, Any]]) -> Accumulator:

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core import _axes, _cache, _memory
+from .._core import _accumulators, _axes, _cache, _memory
+from .._core._accumulators import Fold, Stack
 from .._core._loop import Accumulator
 from .._core._options import (
     check_bool,
@@ -362,9 +363,9 @@ def _clipped_sums(
         empty = jax.tree.map(lambda x: jnp.zeros((0, *x.shape), x.dtype), extras)
         return grads, empty, size
 
-    def summarise(chunk: Any) -> Any:  # the clipped sum; per-example extras stacked
-        (grads, scales), extras = chunk
-        return (scaled_sum(scales, grads) if config.sums else ()), extras
+    def chunk_sum(chunk: Any) -> Any:  # the chunk's clipped sum
+        grads, scales = chunk
+        return scaled_sum(scales, grads) if config.sums else ()
 
     total, extras = setup.map(
         example,
@@ -372,7 +373,7 @@ def _clipped_sums(
         kwargs,
         tuple(all_axes),
         known,
-        accumulator=Accumulator.adding(summarise),
+        accumulator=_accumulators.compose((Fold(jnp.add, chunk_sum), Stack())),
     )
     return total, extras, size
 
@@ -629,6 +630,8 @@ def _ghost_sums(
                 )
         return totals, extras
 
+    # (the sums and the stacked norms are not independent here: an example whose
+    # non-finite terms are fixed gets its norm from the fix)
     totals, extras = setup.map(
         example,
         (*args, *extra),

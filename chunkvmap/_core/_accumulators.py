@@ -1,0 +1,288 @@
+"""Accumulators as small leaves composed over a prefix tree of the outputs.
+
+How the chunks' outputs combine is said per subtree of the chunk function's output,
+by a prefix tree whose leaves are these accumulators:
+
+* `Stack()`: as `jax.vmap` stacks: each mapped leaf one row per example, in example
+  order, at its output axis; an unmapped leaf (the same for every example) is kept
+  from the first chunk;
+* `Fold(reduction, chunk_reduction)`: one summary, `chunk_reduction` of each chunk's
+  outputs folded over the chunks, in order, by `reduction` leaf by leaf (a sum when
+  `reduction` is one of `_loop.SUMS`: devices' summaries are then added by one
+  all-reduce);
+* `KeepFirst()`: the first chunk's outputs, for outputs that are the same for every
+  example (unmapped).
+
+`compose(spec)` is the `_loop.Accumulator` of the whole output: resolved against the
+chunk function's traced `Signature` before any loop is built (`Accumulator.prepare`),
+so each leaf knows its subtree's structure and axes and the loop traces nothing for it.
+Clipping is `(Fold(add, scaled sum), Stack())`; the Flax adapters' outputs with a
+reduction are `(Fold(reduction, chunk_reduction), Stack())`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _axes, _loop
+from ._options import identity
+
+
+@dataclasses.dataclass(frozen=True)
+class _Out:
+    """One output leaf of a chunk function, as the signature gives it (not a pytree
+    node, so that a prefix tree can split a tree of them)."""
+
+    aval: Any
+    axis: int | None
+
+
+class Leaf:
+    """An accumulator of one subtree of the outputs. `resolve(outs, length)` (a tree
+    of `_Out`, the subtree's structure; chunks of `length`) returns the leaf to run;
+    `summarise(out)` maps the subtree of one chunk's outputs to `(summary, rows)`
+    (every leaf of `rows` one row per example along axis 0), `combine` folds two
+    summaries, `finish` gives the subtree's result."""
+
+    sums: bool = True  # `combine` adds leaf by leaf (or has nothing to combine)
+    rows: bool = False  # `summarise` returns rows
+
+    summary: Any = None  # the types of one chunk's summary, when known
+
+    def resolve(self, outs: Any, length: int) -> Leaf:
+        return self
+
+    def summarise(self, out: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def combine(self, a: Any, b: Any) -> Any:
+        raise NotImplementedError
+
+    def finish(self, summary: Any, rows: Any) -> Any:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Fold(Leaf):
+    reduction: Callable[[Any, Any], Any] = jnp.add
+    chunk_reduction: Callable[[Any], Any] = identity
+    # A user's reduction, checked when resolved (messages name the transform `name`);
+    # `summary`: then the types of one chunk's summary.
+    name: str | None = None
+    summary: Any = None
+
+    @property
+    def sums(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.reduction in _loop.SUMS
+
+    def resolve(self, outs: Any, length: int) -> Leaf:
+        if self.name is None:
+            return self
+        summary = checked_summary(
+            self.name, self.reduction, self.chunk_reduction, outs, [length or 1]
+        )
+        return dataclasses.replace(self, summary=summary)
+
+    def summarise(self, out: Any) -> tuple[Any, Any]:
+        return self.chunk_reduction(out), ()
+
+    def combine(self, a: Any, b: Any) -> Any:
+        return _loop.fold(self.reduction, a, b)
+
+    def finish(self, summary: Any, rows: Any) -> Any:
+        return summary
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepFirst(Leaf):
+    sums: bool = False
+
+    def resolve(self, outs: Any, length: int) -> Leaf:
+        if any(o.axis is not None for o in jax.tree.leaves(outs)):
+            raise AssertionError("KeepFirst keeps unmapped outputs only")
+        return self
+
+    def summarise(self, out: Any) -> tuple[Any, Any]:
+        return out, ()
+
+    def combine(self, a: Any, b: Any) -> Any:
+        return a
+
+    def finish(self, summary: Any, rows: Any) -> Any:
+        return summary
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack(Leaf):
+    # Set by `resolve`: the subtree's structure and each leaf's output axis.
+    tree: Any = None
+    axes: tuple[int | None, ...] = ()
+
+    @property
+    def sums(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return all(a is not None for a in self.axes)  # nothing kept to combine
+
+    @property
+    def rows(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return any(a is not None for a in self.axes)
+
+    def resolve(self, outs: Any, length: int) -> Leaf:
+        leaves, tree = jax.tree.flatten(outs)
+        return Stack(tree, tuple(o.axis for o in leaves))
+
+    def summarise(self, out: Any) -> tuple[Any, Any]:
+        leaves = self.tree.flatten_up_to(out)
+        kept = [x for x, a in zip(leaves, self.axes) if a is None]
+        rows = [
+            jnp.moveaxis(x, a, 0) for x, a in zip(leaves, self.axes) if a is not None
+        ]
+        return kept, rows
+
+    def combine(self, a: Any, b: Any) -> Any:
+        return a
+
+    def finish(self, summary: Any, rows: Any) -> Any:
+        kept, stacked = iter(summary), iter(rows)
+        leaves = [
+            next(kept) if a is None else jnp.moveaxis(next(stacked), 0, a)
+            for a in self.axes
+        ]
+        return self.tree.unflatten(leaves)
+
+
+def compose(spec: Any) -> _loop.Accumulator:
+    """The accumulator of outputs of which `spec` (a tree of `Leaf`s) is a prefix,
+    resolved against the chunk function's signature before the loop is built."""
+
+    def prepare(signature: _loop.Signature, length: int) -> _loop.Accumulator:
+        return _resolved(spec, signature, length)
+
+    return _loop.Accumulator(_unprepared, _unprepared, prepare=prepare)
+
+
+def _unprepared(*_: Any) -> Any:
+    raise AssertionError("an accumulator is prepared for its signature first")
+
+
+def _resolved(spec: Any, signature: _loop.Signature, length: int) -> _loop.Accumulator:
+    leaves, spec_tree = jax.tree.flatten(spec, is_leaf=lambda x: isinstance(x, Leaf))
+    outs = signature.out_tree.unflatten(
+        [_Out(a, ax) for a, ax in zip(signature.out_avals, signature.out_axes)]
+    )
+    subtrees = spec_tree.flatten_up_to(outs)
+    leaves = [leaf.resolve(sub, length) for leaf, sub in zip(leaves, subtrees)]
+
+    def summarise(out: Any) -> tuple[Any, Any]:
+        # (rows only of the leaves that have them: none at all is `()`, as the
+        # loop expects of an accumulator without rows)
+        parts = [
+            leaf.summarise(sub)
+            for leaf, sub in zip(leaves, spec_tree.flatten_up_to(out))
+        ]
+        rows = tuple(r for leaf, (_, r) in zip(leaves, parts) if leaf.rows)
+        return tuple(s for s, _ in parts), rows
+
+    def combine(a: Sequence[Any], b: Sequence[Any]) -> Any:
+        return tuple(leaf.combine(x, y) for leaf, x, y in zip(leaves, a, b))
+
+    def finish(summaries: Sequence[Any], rows: Sequence[Any]) -> Any:
+        stacked = iter(rows)
+        return spec_tree.unflatten(
+            [
+                leaf.finish(s, next(stacked) if leaf.rows else ())
+                for leaf, s in zip(leaves, summaries)
+            ]
+        )
+
+    known = all(leaf.summary is not None for leaf in leaves)
+    return _loop.Accumulator(
+        combine,
+        summarise,
+        sums=all(leaf.sums for leaf in leaves),
+        summary=tuple(leaf.summary for leaf in leaves) if known else None,
+        finish=finish,
+        rows=any(leaf.rows for leaf in leaves),
+    )
+
+
+def _aval_str(tree: Any) -> str:
+    return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
+
+
+def checked_summary(
+    name: str,
+    reduction: Callable[[Any, Any], Any],
+    chunk_reduction: Callable[[Any], Any],
+    outs: Any,
+    lengths: Sequence[int],
+) -> Any:
+    """Check that `chunk_reduction` removes the mapped axis and `reduction` is a fold.
+
+    `chunk_reduction` is evaluated abstractly on chunks of every length that will occur
+    (plus one more when only one does). If its output shapes depend on the chunk length,
+    it did not reduce over the mapped axis, and folding such results would be wrong (or
+    silently broadcast), so this is an error. `reduction(a, a)` must return `a`'s exact
+    structure, shapes and dtypes, as a fold carry must. `outs`: the outputs it
+    folds, a tree of `_Out`. Returns the types of one chunk's summary.
+    """
+    lengths = sorted(set(lengths))
+    if len(lengths) == 1:
+        lengths.append(lengths[0] + 1)
+    summaries = []
+    for length in lengths:
+        chunk = jax.tree.map(lambda o: _axes.stacked(o.aval, o.axis, length), outs)
+        summaries.append(jax.eval_shape(chunk_reduction, chunk))
+    first = summaries[0]
+    for length, other in zip(lengths[1:], summaries[1:]):
+        same = jax.tree.structure(first) == jax.tree.structure(other) and all(
+            (a.shape, a.dtype) == (b.shape, b.dtype)
+            for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(other))
+        )
+        if not same:
+            hint = (
+                " chunk_reduction is the identity (the default): pass one that sums up "
+                "a chunk along the mapped axis, e.g. chunk_reduction=lambda y: "
+                "y.sum(0) with reduction=jnp.add, or drop reduction."
+                if chunk_reduction is identity
+                else " It must reduce over the mapped axis, e.g. lambda y: y.sum(0)."
+            )
+            raise ValueError(
+                f"{name} with a reduction needs a chunk_reduction whose output does "
+                f"not depend on the chunk length, but its output still has the mapped "
+                f"axis: for a chunk of {lengths[0]} examples it returns "
+                f"{_aval_str(first)}, for {length} examples {_aval_str(other)}.{hint}"
+            )
+
+    def combine(a: Any, b: Any) -> Any:
+        out = _loop.fold(reduction, a, b)
+        for leaf in jax.tree.leaves(out):
+            if not isinstance(leaf, jax.Array):
+                raise TypeError(f"it returned a value of type {type(leaf).__name__}")
+        return out
+
+    try:
+        folded = jax.eval_shape(combine, first, first)
+    except Exception as e:  # not traceable (np.add, max), or not array-valued
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TypeError(
+            f"{name} reduction={reduction!r} must be a JAX-traceable function of two "
+            f"chunk summaries returning one of the same structure (e.g. jnp.add, "
+            f"jnp.maximum), but applying it to two summaries of {_aval_str(first)} "
+            f"failed: {type(e).__name__}: {first_line}"
+        ) from None
+    same = jax.tree.structure(first) == jax.tree.structure(folded) and all(
+        (a.shape, a.dtype) == (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(folded))
+    )
+    if not same:
+        raise ValueError(
+            f"{name} reduction must combine two chunk summaries into one of the same "
+            f"structure, shapes and dtypes (it is applied leaf by leaf), but on "
+            f"{_aval_str(first)} it returns {_aval_str(folded)}."
+        )
+    return first
