@@ -178,6 +178,14 @@ MUTANTS = {
         ),
         ["test_loop", "test_sharding"],
     ),
+    "accumulators: moments merged with the other chunk's weight": (
+        (
+            "chunkvmap/_core/_accumulators.py",
+            "weight = (count_a * share).astype(ma.dtype)",
+            "weight = (count_b * share).astype(ma.dtype)",
+        ),
+        ["test_loop", "test_statistics"],
+    ),
     "conv: depthwise convolutions laid out canonically": (
         ("chunkvmap/_core/_conv.py", "groups > 1\n", "groups < 0\n"),
         ["test_conv"],

@@ -221,3 +221,25 @@ def test_row_types_follow_the_examples():
     )
     assert rows.shape == (6, 3) and rows.dtype == jnp.bfloat16
     assert row_sums.shape == (6,) and row_sums.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("n, batch", [(12, 5), (7, 7), (9, 2)])
+def test_moments_match_the_two_pass_mean_and_variance(n, batch):
+    """`Moments` over a tree of two leaves (examples along axis 1, as the
+    statistics lay them out, and axis 0), beside stacked rows; a large common
+    part, where a one-pass sum of squares would cancel."""
+    rng = np.random.default_rng(n)
+    x = jnp.asarray(rng.normal(size=(n, 3)) + 1e3, jnp.float32)
+
+    def example(x):
+        return {"a": x * 2.0, "b": x[:2] ** 2}, x.sum()
+
+    spec = (acc.Moments(), acc.Stack())
+    body = _body(example, x, acc.compose(spec), out_axes=[1, 0, 0], batch=batch)
+    (count, mean, m2), sums = _run(body, x, batch)
+    out, want_sums = jax.vmap(example)(np.asarray(x, np.float64))
+    assert float(count) == n
+    for k in ("a", "b"):
+        np.testing.assert_allclose(mean[k], out[k].mean(0), rtol=1e-6)
+        np.testing.assert_allclose(m2[k] / n, out[k].var(0), rtol=2e-3)
+    np.testing.assert_allclose(sums, want_sums, rtol=1e-6)

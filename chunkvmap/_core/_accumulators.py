@@ -11,13 +11,15 @@ by a prefix tree whose leaves are these accumulators:
   `reduction` is one of `_loop.SUMS`: devices' summaries are then added by one
   all-reduce);
 * `KeepFirst()`: the first chunk's outputs, for outputs that are the same for every
-  example (unmapped).
+  example (unmapped);
+* `Moments()`: the examples' count, mean and centred sum of squares, leaf by leaf.
 
 `compose(spec)` is the `_loop.Accumulator` of the whole output: resolved against the
 chunk function's traced `Signature` before any loop is built (`Accumulator.prepare`),
 so each leaf knows its subtree's structure and axes and the loop traces nothing for it.
 Clipping is `(Fold(add, scaled sum), Stack())`; the Flax adapters' outputs with a
-reduction are `(Fold(reduction, chunk_reduction), Stack())`.
+reduction are `(Fold(reduction, chunk_reduction), Stack())`; the gradient statistics
+`(Moments(), Stack(), Stack())`.
 """
 
 from __future__ import annotations
@@ -153,6 +155,65 @@ class Stack(Leaf):
             for a in self.axes
         ]
         return self.tree.unflatten(leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Moments(Leaf):
+    """The examples' count, and per leaf their mean and centred sum of squares,
+    merged over the chunks by Chan et al.'s parallel update (`merge_moments`)."""
+
+    axes: tuple[int, ...] = ()  # set by `resolve`: each leaf's examples axis
+    sums: bool = False
+
+    def resolve(self, outs: Any, length: int) -> Leaf:
+        leaves = jax.tree.leaves(outs)
+        if any(o.axis is None for o in leaves):
+            raise AssertionError("Moments takes mapped outputs only")
+        return Moments(tuple(o.axis for o in leaves))
+
+    def summarise(self, out: Any) -> tuple[Any, Any]:
+        leaves, tree = jax.tree.flatten(out)
+        n = leaves[0].shape[self.axes[0]] if leaves else 0
+        pairs = [moments(g, a) for g, a in zip(leaves, self.axes)]
+        mean = tree.unflatten([m for m, _ in pairs])
+        m2 = tree.unflatten([s for _, s in pairs])
+        return (jnp.asarray(n, jnp.float32), mean, m2), ()
+
+    def combine(self, a: Any, b: Any) -> Any:
+        return merge_moments(a, b)
+
+    def finish(self, summary: Any, rows: Any) -> Any:
+        return summary
+
+
+def moments(g: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """The mean and centred sum of squares of `g`'s examples along `axis`."""
+    mean = g.mean(axis)
+    d = g - jnp.expand_dims(mean, axis)
+    return mean, jnp.sum(jnp.real(d * jnp.conj(d)), axis).astype(g.dtype)
+
+
+def merge_moments(a: Any, b: Any) -> Any:
+    """Two chunks' `(count, mean, m2)` merged (Chan et al.'s parallel update: no
+    cancellation from subtracting large sums of squares)."""
+    count_a, mean_a, m2_a = a
+    count_b, mean_b, m2_b = b
+    count = count_a + count_b
+    share = count_b / count
+
+    def mean(ma: jax.Array, mb: jax.Array) -> jax.Array:
+        return ma + (mb - ma) * share.astype(ma.dtype)
+
+    def m2(ma: jax.Array, mb: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
+        delta = mb - ma
+        weight = (count_a * share).astype(ma.dtype)
+        return sa + sb + delta * jnp.conj(delta) * weight
+
+    return (
+        count,
+        jax.tree.map(mean, mean_a, mean_b),
+        jax.tree.map(m2, mean_a, mean_b, m2_a, m2_b),
+    )
 
 
 def compose(spec: Any) -> _loop.Accumulator:

@@ -26,6 +26,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._core import _axes, _cache, _memory
+from .._core._accumulators import (
+    Moments,
+    Stack,
+    compose,
+    merge_moments,
+    moments as moments_of,
+)
 from .._core._loop import Accumulator
 from .._core._options import check_bool, decorator_form
 from .._transforms._batch_vmap import batch_vmap
@@ -173,36 +180,6 @@ class GradStats(NamedTuple):
     aux: Any = None
 
 
-def _moments(g: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-    """The mean and centred sum of squares of `g`'s examples along `axis`."""
-    mean = g.mean(axis)
-    d = g - jnp.expand_dims(mean, axis)
-    return mean, jnp.sum(jnp.real(d * jnp.conj(d)), axis).astype(g.dtype)
-
-
-def _merge_moments(a: Any, b: Any) -> Any:
-    """Two chunks' `(count, mean, m2)` merged (Chan et al.'s parallel update: no
-    cancellation from subtracting large sums of squares)."""
-    count_a, mean_a, m2_a = a
-    count_b, mean_b, m2_b = b
-    count = count_a + count_b
-    share = count_b / count
-
-    def mean(ma: jax.Array, mb: jax.Array) -> jax.Array:
-        return ma + (mb - ma) * share.astype(ma.dtype)
-
-    def m2(ma: jax.Array, mb: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
-        delta = mb - ma
-        weight = (count_a * share).astype(ma.dtype)
-        return sa + sb + delta * jnp.conj(delta) * weight
-
-    return (
-        count,
-        jax.tree.map(mean, mean_a, mean_b),
-        jax.tree.map(m2, mean_a, mean_b, m2_a, m2_b),
-    )
-
-
 @decorator_form("fun")
 def per_example_grad_stats(
     fun: Callable[..., Any],
@@ -309,21 +286,6 @@ def per_example_grad_stats(
             grads = jax.tree.map(lambda g: g.astype(_stats_dtype(g.dtype)), grads)
             return grads, _clipping.global_sq_norm(grads), aux
 
-        def summarise(chunk: Any) -> Any:
-            grads, sq_norms, aux = chunk
-            n = sq_norms.shape[0]
-            count = jnp.asarray(n, jnp.float32)
-
-            # The chunk's examples are along the last axis (`out_axes` below):
-            # contiguous reductions, fused with the subtraction and the square (over
-            # a leading axis they are strided, several times slower on CPU, and a
-            # contraction would materialise the squares).
-            leaves, tree = jax.tree.flatten(grads)
-            pairs = [_moments(g, -1) for g in leaves]
-            mean = tree.unflatten([m for m, _ in pairs])
-            m2 = tree.unflatten([s for _, s in pairs])
-            return (count, mean, m2), (sq_norms, aux)
-
         size = _axes_size(setup, args, in_axes, kwargs)
         if size == 0:
             raise ValueError(
@@ -343,19 +305,23 @@ def per_example_grad_stats(
                 in_axes,
                 known,
                 out_axes=(0, 0, None),
-                accumulator=Accumulator(_merge_moments, moments.summarise),
+                accumulator=Accumulator(merge_moments, moments.summarise),
             )
             mean = moments.traced.grads_tree(mean, setup.single)
             m2 = moments.traced.grads_tree(m2, setup.single)
         else:
-            (count, mean, m2), (sq_norms, aux) = setup.map(
+            # The gradients' examples along their last axis: the moments' reductions
+            # are contiguous, fused with the subtraction and the square (over a
+            # leading axis they are strided, several times slower on CPU, and a
+            # contraction would materialise the squares).
+            (count, mean, m2), sq_norms, aux = setup.map(
                 example,
                 args,
                 kwargs,
                 in_axes,
                 known,
                 out_axes=(-1, 0, 0),
-                accumulator=Accumulator(_merge_moments, summarise),
+                accumulator=compose((Moments(), Stack(), Stack())),
             )
         variance = jax.tree.map(lambda s: s / count.astype(s.dtype), m2)
         sum_sq = jax.tree.map(
@@ -409,7 +375,7 @@ class _GhostMoments:
         m2s: list[Any] = [None] * len(self.leaves)
         sq_norms = jnp.zeros(ones.shape, self.acc)
         for k, g in zip(self.pe, pe_grads):  # formed per example: axis 0
-            means[k], m2s[k] = _moments(g, 0)
+            means[k], m2s[k] = moments_of(g, 0)
             sq_norms = sq_norms + _sq_norm(g, self.acc, rows=True)
         ruled = [k for k in self.ruled if self.leaves[k].uses]
 
@@ -422,7 +388,7 @@ class _GhostMoments:
             ]
             one = (jnp.ones((), jnp.float32), gs, [jnp.zeros_like(g) for g in gs])
             sq = sum((_sq_norm(g, self.acc) for g in gs), jnp.zeros((), self.acc))
-            return _merge_moments(carry, one), sq
+            return merge_moments(carry, one), sq
 
         zeros = [
             jnp.zeros(self.leaves[k].shape, _stats_dtype(self.leaves[k].dtype))
