@@ -61,17 +61,13 @@ from ._loop import Accumulator, Body, make_plan, spec_entries, zeros
 
 
 AXIS_NAME = "chunkvmap"
-_DEFAULT_MESHES: dict[tuple[Any, ...], Mesh] = {}
 
 
 def default_mesh() -> Mesh:
-    """A 1-D `Auto` mesh over all devices (every process's), built once."""
-    devices = tuple(jax.devices())
-    mesh = _DEFAULT_MESHES.get(devices)
-    if mesh is None:
-        mesh = Mesh(np.array(devices), (AXIS_NAME,), axis_types=(AxisType.Auto,))
-        _DEFAULT_MESHES[devices] = mesh
-    return mesh
+    """A 1-D `Auto` mesh over all devices (every process's). (Meshes are values:
+    equal ones are equal, and compiled programs are shared between them.)"""
+    devices = np.array(jax.devices())
+    return Mesh(devices, (AXIS_NAME,), axis_types=(AxisType.Auto,))
 
 
 def _visible_sharding(x: Any, known: Mapping[int, Any]) -> NamedSharding | None:

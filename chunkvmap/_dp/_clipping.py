@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import functools as ft
 import numbers
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -674,7 +673,7 @@ _FALLBACK_SHARE = 0.05
 def _warn_fallback(setup: GradSetup, fun: Any, report: _ghost.GhostReport) -> None:
     """Once per clipping function: say when more than 5% of the parameters fall
     back to per-example gradients, or when nothing is gained at all."""
-    if setup.ghost_warned:
+    if setup.warned("ghost fallback"):
         return
     shares = report.shares()
     share = shares.get(_ghost.PER_EXAMPLE, 0.0)
@@ -692,8 +691,8 @@ def _warn_fallback(setup: GradSetup, fun: Any, report: _ghost.GhostReport) -> No
         )
     else:
         return
-    setup.ghost_warned = True
-    warnings.warn(
+    setup.warn_once(
+        "ghost fallback",
         message + " chunkvmap.ghost_report(fun, *one_example) shows each leaf's rule "
         "and why.",
         GhostFallbackWarning,

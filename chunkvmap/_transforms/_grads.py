@@ -259,8 +259,7 @@ class GradSetup:
         check_callable(name, "fun", fun)
         self.name = name
         self.argnums, self.single = check_argnums(name, "argnums", argnums)
-        self.warned = False
-        self.ghost_warned = False
+        self._warned: set[str] = set()  # the warnings given (each once per transform)
         self.batch_argnums = (
             None
             if batch_argnums is None
@@ -365,7 +364,7 @@ class GradSetup:
     def _warn_if_ambiguous(self, args: tuple, diff: tuple, mapped: tuple) -> None:
         """Warn (once per transform) when an argument left out of `batch_argnums`
         looks like one value per example: a leading axis of the examples' size."""
-        if self.warned:
+        if self.warned("ambiguous"):
             return
         sizes = {
             np.shape(x)[0]
@@ -383,9 +382,9 @@ class GradSetup:
             and any(np.ndim(x) > 0 and np.shape(x)[0] == n for x in jax.tree.leaves(a))
         ]
         if shared:
-            self.warned = True
             suggest = tuple(sorted({*mapped, *shared}))
-            warnings.warn(
+            self.warn_once(
+                "ambiguous",
                 f"{self.name} passes {', '.join(f'args[{i}]' for i in shared)} "
                 f"whole to every example (it is not in batch_argnums="
                 f"{self.batch_argnums!r}), but its leading axis has the size of the "
@@ -394,6 +393,19 @@ class GradSetup:
                 f"that is not differentiated is then mapped). Warned once.",
                 stacklevel=4,
             )
+
+    def warned(self, key: str) -> bool:
+        """Whether this transform gave its `key` warning already."""
+        return key in self._warned
+
+    def warn_once(
+        self, key: str, message: str, category: type = UserWarning, stacklevel=1
+    ) -> None:
+        """`warnings.warn(message, category)` at the first call with `key` only
+        (`stacklevel` counted from the caller)."""
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, category, stacklevel=stacklevel + 1)
 
     def map(
         self,
