@@ -86,18 +86,44 @@ def _closure_cases():
 
 
 @pytest.mark.parametrize(
-    "entry", ["batch_vmap", "per_example_grads", "clipped_sum", "ghost"]
-)
+    "entry",
+    [
+        "batch_vmap", "per_example_grads", "clipped_sum", "ghost",
+        "eqx.filter_batch_vmap", "nnx.batch_vmap", "linen.batch_vmap",
+    ],
+)  # fmt: skip
 def test_eager_calls_see_the_current_closure(entry):
     """A transform built once and called again returns what jax.vmap returns for
     the function as it is now (arrays and Python constants in its closure),
-    compiling again only when the program changed, not when an array did."""
+    compiling again only when the program changed, not when an array did (the
+    adapters too: a linen call's function is made anew by Flax at every call)."""
     from chunkvmap import clipped_grad_sum, per_example_grads
 
     f = _closure_cases()
     x = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(4, 3) - 5)
     if entry == "batch_vmap":
         chunked, oracle = batch_vmap(f, batch_size=3), jax.vmap(f)
+    elif entry == "eqx.filter_batch_vmap":
+        from chunkvmap.eqx import filter_batch_vmap
+
+        chunked, oracle = filter_batch_vmap(f, batch_size=3), jax.vmap(f)
+    elif entry == "nnx.batch_vmap":
+        from chunkvmap import nnx as cn
+
+        chunked, oracle = cn.batch_vmap(f, batch_size=3), jax.vmap(f)
+    elif entry == "linen.batch_vmap":
+        import flax.linen as nn
+
+        from chunkvmap import linen as cl
+
+        class Apply(nn.Module):
+            def __call__(self, v):
+                return f(v)
+
+        lifted = cl.batch_vmap(
+            Apply, variable_axes={}, split_rngs={}, in_axes=0, batch_size=3
+        )()
+        chunked, oracle = (lambda v: lifted.apply({}, v)), jax.vmap(f)
     else:
         loss = lambda w, v: f(v @ w)  # noqa: E731
         eye = jnp.eye(3)

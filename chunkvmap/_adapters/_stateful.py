@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._core import _accumulators, _axes, _loop, _mesh
+import jax
+
+from .._core import _accumulators, _axes, _cache, _loop
 from .._core._options import ChunkOptions, identity
 from .._transforms._batch_vmap import Mapper, out_paths
 
@@ -47,18 +49,27 @@ class StatefulMap:
         state_axes: Any,
     ) -> tuple[Any, Any]:
         """`fn(*args) -> (y, state)` mapped by the core; returns `(y, state)`, in one
-        chunked evaluation under the call's mesh (`_mesh.run_under`, as every entry
-        point): without a reduction both are stacked; with one, `y` is folded by it
-        and `state` stacked beside it (`_folded_and_stacked`)."""
+        chunked evaluation, through the eager cache and under the call's mesh as
+        every entry point's (one `_cache.EagerCache` per axis specs, kept while this
+        transform lives; `fn`, which Flax's lifting makes anew at every call, is
+        told apart by its traced program): without a reduction both are stacked;
+        with one, `y` is folded by it and `state` stacked beside it."""
         options = self.mapper.options
         in_axes = _axes.check_axes_spec(
             "in_axes", in_axes, top_level_tuple=True, transform=options.name
         )
 
-        def run(args: tuple, kwargs: dict) -> tuple[Any, Any]:
-            return self._evaluate(fn, args, in_axes, out_axes, state_axes)
+        def build() -> _cache.EagerCache:
+            def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+                current, *args = args
+                return self._evaluate(
+                    current.fn, tuple(args), in_axes, out_axes, state_axes, known
+                )
 
-        return _mesh.run_under(options.shard, options.mesh, run, args, {})
+            return _cache.EagerCache(call, placement=self.mapper.placement)
+
+        key = tuple(_hashable(spec) for spec in (in_axes, out_axes, state_axes))
+        return _cache.memo(self, key, build)((_Current(fn), *args), {})
 
     def _evaluate(
         self,
@@ -67,6 +78,7 @@ class StatefulMap:
         in_axes: Any,
         out_axes: Any,
         state_axes: Any,
+        known: _cache.Known,
     ) -> tuple[Any, Any]:
         mapper = self.mapper
         options = mapper.options
@@ -78,7 +90,7 @@ class StatefulMap:
             stacked = options.replace(reduction=None, chunk_reduction=identity)
             y, state = mapper(
                 fn, args, {}, in_axes, (out_axes, state_axes), stacked,
-                out_names=both_paths,
+                out_names=both_paths, known=known,
             )  # fmt: skip
             chunk_reduction = options.chunk_reduction
             return (y if chunk_reduction is identity else chunk_reduction(y)), state
@@ -88,7 +100,31 @@ class StatefulMap:
         return mapper(
             fn, args, {}, in_axes, (out_axes, state_axes),
             options.replace(accumulator=accumulator), out_names=both_paths,
+            known=known,
         )  # fmt: skip
+
+
+class _Current:
+    """A call's function, passed to the eager cache beside its arguments. Every one
+    compares equal: the cache traces each call, and its traced program (the
+    function's constants and closed-over arrays included) tells programs apart."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Current)
+
+    def __hash__(self) -> int:
+        return hash(_Current)
+
+
+def _hashable(spec: Any) -> Any:
+    """An axis spec (a pytree of ints and None) as a hashable key."""
+    is_none = lambda x: x is None  # noqa: E731
+    return jax.tree.structure(spec, is_leaf=is_none), tuple(
+        jax.tree.leaves(spec, is_leaf=is_none)
+    )
 
 
 def _folded_and_stacked(
