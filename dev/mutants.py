@@ -157,8 +157,8 @@ MUTANTS = {
     "mesh: the Flax adapters' calls not run under the call's mesh": (
         (
             "chunkvmap/_adapters/_stateful.py",
-            "return _mesh.run_under(options.shard, options.mesh, run, args, {})",
-            "return run(args, {})",
+            "return _cache.EagerCache(call, placement=self.mapper.placement)",
+            "return _cache.EagerCache(call)",
         ),
         ["test_wherever"],
     ),
