@@ -160,7 +160,7 @@ MUTANTS = {
             "return _cache.EagerCache(call, placement=self.mapper.placement)",
             "return _cache.EagerCache(call)",
         ),
-        ["test_wherever"],
+        ["test_wherever", "test_sharding"],
     ),
     "accumulators: stacked rows left at axis 0": (
         (

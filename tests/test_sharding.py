@@ -272,15 +272,32 @@ def test_input_already_sharded_on_the_mesh_is_used_as_is():
     assert out.sharding.is_equivalent_to(x.sharding, 2)
 
 
-def test_input_on_another_mesh_is_moved_onto_the_mesh():
+def _mapper(entry):
+    """`batch_vmap`'s signature, by `entry` (the core or an adapter)."""
+    if entry == "nnx.batch_vmap":
+        from chunkvmap import nnx as cn
+
+        return lambda f, in_axes, **o: cn.batch_vmap(f, in_axes=in_axes, **o)
+    if entry == "eqx.filter_batch_vmap":
+        from chunkvmap.eqx import filter_batch_vmap
+
+        return lambda f, in_axes, **o: filter_batch_vmap(f, in_axes=in_axes, **o)
+    return batch_vmap
+
+
+@pytest.mark.parametrize(
+    "entry", ["batch_vmap", "nnx.batch_vmap", "eqx.filter_batch_vmap"]
+)
+def test_input_on_another_mesh_is_moved_onto_the_mesh(entry):
+    mapper = _mapper(entry)
     mesh4 = jax.sharding.Mesh(
         np.array(jax.devices()[:4]), ("e",), axis_types=(AxisType.Auto,)
     )
     x = jax.device_put(data(16), NamedSharding(mesh4, P("e")))
-    out = batch_vmap(f, (None, 0), batch_size=1, shard=True, mesh=MESH)(PARAMS, x)
+    out = mapper(f, (None, 0), batch_size=1, shard=True, mesh=MESH)(PARAMS, x)
     tree_allclose(out, jax.vmap(f, (None, 0))(PARAMS, data(16)))
     one = jax.device_put(data(13), jax.devices()[5])
-    out = batch_vmap(f, (None, 0), batch_size=1, shard=True, mesh=mesh4)(PARAMS, one)
+    out = mapper(f, (None, 0), batch_size=1, shard=True, mesh=mesh4)(PARAMS, one)
     tree_allclose(out, jax.vmap(f, (None, 0))(PARAMS, data(13)))
 
 

@@ -59,27 +59,23 @@ class StatefulMap:
             "in_axes", in_axes, top_level_tuple=True, transform=options.name
         )
 
+        axes = (in_axes, out_axes, state_axes)
+
         def build() -> _cache.EagerCache:
             def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
                 current, *args = args
-                return self._evaluate(
-                    current.fn, tuple(args), in_axes, out_axes, state_axes, known
-                )
+                return self._evaluate(current.fn, tuple(args), axes, known)
 
             return _cache.EagerCache(call, placement=self.mapper.placement)
 
-        key = tuple(_hashable(spec) for spec in (in_axes, out_axes, state_axes))
+        key = tuple(_hashable(spec) for spec in axes)
         return _cache.memo(self, key, build)((_Current(fn), *args), {})
 
     def _evaluate(
-        self,
-        fn: Callable[..., tuple[Any, Any]],
-        args: tuple,
-        in_axes: Any,
-        out_axes: Any,
-        state_axes: Any,
-        known: _cache.Known,
+        self, fn: Callable[..., Any], args: tuple, axes: tuple, known: _cache.Known
     ) -> tuple[Any, Any]:
+        """`__call__`'s evaluation; `axes`: its `(in_axes, out_axes, state_axes)`."""
+        in_axes, out_axes, state_axes = axes
         mapper = self.mapper
         options = mapper.options
 
