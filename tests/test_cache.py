@@ -58,6 +58,48 @@ def test_filter_batch_vmap_cache_does_not_keep_its_options_alive():
     assert ref() is None
 
 
+def _adapter_call(adapter):
+    """One call of a Flax adapter's transform with a reduction; weak references to
+    the reduction and the per-example function (nothing else keeps them)."""
+
+    def reduction(a, b):
+        return a + b
+
+    def per_example(v):
+        return jnp.sin(v)
+
+    options = dict(batch_size=2, reduction=reduction, chunk_reduction=jnp.sum)
+    if adapter == "nnx":
+        from chunkvmap import nnx as cn
+
+        f = cn.batch_vmap(per_example, **options)
+    else:
+        import flax.linen as nn
+
+        from chunkvmap import linen as cl
+
+        class Apply(nn.Module):
+            def __call__(self, v):
+                return per_example(v)
+
+        lifted = cl.batch_vmap(
+            Apply, variable_axes={}, split_rngs={}, in_axes=0, **options
+        )()
+        f = lambda v: lifted.apply({}, v)  # noqa: E731
+    np.testing.assert_allclose(f(jnp.ones(5)), 5 * np.sin(1.0), rtol=1e-6)
+    return [weakref.ref(reduction), weakref.ref(per_example)]
+
+
+@pytest.mark.parametrize("adapter", ["nnx", "linen"])
+def test_flax_adapter_caches_keep_neither_options_nor_functions_alive(adapter):
+    """The transform's eager caches are held weakly by it, and a cache key does not
+    keep the call's function (for linen, made anew by Flax at every call, its closure
+    reaches the module's variables)."""
+    refs = _adapter_call(adapter)
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
 def test_the_cache_is_bounded_and_forgets_the_least_recently_used():
     f = batch_vmap(lambda x, k: x * k, in_axes=(0, None), batch_size=2)
     x = jnp.ones(3)

@@ -60,44 +60,58 @@ class StatefulMap:
         )
 
         axes = (in_axes, out_axes, state_axes)
+        mapper, state_root = self.mapper, self.state_root
 
         def build() -> _cache.EagerCache:
+            # (the cached call must not refer to `self`, the cache's weak key)
             def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
                 current, *args = args
-                return self._evaluate(current.fn, tuple(args), axes, known)
+                return _evaluate(
+                    mapper, state_root, current.fn, tuple(args), axes, known
+                )
 
-            return _cache.EagerCache(call, placement=self.mapper.placement)
+            return _cache.EagerCache(call, placement=mapper.placement)
 
         key = tuple(_hashable(spec) for spec in axes)
-        return _cache.memo(self, key, build)((_Current(fn), *args), {})
+        current = _Current(fn)
+        try:
+            return _cache.memo(self, key, build)((current, *args), {})
+        finally:  # a cache key may keep `current`: not the function and its closure
+            current.fn = None
 
-    def _evaluate(
-        self, fn: Callable[..., Any], args: tuple, axes: tuple, known: _cache.Known
-    ) -> tuple[Any, Any]:
-        """`__call__`'s evaluation; `axes`: its `(in_axes, out_axes, state_axes)`."""
-        in_axes, out_axes, state_axes = axes
-        mapper = self.mapper
-        options = mapper.options
 
-        def both_paths(out: Any) -> list[str]:
-            return out_paths(out[0]) + out_paths(out[1], self.state_root)
+def _evaluate(
+    mapper: Mapper,
+    state_root: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    axes: tuple,
+    known: _cache.Known,
+) -> tuple[Any, Any]:
+    """`StatefulMap.__call__`'s evaluation; `axes`: its `(in_axes, out_axes,
+    state_axes)`."""
+    in_axes, out_axes, state_axes = axes
+    options = mapper.options
 
-        if options.reduction is None:
-            stacked = options.replace(reduction=None, chunk_reduction=identity)
-            y, state = mapper(
-                fn, args, {}, in_axes, (out_axes, state_axes), stacked,
-                out_names=both_paths, known=known,
-            )  # fmt: skip
-            chunk_reduction = options.chunk_reduction
-            return (y if chunk_reduction is identity else chunk_reduction(y)), state
-        accumulator = _folded_and_stacked(
-            options.name, options.reduction, options.chunk_reduction
-        )
-        return mapper(
-            fn, args, {}, in_axes, (out_axes, state_axes),
-            options.replace(accumulator=accumulator), out_names=both_paths,
-            known=known,
+    def both_paths(out: Any) -> list[str]:
+        return out_paths(out[0]) + out_paths(out[1], state_root)
+
+    if options.reduction is None:
+        stacked = options.replace(reduction=None, chunk_reduction=identity)
+        y, state = mapper(
+            fn, args, {}, in_axes, (out_axes, state_axes), stacked,
+            out_names=both_paths, known=known,
         )  # fmt: skip
+        chunk_reduction = options.chunk_reduction
+        return (y if chunk_reduction is identity else chunk_reduction(y)), state
+    accumulator = _folded_and_stacked(
+        options.name, options.reduction, options.chunk_reduction
+    )
+    return mapper(
+        fn, args, {}, in_axes, (out_axes, state_axes),
+        options.replace(accumulator=accumulator), out_names=both_paths,
+        known=known,
+    )  # fmt: skip
 
 
 class _Current:

@@ -95,7 +95,8 @@ def run_under(shard: Any, mesh: Mesh | None, run: Run, args: tuple, kwargs: dict
         # the evaluation op by op, and its eager transposes lose sharding types that
         # its staged ones keep (a reshard's cotangent stays sharded, and the pad
         # that transposes a slice of it then fails): staged, the call runs as under
-        # `jax.jit`. Under an outer `jit` the inlined stage changes nothing.
+        # `jax.jit`. (Under an outer `jit` the stage is a nested jit, which XLA
+        # inlines; an inlined stage would be transposed op by op again.)
         return _staged(held, run, flat, tree)
     if isinstance(target, Mesh) and not _explicit(target):
         # Auto axes are not in the types: the evaluation names the mesh itself (a
@@ -124,9 +125,7 @@ def _moved(x: Any, mesh: Mesh) -> Any:
     return jax.device_put(x, NamedSharding(mesh, P()))
 
 
-def _staged(
-    mesh: Mesh | AbstractMesh, run: Run, flat: list[Any], tree: Any, inline=False
-) -> Any:
+def _staged(mesh: Mesh | AbstractMesh, run: Run, flat: list[Any], tree: Any) -> Any:
     """`run` inside one `jax.jit` under `mesh`'s abstract mesh, its array arguments
     put on `mesh` when it is concrete."""
     dyn = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
@@ -140,7 +139,7 @@ def _staged(
             args, kwargs = tree.unflatten(full)
             return run(args, kwargs)
 
-    return jax.jit(staged, inline=inline)(*[flat[i] for i in dyn])
+    return jax.jit(staged)(*[flat[i] for i in dyn])
 
 
 def _put(x: Any, mesh: Mesh) -> Any:
