@@ -194,6 +194,10 @@ MUTANTS = {
         ),
         ["test_cache"],
     ),
+    "adapters: a cache key keeps the call's function": (
+        ("chunkvmap/_adapters/_stateful.py", "current.fn = None", "pass"),
+        ["test_cache"],
+    ),
     "conv: depthwise convolutions laid out canonically": (
         ("chunkvmap/_core/_conv.py", "groups > 1\n", "groups < 0\n"),
         ["test_conv"],
