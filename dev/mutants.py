@@ -157,7 +157,7 @@ MUTANTS = {
     "mesh: the Flax adapters' calls not run under the call's mesh": (
         (
             "chunkvmap/_adapters/_stateful.py",
-            "return _cache.EagerCache(call, placement=self.mapper.placement)",
+            "return _cache.EagerCache(call, placement=mapper.placement)",
             "return _cache.EagerCache(call)",
         ),
         ["test_wherever", "test_sharding"],
