@@ -299,12 +299,7 @@ class _Chunking:
         def build():
             return _cache.EagerCache(call, placement=mapper.placement)
 
-        key = (
-            jax.tree.structure(out_axes, is_leaf=is_none),
-            tuple(jax.tree.leaves(out_axes, is_leaf=is_none)),
-            jax.tree.structure(dyn_axes, is_leaf=is_none),
-            tuple(jax.tree.leaves(dyn_axes, is_leaf=is_none)),
-        )
+        key = (_axes.spec_key(out_axes), _axes.spec_key(dyn_axes))
         return _cache.memo(self, key, build)
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from .._core import _accumulators, _axes, _cache, _loop
 from .._core._options import ChunkOptions, identity
 from .._transforms._batch_vmap import Mapper, out_paths
@@ -72,7 +70,7 @@ class StatefulMap:
 
             return _cache.EagerCache(call, placement=mapper.placement)
 
-        key = tuple(_hashable(spec) for spec in axes)
+        key = tuple(_axes.spec_key(spec) for spec in axes)
         current = _Current(fn)
         try:
             return _cache.memo(self, key, build)((current, *args), {})
@@ -127,14 +125,6 @@ class _Current:
 
     def __hash__(self) -> int:
         return hash(_Current)
-
-
-def _hashable(spec: Any) -> Any:
-    """An axis spec (a pytree of ints and None) as a hashable key."""
-    is_none = lambda x: x is None  # noqa: E731
-    return jax.tree.structure(spec, is_leaf=is_none), tuple(
-        jax.tree.leaves(spec, is_leaf=is_none)
-    )
 
 
 def _folded_and_stacked(

@@ -271,6 +271,14 @@ def _resolved(spec: Any, signature: _loop.Signature, length: int) -> _loop.Accum
     )
 
 
+def _same_types(a: Any, b: Any) -> bool:
+    """Whether two trees of arrays have the same structure, shapes and dtypes."""
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        (x.shape, x.dtype) == (y.shape, y.dtype)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+
+
 def _aval_str(tree: Any) -> str:
     return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
 
@@ -300,11 +308,7 @@ def checked_summary(
         summaries.append(jax.eval_shape(chunk_reduction, chunk))
     first = summaries[0]
     for length, other in zip(lengths[1:], summaries[1:]):
-        same = jax.tree.structure(first) == jax.tree.structure(other) and all(
-            (a.shape, a.dtype) == (b.shape, b.dtype)
-            for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(other))
-        )
-        if not same:
+        if not _same_types(first, other):
             hint = (
                 " chunk_reduction is the identity (the default): pass one that sums up "
                 "a chunk along the mapped axis, e.g. chunk_reduction=lambda y: "
@@ -336,11 +340,7 @@ def checked_summary(
             f"jnp.maximum), but applying it to two summaries of {_aval_str(first)} "
             f"failed: {type(e).__name__}: {first_line}"
         ) from None
-    same = jax.tree.structure(first) == jax.tree.structure(folded) and all(
-        (a.shape, a.dtype) == (b.shape, b.dtype)
-        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(folded))
-    )
-    if not same:
+    if not _same_types(first, folded):
         raise ValueError(
             f"{name} reduction must combine two chunk summaries into one of the same "
             f"structure, shapes and dtypes (it is applied leaf by leaf), but on "

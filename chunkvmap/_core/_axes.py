@@ -48,6 +48,14 @@ def is_none(x: Any) -> bool:
     return x is None
 
 
+def spec_key(spec: Any) -> tuple[Any, tuple]:
+    """An axis spec (a pytree of ints and None) as a hashable key: its structure
+    and its leaves, None included."""
+    return jax.tree.structure(spec, is_leaf=is_none), tuple(
+        jax.tree.leaves(spec, is_leaf=is_none)
+    )
+
+
 def is_axis(x: Any) -> bool:
     """An axis of an axis spec: a Python int (not a bool) or None. NumPy integers are
     not axes, as in `jax.vmap` (and `nn.vmap`, `nnx.vmap`, `eqx.filter_vmap`)."""

@@ -87,9 +87,8 @@ def run_under(shard: Any, mesh: Mesh | None, run: Run, args: tuple, kwargs: dict
     target = resolve(shard, mesh, flat)
     if target is None:
         held = jax.sharding.get_abstract_mesh()
-        if held.empty or not held.explicit_axes:
-            return run(args, kwargs)
-        if not any(isinstance(x, jax.core.Tracer) for x in flat):
+        traced = any(isinstance(x, jax.core.Tracer) for x in flat)
+        if held.empty or not held.explicit_axes or not traced:
             return run(args, kwargs)
         # Under an eager transform (`jax.grad`, `jax.vmap` outside `jit`) JAX runs
         # the evaluation op by op, and its eager transposes lose sharding types that
