@@ -37,6 +37,8 @@ def stop(name: str, *files: str):
     return ("chunkvmap/_core/_chunked.py", CHUNK, edit), [*ORACLES, *files]
 
 
+GHOST_TESTS = ["test_ghost_rules", "test_ghost", "test_ghost_models", "test_clipping"]
+
 MUTANTS = {
     "stop batch_vmap": stop("batch_vmap", "test_core", "test_progress"),
     "stop batch_map": stop("batch_map", "test_batch_map"),
@@ -209,6 +211,48 @@ MUTANTS = {
             "",
         ),
         ["test_conv"],
+    ),
+    "ghost: c / w taken as linear in w": (
+        (
+            "chunkvmap/_dp/_ghost_rules.py",
+            '"div": Elementwise(linear=(0,)),',
+            '"div": Elementwise(linear=(0, 1)),',
+        ),
+        GHOST_TESTS,
+    ),
+    "ghost: non-finite masking zeroes finite entries": (
+        (
+            "chunkvmap/_dp/_ghost_rules.py",
+            "                if set(syms) <= set(spec):",
+            "                if set(syms) & set(spec):",
+        ),
+        GHOST_TESTS,
+    ),
+    "ghost: a cond inside a scan records the scan's axes": (
+        (
+            "chunkvmap/_dp/_ghost.py",
+            "avals = by_key[key].record_avals(depth)",
+            "avals = by_key[key].record_avals(0)",
+        ),
+        GHOST_TESTS,
+    ),
+    "ghost: squared norms summed in bfloat16": (
+        (
+            "chunkvmap/_dp/_ghost.py",
+            "return jnp.float64 if wide else jnp.float32",
+            "return jnp.float64 if wide else jnp.bfloat16",
+        ),
+        GHOST_TESTS,
+    ),
+    "ghost: nan_safe's masked leaf's norm taken as finite": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "raw = raw + jnp.where(\n"
+            "                all_finite(plan.arrays(k, records, deltas)), s, jnp.nan\n"
+            "            )",
+            "raw = raw + s",
+        ),
+        GHOST_TESTS,
     ),
 }
 

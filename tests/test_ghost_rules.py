@@ -13,7 +13,7 @@ import opt_einsum
 import pytest
 from jax import lax
 
-from chunkvmap import clipped_grad_sum, ghost_report
+from chunkvmap import GhostFallbackWarning, clipped_grad, clipped_grad_sum, ghost_report
 from chunkvmap._dp import _ghost
 
 
@@ -457,3 +457,77 @@ def test_edges_ghost_must_not_miss():
         normal(9, 50, 8),
         tok,
     )
+
+
+def test_a_weight_as_divisor_is_per_example():
+    """`x / w` is not linear in `w`: the weight falls back to per-example gradients
+    (and the clipped sum is still vmap's); `w / c` with a constant `c` is a chain
+    step of the weight."""
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x / p["d"])) + jnp.sum(jnp.tanh(x @ (p["w"] / 4.0)))
+
+    p = {"d": normal(1, D) + 2.0, "w": normal(2, D, D)}
+    x = normal(3, 6, D)
+    report = ghost_report(loss, p, x[0])
+    assert report.rule("args[0]['d']") == "per-example"
+    assert "not linear" in dict((r[0], r[3]) for r in report.rows)["args[0]['d']"]
+    assert report.rule("args[0]['w']") in ("ghost", "instantiated")
+    vmap = clipped_grad_sum(loss, 1.0, return_norms=True, method="vmap")(p, x)
+    with pytest.warns(GhostFallbackWarning, match=r"args\[0\]\['d'\]"):
+        ghost = clipped_grad_sum(loss, 1.0, return_norms=True, method="ghost")(p, x)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        ghost, vmap,
+    )  # fmt: skip
+
+
+def test_nan_safe_masking_keeps_every_finite_entry():
+    """A per-head weight `w[h, i, o]` (a batched contraction: the head axis is in
+    both the activation and the cotangent), one input entry not finite: with
+    nan_safe, ghost zeroes exactly the non-finite entries of that example's
+    gradient (one row of one head), as vmap does, and keeps the rest."""
+
+    def loss(w, x):
+        y = jnp.einsum("thi,hio->tho", x, w)
+        return jnp.sum(y * jnp.arange(y.size, dtype=y.dtype).reshape(y.shape) / y.size)
+
+    w, x = normal(1, 3, 16, 16), normal(2, 4, 2, 3, 16)
+    x = x.at[1, 1, 0, 3].set(jnp.nan)
+    assert ghost_report(loss, w, x[0]).rule("args[0]") == "ghost"
+    (vmap, vmap_aux), (ghost, ghost_aux) = (
+        clipped_grad(
+            loss, l2_clip_norm=1e3, keep_batch_dim=False, return_grad_norms=True,
+            method=m,
+        )(w, x)
+        for m in ("vmap", "ghost")
+    )  # fmt: skip
+    assert np.isfinite(vmap).all() and not np.all(vmap == 0)
+    np.testing.assert_allclose(ghost, vmap, rtol=2e-5, atol=2e-6)
+    # the norms as they are: NaN for the example with a non-finite gradient
+    norms = np.asarray(ghost_aux.grad_norms)
+    np.testing.assert_array_equal(np.isnan(norms), [False, True, False, False])
+    np.testing.assert_allclose(norms, vmap_aux.grad_norms, rtol=2e-5)
+
+
+def test_cond_inside_a_scan():
+    """A `cond` inside a scan over stacked layers, a leaf used in one branch only:
+    the branch not taken returns zero records of one iteration's shape."""
+
+    def loss(p, x):
+        def layer(h, w):
+            h = lax.cond(
+                jnp.sum(h) > 0,
+                lambda h: jnp.tanh(h @ w) + h @ p["a"],
+                lambda h: jnp.sin(h @ w.T),
+                h,
+            )
+            return h, None
+
+        h, _ = lax.scan(layer, x, p["stack"])
+        return jnp.sum(h**2)
+
+    x = normal(1, 6, D, scale=1.0)
+    p = {"stack": normal(2, 3, D, D), "a": normal(3, D, D)}
+    plan = check(loss, p, x)
+    assert set(rules(plan).values()) <= {"ghost", "instantiated"}
