@@ -16,13 +16,13 @@ from ._dp._clipping import (
     clipped_grad as clipped_grad,
     clipped_grad_sum as clipped_grad_sum,
 )
-from ._dp._ghost import GhostReport as GhostReport, ghost_report as ghost_report
 from ._dp._statistics import (
     GradStats as GradStats,
     per_example_grad_gram as per_example_grad_gram,
     per_example_grad_norms as per_example_grad_norms,
     per_example_grad_stats as per_example_grad_stats,
 )
+from ._dp.ghost import GhostReport as GhostReport, ghost_report as ghost_report
 from ._transforms._batch_map import batch_map as batch_map
 from ._transforms._batch_vmap import batch_vmap as batch_vmap
 from ._transforms._grads import per_example_grads as per_example_grads

@@ -64,7 +64,7 @@ MUTANTS = {
     ),
     "ghost: dense pair term 1% too large": (
         (
-            "chunkvmap/_dp/_ghost_rules.py",
+            "chunkvmap/_dp/ghost/_forms.py",
             "        return jnp.einsum(\n            _equation([*u.specs, *vs]),",
             "        return 1.01 * jnp.einsum(\n"
             "            _equation([*u.specs, *vs]),",
@@ -214,7 +214,7 @@ MUTANTS = {
     ),
     "ghost: c / w taken as linear in w": (
         (
-            "chunkvmap/_dp/_ghost_rules.py",
+            "chunkvmap/_dp/ghost/_rules.py",
             '"div": Elementwise(linear=(0,)),',
             '"div": Elementwise(linear=(0, 1)),',
         ),
@@ -222,7 +222,7 @@ MUTANTS = {
     ),
     "ghost: non-finite masking zeroes finite entries": (
         (
-            "chunkvmap/_dp/_ghost_rules.py",
+            "chunkvmap/_dp/ghost/_forms.py",
             "                if set(syms) <= set(spec):",
             "                if set(syms) & set(spec):",
         ),
@@ -230,7 +230,7 @@ MUTANTS = {
     ),
     "ghost: a cond inside a scan records the scan's axes": (
         (
-            "chunkvmap/_dp/_ghost.py",
+            "chunkvmap/_dp/ghost/_plan.py",
             "avals = by_key[key].record_avals(depth)",
             "avals = by_key[key].record_avals(0)",
         ),
@@ -238,7 +238,7 @@ MUTANTS = {
     ),
     "ghost: squared norms summed in bfloat16": (
         (
-            "chunkvmap/_dp/_ghost.py",
+            "chunkvmap/_dp/ghost/_plan.py",
             "return jnp.float64 if wide else jnp.float32",
             "return jnp.float64 if wide else jnp.bfloat16",
         ),

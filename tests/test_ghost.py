@@ -455,7 +455,7 @@ def test_nan_safe_where_masking_cannot():
 def _ghost_plan(loss, params, example):
     """How nan_safe treats each rule leaf: "masked" (through its activations),
     "formed" (its gradient, instantiated) or "other" (fixed afterwards)."""
-    from chunkvmap._dp import _ghost
+    from chunkvmap._dp import ghost as _ghost
 
     traced = _ghost.Traced(
         loss, [params, example], {}, [0], [1], strip=False, has_aux=False,
@@ -479,7 +479,7 @@ def test_a_chunk_finds_its_plan_by_its_parameters_types():
     two plans in one context (a replicated and a column-sharded weight on an
     Explicit mesh) are told apart, and a lookup with no such example traced is an
     error."""
-    from chunkvmap._dp import _ghost
+    from chunkvmap._dp import ghost as _ghost
 
     def loss(p, x):
         return jnp.sum(jnp.tanh(x @ p["w"]))

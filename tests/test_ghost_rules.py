@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 from chunkvmap import GhostFallbackWarning, clipped_grad, clipped_grad_sum, ghost_report
-from chunkvmap._dp import _ghost
+from chunkvmap._dp import ghost as _ghost
 
 
 def normal(seed, *shape, scale=0.3):

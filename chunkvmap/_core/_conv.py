@@ -37,6 +37,8 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from ._jaxprs import bind_params, sub_jaxprs
+
 
 _CONV = "conv_general_dilated"
 _FAST_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
@@ -174,14 +176,6 @@ def _depthwise(eqn: Any) -> bool:
     )
 
 
-def _sub_jaxprs(value: Any) -> list[Any]:
-    if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [v for v in value if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))]
-    return []
-
-
 def has_convolution(jaxpr: Any) -> bool:
     """Whether `jaxpr` (or a jaxpr inside it) has a convolution to rewrite."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
@@ -189,7 +183,7 @@ def has_convolution(jaxpr: Any) -> bool:
         if _rewritten(eqn):
             return True
         for value in eqn.params.values():
-            if any(has_convolution(sub) for sub in _sub_jaxprs(value)):
+            if any(has_convolution(sub) for sub in sub_jaxprs(value)):
                 return True
     return False
 
@@ -221,7 +215,7 @@ def _bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
     """`eqn` on `ins`, its sub-jaxprs rewritten where they hold convolutions."""
     params = dict(eqn.params)
     for key, value in eqn.params.items():
-        subs = _sub_jaxprs(value)
+        subs = sub_jaxprs(value)
         if not subs or not any(has_convolution(s) for s in subs):
             continue
         if isinstance(value, (tuple, list)):
@@ -231,14 +225,6 @@ def _bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
     subfuns, kw = bind_params(eqn.primitive, params)
     outs = eqn.primitive.bind(*subfuns, *ins, **kw)
     return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
-def bind_params(prim: Any, params: dict) -> tuple[Sequence[Any], dict]:
-    """A jaxpr equation's `params` as `prim.bind` takes them: `(subfuns, params)`
-    (sub-jaxprs of call primitives become functions)."""
-    bound = prim.get_bind_params(params)
-    # (older JAX returns (subfuns, params), newer the params)
-    return ((), bound) if isinstance(bound, dict) else bound
 
 
 def _rewrite(sub: Any) -> Any:

@@ -44,8 +44,8 @@ from .._transforms._grads import (
     one_example_note,
     resolve_argnums,
 )
-from . import _ghost
-from ._ghost import check_scalar_loss
+from . import ghost
+from .ghost import check_scalar_loss
 
 
 class AuxiliaryOutput(NamedTuple):
@@ -158,7 +158,7 @@ def global_sq_norm(tree: Any) -> jax.Array:
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.zeros((), jnp.float32)
-    acc = _ghost.accumulation_dtype([x.dtype for x in leaves])
+    acc = ghost.accumulation_dtype([x.dtype for x in leaves])
     return sum(jnp.sum(jnp.square(jnp.abs(x).astype(acc))) for x in leaves)
 
 
@@ -402,7 +402,7 @@ def _ghost_sums(
             return fun(*args, **kwargs)
 
     with _single_example_hint(name, config):
-        traced = _ghost.Traced(
+        traced = ghost.Traced(
             noted,
             args,
             kwargs,
@@ -416,15 +416,15 @@ def _ghost_sums(
             expand=batch_args,
         )
     check_scalar_loss(name, traced)
-    report = traced.report()
+    report = ghost.report_of(traced.plan)
     plan = traced.plan
     _warn_fallback(setup, fun, report)
     if report.runs == "vmap":
         return None  # nothing to gain: the per-example path itself
     leaves = plan.leaves
-    pe = [k for k, x in enumerate(leaves) if x.rule == _ghost.PER_EXAMPLE]
+    pe = [k for k, x in enumerate(leaves) if x.rule == ghost.PER_EXAMPLE]
     ruled = [
-        k for k, x in enumerate(leaves) if x.rule in (_ghost.GHOST, _ghost.INSTANTIATED)
+        k for k, x in enumerate(leaves) if x.rule in (ghost.GHOST, ghost.INSTANTIATED)
     ]
     # What a chunk keeps of each rule leaf for its sum: the instantiated gradients
     # where they are smaller than the operands they come from (biases, scales) or
@@ -439,13 +439,13 @@ def _ghost_sums(
         k
         for k in ruled
         if k not in masked
-        and leaves[k].rule == _ghost.INSTANTIATED
+        and leaves[k].rule == ghost.INSTANTIATED
         and (safe or leaves[k].size <= plan.operand_size(k))
     ]
     other = [k for k in ruled if k not in masked and k not in formed]
     other_keys = {u.key for k in other for u in leaves[k].uses}
     other_paths = {u.path for k in other for u in leaves[k].uses}
-    acc = _ghost.accumulation_dtype([x.dtype for x in leaves])  # as global_norm's
+    acc = ghost.accumulation_dtype([x.dtype for x in leaves])  # as global_norm's
     has_pad = bool(extra)  # the padding flags
     n_args = len(args)
 
@@ -523,7 +523,7 @@ def _ghost_sums(
         return (parts, records, deltas), extras, traced.params_of(values)
 
     def nan_safe_fix(
-        plan: _ghost.Plan, totals: list, chunk: Any
+        plan: ghost.Plan, totals: list, chunk: Any
     ) -> tuple[list, jax.Array]:
         """`totals` plus the clipped gradients of a chunk's examples whose `other`
         leaves have non-finite values (and are not padding), and those examples'
@@ -670,13 +670,13 @@ class GhostFallbackWarning(UserWarning):
 _FALLBACK_SHARE = 0.05
 
 
-def _warn_fallback(setup: GradSetup, fun: Any, report: _ghost.GhostReport) -> None:
+def _warn_fallback(setup: GradSetup, fun: Any, report: ghost.GhostReport) -> None:
     """Once per clipping function: say when more than 5% of the parameters fall
     back to per-example gradients, or when nothing is gained at all."""
     if setup.warned("ghost fallback"):
         return
     shares = report.shares()
-    share = shares.get(_ghost.PER_EXAMPLE, 0.0)
+    share = shares.get(ghost.PER_EXAMPLE, 0.0)
     fallback = report.fallback()
     if report.runs == "vmap":
         message = (

@@ -41,7 +41,7 @@ from .._transforms._grads import (
     differentiable_floats,
     filtered_value_and_grad,
 )
-from . import _clipping, _ghost, _ghost_rules as rules
+from . import _clipping, ghost
 
 
 def _stats_dtype(dtype: Any) -> Any:
@@ -295,7 +295,7 @@ def per_example_grad_stats(
         moments = None
         if method == "ghost":
             moments = _GhostMoments(name, fun, args, kwargs, diff, in_axes, has_aux)
-            if moments.traced.report().runs == "vmap":
+            if ghost.report_of(moments.traced.plan).runs == "vmap":
                 moments = None  # no leaf has a ghost norm: the per-example path
         if moments is not None:
             (count, mean, m2), (sq_norms, aux) = setup.map(
@@ -336,7 +336,7 @@ def per_example_grad_stats(
 
 class _GhostMoments:
     """A chunk's gradient moments from each use's activations and cotangents
-    (ghost clipping's evaluation of one example, `_ghost.Plan.backward`): the chunk
+    (ghost clipping's evaluation of one example, `ghost.Plan.backward`): the chunk
     keeps those, and forms one example's gradient at a time from them in a scan,
     updating the mean and centred sum of squares example by example (Welford); the
     leaves no rule covers come formed per example, as with `method="vmap"`."""
@@ -346,15 +346,15 @@ class _GhostMoments:
         in_axes: tuple, has_aux: bool,
     ):  # fmt: skip
         mapped = [i for i, a in enumerate(in_axes) if a is not None]
-        self.traced = traced = _ghost.Traced(
+        self.traced = traced = ghost.Traced(
             fun, list(args), kwargs, diff, mapped,
             strip=True, has_aux=has_aux, keep_batch_dim=False,
         )  # fmt: skip
-        _ghost.check_scalar_loss(name, traced)
+        ghost.check_scalar_loss(name, traced)
         self.leaves = leaves = traced.plan.leaves
-        self.pe = [k for k, x in enumerate(leaves) if x.rule == _ghost.PER_EXAMPLE]
+        self.pe = [k for k, x in enumerate(leaves) if x.rule == ghost.PER_EXAMPLE]
         self.ruled = [k for k, x in enumerate(leaves) if k not in self.pe]
-        self.acc = _ghost.accumulation_dtype([x.dtype for x in leaves])
+        self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])
 
     def example(self, *inputs: Any, **kw: Any) -> Any:
         traced = self.traced
@@ -422,7 +422,7 @@ def _axes_size(setup: GradSetup, args: tuple, in_axes: tuple, kwargs: dict) -> i
 def _tree_vdot(a: Any, b: Any) -> jax.Array:
     """`<a, b>` over every leaf of two gradients, in at least float32."""
     pairs = list(zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    acc = _ghost.accumulation_dtype([x.dtype for pair in pairs for x in pair])
+    acc = ghost.accumulation_dtype([x.dtype for pair in pairs for x in pair])
     total = jnp.zeros((), acc)
     for x, y in pairs:
         x, y = x.astype(_stats_dtype(x.dtype)), y.astype(_stats_dtype(y.dtype))
@@ -434,7 +434,7 @@ def _whole_examples(tree: Any, axis: int | None) -> Any:
     """The other batch of a Gram matrix with its examples' axis not sharded over an
     Explicit mesh: every row's chunk is dotted with all of it, and a row sharded
     like a column would shard their product twice over one mesh axis."""
-    if axis is None or rules.explicit_spec() is None:
+    if axis is None or ghost.explicit_spec() is None:
         return tree
 
     def whole(x: Any) -> Any:
@@ -459,7 +459,7 @@ def _shapes(args: tuple, in_axes: tuple) -> list[Any]:
 
 class _GhostDots:
     """Dot products of two examples' gradients by ghost clipping's rules: each
-    example's loss is evaluated once with probes (`_ghost.Plan.run`), giving every
+    example's loss is evaluated once with probes (`ghost.Plan.run`), giving every
     use's activations and cotangents; a leaf under a ghost rule gets
     `<G(a), G(b)> = sum_{u, v} <G_u(a), G_v(b)>` from those arrays (for a dense use
     `sum_{t, s} <x_t, x'_s> <d_t, d'_s>`; for embedding lookups, the cotangents of
@@ -470,16 +470,16 @@ class _GhostDots:
         has_aux: bool,
     ):  # fmt: skip
         mapped = [i for i, a in enumerate(in_axes) if a is not None]
-        self.traced = traced = _ghost.Traced(
+        self.traced = traced = ghost.Traced(
             fun, list(args), {}, diff, mapped,
             strip=True, has_aux=has_aux, keep_batch_dim=False,
         )  # fmt: skip
-        _ghost.check_scalar_loss(name, traced)
+        ghost.check_scalar_loss(name, traced)
         leaves = traced.plan.leaves
-        self.ghost = [k for k, x in enumerate(leaves) if x.rule == _ghost.GHOST]
-        self.formed = [k for k, x in enumerate(leaves) if x.rule == _ghost.INSTANTIATED]
-        self.pe = [k for k, x in enumerate(leaves) if x.rule == _ghost.PER_EXAMPLE]
-        self.acc = _ghost.accumulation_dtype([x.dtype for x in leaves])
+        self.ghost = [k for k, x in enumerate(leaves) if x.rule == ghost.GHOST]
+        self.formed = [k for k, x in enumerate(leaves) if x.rule == ghost.INSTANTIATED]
+        self.pe = [k for k, x in enumerate(leaves) if x.rule == ghost.PER_EXAMPLE]
+        self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])
 
     def parts(self, example: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
         """One example's plan, `aux`, the arrays of its ghost leaves' uses, and the
@@ -507,9 +507,9 @@ class _GhostDots:
                     arrays_b[k][i],
                     arrays_b[k][j],
                 )
-                total = total + rules.pair_term(p.kind, u, ai, v, bj, self.acc)
+                total = total + ghost.pair_term(p.kind, u, ai, v, bj, self.acc)
                 if i != j:  # the ordered pair (j, i) too: <G_j(a), G_i(b)>
-                    total = total + rules.pair_term(p.kind, u, bi, v, aj, self.acc)
+                    total = total + ghost.pair_term(p.kind, u, bi, v, aj, self.acc)
         formed = _tree_vdot(grads_a, {k: grads_b[k] for k in grads_a})
         return total + formed.astype(self.acc)
 

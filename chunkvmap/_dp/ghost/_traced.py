@@ -1,0 +1,203 @@
+"""Tracing one example's loss to a jaxpr of its array leaves, with its ghost plan
+(one per mesh context)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..._core import _axes
+from ._plan import Plan
+
+
+def _one_example_sharding(aval: Any, stripped: bool) -> Any:
+    """The sharding type of one example of `aval` (its leading axis removed when
+    `stripped`), where it has one on an explicit mesh; else None."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not mesh.explicit_axes:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (len(aval.shape) - len(sharding.spec))
+    return jax.sharding.NamedSharding(mesh, jax.P(*(spec[1:] if stripped else spec)))
+
+
+def check_scalar_loss(name: str, traced: Traced) -> None:
+    """The traced loss of one example is a real scalar (with aux: its first
+    element), as ghost clipping's rules need."""
+    value = traced.value_aval
+    if (
+        value is None
+        or value.shape != ()
+        or not jnp.issubdtype(value.dtype, jnp.floating)
+    ):
+        raise TypeError(
+            f"{name} fun must return a real scalar loss (with aux: as the first "
+            f"element), but it returns {value}."
+        )
+
+
+class Traced:
+    """One example's loss as a jaxpr of its array leaves, with the ghost plan.
+
+    `args`/`kwargs` are a call's arguments; with `strip`, the mapped ones (`mapped`
+    argument numbers, and every keyword argument) hold the examples along axis 0,
+    which is removed for the trace. With `keep_batch_dim`, the arguments `expand`
+    (default: `mapped`) get a leading axis of size 1 back when `fun` is called: a
+    per-example PRNG key (`prng_argnum`) is mapped but not expanded. The
+    differentiated leaves are the floating-point leaves of the arguments `diff`.
+    """
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict,
+        diff: Sequence[int],
+        mapped: Sequence[int],
+        *,
+        strip: bool,
+        has_aux: bool,
+        keep_batch_dim: bool,
+        expand: Sequence[int] | None = None,
+    ):
+        self.diff = tuple(diff)
+        expand = tuple(mapped if expand is None else expand)
+        self.arg_defs = []
+        avals, positions, paths, example_positions = [], [], [], []
+        named = [(f"args[{i}]", a, i in mapped) for i, a in enumerate(args)]
+        named.append(("kwargs", kwargs, True))
+        self.diff_masks: list[list[bool]] = []
+        for i, (root, arg, is_mapped) in enumerate(named):
+            with_paths, treedef = jax.tree_util.tree_flatten_with_path(arg)
+            is_arr = [_axes.is_array(x) for _, x in with_paths]
+            self.arg_defs.append((treedef, is_arr))
+            mask = []
+            for (path, x), arr in zip(with_paths, is_arr):
+                if not arr:
+                    continue
+                aval = jax.typeof(x)
+                stripped = strip and is_mapped
+                shape = tuple(aval.shape[1:] if stripped else aval.shape)
+                position = len(avals)
+                avals.append(
+                    jax.ShapeDtypeStruct(
+                        shape,
+                        aval.dtype,
+                        weak_type=getattr(aval, "weak_type", False),
+                        sharding=_one_example_sharding(aval, stripped),
+                    )
+                )
+                if is_mapped:
+                    example_positions.append(position)
+                if i in self.diff:
+                    mask.append(_axes.is_inexact_array(x))
+                    if mask[-1]:
+                        positions.append(position)
+                        paths.append(root + jax.tree_util.keystr(path))
+            if i in self.diff:
+                self.diff_masks.append(mask)
+        self.batch_args = tuple(mapped)
+        self.keep_batch_dim = keep_batch_dim
+
+        def one(values: list) -> Any:
+            new_args, new_kwargs = self.rebuild(args, kwargs, values)
+            if keep_batch_dim:
+                for i in expand:
+                    new_args[i] = jax.tree.map(
+                        lambda x: jnp.expand_dims(x, 0), new_args[i]
+                    )
+            out = fun(*new_args, **new_kwargs)
+            return out if has_aux else (out, None)
+
+        closed, shape = jax.make_jaxpr(one, return_shape=True)(avals)
+        self.out_tree = jax.tree.structure(shape)
+        value = jax.tree.leaves(shape)[0] if jax.tree.leaves(shape) else None
+        self.value_aval = value
+        self.plan = Plan(closed, positions, example_positions, paths)
+        self._one = one
+        self._plan_args = (positions, example_positions, paths)
+        here = jax.sharding.get_abstract_mesh()
+        self._plans = {(here, tuple(self._leaf_types(avals))): self.plan}
+
+    def _leaf_types(self, values: Sequence[Any]) -> list[Any]:
+        return [jax.typeof(values[i]) for i in self.plan.diff_positions]
+
+    def plan_here(self, values: Sequence[Any]) -> Plan:
+        """The plan for one example's `values` in the current mesh context. A jaxpr
+        carries the mesh and the shardings it was traced with; inside a `shard_map`
+        (some axes manual) the loss is traced again, on `values` there, with the
+        same"""
+        mesh = jax.sharding.get_abstract_mesh()
+        key = (mesh, tuple(self._leaf_types(values)))
+        plan = self._plans.get(key)
+        if plan is None:
+            closed = jax.make_jaxpr(self._one)(list(values))
+            plan = Plan(closed, *self._plan_args)
+            if [(x.rule, [u.key for u in x.uses]) for x in plan.leaves] != [
+                (x.rule, [u.key for u in x.uses]) for x in self.plan.leaves
+            ]:
+                raise RuntimeError(
+                    "ghost clipping: the loss traces differently under the mesh "
+                    f"{mesh}; use method='vmap' here."
+                )
+            self._plans[key] = plan
+        return plan
+
+    def params_of(self, values: Sequence[Any]) -> list[Any]:
+        """The differentiated leaves among one example's `values`: what identifies
+        its plan (`plan_of`) where the example's other values are not at hand."""
+        return [values[i] for i in self.plan.diff_positions]
+
+    def plan_of(self, params: Sequence[Any]) -> Plan:
+        """The plan that `plan_here` made for an example whose differentiated
+        leaves are `params` (`params_of`), in the current mesh context: how a
+        chunk's sums find the plan of the examples they sum, from those examples'
+        own outputs."""
+        key = (
+            jax.sharding.get_abstract_mesh(),
+            tuple(jax.typeof(x) for x in params),
+        )
+        if key not in self._plans:
+            raise RuntimeError(
+                "ghost clipping: no example was traced with these parameter types "
+                "in this mesh context"
+            )
+        return self._plans[key]
+
+    def rebuild(self, args: Sequence[Any], kwargs: dict, values: Sequence[Any]):
+        """`(args, kwargs)` with their array leaves replaced by `values`."""
+        it = iter(values)
+        rebuilt = []
+        for (treedef, is_arr), arg in zip(self.arg_defs, [*args, kwargs]):
+            leaves = jax.tree.leaves(arg)
+            rebuilt.append(
+                treedef.unflatten(
+                    [next(it) if a else x for x, a in zip(leaves, is_arr)]
+                )
+            )
+        return rebuilt[:-1], rebuilt[-1]
+
+    def arrays(self, args: Sequence[Any], kwargs: dict) -> list[Any]:
+        """The array leaves of a call (the jaxpr's inputs), in order."""
+        out = []
+        for (_, is_arr), arg in zip(self.arg_defs, [*args, kwargs]):
+            out += [x for x, a in zip(jax.tree.leaves(arg), is_arr) if a]
+        return out
+
+    def grads_tree(self, values: Sequence[Any], single: bool) -> Any:
+        """Per-leaf values (one per differentiated leaf) structured like the
+        differentiated arguments, None at the other leaves."""
+        it = iter(values)
+        trees = []
+        for i, mask in zip(self.diff, self.diff_masks):
+            treedef, is_arr = self.arg_defs[i]
+            m = iter(mask)
+            trees.append(
+                treedef.unflatten(
+                    [next(it) if (a and next(m)) else None for a in is_arr]
+                )
+            )
+        return trees[0] if single else tuple(trees)
