@@ -507,9 +507,9 @@ class _GhostDots:
                     arrays_b[k][i],
                     arrays_b[k][j],
                 )
-                total = total + ghost.pair_term(p.kind, u, ai, v, bj, self.acc)
+                total = total + p.term(u, ai, v, bj, self.acc)
                 if i != j:  # the ordered pair (j, i) too: <G_j(a), G_i(b)>
-                    total = total + ghost.pair_term(p.kind, u, bi, v, aj, self.acc)
+                    total = total + p.term(u, bi, v, aj, self.acc)
         formed = _tree_vdot(grads_a, {k: grads_b[k] for k in grads_a})
         return total + formed.astype(self.acc)
 

@@ -29,7 +29,6 @@ and `_report` (`ghost_report`).
 """
 
 from ._context import explicit_spec as explicit_spec
-from ._forms import pair_term as pair_term
 from ._plan import (
     GHOST as GHOST,
     INSTANTIATED as INSTANTIATED,

@@ -1,5 +1,6 @@
 """Ghost forms: a use's per-example gradient as an einsum of arrays or as rows,
-without forming it; the cross term of two forms (`pair`, `pair_term`); and the
+without forming it (`EinsumForm`, `RowsForm`); the cross term of two forms, from a
+table keyed by their types (`PAIRS`, `pair`); and the
 masking of non-finite entries through the forms' arrays (`sanitize`)."""
 
 from __future__ import annotations
@@ -31,22 +32,17 @@ class _Fresh:
 
 @dataclasses.dataclass
 class Form:
-    """A use's gradient without forming it.
+    """A use's gradient without forming it: the arrays `build(recorded, delta)`
+    makes from one example's recorded operands and cotangent, of static `shapes`
+    and axis symbols `specs`. `leaf_symbols` is the view of the leaf the gradient
+    has (two forms pair only on equal views) and `box` the leaf entries it covers.
+    The kinds are `EinsumForm` and `RowsForm`; two forms meet through `PAIRS`."""
 
-    `kind == "einsum"`: `G = einsum(*arrays -> leaf symbols)` with `specs` the
-    operands' symbols; `kind == "rows"`: `G = scatter_add(rows, delta)` along leaf
-    axis `row` (arrays: `(rows, valid, delta)`; `specs[2]` the cotangent's symbols,
-    positions first). `build(recorded, delta)` makes the arrays of one example;
-    `shapes` are their static shapes; `leaf_symbols` is the view the gradient has
-    (pairs need equal views); `box` the leaf entries it covers."""
-
-    kind: str
     specs: list[tuple[Symbol, ...]]
     shapes: list[tuple[int, ...]]
     build: Callable[[Sequence[Any], Any], list[Any]]
     leaf_symbols: frozenset
     box: tuple
-    row: int | None = None
     build_cost: float = 0.0
     # every leaf axis is named, in full (so `gradient` can form G in the leaf's
     # layout, and non-finite entries can be masked: `sanitize`)
@@ -55,11 +51,41 @@ class Form:
 
     def gradient(
         self, arrays: Sequence[Any], shape: Sequence[int], batched: bool, spec: Any
-    ):
-        """`G` from the einsum form's arrays (summed over a leading axis of examples
-        when `batched`), in the leaf's layout: every leaf axis present, in full."""
-        if self.kind == "rows":
-            return self._rows_gradient(arrays, shape, batched, spec)
+    ) -> Any:
+        """`G` from the form's arrays (summed over a leading axis of examples when
+        `batched`), in the leaf's layout: needs a `complete` form."""
+        raise NotImplementedError
+
+    def inst_cost(self) -> float:
+        """Floating-point operations to instantiate `G` (one example)."""
+        raise NotImplementedError
+
+    def leaf_sizes(self) -> dict:
+        """The size of each leaf symbol the form names."""
+        sizes = {}
+        for spec, shape in zip(self.specs, self.shapes):
+            for sym, n in zip(spec, shape):
+                if sym[0] == "leaf":
+                    sizes[sym] = n
+        return sizes
+
+    @classmethod
+    def maskable(cls, forms: Sequence[Form]) -> bool:
+        """Whether `sanitize` can zero the non-finite entries of `sum_u G_u`
+        through these forms' arrays (all of this type and complete)."""
+        return False
+
+    @classmethod
+    def sanitize(cls, forms: Sequence[Form], arrays: Sequence[list]) -> list[list]:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class EinsumForm(Form):
+    """`G = einsum(*arrays -> leaf symbols)`, with `specs` the operands' symbols
+    (contractions, convolutions as patches)."""
+
+    def gradient(self, arrays, shape, batched, spec):
         out: list[Symbol] = []
         out_spec: list[Any] = []
         for j in range(len(shape)):
@@ -76,7 +102,34 @@ class Form:
         )
         return g.reshape(shape)
 
-    def _rows_gradient(self, arrays, shape, batched, spec):
+    def inst_cost(self) -> float:
+        return _einsum_cost(self.specs, self.shapes, tuple(sorted(self.leaf_symbols)))
+
+    @classmethod
+    def maskable(cls, forms):
+        """Every array's leaf axes are also carried together by some array of
+        every form."""
+        cylinders = [
+            {s for s in spec if s[0] == "leaf"} for f in forms for spec in f.specs
+        ]
+        return all(
+            any(c <= set(spec) for spec in f.specs) for c in cylinders for f in forms
+        )
+
+    @classmethod
+    def sanitize(cls, forms, arrays):
+        return _sanitize_einsum(forms, arrays)
+
+
+@dataclasses.dataclass
+class RowsForm(Form):
+    """`G = scatter_add(rows, delta)` along leaf axis `row` (embedding lookups):
+    arrays `(rows, valid, delta)`, `specs[2]` the cotangent's symbols, positions
+    first."""
+
+    row: int = 0
+
+    def gradient(self, arrays, shape, batched, spec):
         rows, valid, delta = arrays
         if batched:  # the chunk's examples' positions, all together
             rows, valid = rows.reshape(-1), valid.reshape(-1)
@@ -92,11 +145,25 @@ class Form:
         return g if want is None else jax.sharding.reshard(g, want)
 
     def inst_cost(self) -> float:
-        """Floating-point operations to instantiate `G` (one example)."""
-        if self.kind == "rows":
-            return float(math.prod(self.shapes[2]))
-        out = sorted(self.leaf_symbols)
-        return _einsum_cost(self.specs, self.shapes, tuple(out))
+        return float(math.prod(self.shapes[2]))
+
+    def leaf_sizes(self) -> dict:
+        # the row symbol's size: the table's rows, which the arrays do not carry
+        return {**super().leaf_sizes(), self.row_symbol: self.box[self.row][1]}
+
+    @property
+    def row_symbol(self) -> Symbol:
+        return ("leaf", self.row)
+
+    @classmethod
+    def maskable(cls, forms):
+        """The same leaf offsets in every form."""
+        offsets = {tuple(s for s in f.specs[2][1:] if s[0] == "leaf") for f in forms}
+        return len(offsets) == 1
+
+    @classmethod
+    def sanitize(cls, forms, arrays):
+        return _sanitize_rows(forms, arrays)
 
 
 def _letters(symbol_lists: Sequence[Sequence[Symbol]]) -> dict:
@@ -145,62 +212,129 @@ def _all_symbols(specs) -> set:
     return {s for spec in specs for s in spec}
 
 
-def _row_symbol(form: Form) -> Symbol:
-    return ("leaf", form.row)
+# -- pairs: the cross term <G_u, G_v> of two forms of one leaf, by their types --------
 
 
-# -- pairs -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Pair:
-    """How `<G_u, G_v>` is computed: "zero" (disjoint entries), "einsum", "rows",
-    "rows-einsum", or None (no ghost cross term: the leaf is instantiated)."""
+    """How `<G_u, G_v>` of one example is computed from the two forms' arrays:
+    `term(u, arrays_u, v, arrays_v, acc)`, at `cost` floating-point operations;
+    `kind` names it ("zero" for disjoint entries, "einsum", "rows",
+    "rows-einsum")."""
 
-    kind: str | None
-    cost: float = 0.0
+    kind: str
+    cost: float
+    term: Callable[..., Any]
 
 
-def pair(u: Form, v: Form) -> Pair:
-    """The ghost cross term of two forms of one leaf, and its cost."""
+@dataclasses.dataclass(frozen=True)
+class PairRule:
+    """The cross term of two form types: `cost(u, v)` (None: none exists for these
+    two forms) and `term`, as in `Pair`."""
+
+    kind: str
+    cost: Callable[[Form, Form], float | None]
+    term: Callable[..., Any]
+
+    def swapped(self) -> PairRule:
+        """The rule for the two types the other way round."""
+        return PairRule(
+            self.kind,
+            lambda u, v: self.cost(v, u),
+            lambda u, au, v, av, acc: self.term(v, av, u, au, acc),
+        )
+
+
+def pair(u: Form, v: Form) -> Pair | None:
+    """The ghost cross term of two forms of one leaf (None: there is none, and the
+    leaf is instantiated)."""
     if any(_boxes_disjoint(a, b) for a, b in zip(u.box, v.box)):
-        return Pair("zero")
+        return Pair("zero", 0.0, _zero_term)
     if u.box != v.box or u.leaf_symbols != v.leaf_symbols:
-        return Pair(None)
-    if _leaf_sizes(u) != _leaf_sizes(v):  # e.g. one kernel, two group counts
-        return Pair(None)
-    if u.kind == "einsum" and v.kind == "einsum":
-        vs = _rename(v.specs, _all_symbols(u.specs))
-        return Pair("einsum", _einsum_cost([*u.specs, *vs], [*u.shapes, *v.shapes]))
-    if u.kind == "rows" and v.kind == "rows":
-        if u.row != v.row:
-            return Pair(None)
-        p, q = u.shapes[2][0], v.shapes[2][0]
-        return Pair("rows", float(p * q * (math.prod(u.shapes[2][1:]) + 2)))
-    rows, dense = (u, v) if u.kind == "rows" else (v, u)
-    if _row_symbol(rows) not in dense.leaf_symbols:
-        return Pair(None)
+        return None
+    if u.leaf_sizes() != v.leaf_sizes():  # e.g. one kernel, two group counts
+        return None
+    rule = PAIRS.get((type(u), type(v)))
+    cost = None if rule is None else rule.cost(u, v)
+    return None if cost is None else Pair(rule.kind, cost, rule.term)
+
+
+def _zero_term(u: Form, au: list, v: Form, av: list, acc: Any) -> Any:
+    return jnp.zeros((), acc)
+
+
+def _einsum_cost_of(u: EinsumForm, v: EinsumForm) -> float:
+    vs = _rename(v.specs, _all_symbols(u.specs))
+    return _einsum_cost([*u.specs, *vs], [*u.shapes, *v.shapes])
+
+
+def _einsum_term(u: EinsumForm, au: list, v: EinsumForm, av: list, acc: Any) -> Any:
+    vs = _rename(v.specs, _all_symbols(u.specs))
+    ops = [x.astype(acc) for x in (*au, *av)]
+    return jnp.einsum(
+        _equation([*u.specs, *vs]),
+        *ops,
+        optimize="optimal",
+        out_sharding=explicit_spec(),
+    )
+
+
+def _rows_cost(u: RowsForm, v: RowsForm) -> float | None:
+    if u.row != v.row:
+        return None
+    p, q = u.shapes[2][0], v.shapes[2][0]
+    return float(p * q * (math.prod(u.shapes[2][1:]) + 2))
+
+
+def _rows_term(u: RowsForm, au: list, v: RowsForm, av: list, acc: Any) -> Any:
+    (ru, mu, du), (rv, mv, dv) = au, av
+    gram = _rows_gram(u, du, v, dv, acc)
+    same = (ru[:, None] == rv[None, :]) & mu[:, None] & mv[None, :]
+    return jnp.sum(jnp.where(same, gram, 0))
+
+
+def _rows_dense_cost(rows: RowsForm, dense: EinsumForm) -> float | None:
+    if rows.row_symbol not in dense.leaf_symbols:
+        return None
     specs, shapes = _gathered(dense, rows)
-    return Pair("rows-einsum", _einsum_cost(specs, shapes))
+    return _einsum_cost(specs, shapes)
 
 
-def _leaf_sizes(form: Form) -> dict:
-    """The size of each leaf symbol of a form (the row symbol of a row form: its
-    rows, which its own arrays do not carry)."""
-    sizes = {}
-    for spec, shape in zip(form.specs, form.shapes):
-        for sym, n in zip(spec, shape):
-            if sym[0] == "leaf":
-                sizes[sym] = n
-    if form.kind == "rows":
-        sizes[_row_symbol(form)] = form.box[form.row][1]
-    return sizes
+def _rows_dense_term(
+    rows: RowsForm, ar: list, dense: EinsumForm, ad: list, acc: Any
+) -> Any:
+    """A lookup table meeting a contraction (a tied output layer): the dense form's
+    operands that carry the row symbol, gathered at the looked-up rows."""
+    r, valid, delta = ar
+    specs, _ = _gathered(dense, rows)
+    row = rows.row_symbol
+    ops = []
+    for spec, x in zip(dense.specs, ad):
+        if row in spec:
+            x = jnp.take(x, r, axis=spec.index(row), mode="clip")
+        ops.append(x.astype(acc))
+    mask = valid.reshape(valid.shape + (1,) * (delta.ndim - 1))
+    ops.append(jnp.where(mask, delta, 0).astype(acc))
+    return jnp.einsum(
+        _equation(specs), *ops, optimize="optimal", out_sharding=explicit_spec()
+    )
 
 
-def _gathered(dense: Form, rows: Form) -> tuple[list, list]:
+_ROWS_DENSE = PairRule("rows-einsum", _rows_dense_cost, _rows_dense_term)
+PAIRS: dict[tuple[type, type], PairRule] = {
+    (EinsumForm, EinsumForm): PairRule("einsum", _einsum_cost_of, _einsum_term),
+    (RowsForm, RowsForm): PairRule("rows", _rows_cost, _rows_term),
+    (RowsForm, EinsumForm): _ROWS_DENSE,
+    (EinsumForm, RowsForm): _ROWS_DENSE.swapped(),
+}
+"""The cross terms, keyed by the two forms' types: a new form type adds its rows
+here (a missing pair makes the leaf instantiated, which is always exact)."""
+
+
+def _gathered(dense: EinsumForm, rows: RowsForm) -> tuple[list, list]:
     """The einsum `<G_rows, G_dense>`: the dense form's operands that carry the row
     symbol taken at the rows' positions, with the rows' cotangent."""
-    row = _row_symbol(rows)
+    row = rows.row_symbol
     position = ("position",)
     specs, shapes = [], []
     for spec, shape in zip(dense.specs, dense.shapes):
@@ -216,41 +350,7 @@ def _gathered(dense: Form, rows: Form) -> tuple[list, list]:
     return specs, shapes
 
 
-def pair_term(kind: str, u: Form, au: list, v: Form, av: list, acc: Any) -> Any:
-    """`<G_u, G_v>` of one example from the forms' arrays, in dtype `acc`."""
-    if kind == "zero":
-        return jnp.zeros((), acc)
-    if kind == "einsum":
-        vs = _rename(v.specs, _all_symbols(u.specs))
-        ops = [x.astype(acc) for x in (*au, *av)]
-        return jnp.einsum(
-            _equation([*u.specs, *vs]),
-            *ops,
-            optimize="optimal",
-            out_sharding=explicit_spec(),
-        )
-    if kind == "rows":
-        (ru, mu, du), (rv, mv, dv) = au, av
-        gram = _rows_gram(u, du, v, dv, acc)
-        same = (ru[:, None] == rv[None, :]) & mu[:, None] & mv[None, :]
-        return jnp.sum(jnp.where(same, gram, 0))
-    rows, ar, dense, ad = (u, au, v, av) if u.kind == "rows" else (v, av, u, au)
-    r, valid, delta = ar
-    specs, _ = _gathered(dense, rows)
-    row = _row_symbol(rows)
-    ops = []
-    for spec, x in zip(dense.specs, ad):
-        if row in spec:
-            x = jnp.take(x, r, axis=spec.index(row), mode="clip")
-        ops.append(x.astype(acc))
-    mask = valid.reshape(valid.shape + (1,) * (delta.ndim - 1))
-    ops.append(jnp.where(mask, delta, 0).astype(acc))
-    return jnp.einsum(
-        _equation(specs), *ops, optimize="optimal", out_sharding=explicit_spec()
-    )
-
-
-def _rows_gram(u: Form, du: Any, v: Form, dv: Any, acc: Any) -> Any:
+def _rows_gram(u: RowsForm, du: Any, v: RowsForm, dv: Any, acc: Any) -> Any:
     """`<delta_u[t], delta_v[s]>` for all positions t, s (offsets contracted)."""
     su = u.specs[2]
     (sv,) = _rename([v.specs[2]], _all_symbols([su]))
@@ -266,20 +366,11 @@ def _rows_gram(u: Form, du: Any, v: Form, dv: Any, acc: Any) -> Any:
 
 def maskable(forms: Sequence[Form]) -> bool:
     """Whether the non-finite entries of `sum_u G_u` can be zeroed through the
-    forms' arrays (`sanitize`): complete einsum forms in which every array's leaf
-    axes are also carried together by some array of every form, or complete row
-    forms with the same offsets."""
+    forms' arrays (`sanitize`): complete forms of one type that its rule allows."""
     if not forms or not all(f.complete for f in forms):
         return False
-    if all(f.kind == "rows" for f in forms):
-        offsets = {tuple(s for s in f.specs[2][1:] if s[0] == "leaf") for f in forms}
-        return len(offsets) == 1
-    if not all(f.kind == "einsum" for f in forms):
-        return False
-    cylinders = [{s for s in spec if s[0] == "leaf"} for f in forms for spec in f.specs]
-    return all(
-        any(c <= set(spec) for spec in f.specs) for c in cylinders for f in forms
-    )
+    kinds = {type(f) for f in forms}
+    return len(kinds) == 1 and kinds.pop().maskable(forms)
 
 
 def sanitize(forms: Sequence[Form], arrays: Sequence[list]) -> list[list]:
@@ -295,8 +386,10 @@ def sanitize(forms: Sequence[Form], arrays: Sequence[list]) -> list[list]:
     leaf axes; zeroing every array at every cylinder over its own axes leaves the
     finite entries as they were and makes the others 0. Row forms: `G[r, o]` is not
     finite when a position looking up row `r` has a non-finite cotangent at `o`."""
-    if forms[0].kind == "rows":
-        return _sanitize_rows(forms, arrays)
+    return type(forms[0]).sanitize(forms, arrays)
+
+
+def _sanitize_einsum(forms: Sequence[Form], arrays: Sequence[list]) -> list[list]:
     cylinders = []
     for f, arrs in zip(forms, arrays):
         for spec, x in zip(f.specs, arrs):

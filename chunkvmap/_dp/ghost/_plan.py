@@ -18,7 +18,7 @@ from jax import lax
 from ..._core._jaxprs import call_jaxpr, open_jaxpr
 from ._chains import Op, chain_op, layout_of
 from ._context import bind
-from ._forms import maskable, pair, pair_term, sanitize
+from ._forms import maskable, pair, sanitize
 from ._rules import RULES, Use, rule_kind
 
 
@@ -149,7 +149,7 @@ class Plan:
         for i in range(n):
             for j in range(i, n):
                 p = pair(leaf.uses[i].form, leaf.uses[j].form)
-                if p.kind is None:
+                if p is None:
                     leaf.rule, leaf.pairs = INSTANTIATED, {}
                     leaf.reason = f"{where}: no ghost cross term between uses"
                     return
@@ -523,7 +523,7 @@ class Plan:
         total = jnp.zeros((), acc)
         for (i, j), p in leaf.pairs.items():
             u, v = leaf.uses[i], leaf.uses[j]
-            term = pair_term(p.kind, u.form, arrays[i], v.form, arrays[j], acc)
+            term = p.term(u.form, arrays[i], v.form, arrays[j], acc)
             total = total + (term if i == j else 2 * term)
         return total
 

@@ -47,7 +47,7 @@ from jax import lax
 
 from ._chains import Axis, Layout, Op
 from ._context import bind, explicit_spec
-from ._forms import Form, Symbol, _Fresh
+from ._forms import EinsumForm, Form, RowsForm, Symbol, _Fresh
 
 
 @dataclasses.dataclass
@@ -468,8 +468,7 @@ class Gather(Rule):
         syms = frozenset(
             s for s in (("leaf", layout.axes[r].leaf), *off_syms) if s[0] == "leaf"
         )
-        form = Form(
-            "rows",
+        form = RowsForm(
             [(), (), (("position",), *off_syms)],
             [(positions,), (positions,), (positions, *off_shape)],
             build,
@@ -548,7 +547,7 @@ def _einsum_form(specs, shapes, build, layout: Layout, use: Use) -> Form | None:
     leaf_axes = {s[1] for s in syms}
     if leaf_axes != set(layout.present()):
         return None
-    form = Form("einsum", specs, shapes, build, syms, layout.box)
+    form = EinsumForm(specs, shapes, build, syms, layout.box)
     form.complete = _complete(layout, use.leaf_aval.shape)
     return form
 
