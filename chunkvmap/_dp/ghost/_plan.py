@@ -1,5 +1,5 @@
 """The ghost plan of one example's loss: every use of every differentiated leaf
-(the analysis, `Plan._walk`), each leaf's rule (the mixed rule, `Plan._choose`),
+(the analysis, `Plan.walk`), each leaf's rule (the mixed rule, `Plan._choose`),
 and the instrumented evaluation that records the uses' operands and takes their
 cotangents (`Plan.run`, `Plan.backward`)."""
 
@@ -7,24 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
-from jax import lax
 
-from ..._core._jaxprs import call_jaxpr, open_jaxpr
-from ._chains import Op, chain_op, layout_of
+from ._chains import layout_of
 from ._context import bind
 from ._forms import maskable, pair, sanitize
-from ._rules import RULES, Use, rule_kind
+from ._primitives import PLAIN, Info, handler
+from ._rules import Use, rule_kind
 
-
-_INLINE = ("pjit", "jit", "closed_call", "core_call")
-_REMAT = ("checkpoint", "remat", "remat2")
-_CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
 
 GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED = (
     "ghost",
@@ -32,11 +27,6 @@ GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED = (
     "per-example",
     "unused",
 )
-
-
-def _bind_eqn(eqn: Any, ins: Sequence[Any]) -> list[Any]:
-    outs = bind(eqn.primitive, ins, eqn.params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 @dataclasses.dataclass
@@ -53,20 +43,6 @@ class Leaf:
     @property
     def size(self) -> int:
         return math.prod(self.shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Info:
-    """What the analysis knows of a value: the leaf it is a chain of (`origin`:
-    (leaf, chain, levels)), whether it depends on the example, and its value when
-    it is a known constant."""
-
-    origin: Any = None
-    tainted: bool = False
-    const: Any = None
-
-
-_PLAIN = _Info()
 
 
 class Plan:
@@ -94,13 +70,13 @@ class Plan:
         for leaf in self.leaves:
             if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
                 self._flag(leaf, "complex-valued (ghost norms are for real leaves)")
-        infos = [_PLAIN] * len(jaxpr.invars)
+        infos = [PLAIN] * len(jaxpr.invars)
         for k, i in enumerate(self.diff_positions):
-            infos[i] = _Info((k, (), ()))
+            infos[i] = Info((k, (), ()))
         for i in example_positions:
-            infos[i] = _Info(tainted=True)
+            infos[i] = Info(tainted=True)
         self.uses: list[Use] = []
-        outs = self._walk(jaxpr, closed.consts, infos, (), True)
+        outs = self.walk(jaxpr, closed.consts, infos, (), True)
         for info in outs:
             if info.origin is not None:
                 self._flag(self.leaves[info.origin[0]], "returned by the function")
@@ -163,183 +139,59 @@ class Plan:
 
     # -- analysis ----------------------------------------------------------------------
 
-    def _walk(
+    def flag_leaf(self, k: int, reason: str) -> None:
+        """Leaf `k` falls back to per-example gradients, for `reason`."""
+        self._flag(self.leaves[k], reason)
+
+    def flag_all(self, infos: Sequence[Info], reason: str) -> None:
+        """Every leaf that one of `infos` is a chain of falls back, for `reason`."""
+        for info in infos:
+            if info.origin is not None:
+                self._flag(self.leaves[info.origin[0]], reason)
+
+    def add_use(self, k, path, eqn, slot, chain, levels, rule) -> None:
+        """A use of leaf `k`: operand `slot` of `eqn` at `path`, by `rule`."""
+        x = self.leaves[k]
+        record = rule.record(eqn, slot)
+        aval = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        use = Use(k, path, eqn, slot, chain, levels, rule, record, aval)
+        use.leaf_spec = self.leaf_specs[k]
+        x.uses.append(use)
+
+    def walk(
         self,
         jaxpr: Any,
         consts: Sequence[Any],
-        infos: Sequence[_Info],
+        infos: Sequence[Info],
         path: tuple,
         record: bool,
-    ) -> list[_Info]:
+    ) -> list[Info]:
         """The infos of `jaxpr`'s outputs; with `record`, uses and fallbacks are
-        noted (without, only dependence on the example is propagated)."""
-        env: dict[Any, _Info] = {}
+        noted (without, only dependence on the example is propagated). Each
+        equation that reads a leaf goes to its primitive's handler."""
+        env: dict[Any, Info] = {}
         for v, c in zip(jaxpr.constvars, consts):
-            env[v] = _Info(const=c)
+            env[v] = Info(const=c)
         for v in jaxpr.constvars[len(consts) :]:
-            env[v] = _PLAIN
+            env[v] = PLAIN
         for v, info in zip(jaxpr.invars, infos):
             env[v] = info
 
-        def read(v: Any) -> _Info:
+        def read(v: Any) -> Info:
             if isinstance(v, jcore.Literal):
-                return _Info(const=v.val)
+                return Info(const=v.val)
             return env[v]
 
-        def flag(ins: Sequence[_Info], reason: str) -> None:
-            if record:
-                for info in ins:
-                    if info.origin is not None:
-                        self._flag(self.leaves[info.origin[0]], reason)
-
         for k, eqn in enumerate(jaxpr.eqns):
-            here = (*path, k)
             ins = [read(v) for v in eqn.invars]
-            name = eqn.primitive.name
-            tainted = any(i.tainted for i in ins)
-            plain = [_Info(tainted=tainted)] * len(eqn.outvars)
-            if not any(i.origin is not None for i in ins):
-                outs = plain
-            elif name in _INLINE or name in _REMAT:
-                sub, sub_consts = call_jaxpr(eqn)
-                outs = self._walk(sub, sub_consts, ins, (*here, 0), record)
-            elif name == "scan":
-                outs = self._walk_scan(eqn, ins, here, record)
-            elif name == "cond":
-                outs = self._walk_cond(eqn, ins, here, record)
-            elif name in _CUSTOM:
-                fun = eqn.params.get("name", "")
-                flag(
-                    ins,
-                    f"enters {name} {fun!s} (its own derivative rule: per-example "
-                    f"gradients keep it)".replace("  ", " "),
-                )
-                outs = plain
-            elif name == "while":
-                flag(ins, "enters a while loop")
-                outs = plain
+            if any(i.origin is not None for i in ins):
+                outs = handler(eqn).walk(self, eqn, ins, (*path, k), record)
             else:
-                outs = self._walk_eqn(eqn, ins, here, record, tainted)
+                outs = [Info(tainted=any(i.tainted for i in ins))] * len(eqn.outvars)
             for v, info in zip(eqn.outvars, outs):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = info
         return [read(v) for v in jaxpr.outvars]
-
-    def _walk_eqn(self, eqn, ins, here, record, tainted) -> list[_Info]:
-        name = eqn.primitive.name
-        params = [(s, i.origin) for s, i in enumerate(ins) if i.origin is not None]
-        consts = [i.const for i in ins]
-        if len(params) == 1 and not tainted:
-            slot, (leaf, chain, lv) = params[0]
-            steps = [
-                chain_op(eqn, slot, index, consts) for index in range(len(eqn.outvars))
-            ]
-            if all(s is not None for s in steps):
-                return [_Info((leaf, (*chain, s), lv)) for s in steps]
-        rule = RULES.get(name)
-        if rule is None:
-            if record:
-                for _, origin in params:
-                    self._flag(self.leaves[origin[0]], f"used by {name}")
-            return [_Info(tainted=tainted)] * len(eqn.outvars)
-        taints = [i.tainted for i in ins]
-        complex_values = any(
-            jnp.issubdtype(v.aval.dtype, jnp.complexfloating)
-            for v in (*eqn.invars, *eqn.outvars)
-        )
-        for slot, (leaf, chain, lv) in params:
-            if complex_values:  # a real leaf's gradient is then a real part
-                reason = f"used by {name} with complex values"
-            else:
-                reason = rule.accepts(eqn, slot, taints)
-            if not record:
-                continue
-            if reason is not None:
-                self._flag(self.leaves[leaf], reason)
-                continue
-            x = self.leaves[leaf]
-            x.uses.append(
-                Use(
-                    leaf,
-                    here,
-                    eqn,
-                    slot,
-                    chain,
-                    lv,
-                    rule,
-                    rule.record(eqn, slot),
-                    jax.ShapeDtypeStruct(x.shape, x.dtype),
-                    self.leaf_specs[leaf],
-                )
-            )
-        return [_Info(tainted=tainted)] * len(eqn.outvars)
-
-    def _walk_scan(self, eqn, ins, here, record) -> list[_Info]:
-        p = eqn.params
-        nc, ncar, length = p["num_consts"], p["num_carry"], p["length"]
-        body, body_consts = open_jaxpr(p["jaxpr"])
-        consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
-        if record:
-            for info in init:
-                if info.origin is not None:
-                    self._flag(self.leaves[info.origin[0]], "carried through a scan")
-        inner_consts = [
-            _Info((i.origin[0], i.origin[1], (*i.origin[2], ("repeat", length))), False)
-            if i.origin is not None
-            else i
-            for i in consts
-        ]
-        inner_xs = [
-            _Info(
-                (
-                    i.origin[0],
-                    (*i.origin[1], Op("stack")),
-                    (*i.origin[2], ("stack", length)),
-                ),
-                False,
-            )
-            if i.origin is not None
-            else _Info(tainted=i.tainted)
-            for i in xs
-        ]
-        carry = [_Info(tainted=i.tainted) for i in init]
-        sub = (*here, 0)
-        for _ in range(ncar + 1):  # the carry's dependence on the example: a fixpoint
-            outs = self._walk(
-                body, body_consts, [*inner_consts, *carry, *inner_xs], sub, False
-            )
-            new = [_Info(tainted=c.tainted or o.tainted) for c, o in zip(carry, outs)]
-            if new == carry:
-                break
-            carry = new
-        outs = self._walk(
-            body, body_consts, [*inner_consts, *carry, *inner_xs], sub, record
-        )
-        if record:
-            for info in outs:
-                if info.origin is not None:
-                    self._flag(self.leaves[info.origin[0]], "returned from a scan body")
-        return [_Info(tainted=o.tainted) for o in outs]
-
-    def _walk_cond(self, eqn, ins, here, record) -> list[_Info]:
-        index, ops = ins[0], ins[1:]
-        if record and index.origin is not None:
-            self._flag(self.leaves[index.origin[0]], "used as a cond index")
-        branch_outs = []
-        for b, branch in enumerate(eqn.params["branches"]):
-            sub, sub_consts = open_jaxpr(branch)
-            outs = self._walk(sub, sub_consts, ops, (*here, b), record)
-            if record:
-                for info in outs:
-                    if info.origin is not None:
-                        self._flag(
-                            self.leaves[info.origin[0]], "returned from a cond branch"
-                        )
-            branch_outs.append(outs)
-        return [
-            _Info(tainted=index.tainted or any(o.tainted for o in outs))
-            for outs in zip(*branch_outs)
-        ]
 
     # -- the instrumented evaluation -------------------------------------------------
 
@@ -369,145 +221,45 @@ class Plan:
         """The jaxpr's outputs at `invals`, with `probes[path]` added to the output
         of each use, and the operands each use records (`{use.key: [arrays]}`)."""
         records: dict = {}
-        outs = self._run(
+        outs = self.run_jaxpr(
             self.closed.jaxpr, self.closed.consts, invals, probes, (), 0, records
         )
         return outs, records
 
-    def _inside(self, prefix: tuple) -> tuple[list, list]:
+    def inside(self, prefix: tuple) -> tuple[list, list]:
         """The probe paths and use keys under `prefix`."""
         n = len(prefix)
         paths = [p for p in self.probe_paths if p[:n] == prefix]
         keys = [u.key for u in self.uses if u.path[:n] == prefix]
         return paths, keys
 
-    def _run(self, jaxpr, consts, args, probes, path, depth, records) -> list:
+    @staticmethod
+    def bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
+        """`eqn` bound on `ins` in the current context, its outputs as a list."""
+        outs = bind(eqn.primitive, ins, eqn.params)
+        return list(outs) if eqn.primitive.multiple_results else [outs]
+
+    def run_jaxpr(self, jaxpr, consts, args, probes, path, depth, records) -> list:
+        """`jaxpr` at `args`; each equation that is, or holds, a use goes to its
+        primitive's handler (`depth`: the scans around `jaxpr`)."""
         env: dict[Any, Any] = {}
 
         def read(v: Any) -> Any:
             return v.val if isinstance(v, jcore.Literal) else env[v]
 
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
         for k, eqn in enumerate(jaxpr.eqns):
             here = (*path, k)
             ins = [read(v) for v in eqn.invars]
-            name = eqn.primitive.name
-            if here not in self.touched:
-                outs = _bind_eqn(eqn, ins)
-            elif name in _INLINE:
-                sub, sub_consts = call_jaxpr(eqn)
-                outs = self._run(
-                    sub, sub_consts, ins, probes, (*here, 0), depth, records
-                )
-            elif name in _REMAT:
-                outs = self._run_remat(eqn, ins, probes, here, depth, records)
-            elif name == "scan":
-                outs = self._run_scan(eqn, ins, probes, here, depth, records)
-            elif name == "cond":
-                outs = self._run_cond(eqn, ins, probes, here, depth, records)
+            if here in self.touched:
+                outs = handler(eqn).run(self, eqn, ins, probes, here, depth, records)
             else:
-                outs = _bind_eqn(eqn, ins)
-                outs = [outs[0] + probes[here]]
-                for use in self.uses_at[here]:
-                    records[use.key] = [ins[i] for i in use.record]
+                outs = self.bind(eqn, ins)
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = x
         return [read(v) for v in jaxpr.outvars]
-
-    def _run_remat(self, eqn, ins, probes, here, depth, records) -> list:
-        sub, sub_consts = call_jaxpr(eqn)
-        paths, keys = self._inside((*here, 0))
-
-        def body(ins: list, prs: list) -> Any:
-            recs: dict = {}
-            outs = self._run(
-                sub, sub_consts, ins, dict(zip(paths, prs)), (*here, 0), depth, recs
-            )
-            return outs, [recs[k] for k in keys]
-
-        p = eqn.params
-        outs, recs = jax.checkpoint(
-            body, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy")
-        )(list(ins), [probes[q] for q in paths])
-        records.update(zip(keys, recs))
-        return outs
-
-    def _run_scan(self, eqn, ins, probes, here, depth, records) -> list:
-        p = eqn.params
-        nc, ncar = p["num_consts"], p["num_carry"]
-        body, body_consts = open_jaxpr(p["jaxpr"])
-        consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
-        sub = (*here, 0)
-        paths, keys = self._inside(sub)
-
-        def step(carry: list, x: Any) -> Any:
-            xs_i, prs = x
-            recs: dict = {}
-            outs = self._run(
-                body,
-                body_consts,
-                [*consts, *carry, *xs_i],
-                dict(zip(paths, prs)),
-                sub,
-                depth + 1,
-                recs,
-            )
-            return outs[:ncar], (outs[ncar:], [recs[k] for k in keys])
-
-        carry, (ys, recs) = lax.scan(
-            step,
-            list(init),
-            (list(xs), [probes[q] for q in paths]),
-            length=p["length"],
-            reverse=p["reverse"],
-            unroll=p["unroll"],
-        )
-        records.update(zip(keys, recs))
-        return [*carry, *ys]
-
-    def _run_cond(self, eqn, ins, probes, here, depth, records) -> list:
-        index, ops = ins[0], ins[1:]
-        paths, keys = self._inside(here)
-        by_key = {u.key: u for u in self.uses}
-        branches = eqn.params["branches"]
-
-        def branch(b: int) -> Callable[..., Any]:
-            sub, sub_consts = open_jaxpr(branches[b])
-
-            def fn(ops: list, prs: list) -> Any:
-                recs: dict = {}
-                outs = self._run(
-                    sub,
-                    sub_consts,
-                    ops,
-                    dict(zip(paths, prs)),
-                    (*here, b),
-                    depth,
-                    recs,
-                )
-                full = []
-                for key in keys:
-                    if key in recs:
-                        full.append(recs[key])
-                    else:  # another branch's use: zeros
-                        avals = by_key[key].record_avals(depth)
-                        full.append([jnp.zeros(a.shape, a.dtype) for a in avals])
-                return outs, full
-
-            return fn
-
-        outs, recs = lax.switch(
-            index,
-            [branch(b) for b in range(len(branches))],
-            list(ops),
-            [probes[q] for q in paths],
-        )
-        records.update(zip(keys, recs))
-        return outs
 
     # -- norms and sums ----------------------------------------------------------------
 
