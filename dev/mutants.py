@@ -246,10 +246,32 @@ MUTANTS = {
     "ghost: nan_safe's masked leaf's norm taken as finite": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "raw = raw + jnp.where(\n"
-            "                all_finite(plan.arrays(k, records, deltas)), s, jnp.nan\n"
-            "            )",
+            "raw = raw + jnp.where(finite, s, jnp.nan)",
             "raw = raw + s",
+        ),
+        GHOST_TESTS,
+    ),
+    "ghost: a scan's constant leaf taken as stacked": (
+        (
+            "chunkvmap/_dp/ghost/_primitives.py",
+            'inner = [_level(i, ("repeat", length), None) for i in consts]',
+            'inner = [_level(i, ("stack", length), None) for i in consts]',
+        ),
+        GHOST_TESTS,
+    ),
+    "ghost: a rows form meeting a dense one the other way round unswapped": (
+        (
+            "chunkvmap/_dp/ghost/_forms.py",
+            "(EinsumForm, RowsForm): _ROWS_DENSE.swapped(),",
+            "(EinsumForm, RowsForm): _ROWS_DENSE,",
+        ),
+        GHOST_TESTS,
+    ),
+    "ghost: nan_safe's fix of non-finite examples skipped": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "                jnp.any(chosen),\n",
+            "                jnp.any(chosen) & False,\n",
         ),
         GHOST_TESTS,
     ),

@@ -324,12 +324,9 @@ def _clipped_sums(
         extra.append(padding)
 
     if config.method == "ghost" and size > 0:
-        ghost = _ghost_sums(
-            setup, fun, config, args, in_axes, kwargs, diff, batch_args, extra, size,
-            known,
-        )  # fmt: skip
-        if ghost is not None:
-            return ghost
+        sums = _GhostSums(setup, fun, config, args, in_axes, kwargs, diff, batch_args)
+        if sums.report.runs == "ghost":  # (else nothing to gain: the per-example path)
+            return (*sums(setup, args, in_axes, kwargs, extra, known), size)
 
     value_and_grad = filtered_value_and_grad(
         fun, diff, setup.single, config.has_aux, name, _note(name, fun, config)
@@ -377,128 +374,129 @@ def _clipped_sums(
     return total, extras, size
 
 
-def _ghost_sums(
-    setup: GradSetup,
-    fun: Callable[..., Any],
-    config: _Clipping,
-    args: list,
-    in_axes: list,
-    kwargs: dict,
-    diff: tuple[int, ...],
-    batch_args: list[int],
-    extra: list,
-    size: int,
-    known: _cache.Known,
-) -> tuple[Any, AuxiliaryOutput, int] | None:
-    """`_clipped_sums` by ghost clipping (`_ghost`): the same results, without
-    per-example gradients of the leaves whose uses have rules; None when no leaf has
-    a ghost norm (the per-example path is then the cheaper one)."""
-    name = setup.name
-    args = list(args)  # (Python floats made differentiable by `_clipped_sums`)
-    note = _note(name, fun, config)
+class _Parts(NamedTuple):
+    """What one example of ghost clipping leaves for its chunk's sum."""
 
-    def noted(*args: Any, **kwargs: Any) -> Any:
-        with noting_errors(note):
-            return fun(*args, **kwargs)
+    scale: jax.Array  # its clip factor
+    keep: jax.Array  # whether its gradient enters the sum (not padding, ...)
+    finite: jax.Array  # whether its `other` leaves' records are finite
+    pad: Any  # its padding flag, or None
+    safe_sq: jax.Array  # ||G||^2 of the leaves not in `other`, made finite
+    raw: jax.Array  # the same, as it is
+    arrays: dict  # the `masked` leaves' form arrays, made finite
+    grads: dict  # the `formed` leaves' gradients (made finite with nan_safe)
+    pe_grads: list  # the per-example leaves' gradients (likewise)
 
-    with _single_example_hint(name, config):
-        traced = ghost.Traced(
-            noted,
-            args,
-            kwargs,
-            diff,
-            # the examples' arguments, and the per-example keys of prng_argnum (split
-            # into one key per example, but passed to `fun` without a batch axis)
-            [i for i, a in enumerate(in_axes) if a is not None],
-            strip=True,
-            has_aux=config.has_aux,
-            keep_batch_dim=config.keep_batch_dim,
-            expand=batch_args,
-        )
-    check_scalar_loss(name, traced)
-    report = ghost.report_of(traced.plan)
-    plan = traced.plan
-    _warn_fallback(setup, fun, report)
-    if report.runs == "vmap":
-        return None  # nothing to gain: the per-example path itself
-    leaves = plan.leaves
-    pe = [k for k, x in enumerate(leaves) if x.rule == ghost.PER_EXAMPLE]
-    ruled = [
-        k for k, x in enumerate(leaves) if x.rule in (ghost.GHOST, ghost.INSTANTIATED)
-    ]
-    # What a chunk keeps of each rule leaf for its sum: the instantiated gradients
-    # where they are smaller than the operands they come from (biases, scales) or
-    # have to be masked (`formed`); the arrays of the leaves whose non-finite entries
-    # can be masked through them (`masked`, with nan_safe); the recorded operands and
-    # cotangents of the others (`other`). With nan_safe, each example's non-finite
-    # gradient entries are zeroed before its norm, except `other`'s, whose non-finite
-    # examples are fixed after the chunk's sum (`nan_safe_fix`).
-    safe = config.nan_safe
-    masked = [k for k in ruled if safe and plan.maskable(k)]
-    formed = [
-        k
-        for k in ruled
-        if k not in masked
-        and leaves[k].rule == ghost.INSTANTIATED
-        and (safe or leaves[k].size <= plan.operand_size(k))
-    ]
-    other = [k for k in ruled if k not in masked and k not in formed]
-    other_keys = {u.key for k in other for u in leaves[k].uses}
-    other_paths = {u.path for k in other for u in leaves[k].uses}
-    acc = ghost.accumulation_dtype([x.dtype for x in leaves])  # as global_norm's
-    has_pad = bool(extra)  # the padding flags
-    n_args = len(args)
 
-    def sq(x: jax.Array) -> jax.Array:
-        return jnp.sum(jnp.square(jnp.abs(x).astype(acc)))
+def _squared(x: jax.Array, acc: Any) -> jax.Array:
+    return jnp.sum(jnp.square(jnp.abs(x).astype(acc)))
 
-    def kept_and_squares(g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+
+def _all_finite(tree: Any) -> jax.Array:
+    ok = jnp.ones((), bool)
+    for x in jax.tree.leaves(tree):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
+
+
+class _GhostSums:
+    """`_clipped_sums` by ghost clipping (`ghost`): the same results, without
+    per-example gradients of the leaves whose uses have rules.
+
+    Each example's loss is evaluated once with probes (`ghost.Evaluation`). What a
+    chunk keeps of each rule leaf for its sum: the instantiated gradients where they
+    are smaller than the operands they come from (biases, scales) or have to be
+    masked (`formed`); the arrays of the leaves whose non-finite entries can be
+    masked through them (`masked`, with nan_safe); the recorded operands and
+    cotangents of the others (`other`). With nan_safe, each example's non-finite
+    gradient entries are zeroed before its norm, except `other`'s, whose non-finite
+    examples are fixed after the chunk's sum (`_fix_nonfinite`)."""
+
+    def __init__(self, setup, fun, config, args, in_axes, kwargs, diff, batch_args):
+        name = setup.name
+        note = _note(name, fun, config)
+
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            with noting_errors(note):
+                return fun(*args, **kwargs)
+
+        with _single_example_hint(name, config):
+            self.traced = ghost.Traced(
+                noted, list(args), kwargs, diff,
+                # the examples' arguments, and the per-example keys of prng_argnum
+                # (split into one key per example, but passed without a batch axis)
+                [i for i, a in enumerate(in_axes) if a is not None],
+                strip=True, has_aux=config.has_aux,
+                keep_batch_dim=config.keep_batch_dim, expand=batch_args,
+            )  # fmt: skip
+        check_scalar_loss(name, self.traced)
+        self.report = ghost.report_of(self.traced.plan)
+        _warn_fallback(setup, fun, self.report)
+        self.config, self.n_args = config, len(args)
+        plan = self.traced.plan
+        leaves = plan.leaves
+        self.pe = plan.with_rule(ghost.PER_EXAMPLE)
+        self.ruled = plan.with_rule(ghost.GHOST, ghost.INSTANTIATED)
+        safe = config.nan_safe
+        self.masked = [k for k in self.ruled if safe and plan.maskable(k)]
+        self.formed = [
+            k
+            for k in self.ruled
+            if k not in self.masked
+            and leaves[k].rule == ghost.INSTANTIATED
+            and (safe or leaves[k].size <= plan.operand_size(k))
+        ]
+        self.other = [k for k in self.ruled if k not in (*self.masked, *self.formed)]
+        self.other_keys = {u.key for k in self.other for u in leaves[k].uses}
+        self.other_paths = {u.path for k in self.other for u in leaves[k].uses}
+        self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])  # global_norm's
+
+    def _kept_and_squares(self, g: jax.Array) -> tuple[Any, Any, Any]:
         """`g` as a chunk keeps it (non-finite entries zeroed with nan_safe), and
         `||g||^2` as it is and as kept."""
-        if not safe:
-            s = sq(g)
+        s = _squared(g, self.acc)
+        if not self.config.nan_safe:
             return g, s, s
         kept = _nan_to_zero(g)
-        return kept, sq(g), sq(kept)
+        return kept, s, _squared(kept, self.acc)
 
-    def all_finite(tree: Any) -> jax.Array:
-        ok = jnp.ones((), bool)
-        for x in jax.tree.leaves(tree):
-            if jnp.issubdtype(x.dtype, jnp.inexact):
-                ok = ok & jnp.all(jnp.isfinite(x))
-        return ok
-
-    def example(*inputs: Any, **kw: Any) -> Any:
-        inputs = list(inputs)
-        pad = inputs.pop() if has_pad else None
-        values = traced.arrays(inputs[:n_args], kw)
-        plan = traced.plan_here(values)
-        deltas, pe_grads, outs, records = plan.backward(values, pe)
-        safe_sq = jnp.zeros((), acc)  # ||G||^2 of the leaves not in `other`, made safe
-        raw = jnp.zeros((), acc)  # and as it is
-        arrays, grads = {}, {}
-        for k in masked:
-            arrays[k] = plan.sanitized(k, records, deltas)
-            s = plan.sq_norm_of(k, arrays[k], acc)
+    def _squares(self, plan: ghost.Plan, ev: ghost.Evaluation) -> tuple:
+        """One example's `||G||^2` over the leaves not in `other`, made finite and
+        as it is, and what it keeps of them: `(safe_sq, raw, arrays, grads,
+        pe_grads)`."""
+        safe_sq = raw = jnp.zeros((), self.acc)
+        arrays, grads, pe_grads = {}, {}, []
+        for k in self.masked:
+            arrays[k] = plan.sanitized(k, ev.records, ev.deltas)
+            s = plan.sq_norm_of(k, arrays[k], self.acc)
             safe_sq = safe_sq + s
             # a non-finite gradient's norm: NaN
-            raw = raw + jnp.where(
-                all_finite(plan.arrays(k, records, deltas)), s, jnp.nan
+            finite = _all_finite(plan.arrays(k, ev.records, ev.deltas))
+            raw = raw + jnp.where(finite, s, jnp.nan)
+        for k in self.formed:
+            g = plan.instantiate(k, ev.records, ev.deltas)
+            grads[k], s, s_kept = self._kept_and_squares(g)
+            raw, safe_sq = raw + s, safe_sq + s_kept
+        for g in ev.pe_grads:
+            g, s, s_kept = self._kept_and_squares(g)
+            pe_grads.append(g)
+            raw, safe_sq = raw + s, safe_sq + s_kept
+        return safe_sq, raw, arrays, grads, pe_grads
+
+    def example(self, *inputs: Any, **kw: Any) -> Any:
+        """One example's parts for its chunk's sum, its extras, and the parameters
+        (unmapped: they tell the chunk which plan made these records)."""
+        config, inputs = self.config, list(inputs)
+        pad = inputs.pop() if len(inputs) > self.n_args else None
+        plan, ev = self.traced.evaluate(inputs, kw, self.pe)
+        safe_sq, raw, arrays, grads, pe_grads = self._squares(plan, ev)
+        rest = jnp.zeros((), self.acc)
+        for k in self.other:
+            rest = rest + plan.sq_norm(k, ev.records, ev.deltas, self.acc).astype(
+                self.acc
             )
-        for k in formed:
-            grads[k], s, s_kept = kept_and_squares(plan.instantiate(k, records, deltas))
-            raw, safe_sq = raw + s, safe_sq + s_kept
-        kept = []
-        for g in pe_grads:
-            g, s, s_kept = kept_and_squares(g)
-            kept.append(g)
-            raw, safe_sq = raw + s, safe_sq + s_kept
-        pe_grads = kept
-        rest = jnp.zeros((), acc)
-        for k in other:
-            rest = rest + plan.sq_norm(k, records, deltas, acc).astype(acc)
-        records = {key: r for key, r in records.items() if key in other_keys}
-        deltas = {path: d for path, d in deltas.items() if path in other_paths}
+        kept = ev.only(self.other_keys, self.other_paths)
         scale = clip_scale(
             _norm_of_square(safe_sq + rest),
             config.l2_clip_norm,
@@ -506,10 +504,10 @@ def _ghost_sums(
         )
         keep = jnp.ones((), bool) if pad is None else ~pad
         finite = jnp.ones((), bool)
-        if safe and other:  # `other`'s non-finite examples: fixed in nan_safe_fix
-            finite = jnp.isfinite(rest) & all_finite((records, deltas))
+        if config.nan_safe and self.other:  # fixed in _fix_nonfinite
+            finite = jnp.isfinite(rest) & _all_finite((kept.records, kept.deltas))
             keep = keep & finite
-        value, aux = traced.out_tree.unflatten(outs)
+        value, aux = self.traced.out_tree.unflatten(ev.outs)
         if config.keep_batch_dim:
             aux = jax.tree.map(_squeeze_leading_one, aux)
         extras = AuxiliaryOutput(
@@ -517,71 +515,39 @@ def _ghost_sums(
             _norm_of_square(raw + rest) if config.return_grad_norms else None,
             aux if config.has_aux else None,
         )
-        parts = (scale, keep, finite, pad, safe_sq, raw, arrays, grads, pe_grads)
-        # The parameters, unmapped (the same for every example: no copies), tell
-        # the chunk's sums which plan made these records (`traced.plan_of`).
-        return (parts, records, deltas), extras, traced.params_of(values)
+        parts = _Parts(scale, keep, finite, pad, safe_sq, raw, arrays, grads, pe_grads)
+        values = self.traced.arrays(inputs[: self.n_args], kw)
+        return (parts, kept.records, kept.deltas), extras, self.traced.params_of(values)
 
-    def nan_safe_fix(
-        plan: ghost.Plan, totals: list, chunk: Any
-    ) -> tuple[list, jax.Array]:
-        """`totals` plus the clipped gradients of a chunk's examples whose `other`
-        leaves have non-finite values (and are not padding), and those examples'
-        norms: `other`'s gradients formed one example and one leaf at a time, their
-        non-finite entries zeroed, each leaf's clipped gradient added in place, so
-        that no more than one leaf's gradient exists at once."""
-        parts, records, deltas = chunk
-        _, _, finite, pad, safe_sq, raw, arrays, grads, pe_grads = parts
-        chosen = ~finite if pad is None else ~finite & ~pad
-        pe_index = {k: i for i, k in enumerate(pe)}
-
-        def norms(_: Any, xs: Any) -> Any:
-            recs, dels, safe_sq, raw_sq = xs
-            for k in other:
-                g = plan.instantiate(k, recs, dels)
-                raw_sq = raw_sq + sq(g)
-                safe_sq = safe_sq + sq(_nan_to_zero(g))
-            scale = clip_scale(
-                _norm_of_square(safe_sq),
-                config.l2_clip_norm,
-                config.rescale_to_unit_norm,
-            )
-            return None, (_norm_of_square(raw_sq), scale)
-
-        _, (raw_norms, scales) = lax.scan(norms, None, (records, deltas, safe_sq, raw))
-
-        def gradient(k: int, xs: Any) -> jax.Array:
-            recs, dels, arrs, grs, pe_g = xs
-            if k in masked:
-                return plan.gradient_of(k, arrs[k], batched=False)
-            if k in formed:
-                return grs[k]
-            if k in pe_index:
-                return pe_g[pe_index[k]]
-            return _nan_to_zero(plan.instantiate(k, recs, dels))
-
-        totals = list(totals)
-        for k in (*ruled, *pe):
-
-            def add(total: jax.Array, xs: Any, k: int = k) -> Any:
-                sel, scale, rest = xs
-                g = gradient(k, rest)
-                g = (g * scale.astype(g.dtype)).astype(total.dtype)
-                return total + jnp.where(sel, g, jnp.zeros((), g.dtype)), None
-
-            totals[k], _ = lax.scan(
-                add,
-                totals[k],
-                (chosen, scales, (records, deltas, arrays, grads, pe_grads)),
-            )
-        return totals, raw_norms
-
-    def summarise(chunk: Any) -> Any:
+    def summarise(self, chunk: Any) -> Any:
+        """A chunk's clipped sum per leaf, and its extras."""
         (parts, records, deltas), extras, params = chunk
-        if not config.sums:  # only the norms (the records are then left unused)
+        if not self.config.sums:  # only the norms (the records are then left unused)
             return (), extras
-        plan = traced.plan_of(params)
-        scale, keep, finite, pad, safe_sq, raw, arrays, grads, pe_grads = parts
+        plan = self.traced.plan_of(params)
+        totals = self._chunk_sums(plan, parts, records, deltas)
+        if self.config.nan_safe and self.other:
+            chosen = ~parts.finite if parts.pad is None else ~parts.finite & ~parts.pad
+
+            def skip(totals: list, chunk: Any) -> Any:
+                return list(totals), jnp.zeros(parts.finite.shape, self.acc)
+
+            totals, norms = lax.cond(
+                jnp.any(chosen),
+                ft.partial(self._fix_nonfinite, plan),
+                skip,
+                totals,
+                (parts, records, deltas),
+            )
+            if extras.grad_norms is not None:
+                extras = extras._replace(
+                    grad_norms=jnp.where(chosen, norms, extras.grad_norms)
+                )
+        return totals, extras
+
+    def _chunk_sums(self, plan, parts: _Parts, records, deltas) -> list:
+        """`sum_i c_i G_i` per leaf over a chunk's examples (padding left out)."""
+        keep, scale = parts.keep, parts.scale
 
         def mask(x: jax.Array) -> jax.Array:  # keep[i], shaped to broadcast with x
             return keep.reshape((-1,) + (1,) * (x.ndim - 1))
@@ -593,56 +559,96 @@ def _ghost_sums(
             s = scale.astype(x.dtype).reshape(mask(x).shape)
             return jnp.where(mask(x), x * s, jnp.zeros((), x.dtype))
 
-        totals: list[Any] = [None] * len(leaves)
-        recs = jax.tree.map(kept, records)
-        dels = jax.tree.map(scaled, deltas)
-        for k in other:
+        totals: list[Any] = [None] * len(plan.leaves)
+        recs, dels = jax.tree.map(kept, records), jax.tree.map(scaled, deltas)
+        for k in self.other:
             totals[k] = plan.chunk_sum(k, recs, dels)
-        for k in masked:  # scaled through each use's cotangent (its last array)
-            arrs = [[*a[:-1], scaled(a[-1])] for a in arrays[k]]
+        for k in self.masked:  # scaled through each use's cotangent (its last array)
+            arrs = [[*a[:-1], scaled(a[-1])] for a in parts.arrays[k]]
             totals[k] = plan.gradient_of(k, arrs, batched=True)
-        for k in formed:
-            totals[k] = scaled(grads[k]).sum(0)
-        for k, g in zip(pe, pe_grads):
+        for k in self.formed:
+            totals[k] = scaled(parts.grads[k]).sum(0)
+        for k, g in zip(self.pe, parts.pe_grads):
             totals[k] = scaled(g).sum(0)
-        for k, leaf in enumerate(leaves):
+        for k, leaf in enumerate(plan.leaves):
             if totals[k] is None:  # unused: a zero gradient
                 totals[k] = jnp.zeros(leaf.shape, leaf.dtype)
-        if config.dtype is not None:
-            totals = [t.astype(config.dtype) for t in totals]
-        if safe and other:
-            chosen = ~finite if pad is None else ~finite & ~pad
+        if self.config.dtype is not None:
+            totals = [t.astype(self.config.dtype) for t in totals]
+        return totals
 
-            def skip(totals: list, chunk: Any) -> Any:
-                return list(totals), jnp.zeros(finite.shape, acc)
+    def _fix_nonfinite(self, plan, totals: list, chunk: Any) -> tuple[list, Any]:
+        """`totals` plus the clipped gradients of a chunk's examples whose `other`
+        leaves have non-finite values (and are not padding), and those examples'
+        norms: `other`'s gradients formed one example and one leaf at a time, their
+        non-finite entries zeroed, each leaf's clipped gradient added in place, so
+        that no more than one leaf's gradient exists at once."""
+        parts, records, deltas = chunk
+        chosen = ~parts.finite if parts.pad is None else ~parts.finite & ~parts.pad
+        raw_norms, scales = self._fixed_norms(plan, parts, records, deltas)
+        pe_index = {k: i for i, k in enumerate(self.pe)}
 
-            totals, norms = lax.cond(
-                jnp.any(chosen),
-                ft.partial(nan_safe_fix, plan),
-                skip,
-                totals,
-                (parts, records, deltas),
+        def gradient(k: int, xs: Any) -> jax.Array:
+            recs, dels, arrs, grs, pe_g = xs
+            if k in self.masked:
+                return plan.gradient_of(k, arrs[k], batched=False)
+            if k in self.formed:
+                return grs[k]
+            if k in pe_index:
+                return pe_g[pe_index[k]]
+            return _nan_to_zero(plan.instantiate(k, recs, dels))
+
+        totals = list(totals)
+        rest = (records, deltas, parts.arrays, parts.grads, parts.pe_grads)
+        for k in (*self.ruled, *self.pe):
+
+            def add(total: jax.Array, xs: Any, k: int = k) -> Any:
+                sel, scale, rest = xs
+                g = gradient(k, rest)
+                g = (g * scale.astype(g.dtype)).astype(total.dtype)
+                return total + jnp.where(sel, g, jnp.zeros((), g.dtype)), None
+
+            totals[k], _ = lax.scan(add, totals[k], (chosen, scales, rest))
+        return totals, raw_norms
+
+    def _fixed_norms(self, plan, parts: _Parts, records, deltas) -> tuple[Any, Any]:
+        """Each example's norm with its `other` leaves' gradients formed, as it is
+        and made finite (its clip factor), one example at a time."""
+        config = self.config
+
+        def norms(_: Any, xs: Any) -> Any:
+            recs, dels, safe_sq, raw_sq = xs
+            for k in self.other:
+                g = plan.instantiate(k, recs, dels)
+                raw_sq = raw_sq + _squared(g, self.acc)
+                safe_sq = safe_sq + _squared(_nan_to_zero(g), self.acc)
+            scale = clip_scale(
+                _norm_of_square(safe_sq),
+                config.l2_clip_norm,
+                config.rescale_to_unit_norm,
             )
-            if extras.grad_norms is not None:
-                extras = extras._replace(
-                    grad_norms=jnp.where(chosen, norms, extras.grad_norms)
-                )
-        return totals, extras
+            return None, (_norm_of_square(raw_sq), scale)
 
-    # (the sums and the stacked norms are not independent here: an example whose
-    # non-finite terms are fixed gets its norm from the fix)
-    totals, extras = setup.map(
-        example,
-        (*args, *extra),
-        kwargs,
-        (*in_axes, *[0] * len(extra)),
-        known,
-        out_axes=(0, 0, None),
-        accumulator=Accumulator.adding(summarise),
-    )
-    if not config.sums:
-        return None, extras, size
-    return traced.grads_tree(totals, setup.single), extras, size
+        xs = (records, deltas, parts.safe_sq, parts.raw)
+        _, (raw_norms, scales) = lax.scan(norms, None, xs)
+        return raw_norms, scales
+
+    def __call__(self, setup, args, in_axes, kwargs, extra, known) -> tuple:
+        """The clipped sum (None without sums) and the stacked extras of a call."""
+        # (the sums and the stacked norms are not independent here: an example whose
+        # non-finite terms are fixed gets its norm from the fix)
+        totals, extras = setup.map(
+            self.example,
+            (*args, *extra),
+            kwargs,
+            (*in_axes, *[0] * len(extra)),
+            known,
+            out_axes=(0, 0, None),
+            accumulator=Accumulator.adding(self.summarise),
+        )
+        if not self.config.sums:
+            return None, extras
+        return self.traced.grads_tree(totals, setup.single), extras
 
 
 class GhostFallbackWarning(UserWarning):

@@ -352,20 +352,19 @@ class _GhostMoments:
         )  # fmt: skip
         ghost.check_scalar_loss(name, traced)
         self.leaves = leaves = traced.plan.leaves
-        self.pe = [k for k, x in enumerate(leaves) if x.rule == ghost.PER_EXAMPLE]
-        self.ruled = [k for k, x in enumerate(leaves) if k not in self.pe]
+        self.pe = traced.plan.with_rule(ghost.PER_EXAMPLE)
+        self.ruled = [k for k in range(len(leaves)) if k not in self.pe]
         self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])
 
     def example(self, *inputs: Any, **kw: Any) -> Any:
         traced = self.traced
-        values = traced.arrays(list(inputs), kw)
-        plan = traced.plan_here(values)
-        deltas, pe_grads, outs, records = plan.backward(values, self.pe)
-        _, aux = traced.out_tree.unflatten(outs)
-        pe_grads = [g.astype(_stats_dtype(g.dtype)) for g in pe_grads]
+        plan, ev = traced.evaluate(inputs, kw, self.pe)
+        _, aux = traced.out_tree.unflatten(ev.outs)
+        pe_grads = [g.astype(_stats_dtype(g.dtype)) for g in ev.pe_grads]
         one = jnp.ones((), jnp.float32)  # a chunk's count is the sum of these
         # The parameters, unmapped, tell the chunk which plan made these records.
-        return (records, deltas, pe_grads, one), aux, traced.params_of(values)
+        params = traced.params_of(traced.arrays(list(inputs), kw))
+        return (ev.records, ev.deltas, pe_grads, one), aux, params
 
     def summarise(self, chunk: Any) -> Any:
         (records, deltas, pe_grads, ones), aux, params = chunk
@@ -476,21 +475,20 @@ class _GhostDots:
         )  # fmt: skip
         ghost.check_scalar_loss(name, traced)
         leaves = traced.plan.leaves
-        self.ghost = [k for k, x in enumerate(leaves) if x.rule == ghost.GHOST]
-        self.formed = [k for k, x in enumerate(leaves) if x.rule == ghost.INSTANTIATED]
-        self.pe = [k for k, x in enumerate(leaves) if x.rule == ghost.PER_EXAMPLE]
+        plan = traced.plan
+        self.ghost = plan.with_rule(ghost.GHOST)
+        self.formed = plan.with_rule(ghost.INSTANTIATED)
+        self.pe = plan.with_rule(ghost.PER_EXAMPLE)
         self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])
 
     def parts(self, example: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
         """One example's plan, `aux`, the arrays of its ghost leaves' uses, and the
         gradients of the others."""
-        values = self.traced.arrays(list(example), {})
-        plan = self.traced.plan_here(values)
-        deltas, pe_grads, outs, records = plan.backward(values, self.pe)
-        _, aux = self.traced.out_tree.unflatten(outs)
-        arrays = {k: plan.arrays(k, records, deltas) for k in self.ghost}
-        grads = {k: plan.instantiate(k, records, deltas) for k in self.formed}
-        grads.update(zip(self.pe, pe_grads))
+        plan, ev = self.traced.evaluate(example, {}, self.pe)
+        _, aux = self.traced.out_tree.unflatten(ev.outs)
+        arrays = {k: plan.arrays(k, ev.records, ev.deltas) for k in self.ghost}
+        grads = {k: plan.instantiate(k, ev.records, ev.deltas) for k in self.formed}
+        grads.update(zip(self.pe, ev.pe_grads))
         return plan, aux, arrays, grads
 
     def dot(self, plan: Any, a: tuple, b: tuple) -> jax.Array:

@@ -34,6 +34,7 @@ from ._plan import (
     INSTANTIATED as INSTANTIATED,
     PER_EXAMPLE as PER_EXAMPLE,
     UNUSED as UNUSED,
+    Evaluation as Evaluation,
     Plan as Plan,
     accumulation_dtype as accumulation_dtype,
 )

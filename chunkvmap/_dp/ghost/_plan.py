@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jcore
@@ -27,6 +27,25 @@ GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED = (
     "per-example",
     "unused",
 )
+
+
+class Evaluation(NamedTuple):
+    """One example's ghost evaluation (`Plan.backward`), or a chunk's stacked:
+    each use's recorded operands (`records`, by `use.key`) and output cotangent
+    (`deltas`, by `use.path`), the gradients of the per-example leaves
+    (`pe_grads`, formed as they are), and the loss's outputs (`outs`). The
+    clipping, norms, moments and Gram all consume this record."""
+
+    records: dict
+    deltas: dict
+    pe_grads: list
+    outs: list
+
+    def only(self, keys: set, paths: set) -> Evaluation:
+        """The record with only the uses' `keys` and `paths` (what a chunk keeps)."""
+        records = {k: r for k, r in self.records.items() if k in keys}
+        deltas = {p: d for p, d in self.deltas.items() if p in paths}
+        return self._replace(records=records, deltas=deltas)
 
 
 @dataclasses.dataclass
@@ -199,10 +218,10 @@ class Plan:
         """A zero probe for each use's output (with its scans' axes)."""
         return {p: self.uses_at[p][0].probe() for p in self.probe_paths}
 
-    def backward(self, values: Sequence[Any], per_example: Sequence[int]) -> tuple:
-        """One example's loss at `values`, evaluated with zero probes: every use's
-        output cotangent (`{use.path: delta}`), the gradients of the leaves
-        `per_example` (formed as they are), the outputs and the records (`run`)."""
+    def backward(self, values: Sequence[Any], per_example: Sequence[int]) -> Evaluation:
+        """One example's ghost evaluation at `values`: its loss evaluated with zero
+        probes and differentiated once, giving every use's recorded operands and
+        output cotangent, and the gradients of the leaves `per_example`."""
         positions = self.diff_positions
 
         def loss(probes: dict, pe_values: list) -> Any:
@@ -215,7 +234,11 @@ class Plan:
         (deltas, pe_grads), (outs, records) = jax.grad(
             loss, argnums=(0, 1), has_aux=True
         )(self.probes(), [values[positions[k]] for k in per_example])
-        return deltas, pe_grads, outs, records
+        return Evaluation(records, deltas, pe_grads, outs)
+
+    def with_rule(self, *rules: str) -> list[int]:
+        """The indices of the leaves whose rule is one of `rules`."""
+        return [k for k, x in enumerate(self.leaves) if x.rule in rules]
 
     def run(self, invals: Sequence[Any], probes: dict) -> tuple[list, dict]:
         """The jaxpr's outputs at `invals`, with `probes[path]` added to the output

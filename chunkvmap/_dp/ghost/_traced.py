@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ..._core import _axes
-from ._plan import Plan
+from ._plan import Evaluation, Plan
 
 
 def _one_example_sharding(aval: Any, stripped: bool) -> Any:
@@ -145,6 +145,16 @@ class Traced:
                 )
             self._plans[key] = plan
         return plan
+
+    def evaluate(
+        self, args: Sequence[Any], kwargs: dict, per_example: Sequence[int]
+    ) -> tuple[Plan, Evaluation]:
+        """One example's plan (in the current mesh context) and its evaluation
+        (`Plan.backward`) at `args` and `kwargs`, the gradients of the leaves
+        `per_example` formed as they are."""
+        values = self.arrays(list(args), kwargs)
+        plan = self.plan_here(values)
+        return plan, plan.backward(values, per_example)
 
     def params_of(self, values: Sequence[Any]) -> list[Any]:
         """The differentiated leaves among one example's `values`: what identifies
