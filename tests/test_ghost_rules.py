@@ -531,3 +531,18 @@ def test_cond_inside_a_scan():
     p = {"stack": normal(2, 3, D, D), "a": normal(3, D, D)}
     plan = check(loss, p, x)
     assert set(rules(plan).values()) <= {"ghost", "instantiated"}
+
+
+def test_a_dense_use_before_a_lookup_of_one_table():
+    """One table used in a contraction first and looked up after: the cross term of
+    a contraction with a lookup, the two forms the other way round from a tied
+    output layer's."""
+
+    def loss(p, x, t):
+        logits = x @ p["E"].T
+        h = jnp.tanh(p["E"][t] * 2.0)
+        return jnp.sum(jax.nn.log_softmax(logits) * 0.1) + jnp.sum(h**2)
+
+    p = {"E": normal(1, V, D)}
+    plan = check(loss, p, normal(2, 6, 2, D, scale=1.0), tokens())
+    assert pair_kinds(plan, "E") == ["einsum", "rows", "rows-einsum"]
