@@ -27,8 +27,8 @@ import jax.numpy as jnp
 
 from ._core import _axes, _cache
 from ._core._axes import is_none
-from ._core._options import ChunkOptions, check_callable, decorator_form, identity
-from ._transforms._batch_vmap import Mapper, function_name, out_paths
+from ._core._options import check_callable, decorator_form, identity
+from ._transforms._batch_vmap import Transform, function_name, out_paths
 
 
 _NAME = "filter_batch_vmap"
@@ -250,10 +250,12 @@ class _Chunking:
 
     def __init__(self, fun_name: str, axis_name: Any, axis_size: Any, **options: Any):
         self.fun_name = fun_name
-        self.mapper = Mapper(ChunkOptions.make(_NAME, **options), axis_name, axis_size)
-        self.options = self.mapper.options
-        self.axis_size = self.mapper.axis_size
-        self.auto = self.mapper.auto
+        self.transform = Transform.make(
+            _NAME, axis_name=axis_name, axis_size=axis_size, **options
+        )
+        self.options = self.transform.options
+        self.axis_size = self.transform.axis_size
+        self.auto = self.transform.auto
 
     def run(self, out_axes: Any, dyn_axes: Any) -> Callable[[tuple, dict], Any]:
         """The chunked evaluation of `_inner` for one output spec and input layout
@@ -271,7 +273,7 @@ class _Chunking:
             core = options.replace(chunk_reduction=identity)  # applied after
 
         # The cached call must not refer to `self`, the cache's weak key.
-        mapper = self.mapper
+        transform = self.transform
 
         def inner(fun_parts: Any, dyn: Any, static: Any) -> Any:
             return _inner(fun_parts, dyn, static, out_axes)
@@ -284,20 +286,20 @@ class _Chunking:
             # Messages name the user's arguments: `args` is (fun, dynamic, static),
             # and outputs: `_inner` returns (mapped, unmapped arrays, static).
             names = ("fun", "args", "args")
-            return mapper(
+            return transform.map(
                 inner,
                 args,
                 kwargs,
                 in_axes,
                 _core_out_axes,
-                core,
-                names,
+                options=core,
+                arg_names=names,
                 out_names=_user_out_names,
                 known=known,
             )
 
         def build():
-            return _cache.EagerCache(call, placement=mapper.placement)
+            return transform.cache(call)
 
         key = (_axes.spec_key(out_axes), _axes.spec_key(dyn_axes))
         return _cache.memo(self, key, build)

@@ -451,7 +451,7 @@ def batch_vmap(
         options=options,
         method=_method_name(target, methods),
     )
-    return _memory.attach(transformed, options.mapper.auto)  # for last_batch_size
+    return _memory.attach(transformed, options.transform.auto)  # for last_batch_size
 
 
 __all__ = ["batch_vmap"]

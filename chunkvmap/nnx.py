@@ -380,7 +380,7 @@ def batch_vmap(
 def _transform(f: Callable[..., Any], in_axes: Any, out_axes: Any, options: Any):
     """The batched `f`: graph nodes in the arguments split to pure trees (as
     `nnx.vmap` does), the pure function mapped by the core, state merged back."""
-    reduction = options.mapper.options.reduction
+    reduction = options.transform.options.reduction
     jax_in_axes, jax_out_axes = _jax_axes(in_axes), _jax_axes(out_axes)
 
     @_cache.wraps(f)  # messages (the core's and JAX's) name the user's function
@@ -413,7 +413,7 @@ def _transform(f: Callable[..., Any], in_axes: Any, out_axes: Any, options: Any)
         _, out = nnx.from_tree((pure_args_out, pure_out), ctxtag=_TAG, is_inner=False)
         return out
 
-    return _memory.attach(batched, options.mapper.auto)
+    return _memory.attach(batched, options.transform.auto)
 
 
 __all__ = ["batch_vmap"]

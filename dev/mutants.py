@@ -158,8 +158,8 @@ MUTANTS = {
     "mesh: the Flax adapters' calls not run under the call's mesh": (
         (
             "chunkvmap/_adapters/_stateful.py",
-            "return _cache.EagerCache(call, placement=mapper.placement)",
-            "return _cache.EagerCache(call)",
+            "            return transform.cache(call)\n",
+            "            return _cache.EagerCache(call)\n",
         ),
         ["test_wherever", "test_sharding"],
     ),

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .._core import _accumulators, _axes, _cache, _loop
-from .._core._options import ChunkOptions, identity
-from .._transforms._batch_vmap import Mapper, out_paths
+from .._core._options import identity
+from .._transforms._batch_vmap import Transform, out_paths
 
 
 class StatefulMap:
@@ -31,12 +31,14 @@ class StatefulMap:
         state_root: str = "state",
         **options: Any,
     ):
-        self.mapper = Mapper(ChunkOptions.make(name, **options), axis_name, axis_size)
+        self.transform = Transform.make(
+            name, axis_name=axis_name, axis_size=axis_size, **options
+        )
         self.state_root = state_root
 
     @property
     def axis_size(self) -> int | None:
-        return self.mapper.axis_size
+        return self.transform.axis_size
 
     def __call__(
         self,
@@ -52,23 +54,23 @@ class StatefulMap:
         transform lives; `fn`, which Flax's lifting makes anew at every call, is
         told apart by its traced program): without a reduction both are stacked;
         with one, `y` is folded by it and `state` stacked beside it."""
-        options = self.mapper.options
+        options = self.transform.options
         in_axes = _axes.check_axes_spec(
             "in_axes", in_axes, top_level_tuple=True, transform=options.name
         )
 
         axes = (in_axes, out_axes, state_axes)
-        mapper, state_root = self.mapper, self.state_root
+        transform, state_root = self.transform, self.state_root
 
         def build() -> _cache.EagerCache:
             # (the cached call must not refer to `self`, the cache's weak key)
             def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
                 current, *args = args
                 return _evaluate(
-                    mapper, state_root, current.fn, tuple(args), axes, known
+                    transform, state_root, current.fn, tuple(args), axes, known
                 )
 
-            return _cache.EagerCache(call, placement=mapper.placement)
+            return transform.cache(call)
 
         key = tuple(_axes.spec_key(spec) for spec in axes)
         current = _Current(fn)
@@ -79,7 +81,7 @@ class StatefulMap:
 
 
 def _evaluate(
-    mapper: Mapper,
+    transform: Transform,
     state_root: str,
     fn: Callable[..., Any],
     args: tuple,
@@ -89,15 +91,15 @@ def _evaluate(
     """`StatefulMap.__call__`'s evaluation; `axes`: its `(in_axes, out_axes,
     state_axes)`."""
     in_axes, out_axes, state_axes = axes
-    options = mapper.options
+    options = transform.options
 
     def both_paths(out: Any) -> list[str]:
         return out_paths(out[0]) + out_paths(out[1], state_root)
 
     if options.reduction is None:
         stacked = options.replace(reduction=None, chunk_reduction=identity)
-        y, state = mapper(
-            fn, args, {}, in_axes, (out_axes, state_axes), stacked,
+        y, state = transform.map(
+            fn, args, {}, in_axes, (out_axes, state_axes), options=stacked,
             out_names=both_paths, known=known,
         )  # fmt: skip
         chunk_reduction = options.chunk_reduction
@@ -105,9 +107,9 @@ def _evaluate(
     accumulator = _folded_and_stacked(
         options.name, options.reduction, options.chunk_reduction
     )
-    return mapper(
+    return transform.map(
         fn, args, {}, in_axes, (out_axes, state_axes),
-        options.replace(accumulator=accumulator), out_names=both_paths,
+        options=options.replace(accumulator=accumulator), out_names=both_paths,
         known=known,
     )  # fmt: skip
 

@@ -355,29 +355,3 @@ def wraps(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
         return wrapper
 
     return decorate
-
-
-def transform(
-    call: Call,
-    *,
-    wrapped: Callable[..., Any],
-    auto: Any = None,
-    cached: bool = True,
-    numpy_arrays: bool = False,
-    placement: Placement = Placement(),
-) -> Callable[..., Any]:
-    """The public function of a transform: `call` under the call's mesh
-    (`placement`: the transform's `shard=` and `mesh=`), through an `EagerCache`
-    (when `cached`), with `wrapped`'s name and docstring, holding its `"auto"` state
-    (when it has one) for `last_batch_size`."""
-    run = EagerCache(
-        call, numpy_arrays=numpy_arrays, placement=placement, cached=cached
-    )
-
-    @wraps(wrapped)
-    def transformed(*args: Any, **kwargs: Any) -> Any:
-        return run(args, kwargs)
-
-    if auto is not None:
-        _memory.attach(transformed, auto)
-    return transformed

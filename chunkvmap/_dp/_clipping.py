@@ -679,7 +679,7 @@ _FALLBACK_SHARE = 0.05
 def _warn_fallback(setup: GradSetup, fun: Any, report: ghost.GhostReport) -> None:
     """Once per clipping function: say when more than 5% of the parameters fall
     back to per-example gradients, or when nothing is gained at all."""
-    if setup.warned("ghost fallback"):
+    if setup.transform.warned("ghost fallback"):
         return
     shares = report.shares()
     share = shares.get(ghost.PER_EXAMPLE, 0.0)
@@ -697,7 +697,7 @@ def _warn_fallback(setup: GradSetup, fun: Any, report: ghost.GhostReport) -> Non
         )
     else:
         return
-    setup.warn_once(
+    setup.transform.warn_once(
         "ghost fallback",
         message + " chunkvmap.ghost_report(fun, *one_example) shows each leaf's rule "
         "and why.",
@@ -971,8 +971,8 @@ def clipped_grad(
         return (total, extras) if with_aux else total
 
     bound = (1.0 if rescale_to_unit_norm else l2_clip_norm) / normalize_by
-    clipped = ClippedGrad(setup.mapper.transform(call, fun), bound, with_aux)
-    return _memory.attach(clipped, setup.mapper.auto)  # for last_batch_size
+    clipped = ClippedGrad(setup.transform.public(call, fun), bound, with_aux)
+    return _memory.attach(clipped, setup.transform.auto)  # for last_batch_size
 
 
 def _check_normalize_by(name: str, value: Any) -> None:
@@ -1140,4 +1140,4 @@ def clipped_grad_sum(
         count = jnp.asarray(size, jnp.int32)
         return (total, count, extras.grad_norms) if return_norms else (total, count)
 
-    return setup.mapper.transform(call, fun)
+    return setup.transform.public(call, fun)

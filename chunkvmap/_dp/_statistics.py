@@ -148,7 +148,7 @@ def per_example_grad_norms(
         _, extras, _ = _clipping._clipped_sums(setup, fun, config, args, kwargs, known)
         return (extras.grad_norms, extras.aux) if has_aux else extras.grad_norms
 
-    return setup.mapper.transform(call, fun)
+    return setup.transform.public(call, fun)
 
 
 class GradStats(NamedTuple):
@@ -331,7 +331,7 @@ def per_example_grad_stats(
         )
         return GradStats(mean, variance, sum_sq, sq_norms, aux)
 
-    return setup.mapper.transform(call, fun)
+    return setup.transform.public(call, fun)
 
 
 class _GhostMoments:
@@ -607,9 +607,9 @@ def per_example_grad_gram(
         chunk_size=chunk_size, memory_limit=memory_limit, **options,
     )  # fmt: skip
     # "auto" without other_batch_size: one size for both batches, searched here
-    joint = setup.mapper.options.auto and other_batch_size is None
+    joint = setup.transform.options.auto and other_batch_size is None
     if other_batch_size is None and not joint:
-        other_batch_size = setup.mapper.options.batch_size
+        other_batch_size = setup.transform.options.batch_size
     # the other batch's chunking (validated now, so errors name this function)
     inner_setup = GradSetup(
         name, fun, argnums, batch_argnums, exclusive=True,
@@ -685,7 +685,7 @@ def per_example_grad_gram(
 
         key = (treedef, tuple(jax.typeof(leaves[i]) for i in dyn))
         size = _axes_size(setup, args, resolved[1], {})
-        return setup.mapper.auto.choose(key, measure, size)
+        return setup.transform.auto.choose(key, measure, size)
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         kwargs = dict(kwargs)
@@ -718,4 +718,4 @@ def per_example_grad_gram(
             return evaluate(sized(b), b, args, other, known, resolved)
         return evaluate(setup, other_batch_size, args, other, known, resolved)
 
-    return setup.mapper.transform(call, fun)
+    return setup.transform.public(call, fun)

@@ -10,7 +10,9 @@ gradient, Jacobian, vectorize and adapter front ends reuse it with their own opt
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -222,32 +224,55 @@ def vmap_transform(
     out_axes = _axes.check_axes_spec(
         "out_axes", out_axes, top_level_tuple=False, transform=name
     )
-    mapper = Mapper(options, axis_name, axis_size)
+    transform = Transform(options, axis_name, axis_size)
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        return mapper(f, args, kwargs, in_axes, out_axes, known=known)
+        return transform.map(f, args, kwargs, in_axes, out_axes, known=known)
 
     # A plain vmap (nothing to chunk, fold or report) runs eagerly, as jax.vmap does.
-    return mapper.transform(call, f, cached=not options.plain)
+    return transform.public(call, f, cached=not options.plain)
 
 
-class Mapper:
-    """One transform's chunked `jax.vmap`: its validated options, `axis_name` and
-    `axis_size`, and the `"auto"` state that all its calls share. Made when the
-    transform is built, so that static errors are raised then, naming it."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Transform:
+    """One chunked transform: what every entry point and adapter builds.
 
-    def __init__(
-        self,
-        options: ChunkOptions,
+    Immutable, and validated when built (static errors name the public function
+    then): the chunking `options`, and `jax.vmap`'s `axis_name`, `axis_size` and
+    `spmd_axis_name`. It owns what its calls share: the `"auto"` chunk-size state
+    (`auto`, which `last_batch_size` reads) and the warnings it has given
+    (`warn_once`). `map` is one chunked `jax.vmap` (`vmap_call`); `cache` and
+    `public` run a call under the call's mesh (`placement`) through an eager cache.
+    """
+
+    options: ChunkOptions
+    axis_name: Any = None
+    axis_size: int | None = None
+    spmd_axis_name: Any = None
+    auto: _memory.AutoBatch = dataclasses.field(init=False, repr=False)
+    _warned: set[str] = dataclasses.field(init=False, repr=False)
+
+    @classmethod
+    def make(
+        cls,
+        name: str,
+        *,
         axis_name: Any = None,
         axis_size: Any = None,
         spmd_axis_name: Any = None,
-    ):
-        name = options.name
-        for arg, value in (
-            ("axis_name", axis_name),
-            ("spmd_axis_name", spmd_axis_name),
-        ):
+        axes_arg: str = "in_axes",
+        **options: Any,
+    ) -> Transform:
+        """The transform of the public function `name`, its chunking `options`
+        validated (`ChunkOptions.make`); `axes_arg` names the argument that maps
+        the inputs in messages."""
+        checked = ChunkOptions.make(name, **options).replace(axes_arg=axes_arg)
+        return cls(checked, axis_name, axis_size, spmd_axis_name)
+
+    def __post_init__(self) -> None:
+        name = self.options.name
+        for arg in ("axis_name", "spmd_axis_name"):
+            value = getattr(self, arg)
             try:
                 hash(value)
             except TypeError:
@@ -255,69 +280,83 @@ class Mapper:
                     f"{name} {arg} must be a hashable name (a str, as in jax.vmap), "
                     f"but got {arg}={value!r} of type {type(value).__name__}."
                 ) from None
-        self.options = options
-        self.axis_name = axis_name
-        self.spmd_axis_name = spmd_axis_name
-        self.axis_size = _axes.check_positive_int(
-            "axis_size", axis_size, allow_zero=True, transform=name
+        size = _axes.check_positive_int(
+            "axis_size", self.axis_size, allow_zero=True, transform=name
         )
-        if axis_name is not None and options.shard:
+        if self.axis_name is not None and self.options.shard:
             raise ValueError(
-                f"{name} got axis_name={axis_name!r} with shard=True: collectives "
-                f"over {axis_name!r} inside f would only see one device's chunk."
+                f"{name} got axis_name={self.axis_name!r} with shard=True: "
+                f"collectives over {self.axis_name!r} inside f would only see one "
+                f"device's chunk."
             )
-        self.auto = options.new_auto()
+        object.__setattr__(self, "axis_size", size)
+        object.__setattr__(self, "auto", self.options.new_auto())
+        object.__setattr__(self, "_warned", set())
 
-    def __call__(
+    @property
+    def name(self) -> str:
+        return self.options.name
+
+    @property
+    def placement(self) -> _cache.Placement:
+        """Where its calls run: its `shard=` and `mesh=`."""
+        return _cache.Placement(self.options.shard, self.options.mesh)
+
+    def map(
         self,
         f: Callable[..., Any],
         args: tuple,
         kwargs: dict,
         in_axes: Any,
         out_axes: Any,
-        options: ChunkOptions | None = None,
+        *,
+        known: _cache.Known | None = None,
         arg_names: Any = None,
         out_names: Callable[[Any], list[str]] | None = None,
-        known: _cache.Known | None = None,
+        options: ChunkOptions | None = None,
     ) -> Any:
         """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by this
-        transform's options (or `options`, a variant of them, e.g. with a reduction
-        of the transform's own); `arg_names` names the arguments in messages, and
-        `out_names(out)` the leaves of `f`'s output `out` (default `out_paths`);
-        `known`: the concrete shardings of an eager call's arguments (`_cache.Call`)."""
+        transform's options (or `options`, a variant of them, e.g. with an
+        accumulator of a front end's own); `arg_names` names the arguments in
+        messages, and `out_names(out)` the leaves of `f`'s output `out` (default
+        `out_paths`); `known`: the concrete shardings of an eager call's arguments
+        (`_cache.Call`)."""
         return vmap_call(
-            f,
-            args,
-            kwargs,
-            in_axes,
-            out_axes,
-            self.axis_name,
-            self.axis_size,
-            options or self.options,
-            self.auto,
-            arg_names,
-            self.spmd_axis_name,
-            out_names,
-            known,
-        )
+            f, args, kwargs, in_axes, out_axes, self.axis_name, self.axis_size,
+            options or self.options, self.auto, arg_names, self.spmd_axis_name,
+            out_names, known,
+        )  # fmt: skip
 
-    def transform(
+    def cache(self, call: _cache.Call, cached: bool = True) -> _cache.EagerCache:
+        """`call` run under each call's mesh, through an eager cache."""
+        return _cache.EagerCache(call, placement=self.placement, cached=cached)
+
+    def public(
         self, call: _cache.Call, wrapped: Callable[..., Any], cached: bool = True
     ) -> Callable[..., Any]:
-        """The public function running `call(args, kwargs)` under the call's mesh,
-        through the eager cache, with `wrapped`'s name and docstring, known to
+        """The function a user gets: `call(args, kwargs, known)` through `cache`,
+        with `wrapped`'s name and docstring, holding the `"auto"` state for
         `last_batch_size`."""
-        return _cache.transform(
-            call,
-            wrapped=wrapped,
-            auto=self.auto,
-            cached=cached,
-            placement=self.placement,
-        )
+        run = self.cache(call, cached)
 
-    @property
-    def placement(self) -> _cache.Placement:
-        return _cache.Placement(self.options.shard, self.options.mesh)
+        @_cache.wraps(wrapped)
+        def transformed(*args: Any, **kwargs: Any) -> Any:
+            return run(args, kwargs)
+
+        return _memory.attach(transformed, self.auto)
+
+    def warned(self, key: str) -> bool:
+        """Whether this transform gave its `key` warning already."""
+        return key in self._warned
+
+    def warn_once(
+        self, key: str, message: str, category: type = UserWarning, stacklevel=1
+    ) -> None:
+        """`warnings.warn(message, category)` at the first call with `key` only
+        (`stacklevel` counted from the caller)."""
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 def vmap_call(

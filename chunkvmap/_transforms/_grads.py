@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,12 +24,11 @@ import numpy as np
 
 from .._core import _axes, _cache
 from .._core._options import (
-    ChunkOptions,
     check_bool,
     check_callable,
     decorator_form,
 )
-from ._batch_vmap import Mapper, function_name
+from ._batch_vmap import Transform, function_name
 
 
 # --------------------------------------------------------------------------------------
@@ -259,7 +257,6 @@ class GradSetup:
         check_callable(name, "fun", fun)
         self.name = name
         self.argnums, self.single = check_argnums(name, "argnums", argnums)
-        self._warned: set[str] = set()  # the warnings given (each once per transform)
         self.batch_argnums = (
             None
             if batch_argnums is None
@@ -277,9 +274,8 @@ class GradSetup:
                 [a for a in self.argnums if a >= 0],
                 [a for a in self.batch_argnums if a >= 0],
             )
-        self.mapper = Mapper(
-            ChunkOptions.make(name, **options).replace(axes_arg="batch_argnums"),
-            spmd_axis_name=spmd_axis_name,
+        self.transform = Transform.make(
+            name, spmd_axis_name=spmd_axis_name, axes_arg="batch_argnums", **options
         )
 
     def resolve(self, args: tuple) -> tuple[tuple[int, ...], tuple]:
@@ -364,7 +360,7 @@ class GradSetup:
     def _warn_if_ambiguous(self, args: tuple, diff: tuple, mapped: tuple) -> None:
         """Warn (once per transform) when an argument left out of `batch_argnums`
         looks like one value per example: a leading axis of the examples' size."""
-        if self.warned("ambiguous"):
+        if self.transform.warned("ambiguous"):
             return
         sizes = {
             np.shape(x)[0]
@@ -383,7 +379,7 @@ class GradSetup:
         ]
         if shared:
             suggest = tuple(sorted({*mapped, *shared}))
-            self.warn_once(
+            self.transform.warn_once(
                 "ambiguous",
                 f"{self.name} passes {', '.join(f'args[{i}]' for i in shared)} "
                 f"whole to every example (it is not in batch_argnums="
@@ -393,19 +389,6 @@ class GradSetup:
                 f"that is not differentiated is then mapped). Warned once.",
                 stacklevel=4,
             )
-
-    def warned(self, key: str) -> bool:
-        """Whether this transform gave its `key` warning already."""
-        return key in self._warned
-
-    def warn_once(
-        self, key: str, message: str, category: type = UserWarning, stacklevel=1
-    ) -> None:
-        """`warnings.warn(message, category)` at the first call with `key` only
-        (`stacklevel` counted from the caller)."""
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, category, stacklevel=stacklevel + 1)
 
     def map(
         self,
@@ -421,8 +404,10 @@ class GradSetup:
         leading axis, as in `jax.vmap`) to `out_axes`, with the transform's options
         (changed by `options`); `known`: the concrete shardings of an eager call's
         arguments."""
-        opts = self.mapper.options.replace(**options) if options else None
-        return self.mapper(fn, args, kwargs, in_axes, out_axes, opts, known=known)
+        opts = self.transform.options.replace(**options) if options else None
+        return self.transform.map(
+            fn, args, kwargs, in_axes, out_axes, known=known, options=opts
+        )
 
 
 @decorator_form("fun")
@@ -521,4 +506,4 @@ def per_example_grads(
         grad_fn = _filtered_grad(fun, diff, setup.single, has_aux, note)
         return setup.map(grad_fn, args, kwargs, in_axes, known)
 
-    return setup.mapper.transform(call, fun)
+    return setup.transform.public(call, fun)

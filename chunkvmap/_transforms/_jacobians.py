@@ -17,12 +17,11 @@ import numpy as np
 
 from .._core import _axes, _cache
 from .._core._options import (
-    ChunkOptions,
     check_bool,
     check_callable,
     decorator_form,
 )
-from ._batch_vmap import Mapper, check_outputs, function_name
+from ._batch_vmap import Transform, check_outputs, function_name
 from ._grads import check_argnums, describe, resolve_argnums
 
 
@@ -47,14 +46,14 @@ class _JacSetup:
         self.single = self.single and (unwrap_numpy_int or isinstance(argnums, int))
         check_bool(name, "has_aux", has_aux)
         check_bool(name, "holomorphic", holomorphic)
-        self.mapper = Mapper(ChunkOptions.make(name, **options))
+        self.transform = Transform.make(name, **options)
 
     def basis_map(self, fn: Callable[..., Any], linear: Any, n: int, out_axis: int):
         """`fn(linear, i)` for every basis index `i < n`, chunked; the linear map
         `linear` (a pytree holding its residuals) is an unmapped argument, so the
         chunked program closes over no traced value."""
         index = jnp.arange(n, dtype=jnp.int32)
-        return self.mapper(fn, (linear, index), {}, (None, 0), out_axis)
+        return self.transform.map(fn, (linear, index), {}, (None, 0), out_axis)
 
 
 def _dyn_args(name: str, argnums_t: tuple[int, ...], single: bool, args: tuple):
@@ -265,7 +264,7 @@ def batch_jacfwd(
         jac = jax.tree.map(block, columns, out)
         return (jac, lin[2]) if has_aux else jac
 
-    return setup.mapper.transform(jacobian, fun)
+    return setup.transform.public(jacobian, fun)
 
 
 @decorator_form("fun")
@@ -397,4 +396,4 @@ def batch_jacrev(
         jac = out_tree.unflatten(per_output)
         return (jac, res[2]) if has_aux else jac
 
-    return setup.mapper.transform(jacobian, fun)
+    return setup.transform.public(jacobian, fun)

@@ -44,7 +44,7 @@ from jax import lax
 
 from .._core import _cache
 from .._core._options import ChunkOptions, check_callable, decorator_form
-from ._batch_vmap import Mapper, check_outputs
+from ._batch_vmap import Transform, check_outputs
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -458,7 +458,7 @@ def _chunked(
     arrays: list[Any],
     loops,
     loop_shape: tuple[int, ...],
-    mapper: Mapper,
+    transform: Transform,
     known: _cache.Known,
 ) -> Any:
     """The `N = prod(L)` examples in chunks through the `batch_vmap` pipeline
@@ -516,7 +516,7 @@ def _chunked(
             per_example.append(v)
         return example(*per_example)
 
-    out = mapper(one, tuple(leaves), {}, tuple(in_axes), 0, known=known)
+    out = transform.map(one, tuple(leaves), {}, tuple(in_axes), 0, known=known)
     return _reshape_outputs(out, loop_shape, 1)
 
 
@@ -662,7 +662,7 @@ def batch_vectorize(
         memory_limit=memory_limit,
         progress=progress,
     )
-    mapper = Mapper(options)
+    transform = Transform(options)
 
     def vectorized(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         call = _split(excluded, sig, args, kwargs, shown)
@@ -676,6 +676,6 @@ def batch_vectorize(
             and not options.shard
         ):
             return _nested(example, call, loops, loop_shape)
-        return _chunked(example, call.arrays, loops, loop_shape, mapper, known)
+        return _chunked(example, call.arrays, loops, loop_shape, transform, known)
 
-    return mapper.transform(vectorized, pyfunc)  # pyright: ignore[reportReturnType]
+    return transform.public(vectorized, pyfunc)  # pyright: ignore[reportReturnType]
