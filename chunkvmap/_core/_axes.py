@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -303,18 +303,40 @@ def per_example(aval: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape[1:], aval.dtype, weak_type=weak)
 
 
+class Known:
+    """The concrete shardings of an eager call's array arguments, told by the
+    tracers that stand for them in the call's trace (where a tracer's type shows
+    only Explicit mesh axes, so that a layout visible on the concrete arrays stays
+    visible inside). Each sharding is held with its tracer, and found by the
+    tracer's identity; empty for a call under an outer `jax.jit`, where the types
+    say all there is to see."""
+
+    def __init__(self, pairs: Sequence[tuple[Any, Any]] = ()):
+        self._entries = {id(t): (t, s) for t, s in pairs if s is not None}
+
+    def sharding_of(self, x: Any) -> Any:
+        """The concrete sharding of the argument `x` stands for, or None."""
+        entry = self._entries.get(id(x))
+        return entry[1] if entry is not None and entry[0] is x else None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+NOTHING_KNOWN = Known()
+
+
 @dataclasses.dataclass(frozen=True)
 class Inputs:
     """The flat inputs of one call: `leaves` (each mapped along its canonical axis),
     their key paths as the user wrote them (`paths`), which leaves are arrays to trace
     (`dyn`, every mapped leaf among them), the mapped length `size`, and a hashable
     `key` of the call's types (for the `"auto"` choice); `known`: the concrete
-    shardings of an eager call's arguments, by the id of their tracers (see
-    `_cache.EagerCache`)."""
+    shardings of an eager call's arguments (`Known`)."""
 
     leaves: list[Any]
     paths: Sequence[str]
     dyn: Sequence[int]
     size: int
     key: Any
-    known: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+    known: Known = NOTHING_KNOWN

@@ -26,24 +26,24 @@ import dataclasses
 import functools as ft
 import types
 import weakref
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from . import _memory, _mesh
+from . import _axes, _memory, _mesh
 
 
 MAX_ENTRIES = 32
 
 # A call: (positional arguments, keyword arguments, known shardings) -> result. The
-# known shardings are those of an eager call's array arguments, by the id of the
+# known shardings are those of an eager call's array arguments (`_axes.Known`), by the
 # tracers that stand for them in the traced program (a layout visible on concrete
 # arrays stays visible inside, where a tracer's type shows only Explicit axes); empty
 # for a call under an outer `jax.jit`, where the types say all there is to see.
-Known = Mapping[int, Any]
+Known = _axes.Known
 Call = Callable[[tuple, dict, Known], Any]
 
 
@@ -106,21 +106,21 @@ class EagerCache:
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
         if not self.cached:
-            return self.call(args, kwargs, {})
+            return self.call(args, kwargs, _axes.NOTHING_KNOWN)
         flat, treedef = jax.tree.flatten((args, kwargs))
         dyn, static = [], []
         for i, x in enumerate(flat):
             if isinstance(x, jax.core.Tracer):
-                return self.call(args, kwargs, {})
+                return self.call(args, kwargs, _axes.NOTHING_KNOWN)
             if isinstance(x, self.arrays):
                 dyn.append(i)
                 continue
             if isinstance(x, np.ndarray):
-                return self.call(args, kwargs, {})
+                return self.call(args, kwargs, _axes.NOTHING_KNOWN)
             try:
                 hash(x)
             except TypeError:
-                return self.call(args, kwargs, {})
+                return self.call(args, kwargs, _axes.NOTHING_KNOWN)
             static.append((i, type(x), x))
         values = [flat[i] for i in dyn]
         # The arrays' shardings decide how the call is chunked (and the call is told
@@ -132,7 +132,7 @@ class EagerCache:
             for i, v in zip(dyn, values):
                 full[i] = v
             args, kwargs = jax.tree.unflatten(treedef, full)
-            known = {id(v): s for v, s in zip(values, shardings) if s is not None}
+            known = _axes.Known(list(zip(values, shardings)))
             return self.call(args, kwargs, known)
 
         closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*values)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -56,7 +56,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from . import _progress
-from ._axes import Inputs
+from ._axes import Inputs, Known
 from ._loop import Accumulator, Body, make_plan, spec_entries, zeros
 
 
@@ -70,12 +70,12 @@ def default_mesh() -> Mesh:
     return Mesh(devices, (AXIS_NAME,), axis_types=(AxisType.Auto,))
 
 
-def _visible_sharding(x: Any, known: Mapping[int, Any]) -> NamedSharding | None:
+def _visible_sharding(x: Any, known: Known) -> NamedSharding | None:
     """The sharding of `x` as this call can see it (None when it cannot): its own, its
     type's, or for a tracer of an eager call's argument the concrete sharding of that
-    argument (`known`, by the tracer's id)."""
+    argument (`known`)."""
     if isinstance(x, jax.core.Tracer):
-        sharding = known.get(id(x))
+        sharding = known.sharding_of(x)
         if sharding is None:
             sharding = jax.typeof(x).sharding
     elif isinstance(x, jax.Array):
@@ -125,7 +125,7 @@ def layout(
     paths: Sequence[str],
     leaves: Sequence[Any],
     axes: Sequence[int | None],
-    known: Mapping[int, Any],
+    known: Known,
 ) -> Layout | None:
     """The call's layout: requested by `shard`, else visible on the mapped inputs
     (`known`: see `_visible_sharding`)."""
@@ -156,7 +156,7 @@ def layout(
 
 
 def _requested(
-    name: str, shard: Any, mesh: Any, leaves: Sequence[Any], known: Mapping[int, Any]
+    name: str, shard: Any, mesh: Any, leaves: Sequence[Any], known: Known
 ) -> Layout:
     """The layout `shard=` asks for, over `mesh`, the ambient mesh, the mesh the
     inputs are placed on, or all devices."""
@@ -213,7 +213,7 @@ def all_auto(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
 
 
-def _on(mesh: Mesh, leaves: Sequence[Any], known: Mapping[int, Any]) -> bool:
+def _on(mesh: Mesh, leaves: Sequence[Any], known: Known) -> bool:
     """Whether any of `leaves` is placed on `mesh` (or typed over it)."""
     for x in leaves:
         sharding = _visible_sharding(x, known)
@@ -222,7 +222,7 @@ def _on(mesh: Mesh, leaves: Sequence[Any], known: Mapping[int, Any]) -> bool:
     return False
 
 
-def _inputs_mesh(leaves: Sequence[Any], known: Mapping[int, Any]) -> Any:
+def _inputs_mesh(leaves: Sequence[Any], known: Known) -> Any:
     """The mesh the inputs are placed on (the first one seen), or None."""
     for x in leaves:
         sharding = _visible_sharding(x, known)

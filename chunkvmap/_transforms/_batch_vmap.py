@@ -419,7 +419,7 @@ def vmap_call(
         raise _chunked.zero_examples(name)
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
     key += (_static_key(leaves, dyn),)
-    inputs = _axes.Inputs(leaves, paths, dyn, size, key, known or {})
+    inputs = _axes.Inputs(leaves, paths, dyn, size, key, known or _axes.NOTHING_KNOWN)
     # The first trace maps every output along axis 0, so an error of jax.vmap's about
     # an unmapped output raised there comes from a jax.vmap inside f: left as it is.
     body = _trace(
