@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Hashable
-from typing import Any, overload
+from typing import Any, Unpack, overload
 
 
 try:
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from ._core import _axes, _cache
 from ._core._axes import is_none
-from ._core._options import check_callable, decorator_form, identity
+from ._core._options import Chunking, check_callable, decorator_form, identity
 from ._transforms._batch_vmap import Transform, function_name, out_paths
 
 
@@ -248,7 +248,9 @@ class _Chunking:
     static field of the wrapper Module. `fun_name` names the user's function in
     messages."""
 
-    def __init__(self, fun_name: str, axis_name: Any, axis_size: Any, **options: Any):
+    def __init__(
+        self, fun_name: str, axis_name: Any, axis_size: Any, **options: Unpack[Chunking]
+    ):
         self.fun_name = fun_name
         self.transform = Transform.make(
             _NAME, axis_name=axis_name, axis_size=axis_size, **options

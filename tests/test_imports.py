@@ -2,7 +2,9 @@
 
 import ast
 import functools
+import inspect
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -140,3 +142,47 @@ def test_meta_the_layer_check_sees_an_upward_import():
     assert upward_imports(
         PACKAGE / "_dp" / "ghost" / "_plan.py", "import chunkvmap.eqx"
     ) == ["chunkvmap.eqx"]
+
+
+def _entry_points():
+    import chunkvmap.eqx
+    import chunkvmap.linen
+    import chunkvmap.nnx
+
+    found = {
+        name: getattr(chunkvmap, name)
+        for name in chunkvmap.__all__
+        if inspect.isfunction(getattr(chunkvmap, name))
+        and "batch_size" in inspect.signature(getattr(chunkvmap, name)).parameters
+    }
+    found["eqx.filter_batch_vmap"] = chunkvmap.eqx.filter_batch_vmap
+    found["linen.batch_vmap"] = chunkvmap.linen.batch_vmap
+    found["nnx.batch_vmap"] = chunkvmap.nnx.batch_vmap
+    return found
+
+
+def test_every_entry_point_takes_the_chunking_options_as_declared_once():
+    """The chunking options are declared once (`ChunkOptions.make`, `Chunking`);
+    each entry point repeats the shared ones in its own signature for its users
+    and their tools, so they are checked against that declaration: the same names,
+    keyword arguments with the same defaults, and each documented."""
+    from chunkvmap._core._options import Chunking, ChunkOptions
+
+    made = inspect.signature(ChunkOptions.make).parameters
+    assert set(made) - {"name"} == set(Chunking.__annotations__)
+    shared = ["batch_size", "chunk_size", "shard", "mesh", "remat", "memory_limit"]
+    shared.append("progress")
+    entries = _entry_points()
+    assert len(entries) >= 14, sorted(entries)
+    for name, fn in entries.items():
+        params = inspect.signature(fn).parameters
+        doc = inspect.getdoc(fn) or ""
+        for arg in [
+            *shared,
+            *(a for a in ("reduction", "chunk_reduction") if a in params),
+        ]:
+            assert arg in params, (name, arg)
+            p = params[arg]
+            assert p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD), (name, arg)
+            assert p.default is made[arg].default, (name, arg, p.default)
+            assert re.search(rf"^\s*{arg}:", doc, re.M), (name, arg, "not documented")

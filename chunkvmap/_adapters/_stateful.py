@@ -10,10 +10,10 @@ the state). No framework is imported here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 from .._core import _accumulators, _axes, _cache, _loop
-from .._core._options import identity
+from .._core._options import Chunking, identity
 from .._transforms._batch_vmap import Transform, out_paths
 
 
@@ -29,7 +29,7 @@ class StatefulMap:
         axis_name: Any,
         axis_size: Any,
         state_root: str = "state",
-        **options: Any,
+        **options: Unpack[Chunking],
     ):
         self.transform = Transform.make(
             name, axis_name=axis_name, axis_size=axis_size, **options

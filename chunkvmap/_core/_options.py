@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools as ft
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 from jax.sharding import Mesh
@@ -157,6 +157,25 @@ def _check_shard(name: str, shard: Any, mesh: Any) -> Any:
             f"{', '.join(map(repr, missing))}: its axes are {names}."
         )
     return shard
+
+
+class Chunking(TypedDict, total=False):
+    """The chunking keyword arguments, declared once: what `ChunkOptions.make`
+    takes (with its defaults) and what the internal builders of a transform forward
+    as `**options: Unpack[Chunking]`. Each public entry point names the ones it
+    takes in its own signature, for its users and their tools; a test checks those
+    against `ChunkOptions.make`'s names and defaults."""
+
+    batch_size: int | str | None
+    chunk_size: int | str | None
+    microbatch_size: int | str | None
+    reduction: Callable[[Any, Any], Any] | None
+    chunk_reduction: Callable[[Any], Any]
+    remat: bool | Callable[..., Any]
+    shard: bool | str | tuple[str, ...]
+    mesh: Mesh | None
+    memory_limit: int | str | None
+    progress: Any
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,14 +14,20 @@ import dataclasses
 import re
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import jax
 import jax.numpy as jnp
 
 from .._core import _axes, _cache, _chunked, _loop, _memory
 from .._core._cache import function_name
-from .._core._options import ChunkOptions, check_callable, decorator_form, identity
+from .._core._options import (
+    Chunking,
+    ChunkOptions,
+    check_callable,
+    decorator_form,
+    identity,
+)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -261,7 +267,7 @@ class Transform:
         axis_size: Any = None,
         spmd_axis_name: Any = None,
         axes_arg: str = "in_axes",
-        **options: Any,
+        **options: Unpack[Chunking],
     ) -> Transform:
         """The transform of the public function `name`, its chunking `options`
         validated (`ChunkOptions.make`); `axes_arg` names the argument that maps

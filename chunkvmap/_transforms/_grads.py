@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ import numpy as np
 
 from .._core import _axes, _cache
 from .._core._options import (
+    Chunking,
     check_bool,
     check_callable,
     decorator_form,
@@ -252,7 +253,7 @@ class GradSetup:
         batch_argnums: Any,
         spmd_axis_name: Any = None,
         exclusive: bool = False,
-        **options: Any,
+        **options: Unpack[Chunking],
     ):
         check_callable(name, "fun", fun)
         self.name = name

@@ -9,7 +9,7 @@ the identity matrix is never formed.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ import numpy as np
 
 from .._core import _axes, _cache
 from .._core._options import (
+    Chunking,
     check_bool,
     check_callable,
     decorator_form,
@@ -36,7 +37,7 @@ class _JacSetup:
         has_aux: Any,
         holomorphic: Any,
         unwrap_numpy_int: bool,
-        **options: Any,
+        **options: Unpack[Chunking],
     ):
         check_callable(name, "fun", fun)
         self.name = name
