@@ -303,92 +303,100 @@ class Conv(Rule):
         layout = use.layout
         if layout is None or use.slot != 1 or p["batch_group_count"] != 1:
             return None
-        dn = p["dimension_numbers"]
-        lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
-        lhs = use.eqn.invars[0].aval
-        kernel = use.eqn.invars[1].aval
-        groups = p["feature_group_count"]
-        fresh = _Fresh()
-        k_syms = [_axis_symbol(a, fresh) for a in layout.axes]
-        lead = _level_symbols(use, layout, fresh)
-        n_spatial = len(rhs_spec) - 2
-        window = tuple(kernel.shape[d] for d in rhs_spec[2:])
-        c_in = lhs.shape[lhs_spec[1]]
-        cg = c_in // groups
-        o_sym = k_syms[rhs_spec[0]]
-        out_aval = use.eqn.outvars[0].aval
-        out_feat = out_aval.shape[out_spec[1]]
-        batch = fresh()
-        spatial = [fresh() for _ in range(n_spatial)]
-        if groups > 1:
-            if o_sym[0] != "leaf":
-                return None
-            g_sym, og_sym = o_sym + ("group",), o_sym + ("within",)
-            grp: list[Symbol] = [g_sym]
-            o_syms = [g_sym, og_sym]
-            o_sizes = [groups, out_feat // groups]
-        else:
-            grp, o_syms, o_sizes = [], [o_sym], [out_feat]
-        # patches as (levels..., n, out spatial..., [groups], c, window...)
-        patch_spec = (
-            lead
-            + [batch]
-            + spatial
-            + grp
-            + [k_syms[rhs_spec[1]]]
-            + [k_syms[d] for d in rhs_spec[2:]]
-        )
-        delta_spec = lead + [batch] + spatial + o_syms
-        levels = use.level_shape()
-        out_spatial = tuple(out_aval.shape[d] for d in out_spec[2:])
-        n = out_aval.shape[out_spec[0]]
-        patch_shape = (
-            levels
-            + (n,)
-            + out_spatial
-            + ((groups,) if groups > 1 else ())
-            + (cg,)
-            + window
-        )
-        delta_shape = levels + (n,) + out_spatial + tuple(o_sizes)
-        scale = layout.scale
-        n_lead = len(levels)
-
-        def patches(x):
-            pt = _patches(
-                x, window, out_spatial, p["window_strides"], p["padding"],
-                p["lhs_dilation"], p["rhs_dilation"], lhs_spec,
-            )  # fmt: skip
-            return pt.reshape(patch_shape[n_lead:])
-
-        def build(recorded, delta):
-            (x,) = recorded
-            f = patches
-            for _ in range(n_lead):
-                f = jax.vmap(f)
-            pt = f(x)
-            if scale != 1.0:
-                pt = pt * jnp.asarray(scale, pt.dtype)
-            perm = (
-                *range(n_lead),
-                *(n_lead + d for d in (out_spec[0], *out_spec[2:], out_spec[1])),
-            )
-            return [pt, delta.transpose(perm).reshape(delta_shape)]
-
-        build_cost = float(math.prod(patch_shape))
-        form = _einsum_form(
-            [tuple(patch_spec), tuple(delta_spec)],
-            [patch_shape, delta_shape],
-            build,
-            layout,
-            use,
-        )
+        shaped = _conv_operands(use)
+        if shaped is None:
+            return None
+        specs, shapes = shaped
+        build = _conv_build(use, shapes[0])
+        form = _einsum_form(specs, shapes, build, layout, use)
         if form is not None:
-            form.build_cost = build_cost
+            form.build_cost = float(math.prod(shapes[0]))
             # XLA:CPU runs a convolution's kernel gradient far slower inside a loop
             # (the chunks' scan) than a contraction of patches
             form.direct = form.complete
         return form
+
+
+def _conv_operands(use: Use) -> tuple[list, list] | None:
+    """The symbols and shapes of a convolution's einsum form: the patches
+    `(levels..., n, out spatial..., [groups], c, window...)` and the cotangent
+    `(levels..., n, out spatial..., [groups], out features)`; None when grouped
+    output features do not come from one leaf axis."""
+    p, layout = use.eqn.params, use.layout
+    dn = p["dimension_numbers"]
+    rhs_spec, out_spec = dn.rhs_spec, dn.out_spec
+    lhs = use.eqn.invars[0].aval
+    kernel = use.eqn.invars[1].aval
+    groups = p["feature_group_count"]
+    fresh = _Fresh()
+    k_syms = [_axis_symbol(a, fresh) for a in layout.axes]
+    lead = _level_symbols(use, layout, fresh)
+    window = tuple(kernel.shape[d] for d in rhs_spec[2:])
+    o_sym = k_syms[rhs_spec[0]]
+    out_aval = use.eqn.outvars[0].aval
+    out_feat = out_aval.shape[out_spec[1]]
+    batch = fresh()
+    spatial = [fresh() for _ in range(len(rhs_spec) - 2)]
+    if groups > 1:
+        if o_sym[0] != "leaf":
+            return None
+        g_sym, og_sym = o_sym + ("group",), o_sym + ("within",)
+        grp: list[Symbol] = [g_sym]
+        o_syms, o_sizes = [g_sym, og_sym], [groups, out_feat // groups]
+    else:
+        grp, o_syms, o_sizes = [], [o_sym], [out_feat]
+    patch_spec = [*lead, batch, *spatial, *grp, k_syms[rhs_spec[1]]]
+    patch_spec += [k_syms[d] for d in rhs_spec[2:]]
+    delta_spec = [*lead, batch, *spatial, *o_syms]
+    levels = use.level_shape()
+    out_spatial = tuple(out_aval.shape[d] for d in out_spec[2:])
+    n = out_aval.shape[out_spec[0]]
+    cg = lhs.shape[dn.lhs_spec[1]] // groups
+    patch_shape = (*levels, n, *out_spatial, *((groups,) if groups > 1 else ()), cg)
+    patch_shape += window
+    delta_shape = (*levels, n, *out_spatial, *o_sizes)
+    return [tuple(patch_spec), tuple(delta_spec)], [patch_shape, delta_shape]
+
+
+def _conv_build(use: Use, patch_shape: tuple) -> Callable[..., list]:
+    """A convolution form's `build`: the patches of one example's recorded input
+    (sliced, never multiplied) and its cotangent, laid out as `_conv_operands`."""
+    p = use.eqn.params
+    dn = p["dimension_numbers"]
+    out_spec = dn.out_spec
+    kernel = use.eqn.invars[1].aval
+    out_aval = use.eqn.outvars[0].aval
+    window = tuple(kernel.shape[d] for d in dn.rhs_spec[2:])
+    out_spatial = tuple(out_aval.shape[d] for d in out_spec[2:])
+    scale = use.layout.scale
+    n_lead = len(use.levels)
+    delta_shape = (*patch_shape[: n_lead + 1 + len(out_spatial)], -1)
+    groups = p["feature_group_count"]
+    if groups > 1:
+        delta_shape = (*delta_shape[:-1], groups, -1)
+
+    def patches(x):
+        pt = _patches(
+            x, window, out_spatial, p["window_strides"], p["padding"],
+            p["lhs_dilation"], p["rhs_dilation"], dn.lhs_spec,
+        )  # fmt: skip
+        return pt.reshape(patch_shape[n_lead:])
+
+    def build(recorded, delta):
+        (x,) = recorded
+        f = patches
+        for _ in range(n_lead):
+            f = jax.vmap(f)
+        pt = f(x)
+        if scale != 1.0:
+            pt = pt * jnp.asarray(scale, pt.dtype)
+        perm = (
+            *range(n_lead),
+            *(n_lead + d for d in (out_spec[0], *out_spec[2:], out_spec[1])),
+        )
+        return [pt, delta.transpose(perm).reshape(delta_shape)]
+
+    return build
 
 
 class Gather(Rule):
@@ -419,7 +427,6 @@ class Gather(Rule):
         p = use.eqn.params
         dn = p["dimension_numbers"]
         operand = use.eqn.invars[0].aval
-        indices = use.eqn.invars[1].aval
         if dn.operand_batching_dims or dn.start_indices_batching_dims:
             return None
         sizes = p["slice_sizes"]
@@ -429,8 +436,6 @@ class Gather(Rule):
         r = lookup[0]
         if r not in dn.start_index_map or layout.axes[r].leaf is None:
             return None
-        component = list(dn.start_index_map).index(r)
-        others = [k for k, d in enumerate(dn.start_index_map) if d != r]
         out = use.eqn.outvars[0].aval
         offsets = [d for d in range(operand.ndim) if d not in dn.collapsed_slice_dims]
         fresh = _Fresh()
@@ -441,30 +446,10 @@ class Gather(Rule):
             else:
                 off_syms.append(_axis_symbol(layout.axes[d], fresh))
         batch_axes = [a for a in range(out.ndim) if a not in dn.offset_dims]
-        perm = tuple(batch_axes) + tuple(dn.offset_dims)
         levels = use.level_shape()
         positions = math.prod(levels) * math.prod(out.shape[a] for a in batch_axes)
         off_shape = tuple(out.shape[a] for a in dn.offset_dims)
-        rows_n = operand.shape[r]
-        # An out-of-range index reads a clamped row in every mode, but its gradient
-        # is only kept in clip mode (the scatter that transposes a fill-or-drop or
-        # promise-in-bounds gather drops it).
-        dropped = "CLIP" not in str(p["mode"]).upper()
-        n_lead = len(levels)
-
-        def build(recorded, delta):
-            (idx,) = recorded
-            idx = idx.reshape(positions, idx.shape[-1]) if indices.ndim else idx
-            row, in_range = _row_index(idx[:, component], rows_n)
-            if dropped:
-                valid = in_range
-                for k in others:
-                    valid = valid & (idx[:, k] == 0)
-            else:
-                valid = jnp.ones(row.shape, bool)
-            d = delta.transpose((*range(n_lead), *(n_lead + a for a in perm)))
-            return [row, valid, d.reshape((positions, *off_shape))]
-
+        build = _lookup_build(use, r, batch_axes, (positions, *off_shape))
         syms = frozenset(
             s for s in (("leaf", layout.axes[r].leaf), *off_syms) if s[0] == "leaf"
         )
@@ -478,6 +463,39 @@ class Gather(Rule):
         )
         form.complete = _complete(layout, use.leaf_aval.shape)
         return form
+
+
+def _lookup_build(use: Use, r: int, batch_axes: list, delta_shape: tuple):
+    """A lookup form's `build`: one example's looked-up rows (leaf axis `r`) as
+    int32 in range, whether each position's gradient is kept, and the cotangent as
+    `delta_shape` (positions first)."""
+    p = use.eqn.params
+    dn = p["dimension_numbers"]
+    indices = use.eqn.invars[1].aval
+    component = list(dn.start_index_map).index(r)
+    others = [k for k, d in enumerate(dn.start_index_map) if d != r]
+    perm = (*batch_axes, *dn.offset_dims)
+    rows_n = use.eqn.invars[0].aval.shape[r]
+    positions, n_lead = delta_shape[0], len(use.levels)
+    # An out-of-range index reads a clamped row in every mode, but its gradient is
+    # only kept in clip mode (the scatter that transposes a fill-or-drop or
+    # promise-in-bounds gather drops it).
+    dropped = "CLIP" not in str(p["mode"]).upper()
+
+    def build(recorded, delta):
+        (idx,) = recorded
+        idx = idx.reshape(positions, idx.shape[-1]) if indices.ndim else idx
+        row, in_range = _row_index(idx[:, component], rows_n)
+        if dropped:
+            valid = in_range
+            for k in others:
+                valid = valid & (idx[:, k] == 0)
+        else:
+            valid = jnp.ones(row.shape, bool)
+        d = delta.transpose((*range(n_lead), *(n_lead + a for a in perm)))
+        return [row, valid, d.reshape(delta_shape)]
+
+    return build
 
 
 def _row_index(row: jax.Array, rows_n: int) -> tuple[jax.Array, jax.Array]:

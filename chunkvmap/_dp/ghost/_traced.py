@@ -65,6 +65,38 @@ class Traced:
     ):
         self.diff = tuple(diff)
         expand = tuple(mapped if expand is None else expand)
+        avals, positions, paths, example_positions = self._flatten(
+            args, kwargs, mapped, strip
+        )
+        self.batch_args = tuple(mapped)
+        self.keep_batch_dim = keep_batch_dim
+
+        def one(values: list) -> Any:
+            new_args, new_kwargs = self.rebuild(args, kwargs, values)
+            if keep_batch_dim:
+                for i in expand:
+                    new_args[i] = jax.tree.map(
+                        lambda x: jnp.expand_dims(x, 0), new_args[i]
+                    )
+            out = fun(*new_args, **new_kwargs)
+            return out if has_aux else (out, None)
+
+        closed, shape = jax.make_jaxpr(one, return_shape=True)(avals)
+        self.out_tree = jax.tree.structure(shape)
+        value = jax.tree.leaves(shape)[0] if jax.tree.leaves(shape) else None
+        self.value_aval = value
+        self.plan = Plan(closed, positions, example_positions, paths)
+        self._one = one
+        self._plan_args = (positions, example_positions, paths)
+        here = jax.sharding.get_abstract_mesh()
+        self._plans = {(here, tuple(self._leaf_types(avals))): self.plan}
+
+    def _flatten(self, args, kwargs, mapped, strip) -> tuple[list, ...]:
+        """The types of one example's array leaves (the jaxpr's inputs), the
+        positions and key paths of the differentiated ones among them, and the
+        positions of the examples' leaves; notes each argument's structure
+        (`arg_defs`) and which of its array leaves are differentiated
+        (`diff_masks`)."""
         self.arg_defs = []
         avals, positions, paths, example_positions = [], [], [], []
         named = [(f"args[{i}]", a, i in mapped) for i, a in enumerate(args)]
@@ -99,28 +131,7 @@ class Traced:
                         paths.append(root + jax.tree_util.keystr(path))
             if i in self.diff:
                 self.diff_masks.append(mask)
-        self.batch_args = tuple(mapped)
-        self.keep_batch_dim = keep_batch_dim
-
-        def one(values: list) -> Any:
-            new_args, new_kwargs = self.rebuild(args, kwargs, values)
-            if keep_batch_dim:
-                for i in expand:
-                    new_args[i] = jax.tree.map(
-                        lambda x: jnp.expand_dims(x, 0), new_args[i]
-                    )
-            out = fun(*new_args, **new_kwargs)
-            return out if has_aux else (out, None)
-
-        closed, shape = jax.make_jaxpr(one, return_shape=True)(avals)
-        self.out_tree = jax.tree.structure(shape)
-        value = jax.tree.leaves(shape)[0] if jax.tree.leaves(shape) else None
-        self.value_aval = value
-        self.plan = Plan(closed, positions, example_positions, paths)
-        self._one = one
-        self._plan_args = (positions, example_positions, paths)
-        here = jax.sharding.get_abstract_mesh()
-        self._plans = {(here, tuple(self._leaf_types(avals))): self.plan}
+        return avals, positions, paths, example_positions
 
     def _leaf_types(self, values: Sequence[Any]) -> list[Any]:
         return [jax.typeof(values[i]) for i in self.plan.diff_positions]
