@@ -14,17 +14,8 @@ import pytest
 
 from chunkvmap.linen import batch_vmap
 
+from .flax_cases import SUM, T, X, chunked_by, classic_threefry  # noqa: F401
 from .helpers import jaxpr_eqns, tree_allclose
-
-
-@pytest.fixture(autouse=True)
-def classic_threefry():
-    """JAX's default, partitionable threefry takes XLA several times longer to compile
-    on CPU. The bits differ, but the chunked model and its reference draw the same.
-    (Keys must be threefry: `rbg` keys draw differently under vmap depending on the
-    batch around an example, under nn.vmap and in chunks alike.)"""
-    with jax.threefry_partitionable(False):
-        yield
 
 
 def assert_same_variables(actual, expected):
@@ -35,9 +26,7 @@ def assert_same_variables(actual, expected):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
-def chunked(batch_size, **options):
-    """`batch_vmap` with the chunking options bound: a drop-in for `nn.vmap`."""
-    return ft.partial(batch_vmap, batch_size=batch_size, **options)
+chunked = chunked_by(batch_vmap)
 
 
 class MLP(nn.Module):
@@ -48,13 +37,10 @@ class MLP(nn.Module):
         return nn.Dense(self.features)(nn.tanh(nn.Dense(6)(x)))
 
 
-X = jnp.linspace(-1.0, 1.0, 30, dtype=jnp.float32).reshape(10, 3)
-T = jnp.arange(10.0, dtype=jnp.float32)
 ENSEMBLE = dict(
     variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None, axis_size=7
 )
 SHARED = dict(variable_axes={"params": None}, split_rngs={"params": False})
-SUM = dict(reduction=jnp.add, chunk_reduction=lambda losses: losses.sum(0))
 
 
 # --------------------------------------------------------------------------------------

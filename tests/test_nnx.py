@@ -13,20 +13,11 @@ from flax import nnx
 
 from chunkvmap.nnx import batch_vmap
 
+from .flax_cases import SUM, T, X, chunked_by, classic_threefry  # noqa: F401
 from .helpers import jaxpr_eqns, tree_allclose
 
 
-@pytest.fixture(autouse=True)
-def classic_threefry():
-    """JAX's default, partitionable threefry takes XLA several times longer to compile
-    on CPU. The bits differ, but the chunked model and its reference draw the same."""
-    with jax.threefry_partitionable(False):
-        yield
-
-
-def chunked(batch_size, **options):
-    """`batch_vmap` with the chunking options bound: a drop-in for `nnx.vmap`."""
-    return ft.partial(batch_vmap, batch_size=batch_size, **options)
+chunked = chunked_by(batch_vmap)
 
 
 def state_of(*nodes):
@@ -43,10 +34,6 @@ class MLP(nnx.Module):
     def __call__(self, x):
         self.calls[...] += 1  # a Variable write, the same for every example
         return self.out(self.dropout(nnx.tanh(self.hidden(x))))
-
-
-X = jnp.linspace(-1.0, 1.0, 30, dtype=jnp.float32).reshape(10, 3)
-T = jnp.arange(10.0, dtype=jnp.float32)
 
 
 def apply(model, x):
@@ -112,9 +99,6 @@ def test_ensemble_created_in_chunks():
 
 # --------------------------------------------------------------------------------------
 # One model shared over batched data, under nnx.jit and nnx.grad.
-
-
-SUM = dict(reduction=jnp.add, chunk_reduction=lambda losses: losses.sum(0))
 
 
 def shared_run(vmap, total):
