@@ -236,17 +236,25 @@ class Elementwise(Rule):
         self.bilinear = bilinear
 
 
-class Dot(Rule):
-    """`dot_general`: `G = einsum(activation, delta)`."""
+class _Product(Rule):
+    """A product of a parameter and an activation (bilinear in its two operands):
+    a ghost form needs the other operand to depend on the example."""
 
-    kind = "dense"
     linear = ()
     bilinear = (0, 1)
+    what = "a product"
 
     def accepts(self, eqn, slot, tainted):
         if not tainted[1 - slot]:
-            return "a dot_general whose other operand does not depend on the example"
+            return f"{self.what} whose other operand does not depend on the example"
         return None
+
+
+class Dot(_Product):
+    """`dot_general`: `G = einsum(activation, delta)`."""
+
+    kind = "dense"
+    what = "a dot_general"
 
     def form(self, use: Use) -> Form | None:
         layout = use.layout
@@ -285,18 +293,12 @@ class Dot(Rule):
         return _einsum_form(specs, shapes, build, layout, use)
 
 
-class Conv(Rule):
+class Conv(_Product):
     """`conv_general_dilated` with the kernel as the parameter: unfolded into patches
     (`lax.conv_general_dilated_patches`), `G = einsum(patches, delta)`."""
 
     kind = "conv"
-    linear = ()
-    bilinear = (0, 1)
-
-    def accepts(self, eqn, slot, tainted):
-        if not tainted[1 - slot]:
-            return "a convolution whose other operand does not depend on the example"
-        return None
+    what = "a convolution"
 
     def form(self, use: Use) -> Form | None:
         p = use.eqn.params
