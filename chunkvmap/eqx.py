@@ -255,14 +255,11 @@ class _Chunking:
         self.transform = Transform.make(
             _NAME, axis_name=axis_name, axis_size=axis_size, **options
         )
-        self.options = self.transform.options
-        self.axis_size = self.transform.axis_size
-        self.auto = self.transform.auto
 
     def run(self, out_axes: Any, dyn_axes: Any) -> Callable[[tuple, dict], Any]:
         """The chunked evaluation of `_inner` for one output spec and input layout
         (through an eager cache kept while this object lives)."""
-        options = self.options
+        options = self.transform.options
         core = options
         if options.reduction is not None:
             chunk_reduction = options.chunk_reduction
@@ -360,7 +357,7 @@ class _BatchVmapWrapper(eqx.Module):
 
     @property
     def __chunkvmap_auto__(self) -> Any:  # its chunk-size state, for last_batch_size
-        return self._chunking.auto
+        return self._chunking.transform.auto
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -376,7 +373,7 @@ class _BatchVmapWrapper(eqx.Module):
         )
         fun_dyn, fun_static = eqx.partition(self._fun, eqx.is_array)
         fun = _Static(fun_static)
-        if chunking.axis_size is None and not any(
+        if chunking.transform.axis_size is None and not any(
             a is not None for a in jax.tree.leaves(dyn_axes, is_leaf=is_none)
         ):
             # Nothing is mapped: call once, as eqx.filter_vmap does, and insist that no
@@ -391,7 +388,7 @@ class _BatchVmapWrapper(eqx.Module):
             return _user_output(triple)
         run = chunking.run(self._out_axes, dyn_axes)
         result = run(((fun, fun_dyn), dynamic, static), {})
-        options = chunking.options
+        options = chunking.transform.options
         if options.reduction is not None:
             return result
         out = _user_output(result)

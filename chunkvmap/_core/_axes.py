@@ -319,9 +319,6 @@ class Known:
         entry = self._entries.get(id(x))
         return entry[1] if entry is not None and entry[0] is x else None
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
 
 NOTHING_KNOWN = Known()
 

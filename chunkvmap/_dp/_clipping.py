@@ -159,7 +159,12 @@ def global_sq_norm(tree: Any) -> jax.Array:
     if not leaves:
         return jnp.zeros((), jnp.float32)
     acc = ghost.accumulation_dtype([x.dtype for x in leaves])
-    return sum(jnp.sum(jnp.square(jnp.abs(x).astype(acc))) for x in leaves)
+    return sum(_squared(x, acc) for x in leaves)
+
+
+def _squared(x: jax.Array, acc: Any) -> jax.Array:
+    """`||x||^2`, summed in `acc`."""
+    return jnp.sum(jnp.square(jnp.abs(x).astype(acc)))
 
 
 def _norm_of_square(total: jax.Array) -> jax.Array:
@@ -326,7 +331,7 @@ def _clipped_sums(
     if config.method == "ghost" and size > 0:
         sums = _GhostSums(setup, fun, config, args, in_axes, kwargs, diff, batch_args)
         if sums.report.runs == "ghost":  # (else nothing to gain: the per-example path)
-            return (*sums(setup, args, in_axes, kwargs, extra, known), size)
+            return (*sums(args, in_axes, kwargs, extra, known), size)
 
     value_and_grad = filtered_value_and_grad(
         fun, diff, setup.single, config.has_aux, name, _note(name, fun, config)
@@ -387,9 +392,11 @@ class _Parts(NamedTuple):
     grads: dict  # the `formed` leaves' gradients (made finite with nan_safe)
     pe_grads: list  # the per-example leaves' gradients (likewise)
 
-
-def _squared(x: jax.Array, acc: Any) -> jax.Array:
-    return jnp.sum(jnp.square(jnp.abs(x).astype(acc)))
+    @property
+    def to_fix(self) -> jax.Array:
+        """Whether `_fix_nonfinite` forms the example's sum again: its `other`
+        leaves are not finite, and it is not padding."""
+        return ~self.finite if self.pad is None else ~self.finite & ~self.pad
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -433,7 +440,7 @@ class _GhostSums:
         check_scalar_loss(name, self.traced)
         self.report = ghost.report_of(self.traced.plan)
         _warn_fallback(setup, fun, self.report)
-        self.config, self.n_args = config, len(args)
+        self.setup, self.config, self.n_args = setup, config, len(args)
         plan = self.traced.plan
         leaves = plan.leaves
         self.pe = plan.with_rule(ghost.PER_EXAMPLE)
@@ -489,7 +496,8 @@ class _GhostSums:
         (unmapped: they tell the chunk which plan made these records)."""
         config, inputs = self.config, list(inputs)
         pad = inputs.pop() if len(inputs) > self.n_args else None
-        plan, ev = self.traced.evaluate(inputs, kw, self.pe)
+        values = self.traced.arrays(inputs, kw)
+        plan, ev = self.traced.evaluate(values, self.pe)
         safe_sq, raw, arrays, grads, pe_grads = self._squares(plan, ev)
         rest = jnp.zeros((), self.acc)
         for k in self.other:
@@ -516,7 +524,6 @@ class _GhostSums:
             aux if config.has_aux else None,
         )
         parts = _Parts(scale, keep, finite, pad, safe_sq, raw, arrays, grads, pe_grads)
-        values = self.traced.arrays(inputs[: self.n_args], kw)
         return (parts, kept.records, kept.deltas), extras, self.traced.params_of(values)
 
     def summarise(self, chunk: Any) -> Any:
@@ -527,7 +534,7 @@ class _GhostSums:
         plan = self.traced.plan_of(params)
         totals = self._chunk_sums(plan, parts, records, deltas)
         if self.config.nan_safe and self.other:
-            chosen = ~parts.finite if parts.pad is None else ~parts.finite & ~parts.pad
+            chosen = parts.to_fix
 
             def skip(totals: list, chunk: Any) -> Any:
                 return list(totals), jnp.zeros(parts.finite.shape, self.acc)
@@ -584,7 +591,7 @@ class _GhostSums:
         non-finite entries zeroed, each leaf's clipped gradient added in place, so
         that no more than one leaf's gradient exists at once."""
         parts, records, deltas = chunk
-        chosen = ~parts.finite if parts.pad is None else ~parts.finite & ~parts.pad
+        chosen = parts.to_fix
         raw_norms, scales = self._fixed_norms(plan, parts, records, deltas)
         pe_index = {k: i for i, k in enumerate(self.pe)}
 
@@ -633,11 +640,11 @@ class _GhostSums:
         _, (raw_norms, scales) = lax.scan(norms, None, xs)
         return raw_norms, scales
 
-    def __call__(self, setup, args, in_axes, kwargs, extra, known) -> tuple:
+    def __call__(self, args, in_axes, kwargs, extra, known) -> tuple:
         """The clipped sum (None without sums) and the stacked extras of a call."""
         # (the sums and the stacked norms are not independent here: an example whose
         # non-finite terms are fixed gets its norm from the fix)
-        totals, extras = setup.map(
+        totals, extras = self.setup.map(
             self.example,
             (*args, *extra),
             kwargs,
@@ -648,7 +655,7 @@ class _GhostSums:
         )
         if not self.config.sums:
             return None, extras
-        return self.traced.grads_tree(totals, setup.single), extras
+        return self.traced.grads_tree(totals, self.setup.single), extras
 
 
 class GhostFallbackWarning(UserWarning):

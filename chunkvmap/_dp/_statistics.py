@@ -358,13 +358,13 @@ class _GhostMoments:
 
     def example(self, *inputs: Any, **kw: Any) -> Any:
         traced = self.traced
-        plan, ev = traced.evaluate(inputs, kw, self.pe)
+        values = traced.arrays(list(inputs), kw)
+        plan, ev = traced.evaluate(values, self.pe)
         _, aux = traced.out_tree.unflatten(ev.outs)
         pe_grads = [g.astype(_stats_dtype(g.dtype)) for g in ev.pe_grads]
         one = jnp.ones((), jnp.float32)  # a chunk's count is the sum of these
         # The parameters, unmapped, tell the chunk which plan made these records.
-        params = traced.params_of(traced.arrays(list(inputs), kw))
-        return (ev.records, ev.deltas, pe_grads, one), aux, params
+        return (ev.records, ev.deltas, pe_grads, one), aux, traced.params_of(values)
 
     def summarise(self, chunk: Any) -> Any:
         (records, deltas, pe_grads, ones), aux, params = chunk
@@ -484,7 +484,8 @@ class _GhostDots:
     def parts(self, example: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
         """One example's plan, `aux`, the arrays of its ghost leaves' uses, and the
         gradients of the others."""
-        plan, ev = self.traced.evaluate(example, {}, self.pe)
+        values = self.traced.arrays(list(example), {})
+        plan, ev = self.traced.evaluate(values, self.pe)
         _, aux = self.traced.out_tree.unflatten(ev.outs)
         arrays = {k: plan.arrays(k, ev.records, ev.deltas) for k in self.ghost}
         grads = {k: plan.instantiate(k, ev.records, ev.deltas) for k in self.formed}

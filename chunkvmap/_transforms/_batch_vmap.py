@@ -300,10 +300,6 @@ class Transform:
         object.__setattr__(self, "_warned", set())
 
     @property
-    def name(self) -> str:
-        return self.options.name
-
-    @property
     def placement(self) -> _cache.Placement:
         """Where its calls run: its `shard=` and `mesh=`."""
         return _cache.Placement(self.options.shard, self.options.mesh)

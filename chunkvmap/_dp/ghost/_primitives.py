@@ -5,8 +5,9 @@ values with probes added to the uses' outputs, and the uses' operands recorded).
 
 A higher-order primitive (a call, a checkpoint, a scan, a cond) is one class here
 with both methods; a first-order primitive with a rule of `_rules.RULES` is a
-`Ruled` entry; any other primitive is `Unruled`: a linear step of a chain, or a use
-no rule covers (its leaf falls back to per-example gradients).
+`Ruled` entry; any other primitive is `UNRULED` (the default `Primitive`): a
+linear step of a chain, or a use no rule covers (its leaf falls back to per-example
+gradients).
 """
 
 from __future__ import annotations
@@ -60,10 +61,6 @@ class Primitive:
         for use in plan.uses_at[here]:
             records[use.key] = [ins[i] for i in use.record]
         return outs
-
-
-class Unruled(Primitive):
-    pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,11 +298,11 @@ PRIMITIVES: dict[str, Primitive] = {
     ),
     "while": Opaque(lambda eqn: "enters a while loop"),
 }
-"""Every primitive the plan treats specially, by name; any other is `Unruled`. A
+"""Every primitive the plan treats specially, by name; any other is `UNRULED`. A
 new higher-order primitive is one `Primitive` subclass here (its `walk` and `run`);
 a new first-order rule is an entry of `_rules.RULES`."""
 
-UNRULED = Unruled()
+UNRULED = Primitive()
 
 
 def handler(eqn: Any) -> Primitive:

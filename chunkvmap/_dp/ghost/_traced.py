@@ -158,12 +158,11 @@ class Traced:
         return plan
 
     def evaluate(
-        self, args: Sequence[Any], kwargs: dict, per_example: Sequence[int]
+        self, values: Sequence[Any], per_example: Sequence[int]
     ) -> tuple[Plan, Evaluation]:
         """One example's plan (in the current mesh context) and its evaluation
-        (`Plan.backward`) at `args` and `kwargs`, the gradients of the leaves
-        `per_example` formed as they are."""
-        values = self.arrays(list(args), kwargs)
+        (`Plan.backward`) at its array leaves `values` (`arrays`), the gradients of
+        the leaves `per_example` formed as they are."""
         plan = self.plan_here(values)
         return plan, plan.backward(values, per_example)
 
