@@ -24,12 +24,14 @@ def body(
     axes: Sequence[int | None],
     signature: _loop.Signature,
     length: int,
+    convolutions: bool,
 ) -> _loop.Body:
     """The `_loop.Body` of a traced chunk function (traced for chunks of `length`),
     combined as `options` say: stacked, folded by the user's reduction, or
     accumulated by a front end's own accumulator; an accumulator is prepared here for
     this signature, once, before any loop is built (a user's reduction is checked
-    then: `_accumulators.Fold`)."""
+    then: `_accumulators.Fold`). `convolutions`: whether the traced chunk has a
+    convolution (`_conv.has_convolution`)."""
     accumulator = options.accumulator
     if accumulator is None and options.reduction is not None:
         accumulator = _accumulators.compose(
@@ -40,8 +42,10 @@ def body(
     if accumulator is not None and accumulator.prepare is not None:
         accumulator = accumulator.prepare(signature, length)
     post = options.chunk_reduction if accumulator is None else identity
-    # Every chunk's convolutions in the layout XLA:CPU runs fast inside a loop.
-    chunk_fn = _conv.canonical(chunk_fn)
+    # Every chunk's convolutions in the layout XLA:CPU runs fast inside a loop (a
+    # chunk without one is left as it is: re-evaluating it would cost a trace).
+    if convolutions:
+        chunk_fn = _conv.canonical(chunk_fn)
     return _loop.Body(
         options.name, chunk_fn, axes, signature, accumulator, post, options.remat
     )

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import _axes, _cache, _chunked, _loop, _memory
+from .._core import _axes, _cache, _chunked, _conv, _loop, _memory
 from .._core._options import ChunkOptions, check_bool, check_callable, identity
 from ._batch_vmap import check_outputs
 
@@ -235,7 +235,8 @@ def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
         else _loop.make_plan(size, options.batch_size).batch
     )
     chunk_avals = [_axes.sized(x, 0, probe) for x in leaves]
-    out_chunk_avals = jax.eval_shape(fun_flat, *chunk_avals)
+    first = fun_flat.trace(*chunk_avals)
+    out_chunk_avals = first.out_info
     (out_tree,) = out_box
     out_avals = [_axes.per_example(a) for a in out_chunk_avals]
 
@@ -243,4 +244,5 @@ def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
         return fun_flat(*chunk_leaves)
 
     signature = _loop.Signature(out_tree, out_avals, [0] * len(out_avals))
-    return _chunked.body(options, chunk_fn, axes, signature, probe)
+    convolutions = _conv.has_convolution(first.jaxpr)
+    return _chunked.body(options, chunk_fn, axes, signature, probe, convolutions)

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools as ft
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, Unpack
 
 import jax
 import jax.numpy as jnp
 
-from .._core import _axes, _cache, _chunked, _loop, _memory
+from .._core import _axes, _cache, _chunked, _conv, _loop, _memory
 from .._core._cache import function_name
 from .._core._options import (
     Chunking,
@@ -517,9 +518,18 @@ def _trace(
     def vmapped(flat_out_axes: Any, length: int) -> Callable[..., Any]:
         key = (flat_out_axes, length)
         if key not in jitted:
-            jitted[key] = jax.jit(
-                _cache.wraps(f)(vmap_flat(traced, flat_out_axes, length)), inline=True
-            )
+            if isinstance(flat_out_axes, int) or all(
+                a in (0, None) for a in flat_out_axes
+            ):
+                jitted[key] = jax.jit(
+                    _cache.wraps(f)(vmap_flat(traced, flat_out_axes, length)),
+                    inline=True,
+                )
+            else:
+                leading = [None if a is None else 0 for a in flat_out_axes]
+                jitted[key] = _moved(
+                    _cache.wraps(f)(vmap_flat(traced, leading, length)), flat_out_axes
+                )
         return jitted[key]
 
     # The length the loop's chunks will have (when it is known now). Plain shapes,
@@ -530,7 +540,8 @@ def _trace(
     batch = options.batch_size
     length = batch if isinstance(batch, int) and 0 < batch < size else size
     chunk_avals = [_axes.sized(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
-    mapped_avals = jax.eval_shape(vmapped(0, length), *chunk_avals)
+    first = vmapped(0, length).trace(*chunk_avals)
+    mapped_avals = first.out_info
     out_avals = [_axes.per_example(a) for a in mapped_avals]
     flat_axes = _flat_out_axes(name, out_axes, out_box[0], out_avals)
     signature = _loop.Signature(out_box[0], out_avals, flat_axes)
@@ -540,7 +551,32 @@ def _trace(
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
         return vmapped(flat, length)(*[chunk_leaves[i] for i in dyn])
 
-    return _chunked.body(options, chunk_fn, axes, signature, length)
+    convolutions = _conv.has_convolution(first.jaxpr)
+    return _chunked.body(options, chunk_fn, axes, signature, length, convolutions)
+
+
+def _moved(fn: Callable[..., Any], out_axes: Sequence[Any]) -> Callable[..., Any]:
+    """`fn` (a chunk with its outputs along axis 0, or unmapped) with its outputs
+    moved to `out_axes`, the move outside a compiled call of `fn`.
+
+    Inside one program XLA lays the per-example computation out for the moved
+    outputs (on the statistics' gradients, examples last, that costs copies: a
+    quarter more memory on a transformer); behind a call boundary it keeps its own
+    layout and the move is one transpose. The call is not inlined, so the arrays
+    `fn` closes over are passed to it as arguments (`jax.make_jaxpr`'s constants),
+    never compiled into it: an eager call's cache sees them as its own arguments.
+    """
+
+    def call(*leaves: Any) -> list[Any]:
+        closed = jax.make_jaxpr(fn)(*leaves)
+        run = jax.jit(_cache.wraps(fn)(ft.partial(jax.core.eval_jaxpr, closed.jaxpr)))
+        outs = run(closed.consts, *leaves)
+        return [
+            o if a in (0, None) else jnp.moveaxis(o, 0, a)
+            for o, a in zip(outs, out_axes)
+        ]
+
+    return call
 
 
 def check_outputs(name: str, f: Any, out: Any) -> None:
