@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Hashable
-from typing import Any, Unpack, overload
+from typing import Any, overload
 
 
 try:
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from ._core import _axes, _cache
 from ._core._axes import is_none
-from ._core._options import Chunking, check_callable, decorator_form, identity
+from ._core._options import check_callable, decorator_form, identity
 from ._transforms._batch_vmap import Transform, function_name, out_paths
 
 
@@ -222,10 +222,10 @@ def filter_batch_vmap(
     else:
         _check_spec("in_axes", tuple(in_axes.values()))
     _check_spec("out_axes", out_axes)
-    chunking = _Chunking(
-        function_name(fun),
-        axis_name,
-        axis_size,
+    transform = Transform.make(
+        _NAME,
+        axis_name=axis_name,
+        axis_size=axis_size,
         batch_size=batch_size,
         chunk_size=chunk_size,
         reduction=reduction,
@@ -237,71 +237,63 @@ def filter_batch_vmap(
         progress=progress,
     )
     wrapper = eqx.module_update_wrapper(
-        _BatchVmapWrapper(fun, in_axes, out_axes, chunking)
+        _BatchVmapWrapper(fun, in_axes, out_axes, transform, function_name(fun))
     )
     return wrapper
 
 
-class _Chunking:
-    """The validated chunking of one `filter_batch_vmap` (errors name it when it is
-    built) and, through `_cache.memo`, its eager caches. Hashed by identity: it is a
-    static field of the wrapper Module. `fun_name` names the user's function in
-    messages."""
+def _run(
+    transform: Transform, fun_name: str, out_axes: Any, dyn_axes: Any
+) -> Callable[[tuple, dict], Any]:
+    """The chunked evaluation of `_inner` for one output spec and input layout
+    (through an eager cache that `transform` keeps); messages name the user's
+    function `fun_name`."""
+    key = (_axes.spec_key(out_axes), _axes.spec_key(dyn_axes))
+    return transform.cache_for(
+        key, lambda: _call(transform, fun_name, out_axes, dyn_axes)
+    )
 
-    def __init__(
-        self, fun_name: str, axis_name: Any, axis_size: Any, **options: Unpack[Chunking]
-    ):
-        self.fun_name = fun_name
-        self.transform = Transform.make(
-            _NAME, axis_name=axis_name, axis_size=axis_size, **options
+
+def _call(
+    transform: Transform, fun_name: str, out_axes: Any, dyn_axes: Any
+) -> _cache.Call:
+    """`_run`'s call: `_inner` mapped by the core."""
+    options = transform.options
+    core = options
+    if options.reduction is not None:
+        chunk_reduction = options.chunk_reduction
+
+        def core_reduce(triple):
+            return chunk_reduction(_user_output(triple))
+
+        core = options.replace(chunk_reduction=core_reduce)
+    elif options.chunk_reduction is not identity:
+        core = options.replace(chunk_reduction=identity)  # applied after
+
+    def inner(fun_parts: Any, dyn: Any, static: Any) -> Any:
+        return _inner(fun_parts, dyn, static, out_axes)
+
+    # Messages (the core's and JAX's) name the user's function.
+    inner.__name__ = inner.__qualname__ = fun_name
+
+    def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        in_axes = (None, dyn_axes, None)
+        # Messages name the user's arguments: `args` is (fun, dynamic, static),
+        # and outputs: `_inner` returns (mapped, unmapped arrays, static).
+        names = ("fun", "args", "args")
+        return transform.map(
+            inner,
+            args,
+            kwargs,
+            in_axes,
+            _core_out_axes,
+            options=core,
+            arg_names=names,
+            out_names=_user_out_names,
+            known=known,
         )
 
-    def run(self, out_axes: Any, dyn_axes: Any) -> Callable[[tuple, dict], Any]:
-        """The chunked evaluation of `_inner` for one output spec and input layout
-        (through an eager cache kept while this object lives)."""
-        options = self.transform.options
-        core = options
-        if options.reduction is not None:
-            chunk_reduction = options.chunk_reduction
-
-            def core_reduce(triple):
-                return chunk_reduction(_user_output(triple))
-
-            core = options.replace(chunk_reduction=core_reduce)
-        elif options.chunk_reduction is not identity:
-            core = options.replace(chunk_reduction=identity)  # applied after
-
-        # The cached call must not refer to `self`, the cache's weak key.
-        transform = self.transform
-
-        def inner(fun_parts: Any, dyn: Any, static: Any) -> Any:
-            return _inner(fun_parts, dyn, static, out_axes)
-
-        # Messages (the core's and JAX's) name the user's function.
-        inner.__name__ = inner.__qualname__ = self.fun_name
-
-        def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-            in_axes = (None, dyn_axes, None)
-            # Messages name the user's arguments: `args` is (fun, dynamic, static),
-            # and outputs: `_inner` returns (mapped, unmapped arrays, static).
-            names = ("fun", "args", "args")
-            return transform.map(
-                inner,
-                args,
-                kwargs,
-                in_axes,
-                _core_out_axes,
-                options=core,
-                arg_names=names,
-                out_names=_user_out_names,
-                known=known,
-            )
-
-        def build():
-            return transform.cache(call)
-
-        key = (_axes.spec_key(out_axes), _axes.spec_key(dyn_axes))
-        return _cache.memo(self, key, build)
+    return call
 
 
 def _core_out_axes(triple: Any) -> Any:
@@ -349,7 +341,8 @@ class _BatchVmapWrapper(eqx.Module):
     _fun: Callable[..., Any]
     _in_axes: Any
     _out_axes: Any
-    _chunking: _Chunking = eqx.field(static=True)
+    _transform: Transform = eqx.field(static=True)
+    _fun_name: str = eqx.field(static=True)
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
@@ -357,7 +350,7 @@ class _BatchVmapWrapper(eqx.Module):
 
     @property
     def __chunkvmap_auto__(self) -> Any:  # its chunk-size state, for last_batch_size
-        return self._chunking.transform.auto
+        return self._transform.auto
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -365,7 +358,7 @@ class _BatchVmapWrapper(eqx.Module):
                 f"keyword arguments cannot be used with functions wrapped with "
                 f"{_NAME} (as with eqx.filter_vmap); got {sorted(kwargs)}."
             )
-        chunking = self._chunking
+        transform = self._transform
         axes = _resolve(args, _named_in_axes(self._fun, self._in_axes, args), "in_axes")
         dynamic, static = eqx.partition(args, eqx.is_array)
         dyn_axes = jax.tree.map(
@@ -373,7 +366,7 @@ class _BatchVmapWrapper(eqx.Module):
         )
         fun_dyn, fun_static = eqx.partition(self._fun, eqx.is_array)
         fun = _Static(fun_static)
-        if chunking.transform.axis_size is None and not any(
+        if transform.axis_size is None and not any(
             a is not None for a in jax.tree.leaves(dyn_axes, is_leaf=is_none)
         ):
             # Nothing is mapped: call once, as eqx.filter_vmap does, and insist that no
@@ -386,9 +379,9 @@ class _BatchVmapWrapper(eqx.Module):
                     f"out_axes. Map an input or give axis_size."
                 )
             return _user_output(triple)
-        run = chunking.run(self._out_axes, dyn_axes)
+        run = _run(transform, self._fun_name, self._out_axes, dyn_axes)
         result = run(((fun, fun_dyn), dynamic, static), {})
-        options = chunking.transform.options
+        options = transform.options
         if options.reduction is not None:
             return result
         out = _user_output(result)

@@ -37,10 +37,10 @@ import jax
 import numpy as np
 
 from ._adapters._flax import lift_transform, pack
-from ._adapters._stateful import StatefulMap
+from ._adapters._stateful import stateful_map
 from ._core import _axes, _memory
 from ._core._options import identity
-from ._transforms._batch_vmap import check_outputs
+from ._transforms._batch_vmap import Transform, check_outputs
 
 
 _NAME = "chunkvmap.linen.batch_vmap"
@@ -184,7 +184,7 @@ def _lifted(
     out_axes: Any,
     axis_size: int | None,
     metadata_params: Mapping[Any, Any],
-    options: StatefulMap,
+    chunked: Transform,
     method: str,
 ) -> Callable[..., Any]:
     """A scope function `fn(scope, *args, **kwargs)` vectorised in chunks (`method`
@@ -226,12 +226,14 @@ def _lifted(
         # Messages (the core's and JAX's) name the user's method.
         per_example.__name__ = per_example.__qualname__ = method
 
-        y, vars_out = options(
+        y, vars_out = stateful_map(
+            chunked,
             per_example,
             (variable_groups, rng_groups, args, kw),
             (in_group_axes, rng_axes, in_axes, kw_axes),
             out_axes,
             out_group_axes,
+            state_root="variables",
         )
         vars_out = tuple(
             g if a is None else meta.add_axis(g, a, params)
@@ -418,9 +420,8 @@ def batch_vmap(
             f"{{nn.PARTITION_NAME: 'batch'}}), but got metadata_params="
             f"{metadata_params!r} of type {type(metadata_params).__name__}."
         )
-    options = StatefulMap(
+    transform = Transform.make(
         _NAME,
-        state_root="variables",
         chunk_size=chunk_size,
         reduction=reduction,
         chunk_reduction=chunk_reduction,
@@ -446,12 +447,12 @@ def batch_vmap(
         methods=methods,
         in_axes=in_axes,
         out_axes=out_axes,
-        axis_size=options.axis_size,
+        axis_size=transform.axis_size,
         metadata_params=metadata_params,
-        options=options,
+        chunked=transform,
         method=_method_name(target, methods),
     )
-    return _memory.attach(transformed, options.transform.auto)  # for last_batch_size
+    return _memory.attach(transformed, transform.auto)  # for last_batch_size
 
 
 __all__ = ["batch_vmap"]

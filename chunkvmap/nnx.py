@@ -36,10 +36,10 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 import jax
 
 from ._adapters._flax import clear_non_graph_nodes, is_graph_node
-from ._adapters._stateful import StatefulMap
+from ._adapters._stateful import stateful_map
 from ._core import _axes, _cache, _memory
 from ._core._options import check_callable, decorator_form, identity
-from ._transforms._batch_vmap import check_outputs
+from ._transforms._batch_vmap import Transform, check_outputs
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -359,9 +359,8 @@ def batch_vmap(
         )
     in_axes = _check_spec("in_axes", in_axes)
     out_axes = _check_spec("out_axes", out_axes)
-    options = StatefulMap(
+    transform = Transform.make(
         _NAME,
-        state_root="args",
         chunk_size=chunk_size,
         reduction=reduction,
         chunk_reduction=chunk_reduction,
@@ -374,13 +373,15 @@ def batch_vmap(
         memory_limit=memory_limit,
         progress=progress,
     )
-    return _transform(f, in_axes, out_axes, options)
+    return _transform(f, in_axes, out_axes, transform)
 
 
-def _transform(f: Callable[..., Any], in_axes: Any, out_axes: Any, options: Any):
+def _transform(
+    f: Callable[..., Any], in_axes: Any, out_axes: Any, transform: Transform
+):
     """The batched `f`: graph nodes in the arguments split to pure trees (as
     `nnx.vmap` does), the pure function mapped by the core, state merged back."""
-    reduction = options.transform.options.reduction
+    reduction = transform.options.reduction
     jax_in_axes, jax_out_axes = _jax_axes(in_axes), _jax_axes(out_axes)
 
     @_cache.wraps(f)  # messages (the core's and JAX's) name the user's function
@@ -406,14 +407,15 @@ def _transform(f: Callable[..., Any], in_axes: Any, out_axes: Any, options: Any)
         args = _resolve_kwargs(f, args, kwargs)
         _check_prefix("in_axes", in_axes, args, "positional arguments")
         pure_args = nnx.to_tree(args, prefix=in_axes, split_fn=_split, ctxtag=_TAG)
-        pure_out, pure_args_out = options(
-            per_example, pure_args, jax_in_axes, jax_out_axes, jax_in_axes
-        )
+        pure_out, pure_args_out = stateful_map(
+            transform, per_example, pure_args, jax_in_axes, jax_out_axes,
+            jax_in_axes, state_root="args",
+        )  # fmt: skip
         pure_args_out = _fill_unchanged(pure_args_out, pure_args)
         _, out = nnx.from_tree((pure_args_out, pure_out), ctxtag=_TAG, is_inner=False)
         return out
 
-    return _memory.attach(batched, options.transform.auto)
+    return _memory.attach(batched, transform.auto)
 
 
 __all__ = ["batch_vmap"]

@@ -90,8 +90,18 @@ MUTANTS = {
     "eager cache: the chunk's jits keep the closure's arrays inside": (
         (
             "chunkvmap/_transforms/_batch_vmap.py",
-            "vmap_flat(traced, flat_out_axes, length)), inline=True",
-            "vmap_flat(traced, flat_out_axes, length))",
+            "(vmap_flat(traced, flat_out_axes, length)),\n"
+            "                    inline=True,",
+            "(vmap_flat(traced, flat_out_axes, length)),",
+        ),
+        ["test_cache", "test_conformance"],
+    ),
+    "eager cache: a chunk moved off axis 0 keeps the closure's arrays inside": (
+        (
+            "chunkvmap/_transforms/_batch_vmap.py",
+            "        outs = run(closed.consts, *leaves)\n",
+            "        outs = jax.jit(lambda *xs: jax.core.eval_jaxpr(\n"
+            "            closed.jaxpr, closed.consts, *xs))(*leaves)\n",
         ),
         ["test_cache", "test_conformance"],
     ),
@@ -155,11 +165,11 @@ MUTANTS = {
         ),
         ["test_wherever"],
     ),
-    "mesh: the Flax adapters' calls not run under the call's mesh": (
+    "mesh: the adapters' calls not run under the call's mesh": (
         (
-            "chunkvmap/_adapters/_stateful.py",
-            "            return transform.cache(call)\n",
-            "            return _cache.EagerCache(call)\n",
+            "chunkvmap/_transforms/_batch_vmap.py",
+            "key, lambda: self.cache(call()))",
+            "key, lambda: _cache.EagerCache(call()))",
         ),
         ["test_wherever", "test_sharding"],
     ),

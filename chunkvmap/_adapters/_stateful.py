@@ -10,74 +10,50 @@ the state). No framework is imported here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Unpack
+from typing import Any
 
 from .._core import _accumulators, _axes, _cache, _loop
-from .._core._options import Chunking, identity
+from .._core._options import identity
 from .._transforms._batch_vmap import Transform, out_paths
 
 
-class StatefulMap:
-    """An adapter's validated chunking (made when the adapter is built, so errors
-    name it then), mapping functions that return `(outputs, state)`; messages name
-    the outputs `out...` and the state `state_root...` (how the user knows it)."""
+def stateful_map(
+    transform: Transform,
+    fn: Callable[..., tuple[Any, Any]],
+    args: tuple,
+    in_axes: Any,
+    out_axes: Any,
+    state_axes: Any,
+    *,
+    state_root: str,
+) -> tuple[Any, Any]:
+    """`fn(*args) -> (y, state)` mapped by `transform`; returns `(y, state)`, in one
+    chunked evaluation, through the eager cache and under the call's mesh as every
+    entry point's (one eager cache per axis specs, kept by the transform; `fn`,
+    which Flax's lifting makes anew at every call, is told apart by its traced
+    program): without a reduction both are stacked; with one, `y` is folded by it
+    and `state` stacked beside it. Messages name the outputs `out...` and the state
+    `state_root...` (how the user knows it)."""
+    in_axes = _axes.check_axes_spec(
+        "in_axes", in_axes, top_level_tuple=True, transform=transform.name
+    )
+    axes = (in_axes, out_axes, state_axes)
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        axis_name: Any,
-        axis_size: Any,
-        state_root: str = "state",
-        **options: Unpack[Chunking],
-    ):
-        self.transform = Transform.make(
-            name, axis_name=axis_name, axis_size=axis_size, **options
-        )
-        self.state_root = state_root
+    def call() -> _cache.Call:
+        def evaluate(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+            current, *args = args
+            return _evaluate(
+                transform, state_root, current.fn, tuple(args), axes, known
+            )
 
-    @property
-    def axis_size(self) -> int | None:
-        return self.transform.axis_size
+        return evaluate
 
-    def __call__(
-        self,
-        fn: Callable[..., tuple[Any, Any]],
-        args: tuple,
-        in_axes: Any,
-        out_axes: Any,
-        state_axes: Any,
-    ) -> tuple[Any, Any]:
-        """`fn(*args) -> (y, state)` mapped by the core; returns `(y, state)`, in one
-        chunked evaluation, through the eager cache and under the call's mesh as
-        every entry point's (one `_cache.EagerCache` per axis specs, kept while this
-        transform lives; `fn`, which Flax's lifting makes anew at every call, is
-        told apart by its traced program): without a reduction both are stacked;
-        with one, `y` is folded by it and `state` stacked beside it."""
-        options = self.transform.options
-        in_axes = _axes.check_axes_spec(
-            "in_axes", in_axes, top_level_tuple=True, transform=options.name
-        )
-
-        axes = (in_axes, out_axes, state_axes)
-        transform, state_root = self.transform, self.state_root
-
-        def build() -> _cache.EagerCache:
-            # (the cached call must not refer to `self`, the cache's weak key)
-            def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-                current, *args = args
-                return _evaluate(
-                    transform, state_root, current.fn, tuple(args), axes, known
-                )
-
-            return transform.cache(call)
-
-        key = tuple(_axes.spec_key(spec) for spec in axes)
-        current = _Current(fn)
-        try:
-            return _cache.memo(self, key, build)((current, *args), {})
-        finally:  # a cache key may keep `current`: not the function and its closure
-            current.fn = None
+    key = (state_root, *(_axes.spec_key(spec) for spec in axes))
+    current = _Current(fn)
+    try:
+        return transform.cache_for(key, call)((current, *args), {})
+    finally:  # a cache key may keep `current`: not the function and its closure
+        current.fn = None
 
 
 def _evaluate(
@@ -88,7 +64,7 @@ def _evaluate(
     axes: tuple,
     known: _cache.Known,
 ) -> tuple[Any, Any]:
-    """`StatefulMap.__call__`'s evaluation; `axes`: its `(in_axes, out_axes,
+    """`stateful_map`'s evaluation; `axes`: its `(in_axes, out_axes,
     state_axes)`."""
     in_axes, out_axes, state_axes = axes
     options = transform.options

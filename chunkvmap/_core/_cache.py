@@ -47,7 +47,7 @@ Known = _axes.Known
 Call = Callable[[tuple, dict, Known], Any]
 
 
-class _LRU(collections.OrderedDict):
+class LRU(collections.OrderedDict):
     """A bounded mapping that forgets its least recently used entry."""
 
     def get_or_build(
@@ -97,7 +97,7 @@ class EagerCache:
         self.arrays = (jax.Array, np.ndarray) if numpy_arrays else (jax.Array,)
         self.placement = placement
         self.cached = cached
-        self.entries = _LRU()
+        self.entries = LRU()
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         return _mesh.run_under(
@@ -268,7 +268,7 @@ class _Same:
         return id(self.value)
 
 
-_MEMO: weakref.WeakKeyDictionary[Any, _LRU] = weakref.WeakKeyDictionary()
+_MEMO: weakref.WeakKeyDictionary[Any, LRU] = weakref.WeakKeyDictionary()
 
 
 def memo(owner: Any, key: Hashable, build: Callable[[], Any]) -> Any:
@@ -279,7 +279,7 @@ def memo(owner: Any, key: Hashable, build: Callable[[], Any]) -> Any:
         hash(key)
         entries = _MEMO.get(owner)
         if entries is None:
-            entries = _MEMO[owner] = _LRU()
+            entries = _MEMO[owner] = LRU()
     except TypeError:
         return build()
     return entries.get_or_build(key, build)

@@ -35,11 +35,11 @@ from .._core._options import (
     decorator_form,
     identity,
 )
-from .._transforms._batch_vmap import function_name
+from .._transforms._batch_vmap import Transform, function_name
 from .._transforms._grads import (
-    GradSetup,
     differentiable_floats,
     filtered_value_and_grad,
+    grad_transform,
     noting_errors,
     one_example_note,
     resolve_argnums,
@@ -289,7 +289,7 @@ def _squeeze_leading_one(x: Any) -> Any:
 
 
 def _clipped_sums(
-    setup: GradSetup,
+    transform: Transform,
     fun: Callable[..., Any],
     config: _Clipping,
     args: tuple,
@@ -298,10 +298,10 @@ def _clipped_sums(
 ) -> tuple[Any, AuxiliaryOutput, int]:
     """The clipped gradient sum of a call, its per-example extras, and `N` (`known`:
     the concrete shardings of an eager call's arguments)."""
-    name = setup.name
+    name = transform.name
     kwargs = dict(kwargs)
     padding = kwargs.pop("is_padding_example", None) if config.jax_privacy else None
-    diff, in_axes = setup.resolve(args)
+    diff, in_axes = transform.resolve(args)
     batch_args = [i for i, a in enumerate(in_axes) if a is not None]
     args = differentiable_floats(args, diff, in_axes)  # as jax.grad differentiates
     mapped = _mapped_leaves(name, args, in_axes, kwargs)
@@ -329,12 +329,14 @@ def _clipped_sums(
         extra.append(padding)
 
     if config.method == "ghost" and size > 0:
-        sums = _GhostSums(setup, fun, config, args, in_axes, kwargs, diff, batch_args)
+        sums = _GhostSums(
+            transform, fun, config, args, in_axes, kwargs, diff, batch_args
+        )
         if sums.report.runs == "ghost":  # (else nothing to gain: the per-example path)
             return (*sums(args, in_axes, kwargs, extra, known), size)
 
     value_and_grad = filtered_value_and_grad(
-        fun, diff, setup.single, config.has_aux, name, _note(name, fun, config)
+        fun, diff, transform.args.single, config.has_aux, name, _note(name, fun, config)
     )
 
     def example(*inputs: Any, **kw: Any) -> Any:
@@ -368,12 +370,13 @@ def _clipped_sums(
         grads, scales = chunk
         return scaled_sum(scales, grads) if config.sums else ()
 
-    total, extras = setup.map(
+    total, extras = transform.map(
         example,
         tuple(all_args),
         kwargs,
         tuple(all_axes),
-        known,
+        0,
+        known=known,
         accumulator=_accumulators.compose((Fold(jnp.add, chunk_sum), Stack())),
     )
     return total, extras, size
@@ -420,8 +423,8 @@ class _GhostSums:
     gradient entries are zeroed before its norm, except `other`'s, whose non-finite
     examples are fixed after the chunk's sum (`_fix_nonfinite`)."""
 
-    def __init__(self, setup, fun, config, args, in_axes, kwargs, diff, batch_args):
-        name = setup.name
+    def __init__(self, transform, fun, config, args, in_axes, kwargs, diff, batch_args):
+        name = transform.name
         note = _note(name, fun, config)
 
         def noted(*args: Any, **kwargs: Any) -> Any:
@@ -439,8 +442,8 @@ class _GhostSums:
             )  # fmt: skip
         check_scalar_loss(name, self.traced)
         self.report = ghost.report_of(self.traced.plan)
-        _warn_fallback(setup, fun, self.report)
-        self.setup, self.config, self.n_args = setup, config, len(args)
+        _warn_fallback(transform, fun, self.report)
+        self.transform, self.config, self.n_args = transform, config, len(args)
         plan = self.traced.plan
         leaves = plan.leaves
         self.pe = plan.with_rule(ghost.PER_EXAMPLE)
@@ -644,18 +647,18 @@ class _GhostSums:
         """The clipped sum (None without sums) and the stacked extras of a call."""
         # (the sums and the stacked norms are not independent here: an example whose
         # non-finite terms are fixed gets its norm from the fix)
-        totals, extras = self.setup.map(
+        totals, extras = self.transform.map(
             self.example,
             (*args, *extra),
             kwargs,
             (*in_axes, *[0] * len(extra)),
-            known,
-            out_axes=(0, 0, None),
+            (0, 0, None),
+            known=known,
             accumulator=Accumulator.adding(self.summarise),
         )
         if not self.config.sums:
             return None, extras
-        return self.traced.grads_tree(totals, self.setup.single), extras
+        return self.traced.grads_tree(totals, self.transform.args.single), extras
 
 
 class GhostFallbackWarning(UserWarning):
@@ -683,28 +686,28 @@ class GhostFallbackWarning(UserWarning):
 _FALLBACK_SHARE = 0.05
 
 
-def _warn_fallback(setup: GradSetup, fun: Any, report: ghost.GhostReport) -> None:
+def _warn_fallback(transform: Transform, fun: Any, report: ghost.GhostReport) -> None:
     """Once per clipping function: say when more than 5% of the parameters fall
     back to per-example gradients, or when nothing is gained at all."""
-    if setup.transform.warned("ghost fallback"):
+    if transform.warned("ghost fallback"):
         return
     shares = report.shares()
     share = shares.get(ghost.PER_EXAMPLE, 0.0)
     fallback = report.fallback()
     if report.runs == "vmap":
         message = (
-            f"{setup.name} method='ghost': no parameter of {function_name(fun)} has "
-            f"a ghost norm, so it runs as method='vmap' (the same result)."
+            f"{transform.name} method='ghost': no parameter of {function_name(fun)} "
+            f"has a ghost norm, so it runs as method='vmap' (the same result)."
         )
     elif share > _FALLBACK_SHARE:
         message = (
-            f"{setup.name} method='ghost': {100 * share:.0f}% of the parameters of "
+            f"{transform.name} method='ghost': {100 * share:.0f}% of the parameters of "
             f"{function_name(fun)} use per-example gradients (no rule covers one of "
             f"their uses): {', '.join(fallback)}."
         )
     else:
         return
-    setup.transform.warn_once(
+    transform.warn_once(
         "ghost fallback",
         message + " chunkvmap.ghost_report(fun, *one_example) shows each leaf's rule "
         "and why.",
@@ -939,7 +942,7 @@ def clipped_grad(
             f"{name} prng_argnum must be an int or None, but got "
             f"prng_argnum={prng_argnum!r}."
         )
-    setup = GradSetup(
+    transform = grad_transform(
         name,
         fun,
         argnums,
@@ -972,14 +975,14 @@ def clipped_grad(
     with_aux = has_aux or return_values or return_grad_norms
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        total, extras, _ = _clipped_sums(setup, fun, config, args, kwargs, known)
+        total, extras, _ = _clipped_sums(transform, fun, config, args, kwargs, known)
         if normalize_by != 1.0:
             total = jax.tree.map(lambda x: x / normalize_by, total)
         return (total, extras) if with_aux else total
 
     bound = (1.0 if rescale_to_unit_norm else l2_clip_norm) / normalize_by
-    clipped = ClippedGrad(setup.transform.public(call, fun), bound, with_aux)
-    return _memory.attach(clipped, setup.transform.auto)  # for last_batch_size
+    clipped = ClippedGrad(transform.public(call, fun), bound, with_aux)
+    return _memory.attach(clipped, transform.auto)  # for last_batch_size
 
 
 def _check_normalize_by(name: str, value: Any) -> None:
@@ -1124,7 +1127,7 @@ def clipped_grad_sum(
     _check_clip_norm(name, l2_clip_norm)
     check_bool(name, "return_norms", return_norms)
     _check_method(name, method)
-    setup = GradSetup(
+    transform = grad_transform(
         name,
         fun,
         argnums,
@@ -1143,8 +1146,8 @@ def clipped_grad_sum(
     )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        total, extras, size = _clipped_sums(setup, fun, config, args, kwargs, known)
+        total, extras, size = _clipped_sums(transform, fun, config, args, kwargs, known)
         count = jnp.asarray(size, jnp.int32)
         return (total, count, extras.grad_norms) if return_norms else (total, count)
 
-    return setup.transform.public(call, fun)
+    return transform.public(call, fun)

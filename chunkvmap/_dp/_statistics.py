@@ -35,11 +35,11 @@ from .._core._accumulators import (
 )
 from .._core._loop import Accumulator
 from .._core._options import check_bool, decorator_form
-from .._transforms._batch_vmap import batch_vmap
+from .._transforms._batch_vmap import Transform, batch_vmap
 from .._transforms._grads import (
-    GradSetup,
     differentiable_floats,
     filtered_value_and_grad,
+    grad_transform,
 )
 from . import _clipping, ghost
 
@@ -121,7 +121,7 @@ def per_example_grad_norms(
     name = "per_example_grad_norms"
     check_bool(name, "has_aux", has_aux)
     _clipping._check_method(name, method)
-    setup = GradSetup(
+    transform = grad_transform(
         name,
         fun,
         argnums,
@@ -145,10 +145,12 @@ def per_example_grad_norms(
     )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        _, extras, _ = _clipping._clipped_sums(setup, fun, config, args, kwargs, known)
+        _, extras, _ = _clipping._clipped_sums(
+            transform, fun, config, args, kwargs, known
+        )
         return (extras.grad_norms, extras.aux) if has_aux else extras.grad_norms
 
-    return setup.transform.public(call, fun)
+    return transform.public(call, fun)
 
 
 class GradStats(NamedTuple):
@@ -260,7 +262,7 @@ def per_example_grad_stats(
     name = "per_example_grad_stats"
     check_bool(name, "has_aux", has_aux)
     _clipping._check_method(name, method)
-    setup = GradSetup(
+    transform = grad_transform(
         name,
         fun,
         argnums,
@@ -276,9 +278,11 @@ def per_example_grad_stats(
     )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        diff, in_axes = setup.resolve(args)
+        diff, in_axes = transform.resolve(args)
         args = differentiable_floats(args, diff, in_axes)
-        value_and_grad = filtered_value_and_grad(fun, diff, setup.single, has_aux, name)
+        value_and_grad = filtered_value_and_grad(
+            fun, diff, transform.args.single, has_aux, name
+        )
 
         def example(*inputs: Any, **kw: Any) -> Any:
             value, grads = value_and_grad(*inputs, **kw)
@@ -286,7 +290,7 @@ def per_example_grad_stats(
             grads = jax.tree.map(lambda g: g.astype(_stats_dtype(g.dtype)), grads)
             return grads, _clipping.global_sq_norm(grads), aux
 
-        size = _axes_size(setup, args, in_axes, kwargs)
+        size = _axes_size(transform, args, in_axes, kwargs)
         if size == 0:
             raise ValueError(
                 f"{name} needs at least one example (the mean over zero examples is "
@@ -298,29 +302,29 @@ def per_example_grad_stats(
             if ghost.report_of(moments.traced.plan).runs == "vmap":
                 moments = None  # no leaf has a ghost norm: the per-example path
         if moments is not None:
-            (count, mean, m2), (sq_norms, aux) = setup.map(
+            (count, mean, m2), (sq_norms, aux) = transform.map(
                 moments.example,
                 args,
                 kwargs,
                 in_axes,
-                known,
-                out_axes=(0, 0, None),
+                (0, 0, None),
+                known=known,
                 accumulator=Accumulator(merge_moments, moments.summarise),
             )
-            mean = moments.traced.grads_tree(mean, setup.single)
-            m2 = moments.traced.grads_tree(m2, setup.single)
+            mean = moments.traced.grads_tree(mean, transform.args.single)
+            m2 = moments.traced.grads_tree(m2, transform.args.single)
         else:
             # The gradients' examples along their last axis: the moments' reductions
             # are contiguous, fused with the subtraction and the square (over a
             # leading axis they are strided, several times slower on CPU, and a
             # contraction would materialise the squares).
-            (count, mean, m2), sq_norms, aux = setup.map(
+            (count, mean, m2), sq_norms, aux = transform.map(
                 example,
                 args,
                 kwargs,
                 in_axes,
-                known,
-                out_axes=(-1, 0, 0),
+                (-1, 0, 0),
+                known=known,
                 accumulator=compose((Moments(), Stack(), Stack())),
             )
         variance = jax.tree.map(lambda s: s / count.astype(s.dtype), m2)
@@ -331,7 +335,7 @@ def per_example_grad_stats(
         )
         return GradStats(mean, variance, sum_sq, sq_norms, aux)
 
-    return setup.transform.public(call, fun)
+    return transform.public(call, fun)
 
 
 class _GhostMoments:
@@ -412,10 +416,10 @@ def _sq_norm(g: jax.Array, acc: Any, rows: bool = False) -> jax.Array:
     return jnp.sum(sq.reshape(g.shape[0], -1), 1) if rows else jnp.sum(sq)
 
 
-def _axes_size(setup: GradSetup, args: tuple, in_axes: tuple, kwargs: dict) -> int:
+def _axes_size(transform: Transform, args: tuple, in_axes: tuple, kwargs: dict) -> int:
     """The number of examples of a call (its mapped arguments' leading size)."""
-    mapped = _clipping._mapped_leaves(setup.name, args, in_axes, kwargs)
-    return _axes.mapped_size(*mapped, None, transform=setup.name)
+    mapped = _clipping._mapped_leaves(transform.name, args, in_axes, kwargs)
+    return _axes.mapped_size(*mapped, None, transform=transform.name)
 
 
 def _tree_vdot(a: Any, b: Any) -> jax.Array:
@@ -603,34 +607,34 @@ def per_example_grad_gram(
         "other_batch_size", other_batch_size, transform=name
     )
     options = dict(shard=shard, mesh=mesh, remat=remat, progress=progress)
-    setup = GradSetup(
+    transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True, batch_size=batch_size,
         chunk_size=chunk_size, memory_limit=memory_limit, **options,
     )  # fmt: skip
     # "auto" without other_batch_size: one size for both batches, searched here
-    joint = setup.transform.options.auto and other_batch_size is None
+    joint = transform.options.auto and other_batch_size is None
     if other_batch_size is None and not joint:
-        other_batch_size = setup.transform.options.batch_size
+        other_batch_size = transform.options.batch_size
     # the other batch's chunking (validated now, so errors name this function)
-    inner_setup = GradSetup(
+    inner_transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True,
         batch_size=None if joint else other_batch_size,
     )  # fmt: skip
-    fixed: dict[tuple[int, bool], GradSetup] = {}
+    fixed: dict[tuple[int, bool], Transform] = {}
 
-    def sized(b: int, measuring: bool = False) -> GradSetup:
+    def sized(b: int, measuring: bool = False) -> Transform:
         """The rows' chunking at a chosen size (a measured program runs on one
         device, as `batch_vmap`'s search measures one)."""
         if (b, measuring) not in fixed:
             opts = dict(options, shard=False, mesh=None) if measuring else options
-            fixed[b, measuring] = GradSetup(
+            fixed[b, measuring] = grad_transform(
                 name, fun, argnums, batch_argnums, exclusive=True, batch_size=b,
                 **opts,
             )  # fmt: skip
         return fixed[b, measuring]
 
     def evaluate(
-        rows: GradSetup, inner_size: Any, args: tuple, other: tuple, known: Any,
+        rows: Transform, inner_size: Any, args: tuple, other: tuple, known: Any,
         resolved: tuple,
     ) -> Any:  # fmt: skip
         """The matrix of `args` against `other` (`resolved`: the call's
@@ -651,9 +655,9 @@ def per_example_grad_gram(
                 inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
                 return inner(mine, *other), aux
 
-            out = rows.map(ghost_row, args, {}, in_axes, known)
+            out = rows.map(ghost_row, args, {}, in_axes, 0, known=known)
         else:
-            grad = filtered_value_and_grad(fun, diff, rows.single, has_aux, name)
+            grad = filtered_value_and_grad(fun, diff, rows.args.single, has_aux, name)
 
             def row(*example: Any) -> Any:  # one example's dot products with `other`
                 value, g = grad(*example)
@@ -665,7 +669,7 @@ def per_example_grad_gram(
                 inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
                 return inner(g, *other), value[1] if has_aux else None
 
-            out = rows.map(row, args, {}, in_axes, known)
+            out = rows.map(row, args, {}, in_axes, 0, known=known)
         return out if has_aux else out[0]
 
     def choose(args: tuple, other: tuple, resolved: tuple) -> int:
@@ -685,8 +689,8 @@ def per_example_grad_gram(
             return _memory.temp_bytes(name, program, abstract)
 
         key = (treedef, tuple(jax.typeof(leaves[i]) for i in dyn))
-        size = _axes_size(setup, args, resolved[1], {})
-        return setup.transform.auto.choose(key, measure, size)
+        size = _axes_size(transform, args, resolved[1], {})
+        return transform.auto.choose(key, measure, size)
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         kwargs = dict(kwargs)
@@ -696,8 +700,8 @@ def per_example_grad_gram(
                 f"{name} takes fun's positional arguments and other= only, but got "
                 f"the keyword arguments {sorted(kwargs)}."
             )
-        diff, in_axes = setup.resolve(args)
-        other_diff, other_axes = inner_setup.resolve(other)
+        diff, in_axes = transform.resolve(args)
+        other_diff, other_axes = inner_transform.resolve(other)
         if other_diff != diff or len(other) != len(args):
             raise ValueError(
                 f"{name} other= must hold fun's {len(args)} positional arguments, "
@@ -717,6 +721,6 @@ def per_example_grad_gram(
         if joint:
             b = choose(args, other, resolved)
             return evaluate(sized(b), b, args, other, known, resolved)
-        return evaluate(setup, other_batch_size, args, other, known, resolved)
+        return evaluate(transform, other_batch_size, args, other, known, resolved)
 
-    return setup.transform.public(call, fun)
+    return transform.public(call, fun)

@@ -245,19 +245,24 @@ class Transform:
     """One chunked transform: what every entry point and adapter builds.
 
     Immutable, and validated when built (static errors name the public function
-    then): the chunking `options`, and `jax.vmap`'s `axis_name`, `axis_size` and
-    `spmd_axis_name`. It owns what its calls share: the `"auto"` chunk-size state
-    (`auto`, which `last_batch_size` reads) and the warnings it has given
-    (`warn_once`). `map` is one chunked `jax.vmap` (`vmap_call`); `cache` and
-    `public` run a call under the call's mesh (`placement`) through an eager cache.
+    then): the chunking `options`; `jax.vmap`'s `axis_name`, `axis_size` and
+    `spmd_axis_name`; and `args`, how a call's arguments resolve to what is mapped
+    and what is differentiated, for transforms that take argument numbers rather
+    than `in_axes` (`_grads.GradArgs`, `_jacobians.JacArgs`: `resolve`). It owns
+    what its calls share: the `"auto"` chunk-size state (`auto`, which
+    `last_batch_size` reads) and the warnings it has given (`warn_once`). `map` is
+    one chunked `jax.vmap` (`vmap_call`); `cache` and `public` run a call under the
+    call's mesh (`placement`) through an eager cache.
     """
 
     options: ChunkOptions
     axis_name: Any = None
     axis_size: int | None = None
     spmd_axis_name: Any = None
+    args: Any = None
     auto: _memory.AutoBatch = dataclasses.field(init=False, repr=False)
     _warned: set[str] = dataclasses.field(init=False, repr=False)
+    _caches: Any = dataclasses.field(init=False, repr=False)
 
     @classmethod
     def make(
@@ -268,13 +273,14 @@ class Transform:
         axis_size: Any = None,
         spmd_axis_name: Any = None,
         axes_arg: str = "in_axes",
+        args: Any = None,
         **options: Unpack[Chunking],
     ) -> Transform:
         """The transform of the public function `name`, its chunking `options`
         validated (`ChunkOptions.make`); `axes_arg` names the argument that maps
         the inputs in messages."""
         checked = ChunkOptions.make(name, **options).replace(axes_arg=axes_arg)
-        return cls(checked, axis_name, axis_size, spmd_axis_name)
+        return cls(checked, axis_name, axis_size, spmd_axis_name, args)
 
     def __post_init__(self) -> None:
         name = self.options.name
@@ -299,6 +305,17 @@ class Transform:
         object.__setattr__(self, "axis_size", size)
         object.__setattr__(self, "auto", self.options.new_auto())
         object.__setattr__(self, "_warned", set())
+        object.__setattr__(self, "_caches", _cache.LRU())
+
+    @property
+    def name(self) -> str:
+        """The public function's name, as messages give it."""
+        return self.options.name
+
+    def resolve(self, call_args: tuple) -> Any:
+        """What a call with positional arguments `call_args` differentiates and
+        maps (`args.resolve`)."""
+        return self.args.resolve(self, call_args)
 
     @property
     def placement(self) -> _cache.Placement:
@@ -317,22 +334,30 @@ class Transform:
         arg_names: Any = None,
         out_names: Callable[[Any], list[str]] | None = None,
         options: ChunkOptions | None = None,
+        **changes: Any,
     ) -> Any:
         """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by this
-        transform's options (or `options`, a variant of them, e.g. with an
-        accumulator of a front end's own); `arg_names` names the arguments in
-        messages, and `out_names(out)` the leaves of `f`'s output `out` (default
-        `out_paths`); `known`: the concrete shardings of an eager call's arguments
-        (`_cache.Call`)."""
+        transform's options (or `options`, a variant of them, with `changes`
+        made: e.g. the accumulator of a front end's own); `arg_names` names the
+        arguments in messages, and `out_names(out)` the leaves of `f`'s output
+        `out` (default `out_paths`); `known`: the concrete shardings of an eager
+        call's arguments (`_cache.Call`)."""
+        options = options or self.options
+        if changes:
+            options = options.replace(**changes)
         return vmap_call(
             f, args, kwargs, in_axes, out_axes, self.axis_name, self.axis_size,
-            options or self.options, self.auto, arg_names, self.spmd_axis_name,
-            out_names, known,
+            options, self.auto, arg_names, self.spmd_axis_name, out_names, known,
         )  # fmt: skip
 
     def cache(self, call: _cache.Call, cached: bool = True) -> _cache.EagerCache:
         """`call` run under each call's mesh, through an eager cache."""
         return _cache.EagerCache(call, placement=self.placement, cached=cached)
+
+    def cache_for(self, key: Any, call: Callable[[], _cache.Call]) -> _cache.EagerCache:
+        """The eager cache (`cache`) of the call `call()` that this transform keeps
+        for `key` (e.g. an adapter's axis specs; at most `_cache.MAX_ENTRIES`)."""
+        return self._caches.get_or_build(key, lambda: self.cache(call()))
 
     def public(
         self, call: _cache.Call, wrapped: Callable[..., Any], cached: bool = True

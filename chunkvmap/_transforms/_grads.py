@@ -14,6 +14,7 @@ hyperparameters of an Equinox module) are not, and get `None` in the gradient, a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Unpack
@@ -242,45 +243,69 @@ def _filtered_grad(
     return grad_fn
 
 
-class GradSetup:
-    """The checked arguments shared by `per_example_grads` and `clipped_grad_sum`."""
+def grad_transform(
+    name: str,
+    fun: Any,
+    argnums: Any,
+    batch_argnums: Any,
+    spmd_axis_name: Any = None,
+    exclusive: bool = False,
+    **options: Unpack[Chunking],
+) -> Transform:
+    """The transform of a gradient entry point (`per_example_grads`, the clipped
+    sums, the statistics): its arguments resolved by `GradArgs`."""
+    check_callable(name, "fun", fun)
+    args = GradArgs.make(name, argnums, batch_argnums, exclusive)
+    return Transform.make(
+        name,
+        spmd_axis_name=spmd_axis_name,
+        axes_arg="batch_argnums",
+        args=args,
+        **options,
+    )
 
-    def __init__(
-        self,
-        name: str,
-        fun: Any,
-        argnums: Any,
-        batch_argnums: Any,
-        spmd_axis_name: Any = None,
-        exclusive: bool = False,
-        **options: Unpack[Chunking],
-    ):
-        check_callable(name, "fun", fun)
-        self.name = name
-        self.argnums, self.single = check_argnums(name, "argnums", argnums)
-        self.batch_argnums = (
+
+@dataclasses.dataclass(frozen=True)
+class GradArgs:
+    """How a gradient transform's call resolves its arguments: `argnums` (checked;
+    `single`: a bare int, one gradient) are differentiated, `batch_argnums` (None:
+    every other argument) hold the examples. With `exclusive` (the clipped sums),
+    an argument is differentiated or holds the examples, never both;
+    `per_example_grads` allows it (input gradients). `given`: both as the user
+    wrote them, for messages."""
+
+    name: str
+    argnums: tuple[int, ...]
+    single: bool
+    batch_argnums: tuple[int, ...] | None
+    exclusive: bool
+    given: tuple[Any, Any]
+
+    @classmethod
+    def make(
+        cls, name: str, argnums: Any, batch_argnums: Any, exclusive: bool
+    ) -> GradArgs:
+        checked, single = check_argnums(name, "argnums", argnums)
+        batch = (
             None
             if batch_argnums is None
             else check_argnums(name, "batch_argnums", batch_argnums)[0]
         )
-        # With `exclusive` (the clipped sums), an argument is differentiated or holds
-        # the examples, never both; per_example_grads allows it (input gradients).
-        self.exclusive = exclusive
-        self.given = (argnums, batch_argnums)  # as the user wrote them, for messages
-        if exclusive and self.batch_argnums is not None:  # seen before a call
+        if exclusive and batch is not None:  # seen before a call
             check_overlap(
                 name,
                 argnums,
                 batch_argnums,
-                [a for a in self.argnums if a >= 0],
-                [a for a in self.batch_argnums if a >= 0],
+                [a for a in checked if a >= 0],
+                [a for a in batch if a >= 0],
             )
-        self.transform = Transform.make(
-            name, spmd_axis_name=spmd_axis_name, axes_arg="batch_argnums", **options
-        )
+        return cls(name, checked, single, batch, exclusive, (argnums, batch_argnums))
 
-    def resolve(self, args: tuple) -> tuple[tuple[int, ...], tuple]:
-        """The differentiated argument numbers and the `in_axes` of a call."""
+    def resolve(
+        self, transform: Transform, args: tuple
+    ) -> tuple[tuple[int, ...], tuple]:
+        """The differentiated argument numbers and the `in_axes` of a call of
+        `transform` (which warns once, `_warn_if_ambiguous`)."""
         nargs = len(args)
         diff = resolve_argnums(self.name, "argnums", self.argnums, nargs)
         for i in diff:  # a bare non-float array: an error, as with jax.grad
@@ -304,7 +329,7 @@ class GradSetup:
             )
             if self.exclusive:
                 check_overlap(self.name, *self.given, diff, mapped)
-            self._warn_if_ambiguous(args, diff, mapped)
+            self._warn_if_ambiguous(transform, args, diff, mapped)
         return diff, tuple(0 if i in mapped else None for i in range(nargs))
 
     def _check_examples_not_differentiated(
@@ -358,10 +383,12 @@ class GradSetup:
             f"batch_argnums={nums(examples)!r}."
         )
 
-    def _warn_if_ambiguous(self, args: tuple, diff: tuple, mapped: tuple) -> None:
+    def _warn_if_ambiguous(
+        self, transform: Transform, args: tuple, diff: tuple, mapped: tuple
+    ) -> None:
         """Warn (once per transform) when an argument left out of `batch_argnums`
         looks like one value per example: a leading axis of the examples' size."""
-        if self.transform.warned("ambiguous"):
+        if transform.warned("ambiguous"):
             return
         sizes = {
             np.shape(x)[0]
@@ -380,7 +407,7 @@ class GradSetup:
         ]
         if shared:
             suggest = tuple(sorted({*mapped, *shared}))
-            self.transform.warn_once(
+            transform.warn_once(
                 "ambiguous",
                 f"{self.name} passes {', '.join(f'args[{i}]' for i in shared)} "
                 f"whole to every example (it is not in batch_argnums="
@@ -390,25 +417,6 @@ class GradSetup:
                 f"that is not differentiated is then mapped). Warned once.",
                 stacklevel=4,
             )
-
-    def map(
-        self,
-        fn: Any,
-        args: tuple,
-        kwargs: dict,
-        in_axes: tuple,
-        known: _cache.Known,
-        out_axes: Any = 0,
-        **options: Any,
-    ):
-        """`fn(*args, **kwargs)` mapped over `in_axes` (keyword arguments over their
-        leading axis, as in `jax.vmap`) to `out_axes`, with the transform's options
-        (changed by `options`); `known`: the concrete shardings of an eager call's
-        arguments."""
-        opts = self.transform.options.replace(**options) if options else None
-        return self.transform.map(
-            fn, args, kwargs, in_axes, out_axes, known=known, options=opts
-        )
 
 
 @decorator_form("fun")
@@ -486,7 +494,7 @@ def per_example_grads(
     """
     name = "per_example_grads"
     check_bool(name, "has_aux", has_aux)
-    setup = GradSetup(
+    transform = grad_transform(
         name,
         fun,
         argnums,
@@ -501,10 +509,10 @@ def per_example_grads(
     )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        diff, in_axes = setup.resolve(args)
+        diff, in_axes = transform.resolve(args)
         args = differentiable_floats(args, diff, in_axes)
         note = one_example_note(name, fun)
-        grad_fn = _filtered_grad(fun, diff, setup.single, has_aux, note)
-        return setup.map(grad_fn, args, kwargs, in_axes, known)
+        grad_fn = _filtered_grad(fun, diff, transform.args.single, has_aux, note)
+        return transform.map(grad_fn, args, kwargs, in_axes, 0, known=known)
 
-    return setup.transform.public(call, fun)
+    return transform.public(call, fun)

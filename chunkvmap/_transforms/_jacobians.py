@@ -8,6 +8,7 @@ the identity matrix is never formed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Unpack
 
@@ -26,35 +27,57 @@ from ._batch_vmap import Transform, check_outputs, function_name
 from ._grads import check_argnums, describe, resolve_argnums
 
 
-class _JacSetup:
-    """The checked arguments shared by `batch_jacfwd` and `batch_jacrev`."""
+def _jac_transform(
+    name: str,
+    fun: Any,
+    argnums: Any,
+    has_aux: Any,
+    holomorphic: Any,
+    unwrap_numpy_int: bool,
+    **options: Unpack[Chunking],
+) -> Transform:
+    """The transform of `batch_jacfwd` and `batch_jacrev` (its arguments checked
+    now, so errors name it when it is built)."""
+    check_callable(name, "fun", fun)
+    check_bool(name, "has_aux", has_aux)
+    check_bool(name, "holomorphic", holomorphic)
+    return Transform.make(
+        name, args=JacArgs.make(name, argnums, unwrap_numpy_int), **options
+    )
 
-    def __init__(
-        self,
-        name: str,
-        fun: Any,
-        argnums: Any,
-        has_aux: Any,
-        holomorphic: Any,
-        unwrap_numpy_int: bool,
-        **options: Unpack[Chunking],
-    ):
-        check_callable(name, "fun", fun)
-        self.name = name
-        self.argnums, self.single = check_argnums(name, "argnums", argnums)
+
+@dataclasses.dataclass(frozen=True)
+class JacArgs:
+    """How a Jacobian transform's call resolves its arguments: `argnums` are
+    differentiated (`single`: one bare Jacobian rather than a tuple of them)."""
+
+    name: str
+    argnums: tuple[int, ...]
+    single: bool
+
+    @classmethod
+    def make(cls, name: str, argnums: Any, unwrap_numpy_int: bool) -> JacArgs:
+        checked, single = check_argnums(name, "argnums", argnums)
         # Whether a NumPy integer `argnums` gives a bare Jacobian (jax.jacfwd) or a
         # 1-tuple (jax.jacrev unwraps a Python int only).
-        self.single = self.single and (unwrap_numpy_int or isinstance(argnums, int))
-        check_bool(name, "has_aux", has_aux)
-        check_bool(name, "holomorphic", holomorphic)
-        self.transform = Transform.make(name, **options)
+        single = single and (unwrap_numpy_int or isinstance(argnums, int))
+        return cls(name, checked, single)
 
-    def basis_map(self, fn: Callable[..., Any], linear: Any, n: int, out_axis: int):
-        """`fn(linear, i)` for every basis index `i < n`, chunked; the linear map
-        `linear` (a pytree holding its residuals) is an unmapped argument, so the
-        chunked program closes over no traced value."""
-        index = jnp.arange(n, dtype=jnp.int32)
-        return self.transform.map(fn, (linear, index), {}, (None, 0), out_axis)
+    def resolve(self, transform: Transform, args: tuple):
+        """The differentiated arguments of a call (one, or a tuple) and a function
+        of them (`_dyn_args`)."""
+        del transform
+        return _dyn_args(self.name, self.argnums, self.single, args)
+
+
+def _basis_map(
+    transform: Transform, fn: Callable[..., Any], linear: Any, n: int, out_axis: int
+) -> Any:
+    """`fn(linear, i)` for every basis index `i < n`, chunked; the linear map
+    `linear` (a pytree holding its residuals) is an unmapped argument, so the
+    chunked program closes over no traced value."""
+    index = jnp.arange(n, dtype=jnp.int32)
+    return transform.map(fn, (linear, index), {}, (None, 0), out_axis)
 
 
 def _dyn_args(name: str, argnums_t: tuple[int, ...], single: bool, args: tuple):
@@ -217,7 +240,7 @@ def batch_jacfwd(
              [0., 0., 4.]], dtype=float32)
     """
     name = "batch_jacfwd"
-    setup = _JacSetup(
+    transform = _jac_transform(
         name,
         fun,
         argnums,
@@ -238,7 +261,7 @@ def batch_jacfwd(
         # The chunks map over basis indices made here, not over the arguments: their
         # shardings (`known`) lay out nothing.
         del known
-        dyn, with_dyn = _dyn_args(name, setup.argnums, setup.single, args)
+        dyn, with_dyn = transform.resolve(args)
         in_leaves, in_tree = jax.tree.flatten(dyn)
         _check_dtypes(name, "input", in_leaves, holomorphic)
         lin = jax.linearize(with_dyn(checked, kwargs), dyn, has_aux=has_aux)
@@ -249,7 +272,7 @@ def batch_jacfwd(
             return push(in_tree.unflatten(_basis(in_leaves, index, dtypes)))
 
         n = sum(int(np.size(x)) for x in in_leaves)
-        columns = setup.basis_map(column, push, n, -1)
+        columns = _basis_map(transform, column, push, n, -1)
 
         def block(c: jax.Array, y: Any) -> Any:
             if not jnp.issubdtype(jnp.result_type(y), jnp.inexact):
@@ -265,7 +288,7 @@ def batch_jacfwd(
         jac = jax.tree.map(block, columns, out)
         return (jac, lin[2]) if has_aux else jac
 
-    return setup.transform.public(jacobian, fun)
+    return transform.public(jacobian, fun)
 
 
 @decorator_form("fun")
@@ -324,7 +347,7 @@ def batch_jacrev(
              [1., 1., 1.]], dtype=float32)
     """
     name = "batch_jacrev"
-    setup = _JacSetup(
+    transform = _jac_transform(
         name,
         fun,
         argnums,
@@ -346,7 +369,7 @@ def batch_jacrev(
         # The chunks map over basis indices made here, not over the arguments: their
         # shardings (`known`) lay out nothing.
         del known
-        dyn, with_dyn = _dyn_args(name, setup.argnums, setup.single, args)
+        dyn, with_dyn = transform.resolve(args)
         in_leaves, in_tree = jax.tree.flatten(dyn)
         ints = [
             allow_int and jnp.issubdtype(jnp.result_type(x), jnp.integer)
@@ -380,7 +403,7 @@ def batch_jacrev(
             return cotangent
 
         m = sum(int(np.size(y)) for y in out_leaves)
-        rows = setup.basis_map(row, pull, m, 0)
+        rows = _basis_map(transform, row, pull, m, 0)
         per_output = []
         for k, y in enumerate(out_leaves):
             lo = sum(int(np.size(z)) for z in out_leaves[:k])
@@ -397,4 +420,4 @@ def batch_jacrev(
         jac = out_tree.unflatten(per_output)
         return (jac, res[2]) if has_aux else jac
 
-    return setup.transform.public(jacobian, fun)
+    return transform.public(jacobian, fun)
