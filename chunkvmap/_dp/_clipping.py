@@ -3,7 +3,7 @@
 `clipped_grad` has the signature, options and return values of jax-privacy's
 `jax_privacy.clipping.clipped_grad` (2.0), so that a DP-SGD program switches by changing
 one import; `clipped_grad_sum` is chunkvmap's compact form (every non-differentiated
-argument mapped, the count returned). One implementation serves both (`_clipped_sums`):
+argument mapped, the count returned). One implementation serves both (`clipped_sums`):
 the gradient of one example is computed, optionally transformed, cast and made NaN-safe,
 clipped, and returned with the example's extras (value, unclipped norm, aux); the
 `batch_vmap` pipeline evaluates examples in chunks and folds each chunk's summary with
@@ -203,7 +203,7 @@ def _nan_to_zero(x: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Clipping:
+class Clipping:
     """What is done to each example's gradient, and which extras are returned."""
 
     l2_clip_norm: Any
@@ -259,7 +259,7 @@ def scaled_sum(scales: jax.Array, tree: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _single_example_hint(name: str, config: _Clipping):
+def _single_example_hint(name: str, config: Clipping):
     """With `keep_batch_dim=False`, a shape error from `fun` gets a note: a loss
     written for a batch of one example needs the default `keep_batch_dim=True`."""
     try:
@@ -274,7 +274,7 @@ def _single_example_hint(name: str, config: _Clipping):
         raise
 
 
-def _note(name: str, fun: Any, config: _Clipping) -> str | None:
+def _note(name: str, fun: Any, config: Clipping) -> str | None:
     """The note on an error `fun` raises on one example (see `one_example_note`):
     for the compact functions, which call `fun` on one example without a batch
     axis (`clipped_grad` has its own, `_single_example_hint`)."""
@@ -288,10 +288,10 @@ def _squeeze_leading_one(x: Any) -> Any:
     return x
 
 
-def _clipped_sums(
+def clipped_sums(
     transform: Transform,
     fun: Callable[..., Any],
-    config: _Clipping,
+    config: Clipping,
     args: tuple,
     kwargs: dict,
     known: _cache.Known,
@@ -304,7 +304,7 @@ def _clipped_sums(
     diff, in_axes = transform.resolve(args)
     batch_args = [i for i, a in enumerate(in_axes) if a is not None]
     args = differentiable_floats(args, diff, in_axes)  # as jax.grad differentiates
-    mapped = _mapped_leaves(name, args, in_axes, kwargs)
+    mapped = mapped_leaves(name, args, in_axes, kwargs)
     size = _axes.mapped_size(
         *mapped,
         None,
@@ -411,7 +411,7 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 class _GhostSums:
-    """`_clipped_sums` by ghost clipping (`ghost`): the same results, without
+    """`clipped_sums` by ghost clipping (`ghost`): the same results, without
     per-example gradients of the leaves whose uses have rules.
 
     Each example's loss is evaluated once with probes (`ghost.Evaluation`). What a
@@ -747,7 +747,7 @@ def _one_example_avals(
     return jax.eval_shape(one_example, avals, jax.tree.map(example, kwargs))
 
 
-def _mapped_leaves(
+def mapped_leaves(
     name: str, args: tuple, in_axes: tuple, kwargs: dict
 ) -> tuple[list[str], list, list]:
     """Key paths, leaves and axes of the mapped arguments (for the size check)."""
@@ -921,7 +921,7 @@ def clipped_grad(
     """
     name = "clipped_grad"
     _check_clip_norm(name, l2_clip_norm)
-    _check_method(name, method, pre_clipping_transform)
+    check_method(name, method, pre_clipping_transform)
     for arg, value in (
         ("has_aux", has_aux),
         ("rescale_to_unit_norm", rescale_to_unit_norm),
@@ -958,7 +958,7 @@ def clipped_grad(
         memory_limit=memory_limit,
         progress=progress,
     )
-    config = _Clipping(
+    config = Clipping(
         l2_clip_norm,
         rescale_to_unit_norm=rescale_to_unit_norm,
         nan_safe=nan_safe,
@@ -975,7 +975,7 @@ def clipped_grad(
     with_aux = has_aux or return_values or return_grad_norms
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        total, extras, _ = _clipped_sums(transform, fun, config, args, kwargs, known)
+        total, extras, _ = clipped_sums(transform, fun, config, args, kwargs, known)
         if normalize_by != 1.0:
             total = jax.tree.map(lambda x: x / normalize_by, total)
         return (total, extras) if with_aux else total
@@ -1002,7 +1002,7 @@ def _check_normalize_by(name: str, value: Any) -> None:
 _METHODS = ("vmap", "ghost")
 
 
-def _check_method(
+def check_method(
     name: str, method: Any, pre_clipping_transform: Any = identity
 ) -> None:
     if not isinstance(method, str) or method not in _METHODS:
@@ -1126,7 +1126,7 @@ def clipped_grad_sum(
     name = "clipped_grad_sum"
     _check_clip_norm(name, l2_clip_norm)
     check_bool(name, "return_norms", return_norms)
-    _check_method(name, method)
+    check_method(name, method)
     transform = grad_transform(
         name,
         fun,
@@ -1141,12 +1141,12 @@ def clipped_grad_sum(
         memory_limit=memory_limit,
         progress=progress,
     )
-    config = _Clipping(
+    config = Clipping(
         l2_clip_norm, nan_safe=False, return_grad_norms=return_norms, method=method
     )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        total, extras, size = _clipped_sums(transform, fun, config, args, kwargs, known)
+        total, extras, size = clipped_sums(transform, fun, config, args, kwargs, known)
         count = jnp.asarray(size, jnp.int32)
         return (total, count, extras.grad_norms) if return_norms else (total, count)
 

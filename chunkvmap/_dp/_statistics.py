@@ -120,7 +120,7 @@ def per_example_grad_norms(
     """
     name = "per_example_grad_norms"
     check_bool(name, "has_aux", has_aux)
-    _clipping._check_method(name, method)
+    _clipping.check_method(name, method)
     transform = grad_transform(
         name,
         fun,
@@ -135,7 +135,7 @@ def per_example_grad_norms(
         memory_limit=memory_limit,
         progress=progress,
     )
-    config = _clipping._Clipping(
+    config = _clipping.Clipping(
         math.inf,
         nan_safe=False,
         return_grad_norms=True,
@@ -145,7 +145,7 @@ def per_example_grad_norms(
     )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        _, extras, _ = _clipping._clipped_sums(
+        _, extras, _ = _clipping.clipped_sums(
             transform, fun, config, args, kwargs, known
         )
         return (extras.grad_norms, extras.aux) if has_aux else extras.grad_norms
@@ -261,7 +261,7 @@ def per_example_grad_stats(
     """
     name = "per_example_grad_stats"
     check_bool(name, "has_aux", has_aux)
-    _clipping._check_method(name, method)
+    _clipping.check_method(name, method)
     transform = grad_transform(
         name,
         fun,
@@ -418,7 +418,7 @@ def _sq_norm(g: jax.Array, acc: Any, rows: bool = False) -> jax.Array:
 
 def _axes_size(transform: Transform, args: tuple, in_axes: tuple, kwargs: dict) -> int:
     """The number of examples of a call (its mapped arguments' leading size)."""
-    mapped = _clipping._mapped_leaves(transform.name, args, in_axes, kwargs)
+    mapped = _clipping.mapped_leaves(transform.name, args, in_axes, kwargs)
     return _axes.mapped_size(*mapped, None, transform=transform.name)
 
 
@@ -602,7 +602,7 @@ def per_example_grad_gram(
     """
     name = "per_example_grad_gram"
     check_bool(name, "has_aux", has_aux)
-    _clipping._check_method(name, method)
+    _clipping.check_method(name, method)
     other_batch_size = _axes.check_positive_int(
         "other_batch_size", other_batch_size, transform=name
     )
