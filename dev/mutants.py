@@ -173,6 +173,14 @@ MUTANTS = {
         ),
         ["test_wherever", "test_sharding"],
     ),
+    "out_axes None: a varying output not checked before jax.vmap": (
+        (
+            "chunkvmap/_transforms/_batch_vmap.py",
+            "        if a is None and b\n",
+            "        if a is None and b and not b\n",
+        ),
+        ["test_core", "test_hostile", "test_eqx"],
+    ),
     "accumulators: stacked rows left at axis 0": (
         (
             "chunkvmap/_core/_accumulators.py",

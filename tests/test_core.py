@@ -142,6 +142,50 @@ def test_out_axes_none_for_mapped_output_is_an_error(rng):
         batch_vmap(lambda a: a * 2.0, out_axes=None, batch_size=3)(x)
 
 
+@pytest.mark.parametrize("batch_size", [3, None])
+@pytest.mark.parametrize("how", ["eager", "jit", "grad"])
+def test_an_unmapped_output_is_checked_before_jax_vmap(rng, batch_size, how):
+    """out_axes None on an output that varies across examples is found before
+    jax.vmap is asked for it (chunked or one plain jax.vmap, eager, under jit and
+    under grad), and named in the user's terms; an output that does not vary (an
+    unmapped argument, a psum over the mapped axis) is accepted, and a jax.vmap
+    misused inside the function keeps JAX's own error."""
+    x = jnp.asarray(rng.normal(size=(7, 2)), jnp.float32)
+
+    def two(a, w):
+        return a * w, jnp.sum(a) + w[0]
+
+    def run(fn, *args):
+        if how == "jit":
+            return jax.jit(fn)(*args)
+        if how == "grad":
+            return jax.grad(lambda *a: jnp.sum(jax.tree.leaves(fn(*a))[0]))(*args)
+        return fn(*args)
+
+    chunked = batch_vmap(two, (0, None), (0, None), batch_size=batch_size)
+    with pytest.raises(
+        ValueError, match=r"gives out\[1\] the axis None.*\.two returns"
+    ):
+        run(chunked, x, jnp.ones(2))
+    keeps = batch_vmap(
+        lambda a, w: (a * w, w), (0, None), (0, None), batch_size=batch_size
+    )
+    tree_allclose(
+        run(keeps, x, jnp.ones(2)),
+        run(jax.vmap(lambda a, w: (a * w, w), (0, None), (0, None)), x, jnp.ones(2)),
+    )
+    if batch_size is None:  # collectives need the unchunked map
+        total = batch_vmap(lambda a: jax.lax.psum(a, "i"), out_axes=None, axis_name="i")
+        oracle = jax.vmap(lambda a: jax.lax.psum(a, "i"), out_axes=None, axis_name="i")
+        tree_allclose(run(total, x), run(oracle, x))
+
+    def inner(a):
+        return jax.vmap(lambda t: t, out_axes=None)(a)
+
+    with pytest.raises(ValueError, match="got axis spec None but output was batched"):
+        run(batch_vmap(inner, batch_size=batch_size), x)
+
+
 @pytest.mark.parametrize(
     "dtype", [jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8, jnp.bool_, jnp.complex64]
 )

@@ -206,6 +206,10 @@ class ChunkOptions:
     # used instead of `reduction` / `chunk_reduction`; unlike a user's reduction, it
     # is not checked.
     accumulator: Any = None
+    # Whether outputs given out_axes None are checked not to vary across examples
+    # (a shape-only trace of their batching): False only for a front end's own
+    # outputs that are unmapped by construction (ghost's parameters).
+    check_unmapped: bool = True
 
     @classmethod
     def make(

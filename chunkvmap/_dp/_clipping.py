@@ -654,6 +654,7 @@ class _GhostSums:
             (*in_axes, *[0] * len(extra)),
             (0, 0, None),
             known=known,
+            check_unmapped=False,  # the parameters: unmapped inputs
             accumulator=Accumulator.adding(self.summarise),
         )
         if not self.config.sums:

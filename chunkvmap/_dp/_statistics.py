@@ -309,6 +309,7 @@ def per_example_grad_stats(
                 in_axes,
                 (0, 0, None),
                 known=known,
+                check_unmapped=False,  # the parameters: unmapped inputs
                 accumulator=Accumulator(merge_moments, moments.summarise),
             )
             mean = moments.traced.grads_tree(mean, transform.args.single)

@@ -9,10 +9,8 @@ gradient, Jacobian, vectorize and adapter front ends reuse it with their own opt
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools as ft
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, Unpack
@@ -421,17 +419,18 @@ def vmap_call(
     size = _axes.mapped_size(paths, leaves, axes, axis_size, transform=name)
     if options.plain and not callable(out_axes):
         # One jax.vmap, with the chunked path's checks of f's output (made while
-        # jax.vmap traces f, so they cost no extra trace).
-        checked, unmapped_outputs = _checked(f, name, out_axes, out_names)
-        with _mapped_output_errors(name, f, unmapped_outputs):
-            out = jax.vmap(
-                checked,
-                in_axes,
-                out_axes,
-                axis_name=axis_name,
-                axis_size=axis_size,
-                spmd_axis_name=spmd_axis_name,
-            )(*args, **kwargs)
+        # jax.vmap traces f, so they cost no extra trace; an output left unmapped
+        # is checked first, by a trace of its own).
+        checked = _checked(f, name, out_axes)
+        vmap_args = dict(
+            axis_name=axis_name, axis_size=axis_size, spmd_axis_name=spmd_axis_name
+        )
+        if _has_none(out_axes):
+            _check_unmapped_plain(
+                name, f, checked, (in_axes, out_axes), vmap_args, out_names, args,
+                kwargs,
+            )  # fmt: skip
+        out = jax.vmap(checked, in_axes, out_axes, **vmap_args)(*args, **kwargs)
         return (
             out if options.chunk_reduction is identity else options.chunk_reduction(out)
         )
@@ -448,31 +447,23 @@ def vmap_call(
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
     key += (_static_key(leaves, dyn),)
     inputs = _axes.Inputs(leaves, paths, dyn, size, key, known or _axes.NOTHING_KNOWN)
-    # The first trace maps every output along axis 0, so an error of jax.vmap's about
-    # an unmapped output raised there comes from a jax.vmap inside f: left as it is.
     body = _trace(
-        f, leaves, axes, dyn, treedef, out_axes, (axis_name, spmd_axis_name), size,
-        options,
+        f, leaves, axes, dyn, treedef, (out_axes, out_names),
+        (axis_name, spmd_axis_name), size, options,
     )  # fmt: skip
-
-    def unmapped_outputs() -> dict[str, str]:
-        # The chunk's jax.vmap maps f's flat outputs: it says `out_axes[k]`.
-        names = out_names(body.out_tree.unflatten(body.out_avals))
-        axes = body.out_axes
-        return {f"[{k}]": p for k, (p, a) in enumerate(zip(names, axes)) if a is None}
-
-    with _mapped_output_errors(name, f, unmapped_outputs):
-        return _chunked.evaluate(body, inputs, options, auto, axis_name)
+    return _chunked.evaluate(body, inputs, options, auto, axis_name)
 
 
 def _trace(
-    f, leaves, axes, dyn, treedef, out_axes, axis_names, size, options
+    f, leaves, axes, dyn, treedef, outs, axis_names, size, options
 ) -> _loop.Body:
     """One chunk of `jax.vmap(f)`, traced once (under `jax.jit`, at the length the
     loop's chunks will have) to learn its outputs, as a `_loop.Body` whose chunk
-    function reuses that trace (`axis_names` is the pair `(axis_name,
-    spmd_axis_name)` of `jax.vmap`)."""
+    function reuses that trace (`outs` is the pair `(out_axes, out_names)` of
+    `vmap_call`, `axis_names` the pair `(axis_name, spmd_axis_name)` of
+    `jax.vmap`)."""
     name = options.name
+    out_axes, out_names = outs
     axis_name, spmd_axis_name = axis_names
     out_box: list[Any] = []
 
@@ -569,6 +560,12 @@ def _trace(
     mapped_avals = first.out_info
     out_avals = [_axes.per_example(a) for a in mapped_avals]
     flat_axes = _flat_out_axes(name, out_axes, out_box[0], out_avals)
+    if None in flat_axes and options.check_unmapped:  # before jax.vmap is asked
+        probe, batched = _batched_probe()
+        probed = vmap_flat(lambda *xs: probe(traced(*xs)), 0, length)
+        jax.eval_shape(probed, *chunk_avals)
+        names = out_names(out_box[0].unflatten(out_avals))
+        _check_unmapped(name, f, flat_axes, batched, names)
     signature = _loop.Signature(out_box[0], out_avals, flat_axes)
     # Every output along axis 0 (the usual case): the traced function is the chunk.
     flat = 0 if all(a == 0 for a in flat_axes) else tuple(flat_axes)
@@ -627,17 +624,10 @@ def out_paths(out: Any, root: str = "out") -> list[str]:
     ]
 
 
-def _checked(
-    f: Callable[..., Any],
-    name: str,
-    out_axes: Any,
-    out_names: Callable[[Any], list[str]],
-) -> tuple[Callable[..., Any], Callable[[], dict[str, str]]]:
+def _checked(f: Callable[..., Any], name: str, out_axes: Any) -> Callable[..., Any]:
     """`f` with its output checked as the chunked path checks it (JAX types only,
-    `out_axes` a prefix of the output with axes in range), for one plain `jax.vmap`,
-    and a function giving, once it has run, `jax.vmap`'s path of each output whose
-    axis is None and its name by `out_names`."""
-    traced: list[Any] = []  # the abstract output and its axes
+    `out_axes` a prefix of the output with axes in range), for one plain
+    `jax.vmap`."""
 
     @_cache.wraps(f)
     def checked(*args: Any, **kwargs: Any) -> Any:
@@ -646,60 +636,84 @@ def _checked(
         if not (isinstance(out_axes, int) and out_axes == 0):  # 0 fits any output
             leaves, out_tree = jax.tree.flatten(out)
             avals = [jax.typeof(y) for y in leaves]
-            axes = _flat_out_axes(name, out_axes, out_tree, avals)
-            traced[:] = [out_tree.unflatten(avals), axes]
+            _flat_out_axes(name, out_axes, out_tree, avals)
         return out
 
-    def unmapped_outputs() -> dict[str, str]:
-        if not traced:
-            return {}
-        out, axes = traced
-        paths = jax.tree_util.tree_flatten_with_path(out)[0]
-        return {
-            jax.tree_util.keystr(p): shown
-            for (p, _), shown, a in zip(paths, out_names(out), axes)
-            if a is None
-        }
-
-    return checked, unmapped_outputs
+    return checked
 
 
-# jax.vmap's messages for an output given out_axes None that depends on the examples.
-_BATCHED_AT = re.compile(
-    r"at vmap out_axes(.*), got axis spec None but output was batched on axis -?\d+"
-)
-_BATCHED_NAMED = re.compile(
-    r"vmap has mapped output \(axis_name=.*\) but out_axes is None"
-)
+def _has_none(out_axes: Any) -> bool:
+    """Whether an `out_axes` spec leaves some output unmapped."""
+    return any(a is None for a in jax.tree.leaves(out_axes, is_leaf=_is_none))
 
 
-@contextlib.contextmanager
-def _mapped_output_errors(
-    name: str, f: Any, unmapped_outputs: Callable[[], dict[str, str]]
-):
-    """jax.vmap's error for an output that `out_axes` leaves unmapped but that
-    varies across examples, in the user's terms (`unmapped_outputs()` maps jax.vmap's
-    path of each unmapped output to the user's name of it)."""
-    try:
-        yield
-    except ValueError as e:
-        at = _BATCHED_AT.fullmatch(str(e))
-        if at is None and not _BATCHED_NAMED.fullmatch(str(e)):
-            raise
-        unmapped = unmapped_outputs()
-        if at is not None and at.group(1) in unmapped:
-            where = [unmapped[at.group(1)]]
-        elif at is None and unmapped:  # with an axis_name: no path
-            where = list(unmapped.values())
-        else:  # not one of f's outputs (a jax.vmap inside f, say)
-            raise
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _batched_probe() -> tuple[Callable[[list], list], list[bool]]:
+    """An identity on a list of values and a list it fills, once it is traced
+    under `jax.vmap`, with whether `jax.vmap` sees each value as batched (varying
+    across the examples, which `out_axes` None rejects): each value's batching as
+    `jax.custom_batching.custom_vmap` is told it. Used in shape-only traces only
+    (a custom_vmap is not differentiable everywhere)."""
+    batched: list[bool] = []
+
+    @jax.custom_batching.custom_vmap
+    def probe(values: list) -> list:
+        return values
+
+    @probe.def_vmap
+    def _rule(axis_size: int, in_batched: list, values: list):
+        batched[:] = in_batched[0]
+        return values, in_batched[0]
+
+    def identity(values: list) -> list:
+        return probe(
+            [v if isinstance(v, jax.Array) else jnp.asarray(v) for v in values]
+        )
+
+    return identity, batched
+
+
+def _check_unmapped_plain(
+    name, f, checked, specs, vmap_args, out_names, args, kwargs
+) -> None:
+    """`_check_unmapped` for one plain `jax.vmap(checked, *specs)` of `args`: a
+    shape-only trace of its own."""
+    in_axes, out_axes = specs
+    probe, batched = _batched_probe()
+    out_box: list[Any] = []
+
+    def probed(*args: Any, **kwargs: Any) -> list:
+        leaves, tree = jax.tree.flatten(checked(*args, **kwargs))
+        out_box[:] = [tree, [jax.typeof(jnp.asarray(y)) for y in leaves]]
+        return probe(leaves)
+
+    jax.eval_shape(jax.vmap(probed, in_axes, 0, **vmap_args), *args, **kwargs)
+    tree, avals = out_box
+    flat_axes = _flat_out_axes(name, out_axes, tree, avals)
+    _check_unmapped(name, f, flat_axes, batched, out_names(tree.unflatten(avals)))
+
+
+def _check_unmapped(
+    name: str, f: Any, flat_axes: list, batched: list[bool], names: list[str]
+) -> None:
+    """A ValueError when an output that `out_axes` leaves unmapped (`flat_axes`
+    None) varies across the examples (`batched`, from `_batched_probe`), in the
+    user's terms (`names`: each flat output's name)."""
+    where = [
+        n for n, a, b in zip(names, flat_axes, batched or [False] * len(names))
+        if a is None and b
+    ]  # fmt: skip
+    if where:
         raise ValueError(
             f"{name} out_axes gives {' or '.join(where)} the axis None (the same "
             f"value for every example), but the function {function_name(f)} "
             f"returns a value there that depends on the mapped arguments. Give it "
             f"an int axis in out_axes (e.g. 0), or return a value that does not "
             f"vary across examples."
-        ) from None
+        )
 
 
 def _flat_out_axes(name: str, out_axes: Any, out_tree: Any, out_avals: list) -> list:
