@@ -181,6 +181,15 @@ MUTANTS = {
         ),
         ["test_core", "test_hostile", "test_eqx"],
     ),
+    "moments: means held unshifted (a large mean cancels the variance)": (
+        (
+            "chunkvmap/_core/_accumulators.py",
+            "    shift = lax.index_in_dim(g, 0, axis, keepdims=False)\n",
+            "    shift = jnp.zeros_like(\n"
+            "        lax.index_in_dim(g, 0, axis, keepdims=False))\n",
+        ),
+        ["test_statistics"],
+    ),
     "accumulators: stacked rows left at axis 0": (
         (
             "chunkvmap/_core/_accumulators.py",

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from . import _axes, _loop
 from ._options import identity
@@ -160,7 +161,8 @@ class Stack(Leaf):
 @dataclasses.dataclass(frozen=True)
 class Moments(Leaf):
     """The examples' count, and per leaf their mean and centred sum of squares,
-    merged over the chunks by Chan et al.'s parallel update (`merge_moments`)."""
+    merged over the chunks by Chan et al.'s parallel update (`merge_moments`) with
+    the means held shifted (`moments`); finished as `(count, mean, m2)`."""
 
     axes: tuple[int, ...] = ()  # set by `resolve`: each leaf's examples axis
     sums: bool = False
@@ -174,28 +176,46 @@ class Moments(Leaf):
     def summarise(self, out: Any) -> tuple[Any, Any]:
         leaves, tree = jax.tree.flatten(out)
         n = leaves[0].shape[self.axes[0]] if leaves else 0
-        pairs = [moments(g, a) for g, a in zip(leaves, self.axes)]
-        mean = tree.unflatten([m for m, _ in pairs])
-        m2 = tree.unflatten([s for _, s in pairs])
-        return (jnp.asarray(n, jnp.float32), mean, m2), ()
+        parts = [moments(g, a) for g, a in zip(leaves, self.axes)]
+        shift, mean, m2 = (tree.unflatten(list(p)) for p in zip(*parts, strict=True))
+        return (jnp.asarray(n, jnp.float32), shift, mean, m2), ()
 
     def combine(self, a: Any, b: Any) -> Any:
         return merge_moments(a, b)
 
     def finish(self, summary: Any, rows: Any) -> Any:
-        return summary
+        return unshifted(summary)
 
 
-def moments(g: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-    """The mean and centred sum of squares of `g`'s examples along `axis`."""
-    mean = g.mean(axis)
-    d = g - jnp.expand_dims(mean, axis)
-    return mean, jnp.sum(jnp.real(d * jnp.conj(d)), axis).astype(g.dtype)
+def moments(g: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The moments of `g`'s examples along `axis`, as `(shift, mean, m2)`: a shift
+    (the first example), the mean of the examples less the shift, and their centred
+    sum of squares. Held shifted, means stay as precise as the examples' spread,
+    not their size: merging two chunks subtracts their means, which a large common
+    part (a mean of 1e6 beside a spread of 1, in float32) would cancel away."""
+    shift = lax.index_in_dim(g, 0, axis, keepdims=False)
+    d = g - jnp.expand_dims(shift, axis)
+    mean = d.mean(axis)
+    d = d - jnp.expand_dims(mean, axis)
+    return shift, mean, jnp.sum(jnp.real(d * jnp.conj(d)), axis).astype(g.dtype)
 
 
 def merge_moments(a: Any, b: Any) -> Any:
-    """Two chunks' `(count, mean, m2)` merged (Chan et al.'s parallel update: no
-    cancellation from subtracting large sums of squares)."""
+    """Two chunks' `(count, shift, mean, m2)` (`moments`) merged, held at `a`'s
+    shift: `b`'s mean is moved to it (the shifts' difference is one of two
+    examples, exact when they are close, not of two large means), then
+    `merge_centred`."""
+    count_a, shift_a, mean_a, m2_a = a
+    count_b, shift_b, mean_b, m2_b = b
+    moved = jax.tree.map(lambda sa, sb, mb: (sb - sa) + mb, shift_a, shift_b, mean_b)
+    count, mean, m2 = merge_centred((count_a, mean_a, m2_a), (count_b, moved, m2_b))
+    return count, shift_a, mean, m2
+
+
+def merge_centred(a: Any, b: Any) -> Any:
+    """Two chunks' `(count, mean, m2)` at one shift merged (Chan et al.'s parallel
+    update: no cancellation from subtracting large sums of squares; `a` may have no
+    example yet)."""
     count_a, mean_a, m2_a = a
     count_b, mean_b, m2_b = b
     count = count_a + count_b
@@ -214,6 +234,12 @@ def merge_moments(a: Any, b: Any) -> Any:
         jax.tree.map(mean, mean_a, mean_b),
         jax.tree.map(m2, mean_a, mean_b, m2_a, m2_b),
     )
+
+
+def unshifted(summary: Any) -> tuple[Any, Any, Any]:
+    """`(count, mean, m2)` of merged moments `(count, shift, mean, m2)`."""
+    count, shift, mean, m2 = summary
+    return count, jax.tree.map(jnp.add, shift, mean), m2
 
 
 def compose(spec: Any) -> _loop.Accumulator:

@@ -30,8 +30,10 @@ from .._core._accumulators import (
     Moments,
     Stack,
     compose,
+    merge_centred,
     merge_moments,
     moments as moments_of,
+    unshifted,
 )
 from .._core._loop import Accumulator
 from .._core._options import check_bool, decorator_form
@@ -208,7 +210,9 @@ def per_example_grad_stats(
     reductions gives, without holding the `N` gradients. Each chunk forms its
     examples' gradients and reduces them to its count, mean and centred sum of
     squares; chunks are merged exactly (a parallel variance update, so a large mean
-    does not cancel the variance). Statistics are accumulated in at least float32.
+    does not cancel the variance), and means are held shifted by one example's
+    gradient (so a float32 mean of 1e6 beside a spread of 1 keeps its variance to
+    float32 precision). Statistics are accumulated in at least float32.
     Uses: the gradient noise scale (to choose the batch size), adaptive optimisers
     and curvature proxies such as the empirical Fisher diagonal.
 
@@ -302,7 +306,7 @@ def per_example_grad_stats(
             if ghost.report_of(moments.traced.plan).runs == "vmap":
                 moments = None  # no leaf has a ghost norm: the per-example path
         if moments is not None:
-            (count, mean, m2), (sq_norms, aux) = transform.map(
+            state, (sq_norms, aux) = transform.map(
                 moments.example,
                 args,
                 kwargs,
@@ -312,6 +316,7 @@ def per_example_grad_stats(
                 check_unmapped=False,  # the parameters: unmapped inputs
                 accumulator=Accumulator(merge_moments, moments.summarise),
             )
+            count, mean, m2 = unshifted(state)
             mean = moments.traced.grads_tree(mean, transform.args.single)
             m2 = moments.traced.grads_tree(m2, transform.args.single)
         else:
@@ -375,39 +380,45 @@ class _GhostMoments:
         (records, deltas, pe_grads, ones), aux, params = chunk
         plan = self.traced.plan_of(params)
         count = ones.sum()
-        means: list[Any] = [None] * len(self.leaves)
-        m2s: list[Any] = [None] * len(self.leaves)
+        n = len(self.leaves)
+        shifts: list[Any] = [None] * n
+        means: list[Any] = [None] * n
+        m2s: list[Any] = [None] * n
         sq_norms = jnp.zeros(ones.shape, self.acc)
         for k, g in zip(self.pe, pe_grads):  # formed per example: axis 0
-            means[k], m2s[k] = moments_of(g, 0)
+            shifts[k], means[k], m2s[k] = moments_of(g, 0)
             sq_norms = sq_norms + _sq_norm(g, self.acc, rows=True)
         ruled = [k for k in self.ruled if self.leaves[k].uses]
 
-        def step(carry: Any, xs: Any) -> Any:
-            # one example merged as a chunk of one (Welford's update)
-            recs, dels = xs
-            gs = [
-                plan.instantiate(k, recs, dels).astype(mean.dtype)
-                for k, mean in zip(ruled, carry[1])
-            ]
-            one = (jnp.ones((), jnp.float32), gs, [jnp.zeros_like(g) for g in gs])
-            sq = sum((_sq_norm(g, self.acc) for g in gs), jnp.zeros((), self.acc))
-            return merge_moments(carry, one), sq
-
-        zeros = [
-            jnp.zeros(self.leaves[k].shape, _stats_dtype(self.leaves[k].dtype))
+        # The chunk's moments held shifted by its first example's gradient (as
+        # `moments`), its examples merged one at a time (Welford's update).
+        first = jax.tree.map(lambda x: x[0], (records, deltas))
+        shift = [
+            plan.instantiate(k, *first).astype(_stats_dtype(self.leaves[k].dtype))
             for k in ruled
         ]
+
+        def step(carry: Any, xs: Any) -> Any:
+            gs = [
+                plan.instantiate(k, *xs).astype(s.dtype) for k, s in zip(ruled, shift)
+            ]
+            sq = sum((_sq_norm(g, self.acc) for g in gs), jnp.zeros((), self.acc))
+            d = [g - s for g, s in zip(gs, shift)]
+            one = (jnp.ones((), jnp.float32), d, [jnp.zeros_like(x) for x in d])
+            return merge_centred(carry, one), sq
+
+        zeros = [jnp.zeros_like(s) for s in shift]
         init = (jnp.zeros((), jnp.float32), zeros, zeros)
         (_, rule_means, rule_m2s), sq = lax.scan(step, init, (records, deltas))
         sq_norms = sq_norms + sq
-        for k, mean, m2 in zip(ruled, rule_means, rule_m2s):
-            means[k], m2s[k] = mean, m2
+        for k, *parts in zip(ruled, shift, rule_means, rule_m2s):
+            shifts[k], means[k], m2s[k] = parts
         for k in self.ruled:  # a leaf the loss does not use: zero gradients
             if means[k] is None:
                 leaf = self.leaves[k]
-                means[k] = m2s[k] = jnp.zeros(leaf.shape, _stats_dtype(leaf.dtype))
-        return (count, means, m2s), (sq_norms, aux)
+                zero = jnp.zeros(leaf.shape, _stats_dtype(leaf.dtype))
+                shifts[k] = means[k] = m2s[k] = zero
+        return (count, shifts, means, m2s), (sq_norms, aux)
 
 
 def _sq_norm(g: jax.Array, acc: Any, rows: bool = False) -> jax.Array:
