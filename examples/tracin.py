@@ -12,11 +12,13 @@ flipped at random, keeping a checkpoint per epoch; then, with chunkvmap:
 
 * `per_example_grad_norms` (ghost norms: no per-example gradient is formed) gives every
   training example's self-influence, and the examples with the largest are checked
-  against the flipped ones;
+  against the flipped ones, beside the baseline of ranking by the final loss;
 * `per_example_grad_gram` with `other=` (the cross-Gram of training against test
   examples, by ghost rules as well) gives the influence of every training example on
-  a few test predictions, and the most influential ones (proponents) are shown with
-  their labels and images.
+  a few test predictions; divided by both examples' gradient norms (the cosine form),
+  the most influential ones (proponents) are shown with their labels and images, and
+  how many of them are mislabelled is counted for both forms (raw dot products
+  favour the large gradients of mislabelled examples).
 
 Memory holds a chunk of activations and cotangents, never the training set's
 per-example gradients.
@@ -102,39 +104,50 @@ def main(argv=None) -> dict:
         f"{args.epochs} epochs of SGD: test accuracy {accuracy:.3f}"
     )
 
-    # Self-influence: sum_c lr ||g_c(z)||^2, by ghost norms.
+    # Self-influence: sum_c lr ||g_c(z)||^2, by ghost norms; beside it, the
+    # baseline it should beat or match: ranking by the final checkpoint's loss.
     norms = jax.jit(
         per_example_grad_norms(loss, batch_size=args.batch_size, method="ghost")
     )
-    self_influence = sum(
-        args.learning_rate * norms(p, x_train, y_train) ** 2 for p in checkpoints
-    )
+    train_norms = [norms(p, x_train, y_train) for p in checkpoints]
+    self_influence = sum(args.learning_rate * n**2 for n in train_norms)
     k = int(flipped.sum())
-    top = np.argsort(-np.asarray(self_influence))[:k]
-    precision = float(flipped[top].mean())
+    precision = _precision(self_influence, flipped, k)
+    final_loss = jax.vmap(loss, (None, 0, 0))(checkpoints[-1], x_train, y_train)
+    loss_precision = _precision(final_loss, flipped, k)
     print(
         f"\nSelf-influence: of the {k} training examples with the largest, "
-        f"{int(flipped[top].sum())} have a flipped label (precision {precision:.2f}; "
+        f"{round(precision * k)} have a flipped label (precision {precision:.2f}; "
+        f"ranking by the final loss: {loss_precision:.2f}; "
         f"{flipped.mean():.2f} by chance)."
     )
 
-    # Influence on test predictions: sum_c lr <g_c(z), g_c(z')>, by ghost rules.
+    # Influence on test predictions: sum_c lr <g_c(z), g_c(z')> by ghost rules, and
+    # its cosine form, each checkpoint's dot products divided by both norms. Raw
+    # dot products favour examples with large gradients, which are mostly the
+    # mislabelled ones (their self-influence is large): proponents are then ranked
+    # by the cosine form, which keeps the direction only.
     chosen = np.arange(args.test_examples)
     xs, ys = x_test[chosen], y_test[chosen]
     gram = jax.jit(
         per_example_grad_gram(loss, batch_size=args.batch_size, method="ghost")
     )
-    scores = sum(
-        args.learning_rate * gram(p, x_train, y_train, other=(p, xs, ys))
-        for p in checkpoints
-    )
-    same = []
+    scores, cosine = 0.0, 0.0
+    for p, n_train in zip(checkpoints, train_norms):
+        dots = args.learning_rate * gram(p, x_train, y_train, other=(p, xs, ys))
+        n_test = norms(p, xs, ys)
+        scores = scores + dots
+        cosine = cosine + dots / (n_train[:, None] * n_test[None, :] + 1e-12)
+    same, mislabelled = [], {"cosine": 0, "raw": 0}
     for j in range(len(chosen)):
-        proponents = np.argsort(-np.asarray(scores[:, j]))[:5]
+        proponents = np.argsort(-np.asarray(cosine[:, j]))[:5]
+        raw = np.argsort(-np.asarray(scores[:, j]))[:5]
         same.append(float(np.mean(y_train[proponents] == ys[j])))
+        mislabelled["cosine"] += int(flipped[proponents].sum())
+        mislabelled["raw"] += int(flipped[raw].sum())
         print(
             f"\nTest example {chosen[j]} (label {ys[j]}) and its 5 strongest "
-            f"proponents (training label, influence):"
+            f"proponents (training label, cosine influence):"
         )
         columns = [glyph(xs[j])] + [glyph(x_train[i]) for i in proponents]
         for row in zip(*columns):
@@ -144,22 +157,35 @@ def main(argv=None) -> dict:
             + "   ".join(
                 f"{'test ' + str(ys[j]):<16}"
                 if c == 0
-                else f"{str(y_train[i]) + f' {float(scores[i, j]):.3f}':<16}"
+                else f"{str(y_train[i]) + f' {float(cosine[i, j]):.3f}':<16}"
                 for c, i in enumerate([None, *proponents])
             )
         )
     share = float(np.mean(same))
-    print(f"\nProponents sharing their test example's label: {share:.2f}.")
+    total = 5 * len(chosen)
+    print(
+        f"\nProponents sharing their test example's label: {share:.2f}. With a "
+        f"flipped label: {mislabelled['cosine']} of {total} by cosine influence, "
+        f"{mislabelled['raw']} of {total} by raw dot products."
+    )
     return {
         "accuracy": accuracy,
         "precision": precision,
+        "loss_precision": loss_precision,
         "chance": float(flipped.mean()),
         "same_label": share,
+        "mislabelled_proponents": mislabelled,
         "scores": np.asarray(scores),
+        "cosine": np.asarray(cosine),
         "checkpoints": checkpoints,
         "train": (x_train, y_train),
         "test": (xs, ys),
     }
+
+
+def _precision(ranking: jax.Array, flipped: np.ndarray, k: int) -> float:
+    """The share of flipped labels among the `k` examples ranked highest."""
+    return float(flipped[np.argsort(-np.asarray(ranking))[:k]].mean())
 
 
 if __name__ == "__main__":

@@ -474,8 +474,11 @@ def test_errors_name_the_function_and_argument():
 
 def test_tracin_example_finds_flipped_labels_and_proponents(capsys):
     """examples/tracin.py: ghost self-influence ranks the flipped labels first (far
-    above chance), proponents share their test example's label, and the scores are
-    `sum_c lr <g_c(train), g_c(test)>` computed from `jax.vmap(jax.grad)`."""
+    above chance; the final loss's ranking is reported beside it), proponents by
+    cosine influence share their test example's label and are not the mislabelled
+    examples that raw dot products favour, and the scores are `sum_c lr
+    <g_c(train), g_c(test)>` and its cosine form, computed from
+    `jax.vmap(jax.grad)`."""
     path = pathlib.Path(__file__).parents[1] / "examples" / "tracin.py"
     spec = importlib.util.spec_from_file_location("tracin", path)
     assert spec is not None and spec.loader is not None
@@ -484,12 +487,21 @@ def test_tracin_example_finds_flipped_labels_and_proponents(capsys):
     result = module.main(["--epochs", "4", "--test-examples", "2"])
     assert "strongest proponents" in capsys.readouterr().out
     assert result["precision"] > 10 * result["chance"]
+    assert 0 < result["loss_precision"] <= 1
     assert result["same_label"] >= 0.8
+    mislabelled = result["mislabelled_proponents"]
+    assert mislabelled["cosine"] <= 1 < mislabelled["raw"], mislabelled
     (x, y), (xs, ys) = result["train"], result["test"]
-    expected = 0.0
+    expected, cosine = 0.0, 0.0
     for params in result["checkpoints"]:
         _, train_flat = oracle_grads(module.loss, params, x, y)
         _, test_flat = oracle_grads(module.loss, params, xs, ys)
-        expected = expected + 0.1 * train_flat @ test_flat.T
+        dots = 0.1 * train_flat @ test_flat.T
+        expected = expected + dots
+        outer = np.outer(
+            np.linalg.norm(train_flat, axis=1), np.linalg.norm(test_flat, axis=1)
+        )
+        cosine = cosine + dots / (outer + 1e-12)
     scale = float(np.abs(expected).max())
     np.testing.assert_allclose(result["scores"], expected, atol=1e-5 * scale)
+    np.testing.assert_allclose(result["cosine"], cosine, atol=1e-4)
