@@ -190,6 +190,14 @@ MUTANTS = {
         ),
         ["test_statistics"],
     ),
+    "per-leaf norms: ghost's leaves in the wrong order": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "each = [squares.get(k, zero) for k in range(len(plan.leaves))]",
+            "each = [squares.get(k, zero) for k in range(len(plan.leaves))][::-1]",
+        ),
+        ["test_statistics"],
+    ),
     "accumulators: stacked rows left at axis 0": (
         (
             "chunkvmap/_core/_accumulators.py",
@@ -273,8 +281,8 @@ MUTANTS = {
     "ghost: nan_safe's masked leaf's norm taken as finite": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "raw = raw + jnp.where(finite, s, jnp.nan)",
-            "raw = raw + s",
+            "squares[k] = jnp.where(finite, s, jnp.nan)",
+            "squares[k] = s",
         ),
         GHOST_TESTS,
     ),

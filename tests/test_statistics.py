@@ -330,6 +330,40 @@ def test_ghost_stats_on_the_dp_models_with_aux():
     np.testing.assert_array_equal(stats.aux, data[0])
 
 
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_per_leaf_norms(method):
+    """`per_leaf=True`: each differentiated leaf's own per-example norm, a tree like
+    the gradient's (None at an integer leaf), on the LMs (gathered and tied
+    embeddings, a scanned stack), the convnet and an MLP, eager and under jit, N
+    uneven in chunks of 3; their root sum of squares is the global norm."""
+    params, loss, data, grads, flat = dp_case(7)
+    fn = per_example_grad_norms(loss, batch_size=3, method=method, per_leaf=True)
+    norms = jax.jit(fn)(params, *data)
+    expected = jax.tree.map(
+        lambda g: np.linalg.norm(g.reshape(g.shape[0], -1), axis=1), grads
+    )
+    tree_allclose(norms, expected, rtol=1e-4, atol=1e-5)
+    total = np.sqrt(sum(np.asarray(n) ** 2 for n in jax.tree.leaves(norms)))
+    np.testing.assert_allclose(total, np.linalg.norm(flat, axis=1), rtol=1e-4)
+
+    p, x, y = mlp_data(5)
+    p = {"mlp": p, "steps": jnp.int32(3)}  # not differentiated: None
+
+    def mlp_with_count(p, x, y):
+        return mlp_loss(p["mlp"], x, y)
+
+    got = per_example_grad_norms(
+        mlp_with_count, batch_size=3, method=method, per_leaf=True
+    )(p, x, y)
+    assert got["steps"] is None
+    mlp_grads, _ = oracle_grads(mlp_loss, p["mlp"], x, y)
+    tree_allclose(
+        got["mlp"],
+        jax.tree.map(lambda g: np.linalg.norm(g.reshape(5, -1), axis=1), mlp_grads),
+        rtol=1e-5,
+    )
+
+
 def test_gram_on_the_dp_models_and_a_parameter_subset():
     """The LMs and the convnet by ghost rules (dense pairs over tokens, embedding
     rows matched by token, convolution patches), a batch against another (the MLP's

@@ -162,6 +162,15 @@ def global_sq_norm(tree: Any) -> jax.Array:
     return sum(_squared(x, acc) for x in leaves)
 
 
+def leaf_norms(tree: Any) -> Any:
+    """Each leaf's L2 norm (a tree like `tree`), accumulated as `global_norm`'s."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return tree
+    acc = ghost.accumulation_dtype([x.dtype for x in leaves])
+    return jax.tree.map(lambda x: _norm_of_square(_squared(x, acc)), tree)
+
+
 def _squared(x: jax.Array, acc: Any) -> jax.Array:
     """`||x||^2`, summed in `acc`."""
     return jnp.sum(jnp.square(jnp.abs(x).astype(acc)))
@@ -222,6 +231,13 @@ class Clipping:
     method: str = "vmap"
     # Whether the clipped sum is wanted (else only the per-example extras: norms).
     sums: bool = True
+    # Whether the norms are each differentiated leaf's (a tree like the gradient's)
+    # rather than one global norm per example.
+    per_leaf_norms: bool = False
+
+    def norms(self, grads: Any) -> Any:
+        """One example's gradient norm (global, or per leaf), as returned."""
+        return leaf_norms(grads) if self.per_leaf_norms else global_norm(grads)
 
     def prepare(self, grads: Any, pad: Any) -> tuple[Any, jax.Array]:
         """One example's gradient, transformed, cast and made NaN-safe, and the
@@ -352,7 +368,7 @@ def clipped_sums(
             aux = jax.tree.map(_squeeze_leading_one, aux)
         extras = AuxiliaryOutput(
             value if config.return_values else None,
-            global_norm(grads) if config.return_grad_norms else None,
+            config.norms(grads) if config.return_grad_norms else None,
             aux if config.has_aux else None,
         )
         return config.prepare(grads, pad), extras
@@ -473,26 +489,27 @@ class _GhostSums:
 
     def _squares(self, plan: ghost.Plan, ev: ghost.Evaluation) -> tuple:
         """One example's `||G||^2` over the leaves not in `other`, made finite and
-        as it is, and what it keeps of them: `(safe_sq, raw, arrays, grads,
-        pe_grads)`."""
+        as it is, what it keeps of them, and each of those leaves' own `||G_k||^2`
+        (by leaf index): `(safe_sq, raw, arrays, grads, pe_grads, squares)`."""
         safe_sq = raw = jnp.zeros((), self.acc)
-        arrays, grads, pe_grads = {}, {}, []
+        arrays, grads, pe_grads, squares = {}, {}, [], {}
         for k in self.masked:
             arrays[k] = plan.sanitized(k, ev.records, ev.deltas)
             s = plan.sq_norm_of(k, arrays[k], self.acc)
             safe_sq = safe_sq + s
             # a non-finite gradient's norm: NaN
             finite = _all_finite(plan.arrays(k, ev.records, ev.deltas))
-            raw = raw + jnp.where(finite, s, jnp.nan)
+            squares[k] = jnp.where(finite, s, jnp.nan)
+            raw = raw + squares[k]
         for k in self.formed:
             g = plan.instantiate(k, ev.records, ev.deltas)
-            grads[k], s, s_kept = self._kept_and_squares(g)
-            raw, safe_sq = raw + s, safe_sq + s_kept
-        for g in ev.pe_grads:
-            g, s, s_kept = self._kept_and_squares(g)
+            grads[k], squares[k], s_kept = self._kept_and_squares(g)
+            raw, safe_sq = raw + squares[k], safe_sq + s_kept
+        for k, g in zip(self.pe, ev.pe_grads):
+            g, squares[k], s_kept = self._kept_and_squares(g)
             pe_grads.append(g)
-            raw, safe_sq = raw + s, safe_sq + s_kept
-        return safe_sq, raw, arrays, grads, pe_grads
+            raw, safe_sq = raw + squares[k], safe_sq + s_kept
+        return safe_sq, raw, arrays, grads, pe_grads, squares
 
     def example(self, *inputs: Any, **kw: Any) -> Any:
         """One example's parts for its chunk's sum, its extras, and the parameters
@@ -501,12 +518,11 @@ class _GhostSums:
         pad = inputs.pop() if len(inputs) > self.n_args else None
         values = self.traced.arrays(inputs, kw)
         plan, ev = self.traced.evaluate(values, self.pe)
-        safe_sq, raw, arrays, grads, pe_grads = self._squares(plan, ev)
+        safe_sq, raw, arrays, grads, pe_grads, squares = self._squares(plan, ev)
         rest = jnp.zeros((), self.acc)
         for k in self.other:
-            rest = rest + plan.sq_norm(k, ev.records, ev.deltas, self.acc).astype(
-                self.acc
-            )
+            squares[k] = plan.sq_norm(k, ev.records, ev.deltas, self.acc)
+            rest = rest + squares[k].astype(self.acc)
         kept = ev.only(self.other_keys, self.other_paths)
         scale = clip_scale(
             _norm_of_square(safe_sq + rest),
@@ -521,9 +537,16 @@ class _GhostSums:
         value, aux = self.traced.out_tree.unflatten(ev.outs)
         if config.keep_batch_dim:
             aux = jax.tree.map(_squeeze_leading_one, aux)
+        if config.per_leaf_norms:  # a leaf no use reaches: a zero gradient
+            zero = jnp.zeros((), self.acc)
+            each = [squares.get(k, zero) for k in range(len(plan.leaves))]
+            norms = [_norm_of_square(s.astype(self.acc)) for s in each]
+            norm = self.traced.grads_tree(norms, self.transform.args.single)
+        else:
+            norm = _norm_of_square(raw + rest)
         extras = AuxiliaryOutput(
             value if config.return_values else None,
-            _norm_of_square(raw + rest) if config.return_grad_norms else None,
+            norm if config.return_grad_norms else None,
             aux if config.has_aux else None,
         )
         parts = _Parts(scale, keep, finite, pad, safe_sq, raw, arrays, grads, pe_grads)

@@ -69,6 +69,7 @@ def per_example_grad_norms(
     memory_limit: int | str | None = None,
     progress: Any = False,
     chunk_size: int | str | None = None,
+    per_leaf: bool = False,
 ) -> Callable[..., Any]:
     """The L2 norm of every example's gradient, `batch_size` examples at a time.
 
@@ -77,7 +78,12 @@ def per_example_grad_norms(
     `jax.vmap(jax.grad(fun, argnums))` followed by a norm per example would give it,
     without holding the `N` gradients. The arguments are mapped as in
     `per_example_grads` (by default every argument that is not differentiated holds
-    one example per leading index).
+    one example per leading index). With `per_leaf=True`, each differentiated
+    leaf's own norm instead (BackPACK's `BatchL2Grad`; what per-layer clipping
+    needs): a pytree with the structure of `jax.grad(fun, argnums)`'s, each leaf
+    the `(N,)` norms of that leaf's per-example gradients (None at leaves that are
+    not differentiated, as `per_example_grads` has them); their root sum of squares
+    is the global norm.
 
     `method="ghost"` computes each norm from the activations and output cotangents of
     every use of a parameter (dense layers, convolutions, embedding lookups,
@@ -106,10 +112,13 @@ def per_example_grad_norms(
       memory_limit: the budget for `batch_size="auto"`.
       progress: a host progress bar over the chunks (see `batch_vmap`).
       chunk_size: an alias of `batch_size`.
+      per_leaf: one norm per differentiated leaf (a pytree of them) rather than one
+        global norm per example.
 
     Returns:
       A function with `fun`'s arguments returning the norms, shape `(N,)` and
-      dtype float32 (at least; float64 for float64 gradients), or `(norms, aux)`.
+      dtype float32 (at least; float64 for float64 gradients), or `(norms, aux)`;
+      with `per_leaf`, a pytree of such norms.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -122,6 +131,7 @@ def per_example_grad_norms(
     """
     name = "per_example_grad_norms"
     check_bool(name, "has_aux", has_aux)
+    check_bool(name, "per_leaf", per_leaf)
     _clipping.check_method(name, method)
     transform = grad_transform(
         name,
@@ -144,6 +154,7 @@ def per_example_grad_norms(
         has_aux=has_aux,
         method=method,
         sums=False,
+        per_leaf_norms=per_leaf,
     )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
