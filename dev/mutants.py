@@ -198,6 +198,14 @@ MUTANTS = {
         ),
         ["test_statistics"],
     ),
+    "per-leaf squared norms: ghost statistics' rules in the wrong order": (
+        (
+            "chunkvmap/_dp/_statistics.py",
+            "        for k, rows in zip(ruled, sq):\n",
+            "        for k, rows in zip(ruled, sq[::-1]):\n",
+        ),
+        ["test_statistics"],
+    ),
     "accumulators: stacked rows left at axis 0": (
         (
             "chunkvmap/_core/_accumulators.py",

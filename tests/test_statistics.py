@@ -335,7 +335,8 @@ def test_per_leaf_norms(method):
     """`per_leaf=True`: each differentiated leaf's own per-example norm, a tree like
     the gradient's (None at an integer leaf), on the LMs (gathered and tied
     embeddings, a scanned stack), the convnet and an MLP, eager and under jit, N
-    uneven in chunks of 3; their root sum of squares is the global norm."""
+    uneven in chunks of 3; their root sum of squares is the global norm; the
+    statistics' squared norms per leaf likewise."""
     params, loss, data, grads, flat = dp_case(7)
     fn = per_example_grad_norms(loss, batch_size=3, method=method, per_leaf=True)
     norms = jax.jit(fn)(params, *data)
@@ -345,6 +346,9 @@ def test_per_leaf_norms(method):
     tree_allclose(norms, expected, rtol=1e-4, atol=1e-5)
     total = np.sqrt(sum(np.asarray(n) ** 2 for n in jax.tree.leaves(norms)))
     np.testing.assert_allclose(total, np.linalg.norm(flat, axis=1), rtol=1e-4)
+    stats = per_example_grad_stats(loss, batch_size=3, method=method, per_leaf=True)
+    squares = stats(params, *data).sq_norms  # eager
+    tree_allclose(squares, jax.tree.map(np.square, expected), rtol=2e-4, atol=1e-6)
 
     p, x, y = mlp_data(5)
     p = {"mlp": p, "steps": jnp.int32(3)}  # not differentiated: None

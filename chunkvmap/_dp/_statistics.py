@@ -177,7 +177,8 @@ class GradStats(NamedTuple):
         estimate).
       sum_sq: `sum_i g_i^2` per parameter (for a negative log-likelihood, `N` times
         the empirical Fisher diagonal).
-      sq_norms: `||g_i||^2` per example, shape `(N,)`.
+      sq_norms: `||g_i||^2` per example, shape `(N,)` (with `per_leaf`, a pytree
+        like the gradient of each leaf's own squared norms).
       aux: `fun`'s auxiliary output per example (with `has_aux`), else None.
 
     Examples:
@@ -210,6 +211,7 @@ def per_example_grad_stats(
     memory_limit: int | str | None = None,
     progress: Any = False,
     chunk_size: int | str | None = None,
+    per_leaf: bool = False,
 ) -> Callable[..., Any]:
     """The mean, variance and sum of squares of the per-example gradients, and their
     squared norms, `batch_size` examples at a time.
@@ -256,6 +258,8 @@ def per_example_grad_stats(
       memory_limit: the budget for `batch_size="auto"`.
       progress: a host progress bar over the chunks (see `batch_vmap`).
       chunk_size: an alias of `batch_size`.
+      per_leaf: `sq_norms` per differentiated leaf (a pytree like the gradient's,
+        each leaf `(N,)`) rather than one global squared norm per example.
 
     Returns:
       A function with `fun`'s arguments returning a `GradStats`.
@@ -276,6 +280,7 @@ def per_example_grad_stats(
     """
     name = "per_example_grad_stats"
     check_bool(name, "has_aux", has_aux)
+    check_bool(name, "per_leaf", per_leaf)
     _clipping.check_method(name, method)
     transform = grad_transform(
         name,
@@ -303,6 +308,8 @@ def per_example_grad_stats(
             value, grads = value_and_grad(*inputs, **kw)
             aux = value[1] if has_aux else None
             grads = jax.tree.map(lambda g: g.astype(_stats_dtype(g.dtype)), grads)
+            if per_leaf:
+                return grads, jax.tree.map(_clipping.global_sq_norm, grads), aux
             return grads, _clipping.global_sq_norm(grads), aux
 
         size = _axes_size(transform, args, in_axes, kwargs)
@@ -328,8 +335,13 @@ def per_example_grad_stats(
                 accumulator=Accumulator(merge_moments, moments.summarise),
             )
             count, mean, m2 = unshifted(state)
-            mean = moments.traced.grads_tree(mean, transform.args.single)
-            m2 = moments.traced.grads_tree(m2, transform.args.single)
+            single = transform.args.single
+            mean = moments.traced.grads_tree(mean, single)
+            m2 = moments.traced.grads_tree(m2, single)
+            if per_leaf:
+                sq_norms = moments.traced.grads_tree(sq_norms, single)
+            else:
+                sq_norms = sum(sq_norms[1:], sq_norms[0])
         else:
             # The gradients' examples along their last axis: the moments' reductions
             # are contiguous, fused with the subtraction and the square (over a
@@ -395,10 +407,11 @@ class _GhostMoments:
         shifts: list[Any] = [None] * n
         means: list[Any] = [None] * n
         m2s: list[Any] = [None] * n
-        sq_norms = jnp.zeros(ones.shape, self.acc)
+        # each leaf's squared norm per example (zero for a leaf no use reaches)
+        sq_norms = [jnp.zeros(ones.shape, self.acc) for _ in range(n)]
         for k, g in zip(self.pe, pe_grads):  # formed per example: axis 0
             shifts[k], means[k], m2s[k] = moments_of(g, 0)
-            sq_norms = sq_norms + _sq_norm(g, self.acc, rows=True)
+            sq_norms[k] = _sq_norm(g, self.acc, rows=True)
         ruled = [k for k in self.ruled if self.leaves[k].uses]
 
         # The chunk's moments held shifted by its first example's gradient (as
@@ -413,7 +426,7 @@ class _GhostMoments:
             gs = [
                 plan.instantiate(k, *xs).astype(s.dtype) for k, s in zip(ruled, shift)
             ]
-            sq = sum((_sq_norm(g, self.acc) for g in gs), jnp.zeros((), self.acc))
+            sq = [_sq_norm(g, self.acc) for g in gs]
             d = [g - s for g, s in zip(gs, shift)]
             one = (jnp.ones((), jnp.float32), d, [jnp.zeros_like(x) for x in d])
             return merge_centred(carry, one), sq
@@ -421,7 +434,8 @@ class _GhostMoments:
         zeros = [jnp.zeros_like(s) for s in shift]
         init = (jnp.zeros((), jnp.float32), zeros, zeros)
         (_, rule_means, rule_m2s), sq = lax.scan(step, init, (records, deltas))
-        sq_norms = sq_norms + sq
+        for k, rows in zip(ruled, sq):
+            sq_norms[k] = rows
         for k, *parts in zip(ruled, shift, rule_means, rule_m2s):
             shifts[k], means[k], m2s[k] = parts
         for k in self.ruled:  # a leaf the loss does not use: zero gradients
