@@ -92,7 +92,7 @@ def _adapter_call(adapter):
 
 @pytest.mark.parametrize("adapter", ["nnx", "linen"])
 def test_flax_adapter_caches_keep_neither_options_nor_functions_alive(adapter):
-    """The transform's eager caches are held weakly by it, and a cache key does not
+    """The eager caches die with their transform, and a cache key does not
     keep the call's function (for linen, made anew by Flax at every call, its closure
     reaches the module's variables)."""
     refs = _adapter_call(adapter)
@@ -240,3 +240,30 @@ def test_a_recursive_closure_is_a_key():
         return 0 if n == 0 else countdown(n - 1)
 
     assert _cache._identity(countdown) == _cache._identity(countdown)
+
+
+def test_a_linen_call_leaves_nothing_of_itself_in_the_live_transform():
+    """While the transform lives (its eager caches with it), a call's per-example
+    function, which Flax makes anew at every call and whose closure reaches the
+    call's variables, is not kept: the variables of a finished call can be freed."""
+    import flax.linen as nn
+
+    from chunkvmap import linen as cl
+
+    class Scale(nn.Module):
+        @nn.compact
+        def __call__(self, v):
+            return v * self.param("w", nn.initializers.ones, (3,))
+
+    lifted = cl.batch_vmap(
+        Scale, variable_axes={"params": None}, split_rngs={"params": False},
+        in_axes=0, batch_size=2,
+    )()  # fmt: skip
+    w = jnp.full((3,), 2.0)
+    out = lifted.apply({"params": {"w": w}}, jnp.ones((5, 3)))
+    np.testing.assert_allclose(out, 2.0 * np.ones((5, 3)))
+    ref = weakref.ref(w)
+    del w, out
+    gc.collect()
+    assert ref() is None
+    assert lifted is not None  # alive to the end, and its transform with it
