@@ -644,11 +644,7 @@ def _checked(f: Callable[..., Any], name: str, out_axes: Any) -> Callable[..., A
 
 def _has_none(out_axes: Any) -> bool:
     """Whether an `out_axes` spec leaves some output unmapped."""
-    return any(a is None for a in jax.tree.leaves(out_axes, is_leaf=_is_none))
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
+    return any(a is None for a in jax.tree.leaves(out_axes, is_leaf=_axes.is_none))
 
 
 def _batched_probe() -> tuple[Callable[[list], list], list[bool]]:
