@@ -24,3 +24,15 @@ def rng():
 
 # A script run in subprocesses by test_multihost.py; importing it would join a cluster.
 collect_ignore = ["multihost_worker.py"]
+
+
+@pytest.fixture
+def always_ghost(monkeypatch):
+    """`method="ghost"` runs the ghost program wherever some leaf has a ghost norm,
+    even where it is predicted no faster than the vmap program (for tests of the
+    ghost program on models too small for it to pay)."""
+    import math
+
+    from chunkvmap._dp.ghost import _plan
+
+    monkeypatch.setattr(_plan, "_GAIN", -math.inf)

@@ -426,7 +426,7 @@ def test_per_example_grads(layout):
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_clipped_grad_sum(layout, method):
+def test_clipped_grad_sum(layout, method, always_ghost):
     _, loss = net(layout)
     p, (img, y) = net_params(layout), net_data(layout)
     clip = float(np.median(clipped_sum(loss, 1.0, (p, img, y))[1]))
@@ -580,7 +580,7 @@ def scan_mapper(f):
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_compiled_loop_convolutions_are_canonical(layout):
+def test_compiled_loop_convolutions_are_canonical(layout, always_ghost):
     args = (net_params(layout), *net_data(layout))
     with warnings.catch_warnings():  # no ghost fallback is expected: fail on one
         warnings.simplefilter("error", chunkvmap.GhostFallbackWarning)
@@ -705,7 +705,7 @@ def test_grad_on_an_explicit_mesh():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated CPU devices")
-def test_ghost_clipping_on_an_explicit_mesh():
+def test_ghost_clipping_on_an_explicit_mesh(always_ghost):
     """method="ghost" with the examples sharded over an Explicit axis. The ghost
     chunk traces some equations under the Auto form of the mesh; bound in the
     caller's (Explicit) context they would fail (ValueError: context mesh ... should

@@ -420,6 +420,78 @@ def test_fallback_warning_and_the_vmap_path():
     assert program == str(jax.make_jaxpr(vmap)(p, x))
 
 
+def _conv_net(p, img, y):
+    """A small NCHW convnet (its kernels' ghost norms cost more than forming their
+    gradients) with a dense head."""
+    h = jax.lax.conv_general_dilated(img[None], p["c"], (1, 1), "SAME")[0]
+    h = jnp.tanh(h + p["b"][:, None, None]).mean((1, 2))
+    return jnp.sum((h @ p["head"] - y) ** 2)
+
+
+def _wide_over_positions(p, x):
+    """A dense layer 128 -> 128 over 32 positions: its ghost norm (positions^2 x
+    widths) costs more than moving its per-example gradient (widths^2), which is
+    much larger than the activations it keeps."""
+    return jnp.sum(jnp.tanh(x @ p["w"]) ** 2)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_ghost_runs_the_vmap_program_where_it_is_predicted_no_faster(jit):
+    """A model where only a tiny head has a ghost norm gains nothing from the ghost
+    program: method="ghost" runs the vmap program itself (the same jaxpr, the same
+    compiled memory) and says why, once. N = 13 in chunks of 5, eager and under
+    jit; the statistics decide the same way."""
+    p = {"c": normal(110, 8, 3, 3, 3, scale=0.3), "b": normal(111, 8),
+         "head": normal(112, 8, 2)}  # fmt: skip
+    img, y = normal(113, 13, 3, 8, 8), normal(114, 13, 2)
+    report = ghost_report(_conv_net, p, img[0], y[0])
+    assert report.runs == "vmap" and not report.slower
+    assert report.rule("args[0]['head']") == "ghost"
+    assert "predicted no faster" in report.why and report.why in str(report)
+    wrap = jax.jit if jit else (lambda f: f)
+    ghost = clipped_grad_sum(_conv_net, 1.0, batch_size=5, method="ghost")
+    vmap = clipped_grad_sum(_conv_net, 1.0, batch_size=5)
+    with pytest.warns(chunkvmap.GhostFallbackWarning, match="runs as method='vmap'"):
+        total, count = wrap(ghost)(p, img, y)
+    tree_allclose(total, clipped_sum(_conv_net, 1.0, (p, img, y))[0], rtol=1e-5)
+    assert int(count) == 13
+    assert str(jax.make_jaxpr(ghost)(p, img, y)) == str(jax.make_jaxpr(vmap)(p, img, y))
+    assert temp_bytes(ghost, p, img, y) == temp_bytes(vmap, p, img, y)
+    stats = chunkvmap.per_example_grad_stats(_conv_net, batch_size=5, method="ghost")
+    with pytest.warns(chunkvmap.GhostFallbackWarning, match="runs as method='vmap'"):
+        got = wrap(stats)(p, img, y)
+    want = chunkvmap.per_example_grad_stats(_conv_net, batch_size=5)(p, img, y)
+    tree_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ghost_warns_where_it_runs_slower_for_its_memory():
+    """Where the ghost program is predicted slower than the vmap program but keeps
+    much less memory, it runs, with a warning that says so and why; where it is
+    predicted faster, nothing is said."""
+    p = {"w": normal(115, 128, 128, scale=128**-0.5)}
+    x = normal(116, 6, 32, 128)
+    report = ghost_report(_wide_over_positions, p, x[0])
+    assert report.runs == "ghost" and report.slower
+    assert "runs for its memory" in report.why
+    f = clipped_grad_sum(_wide_over_positions, 1.0, batch_size=6, method="ghost")
+    with pytest.warns(chunkvmap.GhostFallbackWarning, match="predicted slower"):
+        total, _ = f(p, x)
+    expected = clipped_sum(_wide_over_positions, 1.0, (p, x))[0]
+    tree_allclose(total, expected, rtol=1e-4)
+    vmap = clipped_grad_sum(_wide_over_positions, 1.0, batch_size=6)
+    assert temp_bytes(f, p, x) < temp_bytes(vmap, p, x) / 2
+    import warnings
+
+    q = {"w": normal(117, 128, 128, scale=128**-0.5)}
+    one = normal(118, 6, 1, 128)  # one position: the ghost norm costs 2 x 128
+    assert not ghost_report(_wide_over_positions, q, one[0]).slower
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clipped_grad_sum(_wide_over_positions, 1.0, batch_size=4, method="ghost")(
+            q, one
+        )
+
+
 def test_nan_safe_where_masking_cannot():
     """nan_safe=True on leaves whose non-finite entries cannot be masked through
     their activations (an embedding also used as the tied output layer): those

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import chunkvmap
 from chunkvmap import (
     GradStats,
     last_batch_size,
@@ -98,7 +99,7 @@ def test_stats_with_aux():
 
 
 @pytest.mark.parametrize("scale", [1e4, 1e6])
-def test_variance_is_exact_beside_a_large_mean(scale):
+def test_variance_is_exact_beside_a_large_mean(scale, always_ghost):
     """Gradients with a large common mean and spread 1, in float32: a variance from
     sums of squares (`E[g^2] - E[g]^2`) loses every digit; the statistics keep
     float32's precision (within 10x of a two-pass float32 variance, against float64)
@@ -108,20 +109,23 @@ def test_variance_is_exact_beside_a_large_mean(scale):
     grads = np.float32(scale) + offsets  # each example's gradient, as float32 has it
 
     def loss(w, d):
-        return jnp.dot(w, scale + d)  # the gradient of example d is scale + d
+        return jnp.sum((scale + d) @ w)  # example d's gradient: (scale + d) in each
+        # column of w (a dense use: ghost moments form it from its activation)
 
-    expected = np.var(grads.astype(np.float64), axis=0)
+    assert chunkvmap.ghost_report(loss, jnp.zeros((3, 2)), offsets[0]).runs == "ghost"
+    expected = np.var(grads.astype(np.float64), axis=0)[:, None]
     g32 = jnp.asarray(grads)
-    two_pass = jnp.mean((g32 - g32.mean(0, keepdims=True)) ** 2, axis=0)
+    two_pass = jnp.mean((g32 - g32.mean(0, keepdims=True)) ** 2, axis=0)[:, None]
     bound = 10 * np.max(np.abs(np.asarray(two_pass, np.float64) - expected) / expected)
     for method in ("vmap", "ghost"):
         for batch_size in (1, 3, 7, None):
             stats = per_example_grad_stats(loss, batch_size=batch_size, method=method)(
-                jnp.zeros(3), offsets
+                jnp.zeros((3, 2)), offsets
             )
             error = np.max(np.abs(np.asarray(stats.variance) - expected) / expected)
             assert error <= max(bound, 1e-6), (method, batch_size, error, bound)
-            np.testing.assert_allclose(stats.mean, grads.mean(0, dtype=np.float64))
+            mean = grads.mean(0, dtype=np.float64)[:, None]
+            np.testing.assert_allclose(stats.mean, np.broadcast_to(mean, (3, 2)))
 
 
 def test_ghost_stats_where_no_leaf_has_a_ghost_rule():
@@ -143,7 +147,9 @@ def test_ghost_stats_where_no_leaf_has_a_ghost_rule():
             for m in ("ghost", "vmap")
         ]
 
-    for stats in both(jax.device_put(w), jax.device_put(x)):
+    with pytest.warns(chunkvmap.GhostFallbackWarning, match="runs as method='vmap'"):
+        results = both(jax.device_put(w), jax.device_put(x))
+    for stats in results:
         np.testing.assert_allclose(stats.mean, g.mean(0), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(stats.variance, g.var(0), rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(stats.sum_sq, (g**2).sum(0), rtol=1e-5)

@@ -458,7 +458,7 @@ class _GhostSums:
             )  # fmt: skip
         check_scalar_loss(name, self.traced)
         self.report = ghost.report_of(self.traced.plan)
-        _warn_fallback(transform, fun, self.report)
+        warn_fallback(transform, fun, self.report)
         self.transform, self.config, self.n_args = transform, config, len(args)
         plan = self.traced.plan
         leaves = plan.leaves
@@ -687,14 +687,20 @@ class _GhostSums:
 
 class GhostFallbackWarning(UserWarning):
     """`method="ghost"` forms per-example gradients for a sizeable share of the
-    parameters, or runs as `method="vmap"`.
+    parameters, runs as `method="vmap"`, or is predicted slower than it.
 
-    Issued once per clipping function, at its first call: when more than 5% of the
-    parameters have a use no ghost rule covers (they get exact per-example
-    gradients, as with `method="vmap"`), naming those leaves; or when no parameter
-    has a ghost norm, so that the per-example path of `method="vmap"` runs itself
-    (the same result, without ghost's bookkeeping). `chunkvmap.ghost_report` shows
-    each leaf's rule and why.
+    Issued once per clipping function, at its first call:
+
+    * when the ghost program is predicted no faster than `method="vmap"`'s and
+      saves little memory, or no parameter has a ghost norm: the per-example path
+      of `method="vmap"` then runs itself (the same result), and the message says
+      why, with the predicted costs;
+    * when more than 5% of the parameters have a use no ghost rule covers (they get
+      exact per-example gradients, as with `method="vmap"`), naming those leaves;
+    * when the ghost program runs though it is predicted slower than
+      `method="vmap"`'s, because it keeps much less memory.
+
+    `chunkvmap.ghost_report` shows each leaf's rule and why, and the same verdict.
 
     Attributes:
       args: the message, as for any `Warning`.
@@ -710,7 +716,7 @@ class GhostFallbackWarning(UserWarning):
 _FALLBACK_SHARE = 0.05
 
 
-def _warn_fallback(transform: Transform, fun: Any, report: ghost.GhostReport) -> None:
+def warn_fallback(transform: Transform, fun: Any, report: ghost.GhostReport) -> None:
     """Once per clipping function: say when more than 5% of the parameters fall
     back to per-example gradients, or when nothing is gained at all."""
     if transform.warned("ghost fallback"):
@@ -720,14 +726,20 @@ def _warn_fallback(transform: Transform, fun: Any, report: ghost.GhostReport) ->
     fallback = report.fallback()
     if report.runs == "vmap":
         message = (
-            f"{transform.name} method='ghost': no parameter of {function_name(fun)} "
-            f"has a ghost norm, so it runs as method='vmap' (the same result)."
+            f"{transform.name} method='ghost' runs as method='vmap' for "
+            f"{function_name(fun)} (the same result): {report.why}."
         )
     elif share > _FALLBACK_SHARE:
         message = (
             f"{transform.name} method='ghost': {100 * share:.0f}% of the parameters of "
             f"{function_name(fun)} use per-example gradients (no rule covers one of "
             f"their uses): {', '.join(fallback)}."
+        )
+    elif report.slower:
+        message = (
+            f"{transform.name} method='ghost' is predicted slower than method='vmap' "
+            f"for {function_name(fun)}: {report.why}. method='vmap' is faster where "
+            "its per-example gradients fit in memory."
         )
     else:
         return

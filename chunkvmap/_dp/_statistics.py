@@ -321,8 +321,10 @@ def per_example_grad_stats(
         moments = None
         if method == "ghost":
             moments = _GhostMoments(name, fun, args, kwargs, diff, in_axes, has_aux)
-            if ghost.report_of(moments.traced.plan).runs == "vmap":
-                moments = None  # no leaf has a ghost norm: the per-example path
+            report = ghost.report_of(moments.traced.plan)
+            _clipping.warn_fallback(transform, fun, report)
+            if report.runs == "vmap":  # the per-example path (the same result)
+                moments = None
         if moments is not None:
             state, (sq_norms, aux) = transform.map(
                 moments.example,

@@ -29,6 +29,29 @@ GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED = (
 )
 
 
+# What a per-example gradient entry costs `method="vmap"` beyond the operations that
+# form it, in floating-point operations: it is written to memory, then read for the
+# norm and for the clipped sum. Fitted on this package's benchmarks (CPU): ghost
+# norms pay where they cost fewer than about 5-20 operations per entry they avoid.
+_TRAFFIC = 12.0
+# The ghost program runs when it is predicted at least this much faster than the
+# vmap program (a share of the vmap program's estimated cost) ...
+_GAIN = 0.01
+# ... or, predicted slower, when the per-example gradients it avoids exceed the
+# operands it keeps by this share of the vmap program's per-example gradients.
+_MEMORY_GAIN = 0.25
+
+
+class Verdict(NamedTuple):
+    """Which program `method="ghost"` runs: `"ghost"`, or `"vmap"` (the per-example
+    path itself, the same result); whether the ghost program is predicted slower
+    than the vmap program (it then runs for its memory); and why, in words."""
+
+    runs: str
+    slower: bool
+    why: str
+
+
 class Evaluation(NamedTuple):
     """One example's ghost evaluation (`Plan.backward`), or a chunk's stacked:
     each use's recorded operands (`records`, by `use.key`) and output cotangent
@@ -155,6 +178,68 @@ class Plan:
         leaf.costs = (ghost, inst)
         leaf.rule = GHOST if ghost <= inst else INSTANTIATED
         leaf.reason = f"{where}: {costs}"
+
+    # -- the ghost program or the vmap program --------------------------------------
+
+    def verdict(self) -> Verdict:
+        """The whole-program choice between the ghost program and the vmap program,
+        from each leaf's costs (floating-point operations per example).
+
+        * The vmap program forms every per-example gradient (`inst`) and moves it
+          through memory (`_TRAFFIC` per entry).
+        * The ghost program takes the ghost norm (`ghost`) of its ghost leaves and
+          their share of the clipped sum from their operands (as many operations as
+          forming one example's gradient, in one contraction over the chunk). It
+          forms the small instantiated gradients (biases, scales) as vmap does, and
+          a large instantiated gradient twice (for its norm, then for the sum).
+          Per-example leaves cost both programs the same.
+
+        Memory: the ghost program keeps the operands and cotangents of its ghost and
+        large instantiated leaves for the chunk's sum, where the vmap program keeps
+        those leaves' per-example gradients."""
+        if not any(x.rule == GHOST for x in self.leaves):
+            return Verdict("vmap", False, "no parameter has a ghost norm")
+        extra = vmap_cost = 0.0  # flops
+        avoided = kept = everything = 0  # entries per example
+        for k, leaf in enumerate(self.leaves):
+            if leaf.rule == UNUSED:
+                continue
+            everything += leaf.size
+            vmap_cost += _TRAFFIC * leaf.size
+            if leaf.rule == PER_EXAMPLE:
+                continue
+            inst = sum(_inst_cost(u) for u in leaf.uses)
+            vmap_cost += 3 * inst  # with its share of the backward pass
+            if leaf.rule == GHOST:
+                extra += leaf.costs[0] if leaf.costs else 0.0
+            elif leaf.size > self.operand_size(k):  # formed twice
+                extra += inst
+            else:
+                continue
+            avoided, kept = avoided + leaf.size, kept + self.operand_size(k)
+        moved = _TRAFFIC * avoided
+        counts = (
+            f"its norms cost {_count(extra)} flops per example, against "
+            f"{_count(moved)} to move the {_count(avoided)} per-example gradient "
+            f"entries they avoid through memory"
+        )
+        if moved - extra >= _GAIN * vmap_cost:
+            return Verdict("ghost", False, counts)
+        if avoided - kept >= _MEMORY_GAIN * everything:
+            return Verdict(
+                "ghost",
+                True,
+                f"{counts}; it runs for its memory: it keeps {_count(kept)} "
+                f"operand entries per example in place of {_count(avoided)} "
+                "gradient entries",
+            )
+        return Verdict(
+            "vmap",
+            False,
+            f"the ghost program is predicted no faster ({counts}) and saves little "
+            f"memory ({_count(max(avoided - kept, 0))} of {_count(everything)} "
+            "gradient entries per example)",
+        )
 
     # -- analysis ----------------------------------------------------------------------
 

@@ -36,8 +36,13 @@ class GhostReport:
         gradient).
       uses: for each leaf's path, the kinds of its uses (`"dense"`, `"conv"`,
         `"embedding"`, `"elementwise"`, or a primitive's name).
-      runs: `"ghost"` when some leaf has a ghost norm; `"vmap"` when none has, so
-        `method="ghost"` runs the per-example path of `method="vmap"` itself.
+      runs: `"ghost"` when the ghost program runs; `"vmap"` when no leaf has a
+        ghost norm, or when the ghost program is predicted no faster than
+        `method="vmap"`'s and saves little memory: `method="ghost"` then runs the
+        per-example path of `method="vmap"` itself (the same result).
+      slower: the ghost program runs though it is predicted slower than
+        `method="vmap"`'s, for the memory it saves.
+      why: the reason for `runs`, with the predicted costs.
 
     Examples:
       >>> from chunkvmap import GhostReport
@@ -50,10 +55,15 @@ class GhostReport:
         self,
         rows: list[tuple[str, tuple, str, str]],
         uses: dict[str, list[str]] | None = None,
+        runs: str | None = None,
+        slower: bool = False,
+        why: str = "",
     ):
         self.rows = rows
         self.uses = uses or {}
-        self.runs = "ghost" if any(r == GHOST for _, _, r, _ in rows) else "vmap"
+        if runs is None:
+            runs = "ghost" if any(r == GHOST for _, _, r, _ in rows) else "vmap"
+        self.runs, self.slower, self.why = runs, slower, why
 
     def rule(self, path: str) -> str:
         """The rule of the leaf at key path `path` (as in `rows`)."""
@@ -105,9 +115,10 @@ class GhostReport:
                 + ", ".join(f"{k[5:]} {100 * shares[k]:.1f}%" for k in kinds)
             )
         if self.runs == "vmap":
-            lines.append(
-                "no leaf has a ghost norm: method='ghost' runs as method='vmap'"
-            )
+            why = f": {self.why}" if self.why else ""
+            lines.append(f"method='ghost' runs as method='vmap'{why}")
+        elif self.slower:
+            lines.append(f"predicted slower than method='vmap': {self.why}")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -118,6 +129,7 @@ def report_of(plan: Plan) -> GhostReport:
     return GhostReport(
         [(x.path, x.shape, x.rule, x.reason) for x in plan.leaves],
         {x.path: sorted({rule_kind(u) for u in x.uses}) for x in plan.leaves},
+        *plan.verdict(),
     )
 
 
