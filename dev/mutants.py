@@ -318,6 +318,38 @@ MUTANTS = {
         ),
         GHOST_TESTS,
     ),
+    "ghost: the ghost program runs wherever a leaf has a ghost norm": (
+        (
+            "chunkvmap/_dp/ghost/_plan.py",
+            "        if moved - extra >= _GAIN * vmap_cost:\n",
+            "        if True:\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "ghost: a ghost program predicted slower runs silently": (
+        (
+            "chunkvmap/_dp/ghost/_plan.py",
+            '                "ghost",\n                True,\n',
+            '                "ghost",\n                False,\n',
+        ),
+        GHOST_TESTS,
+    ),
+    "ghost: a dynamic_slice's start index read unclamped": (
+        (
+            "chunkvmap/_dp/ghost/_rules.py",
+            "row, _ = _row_index(recorded[start].reshape(positions), rows_n)",
+            "row = recorded[start].reshape(positions).astype(jnp.int32)",
+        ),
+        GHOST_TESTS,
+    ),
+    "ghost moments: examples merged unshifted": (
+        (
+            "chunkvmap/_dp/_statistics.py",
+            "            plan.instantiate(k, *first).astype(_stats_dtype(",
+            "            0 * plan.instantiate(k, *first).astype(_stats_dtype(",
+        ),
+        ["test_statistics"],
+    ),
 }
 
 

@@ -144,6 +144,41 @@ def test_lookups_fill_and_clip_modes():
     assert pair_kinds(plan, "emb", ".weight") == ["rows"]
 
 
+def test_row_reads_by_dynamic_slice_in_a_scan():
+    """A recurrent model reading one embedding row per step by a scalar token
+    (`emb[t]` and `lax.dynamic_index_in_dim` compile to `dynamic_slice`), its table
+    also the tied output layer: row forms, with rows and rows x dense cross terms.
+    Tokens negative (normalised in the program by `emb[t]`) and out of range (the
+    lax read clamps its start: the first or last row)."""
+
+    def loss(p, t):
+        def step(h, tok):
+            x = p["E"][tok] + lax.dynamic_index_in_dim(p["E"], tok + 3, 0, False)
+            h = jnp.tanh(x + h @ p["wh"])
+            return h, jnp.sum(jnp.sin(h @ p["E"].T))
+
+        h, out = lax.scan(step, jnp.zeros(D), t)
+        return jnp.sum(out) + jnp.sum(h**2)
+
+    rows = 512  # (a table large enough for the mixed rule to take its ghost norm)
+    p = {"E": normal(4, rows, D), "wh": normal(5, D, D)}
+    t = jax.device_put(np.random.default_rng(6).integers(-3, rows, (6, T), np.int32))
+    t = t.at[0, 1].set(t[0, 3]).at[1, 2].set(-2).at[2, 0].set(rows - 1)
+    assert bool(jnp.any(t < 0)) and bool(jnp.any(t + 3 >= rows))
+    plan = check(loss, p, t)
+    assert rules(plan)["['E']"] == _ghost.GHOST
+    assert pair_kinds(plan, "E") == ["einsum", "rows", "rows-einsum"]
+    assert "embedding x2" in plan.leaves[0].reason
+    got = clipped_grad_sum(loss, 1.0, batch_size=4, method="ghost")(p, t)[0]
+    grads = jax.vmap(jax.grad(loss), (None, 0))(p, t)
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(6, -1) ** 2, 1) for g in grads.values()))
+    scale = jnp.minimum(1.0, 1.0 / norms)
+    for k in p:
+        np.testing.assert_allclose(
+            got[k], jnp.tensordot(scale, grads[k], 1), rtol=2e-5, atol=2e-6
+        )
+
+
 def test_lookups_with_narrow_integer_ids():
     """`uint8` ids into tables of 300 rows (more than the ids' dtype counts): by
     `jnp.take` in fill and clip modes, `table[ids]` and `nnx.Embed`. The rows are

@@ -467,6 +467,57 @@ class Gather(Rule):
         return form
 
 
+class DynamicSlice(Rule):
+    """`dynamic_slice` of one row of the parameter (`emb[token]` with a scalar
+    token, as in a scan's step): a lookup at one position per iteration of the
+    scans around it, `G = scatter_add(rows, delta)` at the clamped start index (the
+    row `dynamic_slice` reads), ghost norm by matching rows."""
+
+    kind = "embedding"
+
+    def form(self, use: Use) -> Form | None:
+        layout = use.layout
+        if layout is None or use.slot != 0 or layout.scale != 1.0:
+            return None
+        if any(kind == "stack" for kind, _ in use.levels):
+            return None
+        operand = use.eqn.invars[0].aval
+        sizes = use.eqn.params["slice_sizes"]
+        lookup = [d for d in range(operand.ndim) if sizes[d] != operand.shape[d]]
+        if len(lookup) != 1 or sizes[lookup[0]] != 1:
+            return None
+        r = lookup[0]
+        if layout.axes[r].leaf is None:
+            return None
+        fresh = _Fresh()
+        off_syms = [
+            fresh() if d == r else _axis_symbol(layout.axes[d], fresh)
+            for d in range(operand.ndim)
+        ]
+        positions = math.prod(use.level_shape())
+        off_shape = tuple(use.eqn.outvars[0].aval.shape)
+        rows_n, start = operand.shape[r], use.record.index(1 + r)
+
+        def build(recorded, delta):
+            row, _ = _row_index(recorded[start].reshape(positions), rows_n)
+            valid = jnp.ones((positions,), bool)  # (the start is clamped, never out)
+            return [row, valid, delta.reshape((positions, *off_shape))]
+
+        syms = frozenset(
+            s for s in (("leaf", layout.axes[r].leaf), *off_syms) if s[0] == "leaf"
+        )
+        form = RowsForm(
+            [(), (), (("position",), *off_syms)],
+            [(positions,), (positions,), (positions, *off_shape)],
+            build,
+            syms,
+            layout.box,
+            row=layout.axes[r].leaf,
+        )
+        form.complete = _complete(layout, use.leaf_aval.shape)
+        return form
+
+
 def _lookup_build(use: Use, r: int, batch_axes: list, delta_shape: tuple):
     """A lookup form's `build`: one example's looked-up rows (leaf axis `r`) as
     int32 in range, whether each position's gradient is kept, and the cotangent as
@@ -591,7 +642,7 @@ RULES: dict[str, Rule] = {
     "select_n": Elementwise(linear=None),  # the predicate (not float) is recorded
     "concatenate": Rule(),
     "pad": Rule(),
-    "dynamic_slice": Rule(),
+    "dynamic_slice": DynamicSlice(),
     "dynamic_update_slice": Rule(),
     "reduce_sum": Rule(),
     "cumsum": Rule(),
