@@ -350,6 +350,14 @@ MUTANTS = {
         ),
         ["test_statistics"],
     ),
+    "ghost: einsum cross terms not centred over positions": (
+        (
+            "chunkvmap/_dp/ghost/_forms.py",
+            "    if not positions:\n",
+            "    if True:\n",
+        ),
+        GHOST_TESTS,
+    ),
 }
 
 

@@ -13,7 +13,14 @@ import opt_einsum
 import pytest
 from jax import lax
 
-from chunkvmap import GhostFallbackWarning, clipped_grad, clipped_grad_sum, ghost_report
+from chunkvmap import (
+    GhostFallbackWarning,
+    clipped_grad,
+    clipped_grad_sum,
+    ghost_report,
+    per_example_grad_gram,
+    per_example_grad_norms,
+)
 from chunkvmap._dp import ghost as _ghost
 
 
@@ -177,6 +184,42 @@ def test_row_reads_by_dynamic_slice_in_a_scan():
         np.testing.assert_allclose(
             got[k], jnp.tensordot(scale, grads[k], 1), rtol=2e-5, atol=2e-6
         )
+
+
+@pytest.mark.parametrize("common", [100.0, 1000.0])
+def test_ghost_norms_keep_their_precision_under_cancellation(common):
+    """Attention-like key weights: inputs with a large component common to every
+    position, and cotangents that sum to zero over positions (a softmax ignores a
+    shift), so that the gradient is far smaller than its terms. Against float64:
+    the ghost norms (and the Gram's diagonal) within 3x of the per-example path's
+    error, at `common` : 1."""
+    rng = np.random.default_rng(7)
+    t, d, k = 8, 64, 64
+    x = (rng.normal(size=d) * common + rng.normal(size=(6, t, d))).astype(np.float32)
+    w = (rng.normal(size=(d, k)) / (np.sqrt(d) * common)).astype(np.float32)
+    q = rng.normal(size=k).astype(np.float32)
+
+    def loss(w, x):
+        return -jax.nn.log_softmax((x @ w) @ q)[0]
+
+    assert ghost_report(loss, w, x[0]).rule("args[0]") == _ghost.GHOST
+    x64, w64, q64 = (np.asarray(a, np.float64) for a in (x, w, q))
+    s = np.einsum("ntd,dk,k->nt", x64, w64, q64)
+    p = np.exp(s - s.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[:, 0] -= 1  # the scores' cotangent
+    g = np.einsum("ntd,nt,k->ndk", x64, p, q64)
+    want = np.sqrt(np.sum(g**2, (1, 2)))
+
+    def error(got):
+        return np.max(np.abs(np.asarray(got, np.float64) - want) / want)
+
+    w, x = jax.device_put(w), jax.device_put(x)
+    vmap = error(per_example_grad_norms(loss, batch_size=4)(w, x))
+    ghost = error(per_example_grad_norms(loss, batch_size=4, method="ghost")(w, x))
+    gram = per_example_grad_gram(loss, batch_size=4, method="ghost")(w, x)
+    assert ghost <= 3 * vmap + 1e-7, (ghost, vmap)
+    assert error(np.sqrt(np.diag(np.asarray(gram, np.float64)))) <= 3 * vmap + 1e-7
 
 
 def test_lookups_with_narrow_integer_ids():

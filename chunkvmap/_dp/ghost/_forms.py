@@ -269,14 +269,45 @@ def _einsum_cost_of(u: EinsumForm, v: EinsumForm) -> float:
 
 
 def _einsum_term(u: EinsumForm, au: list, v: EinsumForm, av: list, acc: Any) -> Any:
-    vs = _rename(v.specs, _all_symbols(u.specs))
-    ops = [x.astype(acc) for x in (*au, *av)]
-    return jnp.einsum(
-        _equation([*u.specs, *vs]),
-        *ops,
-        optimize="optimal",
-        out_sharding=explicit_spec(),
+    """`<G_u, G_v>`, each form split into its part centred over positions and its
+    part at the positions' mean (`_centred`), so that a large component common to
+    every position (an activation's mean, which a softmax's cotangent, summing to
+    zero, cancels) does not cancel inside the sum: four exact einsums."""
+    total = jnp.zeros((), acc)
+    for us, ua in _centred(u.specs, au, acc):
+        for vs, va in _centred(v.specs, av, acc):
+            vs = _rename(vs, _all_symbols(us))
+            total = total + jnp.einsum(
+                _equation([*us, *vs]),
+                *ua,
+                *va,
+                optimize="optimal",
+                out_sharding=explicit_spec(),
+            )
+    return total
+
+
+def _centred(specs: list, arrays: list, acc: Any) -> list[tuple[list, list]]:
+    """A two-operand einsum form `G = sum_p B(a_p, d_p)` over its positions `p`
+    (the private symbols both operands carry) as two forms of the same sum:
+    `sum_p B(a_p - mean_p a, d_p)` and `B(mean_p a, sum_p d_p)` (exact, as `B` is
+    bilinear), in `acc`. Other forms come as they are."""
+    arrays = [x.astype(acc) for x in arrays]
+    if len(specs) != 2:
+        return [(list(specs), arrays)]
+    (sa, sd), (a, d) = specs, arrays
+    positions = [s for s in sa if s[0] == "private" and s in sd]
+    if not positions:
+        return [(list(specs), arrays)]
+    ia = tuple(sa.index(s) for s in positions)
+    idd = tuple(sd.index(s) for s in positions)
+    mean = jnp.mean(a, ia, keepdims=True)
+    rest = (
+        tuple(s for s in sa if s not in positions),
+        tuple(s for s in sd if s not in positions),
     )
+    parts = [jnp.squeeze(mean, ia), jnp.sum(d, idd)]
+    return [(list(specs), [a - mean, d]), (list(rest), parts)]
 
 
 def _rows_cost(u: RowsForm, v: RowsForm) -> float | None:
