@@ -358,6 +358,22 @@ MUTANTS = {
         ),
         GHOST_TESTS,
     ),
+    "ghost: convolution gradients formed from patches": (
+        (
+            "chunkvmap/_dp/ghost/_rules.py",
+            "            if not use.levels:\n                form.operands_gradient",
+            "            if False:\n                form.operands_gradient",
+        ),
+        GHOST_TESTS,
+    ),
+    "ghost: the vmap program's convolution kernel gradients taken as cheap": (
+        (
+            "chunkvmap/_dp/ghost/_plan.py",
+            "            convs += _CONV * sum(",
+            "            convs += 0 * sum(",
+        ),
+        GHOST_TESTS,
+    ),
 }
 
 

@@ -48,6 +48,9 @@ class Form:
     # layout, and non-finite entries can be masked: `sanitize`)
     complete: bool = False
     direct: bool = False  # `gradient` forms G (else the primitive's transpose does)
+    # G from the use's recorded operands and cotangent, `(recorded, delta,
+    # batched) -> G`, without the arrays (a convolution's, without its patches)
+    operands_gradient: Callable[[Sequence[Any], Any, bool], Any] | None = None
 
     def gradient(
         self, arrays: Sequence[Any], shape: Sequence[int], batched: bool, spec: Any

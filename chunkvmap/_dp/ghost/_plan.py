@@ -34,9 +34,14 @@ GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED = (
 # norm and for the clipped sum. Fitted on this package's benchmarks (CPU): ghost
 # norms pay where they cost fewer than about 5-20 operations per entry they avoid.
 _TRAFFIC = 12.0
+# What the vmap program's per-example kernel gradient of a convolution costs beyond
+# its operations (a batch-grouped convolution, which XLA:CPU runs several times
+# slower than the ghost program's contractions of the input's shifted views), per
+# operation.
+_CONV = 2.0
 # The ghost program runs when it is predicted at least this much faster than the
 # vmap program (a share of the vmap program's estimated cost) ...
-_GAIN = 0.01
+_GAIN = 0.005
 # ... or, predicted slower, when the per-example gradients it avoids exceed the
 # operands it keeps by this share of the vmap program's per-example gradients.
 _MEMORY_GAIN = 0.25
@@ -199,7 +204,7 @@ class Plan:
         those leaves' per-example gradients."""
         if not any(x.rule == GHOST for x in self.leaves):
             return Verdict("vmap", False, "no parameter has a ghost norm")
-        extra = vmap_cost = 0.0  # flops
+        extra = vmap_cost = convs = 0.0  # flops
         avoided = kept = everything = 0  # entries per example
         for k, leaf in enumerate(self.leaves):
             if leaf.rule == UNUSED:
@@ -209,6 +214,7 @@ class Plan:
             if leaf.rule == PER_EXAMPLE:
                 continue
             inst = sum(_inst_cost(u) for u in leaf.uses)
+            convs += _CONV * sum(_inst_cost(u) for u in leaf.uses if _by_views(u))
             vmap_cost += 3 * inst  # with its share of the backward pass
             if leaf.rule == GHOST:
                 extra += leaf.costs[0] if leaf.costs else 0.0
@@ -217,12 +223,19 @@ class Plan:
             else:
                 continue
             avoided, kept = avoided + leaf.size, kept + self.operand_size(k)
+        vmap_cost += convs
         moved = _TRAFFIC * avoided
         counts = (
             f"its norms cost {_count(extra)} flops per example, against "
             f"{_count(moved)} to move the {_count(avoided)} per-example gradient "
             f"entries they avoid through memory"
         )
+        if convs:
+            counts += (
+                f" and {_count(convs)} more for the vmap program's per-example "
+                "convolution kernel gradients"
+            )
+        moved += convs
         if moved - extra >= _GAIN * vmap_cost:
             return Verdict("ghost", False, counts)
         if avoided - kept >= _MEMORY_GAIN * everything:
@@ -459,6 +472,12 @@ def _inst_cost(use: Use) -> float:
         return use.form.inst_cost()
     shapes = [use.out_aval().shape, *(a.shape for a in use.record_avals())]
     return float(sum(math.prod(s) for s in shapes))
+
+
+def _by_views(use: Use) -> bool:
+    """Whether the ghost program forms the use's gradient from its operands by
+    contractions where the vmap program runs a convolution's kernel gradient."""
+    return use.form is not None and use.form.operands_gradient is not None
 
 
 def _count(x: float) -> str:

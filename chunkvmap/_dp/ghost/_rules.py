@@ -143,6 +143,9 @@ class Use:
 
     def instantiate(self, recorded: Sequence[Any], delta: Any) -> Any:
         """One example's gradient of the leaf through this use."""
+        if self.form is not None and self.form.operands_gradient is not None:
+            g = self.form.operands_gradient(recorded, delta, False)
+            return g.astype(self.leaf_aval.dtype)
         if self.form is not None and self.form.direct:
             arrays = self.form.build(recorded, delta)
             return self.form.gradient(
@@ -157,6 +160,9 @@ class Use:
         """`sum_i G_i` over a chunk's stacked operands and (scaled) cotangents: one
         transpose of the use vmapped over the examples."""
         size = delta.shape[0]
+        if self.form is not None and self.form.operands_gradient is not None:
+            g = self.form.operands_gradient(recorded, delta, True)
+            return g.astype(self.leaf_aval.dtype)
         if self.form is not None and self.form.direct:
             arrays = jax.vmap(self.form.build)(recorded, delta)
             return self.form.gradient(
@@ -314,7 +320,10 @@ class Conv(_Product):
         if form is not None:
             form.build_cost = float(math.prod(shapes[0]))
             # XLA:CPU runs a convolution's kernel gradient far slower inside a loop
-            # (the chunks' scan) than a contraction of patches
+            # (the chunks' scan) than contractions of the input's shifted views;
+            # and these, one window offset at a time, never hold the patches
+            if not use.levels:
+                form.operands_gradient = _conv_gradient(use)
             form.direct = form.complete
         return form
 
@@ -572,16 +581,91 @@ def _row_index(row: jax.Array, rows_n: int) -> tuple[jax.Array, jax.Array]:
     return row, in_range
 
 
-def _patches(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil, lhs_spec):
-    """The patches a convolution reads: `(n, out spatial..., channels, window...)`,
-    by slicing the padded (and lhs-dilated) input once per window offset. Exact:
-    no entry is multiplied (`lax.conv_general_dilated_patches`, a convolution with a
-    one-hot kernel, spreads a non-finite input to every offset through `NaN * 0`)."""
-    x = x.transpose(lhs_spec)  # (n, c, spatial...)
-    config = [(0, 0, 0), (0, 0, 0)]
+def _conv_gradient(use: Use) -> Callable[[Sequence[Any], Any, bool], Any]:
+    """A convolution use's gradient of its leaf from the recorded input and the
+    output's cotangent (summed over a leading axis of examples when batched): for
+    each window offset, the input's shifted view contracted with the cotangent
+    over positions (per group), so that no patches are formed; then back through
+    the chain to the leaf (its linear transpose)."""
+    p = use.eqn.params
+    dn = p["dimension_numbers"]
+    kernel = use.eqn.invars[1].aval
+    out_aval = use.eqn.outvars[0].aval
+    window = tuple(kernel.shape[d] for d in dn.rhs_spec[2:])
+    out_spatial = tuple(out_aval.shape[d] for d in dn.out_spec[2:])
+    groups = p["feature_group_count"]
+    chain = [op for op in use.chain if op.kind != "stack"]
+
+    def gradient(recorded, delta, batched):
+        (x,) = recorded
+        lhs, out = dn.lhs_spec, dn.out_spec
+        lead = 1 if batched else 0  # the examples' axis, summed with the batch's
+        x = x.transpose((*range(lead), *(lead + a for a in lhs)))
+        d = delta.transpose((*range(lead), *(lead + a for a in out)))
+        c, o = x.shape[lead + 1], d.shape[lead + 1]
+        # (examples, n, groups, features / groups, spatial...): splits, never merges
+        d = d.reshape((*d.shape[: lead + 1], groups, o // groups, *d.shape[lead + 2 :]))
+        view = _offset_view(
+            x, lead, out_spatial, p["window_strides"], p["padding"],
+            p["lhs_dilation"], p["rhs_dilation"],
+        )  # fmt: skip
+        letters = "stuvwxyz"[: len(out_spatial)]
+        e = "e" if batched else ""
+        equation = f"{e}ngi{letters},{e}ngo{letters}->goi"
+
+        def one(_, offset):  # one window offset's kernel entries
+            xs = view(offset)
+            xs = xs.reshape(
+                (*xs.shape[: lead + 1], groups, c // groups, *xs.shape[lead + 2 :])
+            )
+            return None, jnp.einsum(equation, xs, d)
+
+        offsets = np.array(list(itertools.product(*(range(w) for w in window))))
+        _, g = lax.scan(one, None, offsets.astype(np.int32))  # (window, g, o, i)
+        g = jnp.concatenate([g[:, j] for j in range(groups)], 1)  # (window, O, I)
+        g = jnp.moveaxis(g, 0, -1).reshape(o, c // groups, *window)  # O, I, window
+        g = g.transpose(np.argsort(dn.rhs_spec))  # in the kernel's own layout
+
+        def forward(w):
+            for op in chain:
+                w = op.apply(w)
+            return w
+
+        leaf = use.typed_leaf()
+        (out_g,) = jax.linear_transpose(forward, leaf)(g.astype(kernel.dtype))
+        return out_g
+
+    return gradient
+
+
+def _padded(x, padding, lhs_dil, lead=0):
+    """A convolution's input `(lead..., n, c, spatial...)` padded (and
+    lhs-dilated)."""
+    config = [(0, 0, 0)] * (lead + 2)
     config += [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dil)]
-    x = lax.pad(x, jnp.zeros((), x.dtype), config)
-    pieces = []
+    return lax.pad(x, jnp.zeros((), x.dtype), config)
+
+
+def _offset_view(x, lead, out_spatial, strides, padding, lhs_dil, rhs_dil):
+    """`view(offset)`: the view of the input `x` `(lead..., n, c, spatial...)` that
+    a convolution's window offset (traced) reads, `(lead..., n, c, out
+    spatial...)`."""
+    x = _padded(x, padding, lhs_dil, lead)
+    span = [(o - 1) * st + 1 for o, st in zip(out_spatial, strides)]
+    head = lead + 2
+
+    def view(offset):
+        starts = [0] * head + [offset[i] * d for i, d in enumerate(rhs_dil)]
+        xs = lax.dynamic_slice(x, starts, (*x.shape[:head], *span))
+        return lax.slice(xs, [0] * xs.ndim, xs.shape, (1,) * head + tuple(strides))
+
+    return view
+
+
+def _offset_views(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil):
+    """The views of the input `x` `(n, c, spatial...)` that each window offset of a
+    convolution reads, `(n, c, out spatial...)`, one offset at a time."""
+    x = _padded(x, padding, lhs_dil)
     for offset in itertools.product(*(range(w) for w in window)):
         starts = [0, 0, *(k * d for k, d in zip(offset, rhs_dil))]
         limits = [
@@ -591,7 +675,18 @@ def _patches(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil, lhs_spe
                 for o, st, s0 in zip(out_spatial, strides, starts[2:])
             ),
         ]
-        pieces.append(lax.slice(x, starts, limits, (1, 1, *strides)))
+        yield lax.slice(x, starts, limits, (1, 1, *strides))
+
+
+def _patches(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil, lhs_spec):
+    """The patches a convolution reads: `(n, out spatial..., channels, window...)`,
+    by slicing the padded (and lhs-dilated) input once per window offset. Exact:
+    no entry is multiplied (`lax.conv_general_dilated_patches`, a convolution with a
+    one-hot kernel, spreads a non-finite input to every offset through `NaN * 0`)."""
+    x = x.transpose(lhs_spec)  # (n, c, spatial...)
+    pieces = list(
+        _offset_views(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil)
+    )
     pt = jnp.stack(pieces, -1).reshape((*pieces[0].shape, *window))
     spatial = len(window)
     # (n, c, out..., window...) -> (n, out..., c, window...)
