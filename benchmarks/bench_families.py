@@ -225,14 +225,22 @@ FAMILIES = {
 }
 
 
-def programs(model, batch: int, clip: float = 1.0) -> dict:
-    """name -> (chunkvmap's function of (p, x, y), its reference's, and the same
-    program as `lax.map` over the same chunks, or None)."""
+GHOST, VMAP = 'clipped_grad_sum, method="ghost"', 'clipped_grad_sum, method="vmap"'
 
+
+def _loss_of(model):
     def loss(p, x, y):
         out = model(p, x)
         return out if out.ndim == 0 else _xent(out, y)
 
+    return loss
+
+
+def programs(model, batch: int, clip: float = 1.0) -> dict:
+    """name -> (chunkvmap's function of (p, x, y), its reference's, and the same
+    program as `lax.map` over the same chunks, or None)."""
+
+    loss = _loss_of(model)
     v_loss = jax.vmap(loss, (None, 0, 0))
     c_loss = cv.batch_vmap(loss, (None, 0, 0), batch_size=batch)
 
@@ -292,16 +300,20 @@ def measure(name, family, n, batch, rounds, quick, rng):
     y = jnp.asarray(rng.integers(0, 10, n), "i4")
     args = (p, x, y)
     progs = programs(model, batch)
-    compiled, mem = {}, {}
+    compiled, mem, said = {}, {}, []
     for what, (mine, ref, loop) in progs.items():
         for who, fn in (("cv", mine), ("ref", ref), ("loop", loop)):
             if fn is None:
                 continue
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 compiled[what, who] = jax.jit(fn)
                 mem[what, who] = _temp(fn, args)
                 out = jax.block_until_ready(compiled[what, who](*args))
+            if what == GHOST:
+                said += [
+                    w.message for w in caught if w.category is cv.GhostFallbackWarning
+                ]
             if who != "ref":
                 ref_out = jax.block_until_ready(jax.jit(ref)(*args))
                 if not _close(out, ref_out):
@@ -339,7 +351,48 @@ def measure(name, family, n, batch, rounds, quick, rng):
                 mem[what, "ref"] / 2**10,
             )
         )  # fmt: skip
-    return rows
+    ex = jax.tree.map(lambda a: a[0], (x, y))
+    report = cv.ghost_report(_loss_of(model), p, *ex)
+    if report.runs == "vmap":
+        verdict = "runs the vmap program"
+    else:
+        verdict = "ghost, warns: predicted slower" if report.slower else "ghost"
+    assert bool(said) == (report.runs == "vmap" or report.slower), said
+    ghost = (
+        name,
+        verdict,
+        med[GHOST, "cv"] / med[VMAP, "cv"],
+        mem[GHOST, "cv"] / mem[VMAP, "cv"],
+        mem[GHOST, "cv"] / mem["grad of the summed loss", "cv"],
+        (mem[GHOST, "cv"] - 1.5 * mem["grad of the summed loss", "cv"])
+        / sum(a.nbytes for a in jax.tree.leaves(p)),
+    )
+    return rows, ghost
+
+
+def ghost_table(rows) -> str:
+    lines = [
+        "",
+        '## `method="ghost"` against `method="vmap"`, per family',
+        "",
+        "Time: the ghost row's median over the vmap row's, from the interleaved rounds "
+        "above. Memory against the vmap program's, and against the non-private step "
+        "on the same chunks (`jax.grad` of the summed loss through `batch_vmap`, the "
+        "`grad of the summed loss` row); the last column is the memory above 1.5x "
+        "the non-private step, in parameter copies (negative: under it). What "
+        '`method="ghost"` chose (`ghost_report(...)`): the ghost program, the ghost '
+        "program with a `GhostFallbackWarning` saying it is predicted slower (it runs "
+        "for its memory), or the vmap program itself (also with the warning).",
+        "",
+        "| family | what runs | time / vmap | memory / vmap | memory / non-private "
+        "| over 1.5x non-private (parameter copies) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for fam, verdict, t, m, np_, copies in rows:
+        lines.append(
+            f"| {fam} | {verdict} | {t:.2f} | {m:.2f} | {np_:.2f} | {copies:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def table(rows, n, batch, rounds) -> str:
@@ -388,14 +441,16 @@ def main(argv=None):
     n, batch = (12, 5) if args.quick else (64, 16)
     rounds = args.rounds or (2 if args.quick else 7)
     rng = np.random.default_rng(0)
-    rows = []
+    rows, ghosts = [], []
     for name, family in FAMILIES.items():
         if args.only and args.only.lower() not in name.lower():
             continue
-        rows += measure(name, family, n, batch, rounds, args.quick, rng)
+        more, ghost = measure(name, family, n, batch, rounds, args.quick, rng)
+        rows += more
+        ghosts.append(ghost)
         lines = table(rows[-5:], n, batch, rounds).splitlines()[-5:]
-        print("\n".join(lines), flush=True)
-    text = table(rows, n, batch, rounds)
+        print("\n".join(lines), ghost_table([ghost]).splitlines()[-1], flush=True)
+    text = table(rows, n, batch, rounds) + ghost_table(ghosts)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
