@@ -145,9 +145,12 @@ def test_family_benchmark_runs(tmp_path):
         env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [r for r in out.read_text().splitlines() if r.startswith("| ")][1:]
+    programs, ghost = out.read_text().split('## `method="ghost"`')
+    rows = [r for r in programs.splitlines() if r.startswith("| ")][1:]
     assert len(rows) == 10, rows
     assert sum("depthwise" in r for r in rows) == 5, rows
+    verdicts = [r for r in ghost.splitlines() if r.startswith("| ")][1:]
+    assert len(verdicts) == 2 and "depthwise" in verdicts[1], verdicts
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[2:5]), row

@@ -31,9 +31,10 @@ GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED = (
 
 # What a per-example gradient entry costs `method="vmap"` beyond the operations that
 # form it, in floating-point operations: it is written to memory, then read for the
-# norm and for the clipped sum. Fitted on this package's benchmarks (CPU): ghost
-# norms pay where they cost fewer than about 5-20 operations per entry they avoid.
-_TRAFFIC = 12.0
+# norm and for the clipped sum. Measured on CPU (interleaved medians): the two
+# programs are at par on a GPT-style LM of width 256 over 32 positions (ghost norms
+# at 8.3 operations per entry they avoid), ghost slower at width 128 (16.8).
+_TRAFFIC = 8.0
 # What the vmap program's per-example kernel gradient of a convolution costs beyond
 # its operations (a batch-grouped convolution, which XLA:CPU runs several times
 # slower than the ghost program's contractions of the input's shifted views), per
