@@ -65,8 +65,8 @@ MUTANTS = {
     "ghost: dense pair term 1% too large": (
         (
             "chunkvmap/_dp/ghost/_forms.py",
-            "    return jnp.einsum(\n        _equation([*u.specs, *vs]),",
-            "    return 1.01 * jnp.einsum(\n        _equation([*u.specs, *vs]),",
+            "            total = total + jnp.einsum(\n",
+            "            total = total + 1.01 * jnp.einsum(\n",
         ),
         ["test_ghost_rules", "test_ghost", "test_ghost_models", "test_clipping"],
     ),

@@ -431,9 +431,7 @@ class Gather(Rule):
 
     def form(self, use: Use) -> Form | None:
         layout = use.layout
-        if layout is None or use.slot != 0 or layout.scale != 1.0:
-            return None
-        if any(kind == "stack" for kind, _ in use.levels):
+        if not _row_lookup(use):
             return None
         p = use.eqn.params
         dn = p["dimension_numbers"]
@@ -461,19 +459,7 @@ class Gather(Rule):
         positions = math.prod(levels) * math.prod(out.shape[a] for a in batch_axes)
         off_shape = tuple(out.shape[a] for a in dn.offset_dims)
         build = _lookup_build(use, r, batch_axes, (positions, *off_shape))
-        syms = frozenset(
-            s for s in (("leaf", layout.axes[r].leaf), *off_syms) if s[0] == "leaf"
-        )
-        form = RowsForm(
-            [(), (), (("position",), *off_syms)],
-            [(positions,), (positions,), (positions, *off_shape)],
-            build,
-            syms,
-            layout.box,
-            row=layout.axes[r].leaf,
-        )
-        form.complete = _complete(layout, use.leaf_aval.shape)
-        return form
+        return _rows_form(use, r, off_syms, positions, off_shape, build)
 
 
 class DynamicSlice(Rule):
@@ -486,9 +472,7 @@ class DynamicSlice(Rule):
 
     def form(self, use: Use) -> Form | None:
         layout = use.layout
-        if layout is None or use.slot != 0 or layout.scale != 1.0:
-            return None
-        if any(kind == "stack" for kind, _ in use.levels):
+        if not _row_lookup(use):
             return None
         operand = use.eqn.invars[0].aval
         sizes = use.eqn.params["slice_sizes"]
@@ -512,19 +496,35 @@ class DynamicSlice(Rule):
             valid = jnp.ones((positions,), bool)  # (the start is clamped, never out)
             return [row, valid, delta.reshape((positions, *off_shape))]
 
-        syms = frozenset(
-            s for s in (("leaf", layout.axes[r].leaf), *off_syms) if s[0] == "leaf"
-        )
-        form = RowsForm(
-            [(), (), (("position",), *off_syms)],
-            [(positions,), (positions,), (positions, *off_shape)],
-            build,
-            syms,
-            layout.box,
-            row=layout.axes[r].leaf,
-        )
-        form.complete = _complete(layout, use.leaf_aval.shape)
-        return form
+        return _rows_form(use, r, off_syms, positions, off_shape, build)
+
+
+def _row_lookup(use: Use) -> bool:
+    """Whether a lookup use can have a rows form: the table itself (operand 0,
+    through a chain without a scale), outside any scan that slices the leaf."""
+    layout = use.layout
+    if layout is None or use.slot != 0 or layout.scale != 1.0:
+        return False
+    return not any(kind == "stack" for kind, _ in use.levels)
+
+
+def _rows_form(use: Use, r: int, off_syms, positions, off_shape, build) -> RowsForm:
+    """A lookup's rows form: rows of leaf axis `r` at `positions` positions, the
+    cotangent `(positions, *off_shape)` with symbols `off_syms`."""
+    layout = use.layout
+    syms = frozenset(
+        s for s in (("leaf", layout.axes[r].leaf), *off_syms) if s[0] == "leaf"
+    )
+    form = RowsForm(
+        [(), (), (("position",), *off_syms)],
+        [(positions,), (positions,), (positions, *off_shape)],
+        build,
+        syms,
+        layout.box,
+        row=layout.axes[r].leaf,
+    )
+    form.complete = _complete(layout, use.leaf_aval.shape)
+    return form
 
 
 def _lookup_build(use: Use, r: int, batch_axes: list, delta_shape: tuple):
