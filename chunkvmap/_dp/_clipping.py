@@ -717,8 +717,9 @@ _FALLBACK_SHARE = 0.05
 
 
 def warn_fallback(transform: Transform, fun: Any, report: ghost.GhostReport) -> None:
-    """Once per clipping function: say when more than 5% of the parameters fall
-    back to per-example gradients, or when nothing is gained at all."""
+    """Once per clipping function: say when the vmap program runs in ghost's place,
+    when more than 5% of the parameters fall back to per-example gradients, or when
+    the ghost program runs though it is predicted slower (`report`'s verdict)."""
     if transform.warned("ghost fallback"):
         return
     shares = report.shares()

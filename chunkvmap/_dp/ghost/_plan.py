@@ -217,13 +217,14 @@ class Plan:
             inst = sum(_inst_cost(u) for u in leaf.uses)
             convs += _CONV * sum(_inst_cost(u) for u in leaf.uses if _by_views(u))
             vmap_cost += 3 * inst  # with its share of the backward pass
+            operands = self.operand_size(k)
             if leaf.rule == GHOST:
                 extra += leaf.costs[0] if leaf.costs else 0.0
-            elif leaf.size > self.operand_size(k):  # formed twice
+            elif leaf.size > operands:  # formed twice
                 extra += inst
             else:
                 continue
-            avoided, kept = avoided + leaf.size, kept + self.operand_size(k)
+            avoided, kept = avoided + leaf.size, kept + operands
         vmap_cost += convs
         moved = _TRAFFIC * avoided
         counts = (

@@ -638,19 +638,13 @@ def _conv_gradient(use: Use) -> Callable[[Sequence[Any], Any, bool], Any]:
     return gradient
 
 
-def _padded(x, padding, lhs_dil, lead=0):
-    """A convolution's input `(lead..., n, c, spatial...)` padded (and
-    lhs-dilated)."""
-    config = [(0, 0, 0)] * (lead + 2)
-    config += [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dil)]
-    return lax.pad(x, jnp.zeros((), x.dtype), config)
-
-
 def _offset_view(x, lead, out_spatial, strides, padding, lhs_dil, rhs_dil):
     """`view(offset)`: the view of the input `x` `(lead..., n, c, spatial...)` that
-    a convolution's window offset (traced) reads, `(lead..., n, c, out
+    a convolution's window offset (static or traced) reads, `(lead..., n, c, out
     spatial...)`."""
-    x = _padded(x, padding, lhs_dil, lead)
+    config = [(0, 0, 0)] * (lead + 2)  # padded, and lhs-dilated
+    config += [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dil)]
+    x = lax.pad(x, jnp.zeros((), x.dtype), config)
     span = [(o - 1) * st + 1 for o, st in zip(out_spatial, strides)]
     head = lead + 2
 
@@ -662,31 +656,14 @@ def _offset_view(x, lead, out_spatial, strides, padding, lhs_dil, rhs_dil):
     return view
 
 
-def _offset_views(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil):
-    """The views of the input `x` `(n, c, spatial...)` that each window offset of a
-    convolution reads, `(n, c, out spatial...)`, one offset at a time."""
-    x = _padded(x, padding, lhs_dil)
-    for offset in itertools.product(*(range(w) for w in window)):
-        starts = [0, 0, *(k * d for k, d in zip(offset, rhs_dil))]
-        limits = [
-            *x.shape[:2],
-            *(
-                (o - 1) * st + s0 + 1
-                for o, st, s0 in zip(out_spatial, strides, starts[2:])
-            ),
-        ]
-        yield lax.slice(x, starts, limits, (1, 1, *strides))
-
-
 def _patches(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil, lhs_spec):
     """The patches a convolution reads: `(n, out spatial..., channels, window...)`,
     by slicing the padded (and lhs-dilated) input once per window offset. Exact:
     no entry is multiplied (`lax.conv_general_dilated_patches`, a convolution with a
     one-hot kernel, spreads a non-finite input to every offset through `NaN * 0`)."""
     x = x.transpose(lhs_spec)  # (n, c, spatial...)
-    pieces = list(
-        _offset_views(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil)
-    )
+    view = _offset_view(x, 0, out_spatial, strides, padding, lhs_dil, rhs_dil)
+    pieces = [view(o) for o in itertools.product(*(range(w) for w in window))]
     pt = jnp.stack(pieces, -1).reshape((*pieces[0].shape, *window))
     spatial = len(window)
     # (n, c, out..., window...) -> (n, out..., c, window...)
