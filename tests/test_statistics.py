@@ -24,6 +24,7 @@ from chunkvmap import (
     per_example_grad_norms,
     per_example_grad_stats,
 )
+from chunkvmap._dp import _statistics
 
 from . import test_ghost_models as models
 from .helpers import init_mlp, mlp, temp_bytes, tree_allclose
@@ -242,6 +243,105 @@ def test_gram_matches_vmap(batch, other_batch, method):
     cross = jax.jit(gram)(params, x, y, other=(params, x2, y2))
     assert cross.shape == (7, 5)
     np.testing.assert_allclose(cross, flat @ flat2.T, atol=1e-5 * scale)
+
+
+def counted(loss):
+    """`loss` with a host counter of its evaluations (under jax.vmap the callback
+    sees the batch's examples together: it counts them)."""
+    calls = []
+
+    def fn(p, x, y):
+        jax.debug.callback(lambda v: calls.extend([1] * np.size(v)), jnp.sum(x))
+        return loss(p, x, y)
+
+    return fn, calls
+
+
+@pytest.mark.parametrize("n, batch", [(16, 4), (13, 3), (13, 5), (9, 8), (6, 6)])
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_gram_of_a_batch_with_itself_evaluates_about_half_of_it(n, batch, method):
+    """A batch against itself: each chunk of rows (B examples from s) is dotted with
+    the examples s, ..., s + min(N, N // 2 + B) - 1 (cyclically), its own among
+    them, so a call evaluates chunks * (B + min(N, N // 2 + B)) gradients where
+    the same batch passed as `other=` takes chunks * (B + N) (every loop's last
+    chunk of a remainder is a whole window of B); the result is exactly symmetric
+    and equals the oracle's (remainders, B > N / 2 and one chunk included)."""
+    params, x, y = mlp_data(n)
+    _, flat = oracle_grads(mlp_loss, params, x, y)
+    expected = flat @ flat.T
+    atol = 1e-5 * float(np.abs(expected).max())
+    loss, calls = counted(mlp_loss)
+    gram = per_example_grad_gram(loss, batch_size=batch, method=method)
+    got = np.asarray(gram(params, x, y))
+
+    def windows(k):  # examples evaluated by a loop over k in chunks of B
+        return k if k <= batch else -(-k // batch) * batch
+
+    chunks = -(-n // batch)
+    evaluated = len(calls)
+    assert evaluated == chunks * (
+        windows(n) // chunks + windows(min(n, n // 2 + batch))
+    )
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=atol)
+    np.testing.assert_array_equal(got, got.T)
+    calls.clear()
+    cross = gram(params, x, y, other=(params, x, y))
+    assert len(calls) == chunks * (windows(n) // chunks + windows(n))
+    np.testing.assert_allclose(cross, expected, rtol=1e-5, atol=atol)
+    if chunks > 3:  # then the symmetric program evaluates fewer
+        assert evaluated < len(calls)
+
+
+def test_gram_evaluates_fewer_gradients_as_its_memory_grows():
+    """`batch_size="auto"`: a larger `memory_limit` holds longer chunks of rows, so
+    fewer chunks each dot their gradients with half of the batch."""
+    params, x, y = mlp_data(48, sizes=(32, 64, 4))
+    _, flat = oracle_grads(mlp_loss, params, x, y)
+    expected = flat @ flat.T
+    atol = 1e-5 * float(np.abs(expected).max())
+    counts, sizes = [], []
+    for limit in (60_000, 150_000, 400_000):
+        loss, calls = counted(mlp_loss)
+        gram = per_example_grad_gram(loss, batch_size="auto", memory_limit=limit)
+        np.testing.assert_allclose(gram(params, x, y), expected, atol=atol)
+        counts.append(len(calls))
+        sizes.append(last_batch_size(gram))
+    assert sizes == sorted(sizes) and len(set(sizes)) == 3, sizes
+    assert counts == sorted(counts, reverse=True) and len(set(counts)) == 3, counts
+
+
+def test_ghost_gram_takes_a_layers_ghost_terms_only_where_they_cost_less():
+    """Per pair of examples, a dense use's ghost terms cost `T^2 (d_in + d_out)`
+    and its formed gradients' dot product `d_in d_out` (plus their formation,
+    shared by a chunk of rows): a wide layer on a few positions keeps its ghost
+    terms, a narrow one on many positions has its gradient formed. Both give the
+    oracle's Gram."""
+
+    def loss(p, x, y):  # x: (T, 64) positions
+        h = jnp.tanh(x @ p["wide"])  # 64 -> 256
+        z = h[:, :8] @ p["narrow"]  # 8 -> 8, on every position
+        return jnp.sum((z - y) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {
+        "wide": jnp.asarray(rng.normal(size=(64, 256)) / 8, jnp.float32),
+        "narrow": jnp.asarray(rng.normal(size=(8, 8)) / 3, jnp.float32),
+    }
+
+    def data(t):
+        x = jnp.asarray(rng.normal(size=(6, t, 64)), jnp.float32)
+        return x, jnp.asarray(rng.normal(size=(6, t, 8)), jnp.float32)
+
+    for t, ghost_leaves in ((2, {"wide", "narrow"}), (48, {"wide"})):
+        x, y = data(t)
+        dots = _statistics._GhostDots(
+            "gram", loss, (params, x, y), (0,), (None, 0, 0), False, 3
+        )
+        paths = {dots.traced.plan.leaves[k].path for k in dots.ghost}
+        assert paths == {f"args[0]['{k}']" for k in ghost_leaves}, (t, paths)
+        _, flat = oracle_grads(loss, params, x, y)
+        got = per_example_grad_gram(loss, batch_size=3, method="ghost")(params, x, y)
+        np.testing.assert_allclose(got, flat @ flat.T, rtol=1e-4)
 
 
 def test_gram_of_a_batch_sharded_over_an_explicit_mesh():

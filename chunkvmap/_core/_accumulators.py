@@ -54,6 +54,7 @@ class Leaf:
 
     sums: bool = True  # `combine` adds leaf by leaf (or has nothing to combine)
     rows: bool = False  # `summarise` returns rows
+    windows: bool = False  # see `_loop.Accumulator.windows`
 
     summary: Any = None  # the types of one chunk's summary, when known
 
@@ -133,6 +134,10 @@ class Stack(Leaf):
     @property
     def rows(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
         return any(a is not None for a in self.axes)
+
+    @property
+    def windows(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.sums  # each example's row is its own, whichever chunk made it
 
     def resolve(self, outs: Any, length: int) -> Leaf:
         leaves, tree = jax.tree.flatten(outs)
@@ -294,6 +299,7 @@ def _resolved(spec: Any, signature: _loop.Signature, length: int) -> _loop.Accum
         summary=tuple(leaf.summary for leaf in leaves) if known else None,
         finish=finish,
         rows=any(leaf.rows for leaf in leaves),
+        windows=all(leaf.windows for leaf in leaves),
     )
 
 

@@ -22,6 +22,8 @@ sharding or the user's function beyond its chunk function (`ChunkFn`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools as ft
 import operator
@@ -229,6 +231,25 @@ def fold(reduction: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
 # all-reduce (in the order XLA chooses) instead of a gather and an ordered fold.
 SUMS = (jnp.add, lax.add, operator.add)
 
+_SHARES = contextvars.ContextVar("chunkvmap_shares", default=False)
+
+
+@contextlib.contextmanager
+def _summarising_shares():
+    token = _SHARES.set(True)
+    try:
+        yield
+    finally:
+        _SHARES.reset(token)
+
+
+def summarising_shares() -> bool:
+    """Whether the `Accumulator.summarise` being traced runs vmapped over devices'
+    shares (`Body.run_shares`, Explicit mesh axes): its values then differ share by
+    share, and a gather from an array they all hold, by a per-share index, has no
+    output sharding JAX can infer."""
+    return _SHARES.get()
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Accumulator:
@@ -268,6 +289,11 @@ class Accumulator:
     # and returns the accumulator to use: for one whose leaves depend on the outputs'
     # structure and axes, and that checks a user's reduction on the outputs it folds.
     prepare: Callable[[Any, int], Accumulator] | None = None
+    # Whether the last chunk of a remainder summarises its whole window (the rows of
+    # the examples an earlier chunk covered are then not written again): for an
+    # accumulator with nothing to fold whose rows do not depend on the window that
+    # made them, so that one `summarise` is traced, not a branch for the remainder.
+    windows: bool = False
 
     @classmethod
     def adding(cls, summarise: Callable[[Any], tuple[Any, Any]]) -> Accumulator:
@@ -464,6 +490,7 @@ class Body:
         return self._fold(
             self.chunk_fn, self.axes, self.out_axes, summarise, accumulator.combine,
             accumulator.summary, leaves, plan, report, 0, accumulator.rows,
+            accumulator.windows,
         )  # fmt: skip
 
     def _fold(
@@ -479,13 +506,15 @@ class Body:
         report: Callable[[Any], None],
         row_axis: int,
         has_rows: bool,
+        windows: bool = False,
     ) -> Any:
         """The scan of `accumulated`: `chunk_fn`'s outputs (mapped along `out_axes`)
         summarised per chunk into `(summary, rows)`, the summaries folded with
         `combine` and the rows (the chunk's examples along `row_axis`) written at the
         chunk's offset. The carry has the types `summary_avals`, or those of the
         summaries themselves when the leaves carry sharding types (or
-        `summary_avals` is None)."""
+        `summary_avals` is None). `windows`: the last chunk's whole window is
+        summarised too (`Accumulator.windows`)."""
         if plan.single:
             result = summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
             report(0)
@@ -514,7 +543,7 @@ class Body:
         @ft.partial(checkpointed, remat=self.remat)
         def evaluate(i):
             ys = chunk_fn(plan.chunk(leaves, axes, i), batch)
-            if rem == 0:
+            if rem == 0 or windows:
                 return summarise(ys)
             return lax.cond(
                 i == last, lambda: padded(summarise(tail(ys))), lambda: summarise(ys)
@@ -606,10 +635,11 @@ class Body:
         if accumulator is not None:
 
             def summarise(ys: list[Any]) -> Any:  # one summary per share
-                result = jax.vmap(
-                    lambda y: accumulator.summarise(self.out_tree.unflatten(y)),
-                    in_axes=(list(out_axes),),
-                )(ys)
+                with _summarising_shares():
+                    result = jax.vmap(
+                        lambda y: accumulator.summarise(self.out_tree.unflatten(y)),
+                        in_axes=(list(out_axes),),
+                    )(ys)
                 return jax.tree.map(lambda y: _with_entry(y, 0, entry), result)
 
             def combine(a: Any, b: Any) -> Any:  # share by share
@@ -619,7 +649,7 @@ class Body:
 
             return self._fold(
                 shares, local, shifted, summarise, combine, None, leaves, plan,
-                report, 1, accumulator.rows,
+                report, 1, accumulator.rows, accumulator.windows,
             )  # fmt: skip
         if plan.single:
             ys = shares(plan.whole(leaves, local), plan.size)

@@ -17,6 +17,7 @@ gradients (plus the statistic), never `N x parameters`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -27,6 +28,7 @@ from jax import lax
 
 from .._core import _axes, _cache, _memory
 from .._core._accumulators import (
+    Leaf,
     Moments,
     Stack,
     compose,
@@ -35,8 +37,8 @@ from .._core._accumulators import (
     moments as moments_of,
     unshifted,
 )
-from .._core._loop import Accumulator
-from .._core._options import check_bool, decorator_form
+from .._core._loop import Accumulator, summarising_shares
+from .._core._options import check_bool, decorator_form, identity
 from .._transforms._batch_vmap import Transform, batch_vmap
 from .._transforms._grads import (
     differentiable_floats,
@@ -461,6 +463,13 @@ def _axes_size(transform: Transform, args: tuple, in_axes: tuple, kwargs: dict) 
     return _axes.mapped_size(*mapped, None, transform=transform.name)
 
 
+def _chunk_length(rows: Transform, args: tuple, in_axes: tuple) -> tuple[int, int]:
+    """A call's number of examples and the length of its chunks of rows."""
+    size = _axes_size(rows, args, in_axes, {})
+    batch = rows.options.batch_size
+    return size, batch if isinstance(batch, int) and 0 < batch < size else size
+
+
 def _tree_vdot(a: Any, b: Any) -> jax.Array:
     """`<a, b>` over every leaf of two gradients, in at least float32."""
     pairs = list(zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -505,11 +514,19 @@ class _GhostDots:
     use's activations and cotangents; a leaf under a ghost rule gets
     `<G(a), G(b)> = sum_{u, v} <G_u(a), G_v(b)>` from those arrays (for a dense use
     `sum_{t, s} <x_t, x'_s> <d_t, d'_s>`; for embedding lookups, the cotangents of
-    matching rows), any other leaf its gradient formed per example."""
+    matching rows), where that costs fewer operations per pair of examples than
+    the dot product of its formed gradients; any other leaf has its gradient formed
+    per example (from the same activations and cotangents where a rule covers it).
+
+    A pair's ghost terms cost what one example's ghost norm costs (e.g.
+    `T^2 (d_in + d_out)` for a dense use at `T` positions), where formed gradients
+    cost their size per pair (their formation is shared by the chunk of rows each
+    is dotted with, `chunk`): unlike the norms, a Gram's ghost terms pay on short
+    sequences and wide layers, embeddings and convolutions (`_pair_pays`)."""
 
     def __init__(
         self, name: str, fun: Any, args: tuple, diff: tuple, in_axes: tuple,
-        has_aux: bool,
+        has_aux: bool, chunk: int,
     ):  # fmt: skip
         mapped = [i for i, a in enumerate(in_axes) if a is not None]
         self.traced = traced = ghost.Traced(
@@ -519,24 +536,32 @@ class _GhostDots:
         ghost.check_scalar_loss(name, traced)
         leaves = traced.plan.leaves
         plan = traced.plan
-        self.ghost = plan.with_rule(ghost.GHOST)
-        self.formed = plan.with_rule(ghost.INSTANTIATED)
+        self.ghost = [
+            k for k in plan.with_rule(ghost.GHOST) if _pair_pays(leaves[k], chunk)
+        ]
+        self.formed = [
+            k
+            for k in plan.with_rule(ghost.GHOST, ghost.INSTANTIATED)
+            if k not in self.ghost
+        ]
         self.pe = plan.with_rule(ghost.PER_EXAMPLE)
         self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])
 
-    def parts(self, example: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
-        """One example's plan, `aux`, the arrays of its ghost leaves' uses, and the
-        gradients of the others."""
+    def parts(self, *example: Any) -> tuple[Any, Any, Any]:
+        """One example's `(arrays, grads)` (the arrays of its ghost leaves' uses, the
+        gradients of the others), its `aux`, and its parameters (which identify
+        the plan that `dot` reads them by, `ghost.Traced.plan_of`)."""
         values = self.traced.arrays(list(example), {})
         plan, ev = self.traced.evaluate(values, self.pe)
         _, aux = self.traced.out_tree.unflatten(ev.outs)
         arrays = {k: plan.arrays(k, ev.records, ev.deltas) for k in self.ghost}
         grads = {k: plan.instantiate(k, ev.records, ev.deltas) for k in self.formed}
         grads.update(zip(self.pe, ev.pe_grads))
-        return plan, aux, arrays, grads
+        return (arrays, grads), aux, self.traced.params_of(values)
 
-    def dot(self, plan: Any, a: tuple, b: tuple) -> jax.Array:
+    def dot(self, params: Any, a: tuple, b: tuple) -> jax.Array:
         """`<g(a), g(b)>` from two examples' `(arrays, grads)`."""
+        plan = self.traced.plan_of(params)
         (arrays_a, grads_a), (arrays_b, grads_b) = a, b
         total = jnp.zeros((), self.acc)
         for k in self.ghost:
@@ -554,6 +579,110 @@ class _GhostDots:
                     total = total + p.term(u, bi, v, aj, self.acc)
         formed = _tree_vdot(grads_a, {k: grads_b[k] for k in grads_a})
         return total + formed.astype(self.acc)
+
+
+# A formed gradient's entry is written and read again (as `ghost`'s verdict counts
+# moving one: 8 operations), and a pair's ghost terms (small Gram matrices of
+# activations and of cotangents) run several times as fast per counted operation as
+# the formed gradients' dot products with their formation: measured (2-core CPU, N =
+# 256, chunks of 32), ghost terms at 3.7x the formed count run at par with them on a
+# width-256 LM (T = 32), and at 6.7-10.8x twice as slow on a width-32 block (T = 16).
+_GRAM_TRAFFIC = 8.0
+_GRAM_GHOST_SPEED = 5.0
+
+
+def _pair_pays(leaf: Any, chunk: int) -> bool:
+    """Whether a ghost leaf's terms for a pair of examples cost less than the dot
+    product of its formed gradients (two operations per entry) with their share of
+    forming and moving them: each example's arrays or gradient, made once, serve the
+    `chunk` examples of a chunk of rows."""
+    ghost = sum(p.cost * (1 if i == j else 2) for (i, j), p in leaf.pairs.items())
+    ghost += sum(u.form.build_cost for u in leaf.uses) / chunk
+    inst = sum(u.form.inst_cost() for u in leaf.uses) + _GRAM_TRAFFIC * leaf.size
+    return ghost < _GRAM_GHOST_SPEED * (2 * leaf.size + inst / chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SymmetricRows(Leaf):
+    """The Gram matrix of a batch with itself, from the chunks of its rows, each
+    dotted with about half of the batch: a chunk starting at example `s` dots the
+    gradients it holds with those of the examples `s, s + 1, ..., s + width - 1`,
+    cyclically (modulo `N`), its own among them. With `width = min(N, N // 2 + B)`
+    every pair `(i, j)` is reached from `i`'s chunk or from `j`'s (whichever the
+    other follows by at most `N / 2` examples), so each chunk evaluates `N / 2 + B`
+    other gradients where a full row takes `N`, and the matrix is made symmetric
+    from what was reached. `columns(mine, key, start)`: the chunk's `mine` dotted
+    with the `width` examples from `start` on, shape `(width, L)`. (Its own block is
+    evaluated again rather than taken from `mine`: `mine` then has no use beside
+    the loop over the columns, which would otherwise take a copy of it.)"""
+
+    size: int = 0
+    width: int = 0
+    columns: Callable[..., Any] = identity
+    sums: bool = True  # nothing to combine: the rows are the result
+    rows: bool = True
+    windows: bool = True  # any window's rows are valid (a chunk's start is in them)
+
+    def summarise(self, out: Any) -> tuple[Any, Any]:
+        mine, index, key = out
+        start = index[0]
+        values = self.columns(mine, key, start).T
+        return (), (values, jnp.broadcast_to(start, index.shape))
+
+    def combine(self, a: Any, b: Any) -> Any:
+        return a
+
+    def finish(self, summary: Any, rows: Any) -> Any:
+        values, starts = rows
+        spec = ghost.explicit_spec()
+        if spec is not None:  # whole, then the rows sharded as they came
+            spec = jax.typeof(values).sharding.spec
+            values = jax.sharding.reshard(values, jax.P())
+            starts = jax.sharding.reshard(starts, jax.P())
+        n, width = values.shape
+        # Row i holds the columns (starts[i] + m) % n, m < width. Entry (i, j) is
+        # read from row i where it reached j (and i <= j or j's row did not reach
+        # i), else from row j: one value for (i, j) and (j, i), read in one
+        # gather whose indices XLA fuses in (no n x n temporaries).
+        i = jnp.arange(n)[:, None]
+        j = jnp.arange(n)[None, :]
+        ij, ji = (j - starts[:, None]) % n, (i - starts[None, :]) % n
+        mine = (ij < width) & ((i <= j) | (ji >= width))
+        gram = values[jnp.where(mine, i, j), jnp.where(mine, ij, ji)]
+        if spec is not None:
+            gram = jax.sharding.reshard(gram, jax.P(spec[0], None))
+        return gram
+
+
+def _example_at(args: tuple, in_axes: tuple, j: Any) -> list[Any]:
+    """Example `j` of the mapped arguments (the others whole)."""
+    return [
+        arg
+        if a is None
+        else jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, j, a, False), arg)
+        for arg, a in zip(args, in_axes)
+    ]
+
+
+def _rotated(args: tuple, in_axes: tuple, shift: Any, size: int, count: int) -> tuple:
+    """The examples `shift, shift + 1, ..., shift + count - 1` (modulo `size`) of
+    the mapped arguments (the others as they are), by static rolls selected by the
+    bits of `shift` rather than a gather: `shift` differs between the shares of
+    devices that evaluate their chunks together, where a gather of a whole batch
+    by a per-share index has no sharding JAX can infer."""
+
+    def rotate(x: Any, axis: int) -> Any:
+        bit = 1
+        while bit < size:
+            rolled = jnp.roll(x, -bit, axis=axis)
+            x = jnp.where((shift // bit) % 2 == 1, rolled, x)
+            bit *= 2
+        return lax.slice_in_dim(x, 0, count, axis=axis)
+
+    return tuple(
+        arg if a is None else jax.tree.map(lambda x: rotate(x, a), arg)
+        for arg, a in zip(args, in_axes)
+    )
 
 
 @decorator_form("fun")
@@ -592,10 +721,16 @@ def per_example_grad_gram(
     so memory holds `batch_size + other_batch_size` gradients (with
     `method="ghost"`: their activations and cotangents) and the `batch_size x M`
     block of the result; the other batch's gradients are recomputed once per chunk
-    of rows. With `batch_size="auto"` the rows' chunk is the largest whose program
-    fits `memory_limit` (by XLA's compiled estimate, as in `batch_vmap`): with
-    `other_batch_size` given, the other batch is chunked by it; without, both
-    batches are chunked by the same size, the largest that fits.
+    of rows. A batch against itself (no `other=`) uses the symmetry: the chunk of
+    rows from example `s` is dotted with the examples `s, ..., s + N // 2 +
+    batch_size - 1` only (cyclically), which reaches every pair from one of its two
+    chunks, and the matrix is exactly symmetric; those rows (`N // 2 + batch_size`
+    values per example) are held until the matrix is read from them. With
+    `batch_size="auto"` the rows' chunk is the largest whose program fits
+    `memory_limit` (by XLA's compiled estimate, as in `batch_vmap`), so the more
+    memory, the fewer chunks and recomputed gradients: with `other_batch_size`
+    given, the other batch is chunked by it; without, both batches are chunked by
+    the same size, the largest that fits.
 
     Args:
       fun: the loss of one example; a real scalar (or `(scalar, aux)` with
@@ -612,7 +747,8 @@ def per_example_grad_gram(
       method: "vmap" (each chunk's per-example gradients, dotted) or "ghost"
         (each dot product from the two examples' activations and cotangents by
         ghost clipping's rules, e.g. `sum_{t, s} <x_t, x'_s> <d_t, d'_s>` for a
-        dense use, matching rows for an embedding lookup; the gradients of other
+        dense use, matching rows for an embedding lookup, where those cost less
+        per pair than the dot product of formed gradients; the gradients of other
         leaves are formed per example). With "ghost" the other batch's examples
         must have the shapes of the call's.
       shard: spread the rows' examples over the devices of `mesh` (see
@@ -673,45 +809,87 @@ def per_example_grad_gram(
         return fixed[b, measuring]
 
     def evaluate(
-        rows: Transform, inner_size: Any, args: tuple, other: tuple, known: Any,
-        resolved: tuple,
+        rows: Transform, inner_size: Any, args: tuple, other: tuple | None,
+        known: Any, resolved: tuple,
     ) -> Any:  # fmt: skip
-        """The matrix of `args` against `other` (`resolved`: the call's
-        differentiated arguments, its `in_axes` and the other batch's)."""
+        """The matrix of `args` against `other` (None: against themselves;
+        `resolved`: the call's differentiated arguments, its `in_axes` and the other
+        batch's)."""
         diff, in_axes, other_axes = resolved
-        axes = (None, *other_axes)
-        other = tuple(_whole_examples(a, ax) for a, ax in zip(other, other_axes))
         if method == "ghost":
-            dots = _GhostDots(name, fun, args, diff, in_axes, has_aux)
-
-            def ghost_row(*example: Any) -> Any:
-                _, aux, *mine = dots.parts(example)
-
-                def entry(mine: Any, *other_example: Any) -> Any:
-                    plan, _, *theirs = dots.parts(other_example)
-                    return dots.dot(plan, tuple(mine), tuple(theirs))
-
-                inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
-                return inner(mine, *other), aux
-
-            out = rows.map(ghost_row, args, {}, in_axes, 0, known=known)
+            chunk = _chunk_length(rows, args, in_axes)[1]
+            dots = _GhostDots(name, fun, args, diff, in_axes, has_aux, chunk)
+            rep, dot = dots.parts, dots.dot
         else:
             grad = filtered_value_and_grad(fun, diff, rows.args.single, has_aux, name)
 
-            def row(*example: Any) -> Any:  # one example's dot products with `other`
+            def rep(*example: Any) -> tuple[Any, Any, Any]:
                 value, g = grad(*example)
+                return g, value[1] if has_aux else None, ()
 
-                def entry(g: Any, *other_example: Any) -> Any:
-                    _, h = grad(*other_example)
-                    return _tree_vdot(g, h)
+            def dot(key: Any, a: Any, b: Any) -> jax.Array:
+                return _tree_vdot(a, b)
 
-                inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
-                return inner(g, *other), value[1] if has_aux else None
+        if other is None:
+            return symmetric(rows, inner_size, args, known, in_axes, rep, dot)
+        axes = (None, *other_axes)
+        other = tuple(_whole_examples(a, ax) for a, ax in zip(other, other_axes))
 
-            out = rows.map(row, args, {}, in_axes, 0, known=known)
+        def row(*example: Any) -> Any:  # one example's dot products with `other`
+            mine, aux, _ = rep(*example)
+
+            def entry(mine: Any, *other_example: Any) -> Any:
+                theirs, _, key = rep(*other_example)
+                return dot(key, mine, theirs)
+
+            inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
+            return inner(mine, *other), aux
+
+        out = rows.map(row, args, {}, in_axes, 0, known=known)
         return out if has_aux else out[0]
 
-    def choose(args: tuple, other: tuple, resolved: tuple) -> int:
+    def symmetric(
+        rows: Transform, inner_size: Any, args: tuple, known: Any, in_axes: tuple,
+        rep: Callable[..., Any], dot: Callable[..., Any],
+    ) -> Any:  # fmt: skip
+        """The batch against itself (`_SymmetricRows`): each chunk of rows holds
+        its examples' `rep` and dots them with half of the batch."""
+        size, batch = _chunk_length(rows, args, in_axes)
+        whole = tuple(_whole_examples(a, ax) for a, ax in zip(args, in_axes))
+
+        def columns(mine: Any, key: Any, start: Any) -> jax.Array:
+            def entry(mine: Any, *example: Any) -> Any:
+                theirs, _, key = rep(*example)
+                return jax.vmap(lambda a: dot(key, a, theirs))(mine)
+
+            if summarising_shares():  # a per-share start: rolled, not gathered
+                them = _rotated(whole, in_axes, start, size, width)
+                inner = batch_vmap(
+                    entry, in_axes=(None, *in_axes), batch_size=inner_size
+                )
+                return inner(mine, *them)
+
+            def at(mine: Any, j: Any) -> Any:
+                return entry(mine, *_example_at(whole, in_axes, j))
+
+            js = (start + jnp.arange(width, dtype=jnp.int32)) % size
+            return batch_vmap(at, in_axes=(None, 0), batch_size=inner_size)(mine, js)
+
+        def row(index: Any, *example: Any) -> Any:
+            mine, aux, key = rep(*example)
+            return (mine, index, key), aux
+
+        width = min(size, size // 2 + batch)
+        rows_of = _SymmetricRows(size, width, columns)
+        index = jnp.arange(size, dtype=jnp.int32)
+        out = rows.map(
+            row, (index, *args), {}, (0, *in_axes), ((0, 0, None), 0),
+            known=known, check_unmapped=False,  # the parameters: unmapped
+            accumulator=compose((rows_of, Stack())),
+        )  # fmt: skip
+        return out if has_aux else out[0]
+
+    def choose(args: tuple, other: tuple | None, resolved: tuple) -> int:
         """The largest size for both batches whose program fits the budget."""
         leaves, treedef = jax.tree.flatten((args, other))
         dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
@@ -733,7 +911,8 @@ def per_example_grad_gram(
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         kwargs = dict(kwargs)
-        other = tuple(kwargs.pop("other", args))
+        given = kwargs.pop("other", None)
+        other = args if given is None else tuple(given)
         if kwargs:
             raise TypeError(
                 f"{name} takes fun's positional arguments and other= only, but got "
@@ -757,9 +936,10 @@ def per_example_grad_gram(
                     f"method='vmap'."
                 )
         resolved = (diff, in_axes, other_axes)
+        against = None if given is None else other  # None: the batch's symmetry
         if joint:
-            b = choose(args, other, resolved)
-            return evaluate(sized(b), b, args, other, known, resolved)
-        return evaluate(transform, other_batch_size, args, other, known, resolved)
+            b = choose(args, against, resolved)
+            return evaluate(sized(b), b, args, against, known, resolved)
+        return evaluate(transform, other_batch_size, args, against, known, resolved)
 
     return transform.public(call, fun)
