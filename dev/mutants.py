@@ -374,6 +374,46 @@ MUTANTS = {
         ),
         GHOST_TESTS,
     ),
+    "gram: each chunk of rows reaches one example fewer": (
+        (
+            "chunkvmap/_dp/_statistics.py",
+            "        width = min(size, size // 2 + batch)\n",
+            "        width = min(size, size // 2 + batch - 1)\n",
+        ),
+        ["test_statistics", "test_conformance"],
+    ),
+    "gram: an entry read from its own row wherever that reached it": (
+        (
+            "chunkvmap/_dp/_statistics.py",
+            "        mine = (ij < width) & ((i <= j) | (ji >= width))\n",
+            "        mine = ij < width\n",
+        ),
+        ["test_statistics", "test_conformance"],
+    ),
+    "gram: ghost terms kept for every ghost leaf": (
+        (
+            "chunkvmap/_dp/_statistics.py",
+            "    return ghost < _GRAM_GHOST_SPEED * (2 * leaf.size + inst / chunk)\n",
+            "    return True\n",
+        ),
+        ["test_statistics"],
+    ),
+    "accumulators: a fold's last chunk summarises its whole window": (
+        (
+            "chunkvmap/_core/_accumulators.py",
+            "        windows=all(leaf.windows for leaf in leaves),\n",
+            "        windows=True,\n",
+        ),
+        ["test_statistics", "test_reductions", "test_conformance", "test_clipping"],
+    ),
+    "gram: per-share starts gathered, not rolled": (
+        (
+            "chunkvmap/_dp/_statistics.py",
+            "            if summarising_shares():",
+            "            if False:",
+        ),
+        ["test_statistics", "test_wherever"],
+    ),
 }
 
 

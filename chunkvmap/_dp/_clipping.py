@@ -457,7 +457,7 @@ class _GhostSums:
                 keep_batch_dim=config.keep_batch_dim, expand=batch_args,
             )  # fmt: skip
         check_scalar_loss(name, self.traced)
-        self.report = ghost.report_of(self.traced.plan)
+        self.report = ghost.report_of(self.traced.plan, self.traced)
         warn_fallback(transform, fun, self.report)
         self.transform, self.config, self.n_args = transform, config, len(args)
         plan = self.traced.plan

@@ -323,7 +323,7 @@ def per_example_grad_stats(
         moments = None
         if method == "ghost":
             moments = _GhostMoments(name, fun, args, kwargs, diff, in_axes, has_aux)
-            report = ghost.report_of(moments.traced.plan)
+            report = ghost.report_of(moments.traced.plan, moments.traced)
             _clipping.warn_fallback(transform, fun, report)
             if report.runs == "vmap":  # the per-example path (the same result)
                 moments = None

@@ -56,6 +56,10 @@ class Verdict(NamedTuple):
     runs: str
     slower: bool
     why: str
+    # Running for its memory: the operand entries it keeps per example, over the
+    # gradient entries it avoids (a prediction `report_of` may check by measuring).
+    kept_share: float = 0.0
+    counts: str = ""  # the predicted costs, in words
 
 
 class Evaluation(NamedTuple):
@@ -247,6 +251,8 @@ class Plan:
                 f"{counts}; it runs for its memory: it keeps {_count(kept)} "
                 f"operand entries per example in place of {_count(avoided)} "
                 "gradient entries",
+                kept / avoided,
+                counts,
             )
         return Verdict(
             "vmap",

@@ -81,6 +81,7 @@ class Traced:
             out = fun(*new_args, **new_kwargs)
             return out if has_aux else (out, None)
 
+        self._avals, self._example_positions = avals, list(example_positions)
         closed, shape = jax.make_jaxpr(one, return_shape=True)(avals)
         self.out_tree = jax.tree.structure(shape)
         value = jax.tree.leaves(shape)[0] if jax.tree.leaves(shape) else None
@@ -165,6 +166,82 @@ class Traced:
         the leaves `per_example` formed as they are."""
         plan = self.plan_here(values)
         return plan, plan.backward(values, per_example)
+
+    def chunk_memory(self, chunk: int) -> tuple[int, int] | None:
+        """XLA's compiled temporary memory of clipping a chunk of `chunk` examples
+        by the ghost program (its norms, then the chunk's sum from the uses'
+        operands and scaled cotangents) and by the vmap program (per-example
+        gradients, their norms, their scaled sum), with this loss; None where it
+        cannot be compiled on its own (a loss closing over a traced value)."""
+        plan = self.plan
+        positions = plan.diff_positions
+        ruled = [
+            k for k, x in enumerate(plan.leaves) if x.rule in ("ghost", "instantiated")
+        ]
+        pe = [k for k, x in enumerate(plan.leaves) if x.rule == "per-example"]
+        axes = [None] * len(self._avals)
+        for i in self._example_positions:
+            axes[i] = 0
+        acc = jnp.float32
+
+        def scale(sq: Any) -> Any:
+            return 1.0 / jnp.maximum(1.0, jnp.sqrt(sq))
+
+        def ghost(*values: Any) -> Any:
+            def one(*vals: Any) -> Any:
+                ev = plan.backward(list(vals), pe)
+                sq = sum(
+                    (plan.sq_norm(k, ev.records, ev.deltas, acc) for k in ruled),
+                    jnp.zeros((), acc),
+                )
+                sq = sq + sum(jnp.sum(jnp.square(g)).astype(acc) for g in ev.pe_grads)
+                return sq, ev.records, ev.deltas, ev.pe_grads
+
+            sq, records, deltas, pe_grads = jax.vmap(one, in_axes=axes)(*values)
+            c = scale(sq)
+            deltas = jax.tree.map(
+                lambda d: d * c.reshape((-1,) + (1,) * (d.ndim - 1)).astype(d.dtype),
+                deltas,
+            )
+            sums = [plan.chunk_sum(k, records, deltas) for k in ruled]
+            sums += [jnp.tensordot(c.astype(g.dtype), g, 1) for g in pe_grads]
+            return sums
+
+        def vmap(*values: Any) -> Any:
+            def one(*vals: Any) -> Any:
+                def loss(params: list) -> Any:
+                    full = list(vals)
+                    for i, x in zip(positions, params):
+                        full[i] = x
+                    return self._one(full)[0]
+
+                return jax.grad(loss)([vals[i] for i in positions])
+
+            grads = jax.vmap(one, in_axes=axes)(*values)
+            sq = sum(
+                jnp.sum(jnp.square(g).reshape(g.shape[0], -1), 1).astype(acc)
+                for g in grads
+            )
+            c = scale(sq)
+            return [jnp.tensordot(c.astype(g.dtype), g, 1) for g in grads]
+
+        abstract = [
+            jax.ShapeDtypeStruct((chunk, *a.shape) if ax == 0 else a.shape, a.dtype)
+            for a, ax in zip(self._avals, axes)
+        ]
+        try:
+            return tuple(
+                int(
+                    jax.jit(f)
+                    .lower(*abstract)
+                    .compile()
+                    .memory_analysis()
+                    .temp_size_in_bytes
+                )
+                for f in (ghost, vmap)
+            )
+        except Exception:  # e.g. a loss closing over a traced value: not measured
+            return None
 
     def params_of(self, values: Sequence[Any]) -> list[Any]:
         """The differentiated leaves among one example's `values`: what identifies
