@@ -406,6 +406,14 @@ MUTANTS = {
         ),
         ["test_statistics", "test_reductions", "test_conformance", "test_clipping"],
     ),
+    "ghost: a close call for memory taken without measuring": (
+        (
+            "chunkvmap/_dp/ghost/_report.py",
+            "    if traced is not None and slower and kept_share > _CLEAR_SHARE:\n",
+            "    if False:\n",
+        ),
+        GHOST_TESTS,
+    ),
     "gram: per-share starts gathered, not rolled": (
         (
             "chunkvmap/_dp/_statistics.py",

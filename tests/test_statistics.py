@@ -312,36 +312,55 @@ def test_gram_evaluates_fewer_gradients_as_its_memory_grows():
 
 def test_ghost_gram_takes_a_layers_ghost_terms_only_where_they_cost_less():
     """Per pair of examples, a dense use's ghost terms cost `T^2 (d_in + d_out)`
-    and its formed gradients' dot product `d_in d_out` (plus their formation,
-    shared by a chunk of rows): a wide layer on a few positions keeps its ghost
-    terms, a narrow one on many positions has its gradient formed. Both give the
-    oracle's Gram."""
+    and its formed gradients' dot product `d_in d_out`, plus their formation shared
+    by a chunk of rows (16 here): a 128 -> 128 layer keeps its ghost terms on 4
+    positions and has its gradient formed on 48, where its ghost norm still pays
+    (clipping's rule: under 64 positions). Both give the oracle's Gram."""
 
-    def loss(p, x, y):  # x: (T, 64) positions
-        h = jnp.tanh(x @ p["wide"])  # 64 -> 256
-        z = h[:, :8] @ p["narrow"]  # 8 -> 8, on every position
-        return jnp.sum((z - y) ** 2)
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p["w"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(128, 128)) / 11, jnp.float32)}
+    for t, pays in ((4, True), (48, False)):
+        x = jnp.asarray(rng.normal(size=(20, t, 128)), jnp.float32)
+        dots = _statistics._GhostDots(
+            "gram", loss, (params, x), (0,), (None, 0), False, 16
+        )
+        assert dots.traced.plan.leaves[0].rule == "ghost"
+        assert dots.ghost == ([0] if pays else []), t
+        _, flat = oracle_grads(loss, params, x)
+        got = per_example_grad_gram(loss, batch_size=16, method="ghost")(params, x)
+        expected = flat @ flat.T
+        atol = 1e-5 * float(np.abs(expected).max())
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=atol)
+
+
+def test_gram_of_a_batch_with_itself_is_exactly_symmetric():
+    """Over positions (a dense layer on 7 of them), the two chunks that reach a
+    pair can round its ghost terms differently; the matrix takes one value for
+    `(i, j)` and `(j, i)`."""
+
+    def loss(p, x, y):
+        return jnp.sum((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
     rng = np.random.default_rng(0)
     params = {
-        "wide": jnp.asarray(rng.normal(size=(64, 256)) / 8, jnp.float32),
-        "narrow": jnp.asarray(rng.normal(size=(8, 8)) / 3, jnp.float32),
+        "w1": jnp.asarray(rng.normal(size=(24, 40)) / 5, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(40, 6)) / 6, jnp.float32),
     }
-
-    def data(t):
-        x = jnp.asarray(rng.normal(size=(6, t, 64)), jnp.float32)
-        return x, jnp.asarray(rng.normal(size=(6, t, 8)), jnp.float32)
-
-    for t, ghost_leaves in ((2, {"wide", "narrow"}), (48, {"wide"})):
-        x, y = data(t)
-        dots = _statistics._GhostDots(
-            "gram", loss, (params, x, y), (0,), (None, 0, 0), False, 3
+    x = jnp.asarray(rng.normal(size=(13, 7, 24)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(13, 7, 6)), jnp.float32)
+    _, flat = oracle_grads(loss, params, x, y)
+    expected = flat @ flat.T
+    for method in ("vmap", "ghost"):
+        got = np.asarray(
+            per_example_grad_gram(loss, batch_size=3, method=method)(params, x, y)
         )
-        paths = {dots.traced.plan.leaves[k].path for k in dots.ghost}
-        assert paths == {f"args[0]['{k}']" for k in ghost_leaves}, (t, paths)
-        _, flat = oracle_grads(loss, params, x, y)
-        got = per_example_grad_gram(loss, batch_size=3, method="ghost")(params, x, y)
-        np.testing.assert_allclose(got, flat @ flat.T, rtol=1e-4)
+        np.testing.assert_array_equal(got, got.T)
+        np.testing.assert_allclose(
+            got, expected, rtol=1e-4, atol=1e-5 * abs(expected).max()
+        )
 
 
 def test_gram_of_a_batch_sharded_over_an_explicit_mesh():
