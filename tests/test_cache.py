@@ -131,8 +131,8 @@ def _closure_cases():
     "entry",
     [
         "batch_vmap", "per_example_grads", "clipped_sum", "ghost",
-        "per_example_grad_stats", "eqx.filter_batch_vmap", "nnx.batch_vmap",
-        "linen.batch_vmap",
+        "per_example_grad_stats", "per_example_grad_gram", "eqx.filter_batch_vmap",
+        "nnx.batch_vmap", "linen.batch_vmap",
     ],
 )  # fmt: skip
 def test_eager_calls_see_the_current_closure(entry):
@@ -140,8 +140,14 @@ def test_eager_calls_see_the_current_closure(entry):
     the function as it is now (arrays and Python constants in its closure),
     compiling again only when the program changed, not when an array did (the
     adapters too: a linen call's function is made anew by Flax at every call; the
-    statistics map their gradients to the last axis, a chunk of its own)."""
-    from chunkvmap import clipped_grad_sum, per_example_grad_stats, per_example_grads
+    statistics map their gradients to the last axis, a chunk of its own; the Gram's
+    chunks dot their gradients with the batch's in a loop of their own)."""
+    from chunkvmap import (
+        clipped_grad_sum,
+        per_example_grad_gram,
+        per_example_grad_stats,
+        per_example_grads,
+    )
 
     f = _closure_cases()
     x = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(4, 3) - 5)
@@ -180,6 +186,13 @@ def test_eager_calls_see_the_current_closure(entry):
             made = per_example_grad_stats(loss, batch_size=3)
             chunked = lambda v: made(eye, v).mean  # noqa: E731
             oracle = lambda v: grads(eye, v).mean(0)  # noqa: E731
+        elif entry == "per_example_grad_gram":
+            made = per_example_grad_gram(loss, batch_size=3)
+            chunked = lambda v: made(eye, v)  # noqa: E731
+
+            def oracle(v):
+                g = grads(eye, v).reshape(len(v), -1)
+                return g @ g.T
         else:
             method = "ghost" if entry == "ghost" else "vmap"
             made = clipped_grad_sum(loss, 1e6, batch_size=3, method=method)
