@@ -506,7 +506,7 @@ class Body:
         report: Callable[[Any], None],
         row_axis: int,
         has_rows: bool,
-        windows: bool = False,
+        windows: bool,
     ) -> Any:
         """The scan of `accumulated`: `chunk_fn`'s outputs (mapped along `out_axes`)
         summarised per chunk into `(summary, rows)`, the summaries folded with

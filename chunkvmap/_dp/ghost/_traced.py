@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..._core import _axes
-from ._plan import Evaluation, Plan
+from ..._core import _axes, _memory
+from ._plan import GHOST, INSTANTIATED, PER_EXAMPLE, Evaluation, Plan
 
 
 def _one_example_sharding(aval: Any, stripped: bool) -> Any:
@@ -175,10 +175,8 @@ class Traced:
         cannot be compiled on its own (a loss closing over a traced value)."""
         plan = self.plan
         positions = plan.diff_positions
-        ruled = [
-            k for k, x in enumerate(plan.leaves) if x.rule in ("ghost", "instantiated")
-        ]
-        pe = [k for k, x in enumerate(plan.leaves) if x.rule == "per-example"]
+        ruled = plan.with_rule(GHOST, INSTANTIATED)
+        pe = plan.with_rule(PER_EXAMPLE)
         axes = [None] * len(self._avals)
         for i in self._example_positions:
             axes[i] = 0
@@ -231,14 +229,7 @@ class Traced:
         ]
         try:
             return tuple(
-                int(
-                    jax.jit(f)
-                    .lower(*abstract)
-                    .compile()
-                    .memory_analysis()
-                    .temp_size_in_bytes
-                )
-                for f in (ghost, vmap)
+                _memory.temp_bytes("ghost", f, abstract) for f in (ghost, vmap)
             )
         except Exception:  # e.g. a loss closing over a traced value: not measured
             return None
