@@ -93,29 +93,32 @@ def check_auto_choice(search: dict, chosen: int, n: int, budget: int, measure) -
     """What `batch_size="auto"` guarantees about its `chosen` size for `n` examples.
 
     `measure(b)` is the compiled temp memory of the same program with the fixed int
-    `batch_size=b`. The search (`chunkvmap._core._memory.choose_batch_size`) returns the
-    largest probed size that fit, and stops only when that is N, when it fills >= 95%
-    of the budget, or when a larger probed size did not fit (or when its 8 probes are
-    spent, or when linear extrapolation from the first two probes says the next size
-    would not fit: neither happens in these tests, which then fail, as they should
-    for a search that gives up early). A search that returned, say, 1 fails here.
+    `batch_size=b`. The search (`chunkvmap._core._memory.choose_batch_size`) finds
+    the largest probed size that fit, and stops only when that is N, when it fills
+    >= 95% of the budget, or when a larger probed size did not fit (or when its 8
+    probes are spent, or when linear extrapolation from the first two probes says
+    the next size would not fit: neither happens in these tests, which then fail,
+    as they should for a search that gives up early). It then takes the fewest
+    chunks that fit, each as short as they allow (the fewest examples evaluated
+    for that many chunks). A search that returned, say, 1 fails here.
     """
     assert search["size"] == n and search["limit"] == budget, search
     assert search["chosen"] == chosen, search
     seen = search["seen"]
-    used = measure(chosen)
-    assert used <= budget, (chosen, used, budget)
-    # It measured the very program that then runs with batch_size=chosen.
-    assert seen.get(chosen) == used, (chosen, used, seen)
     fitting = [b for b, m in seen.items() if m <= budget]
-    assert chosen == max(fitting), seen
-    larger_failed = any(b > chosen and m > budget for b, m in seen.items())
-    assert chosen == n or used >= 0.95 * budget or larger_failed, (chosen, seen)
+    largest = max(fitting)
+    # It measured the very program that then runs with batch_size=largest.
+    assert measure(largest) == seen[largest], (largest, seen)
+    chunks = -(-n // largest)
+    assert chosen == -(-n // chunks), (chosen, largest, n)
+    assert measure(chosen) <= budget, (chosen, budget)
+    larger_failed = any(b > largest and m > budget for b, m in seen.items())
+    assert largest == n or seen[largest] >= 0.95 * budget or larger_failed, seen
     # Not needlessly small, measured independently: temp memory grows with the chunk
     # size (about affinely), so a chunk twice as large (or all N) does not fit.
-    if chosen < n:
-        bigger = min(n, 2 * chosen)
-        assert measure(bigger) > budget, (chosen, bigger, measure(bigger), budget)
+    if largest < n:
+        bigger = min(n, 2 * largest)
+        assert measure(bigger) > budget, (largest, bigger, measure(bigger), budget)
 
 
 class TraceCounter:

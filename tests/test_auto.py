@@ -1,4 +1,5 @@
-"""batch_size="auto": the largest chunk whose compiled temp memory fits a budget."""
+"""batch_size="auto": the fewest chunks whose compiled temp memory fits a budget,
+each as short as they allow."""
 
 import types
 
@@ -39,13 +40,8 @@ def test_chosen_size_fits_the_budget_by_the_same_estimate(limit, monkeypatch):
     budget = _memory.parse_memory("test", limit)
     used = temp_bytes(batch_vmap(mlp, (None, 0), batch_size=chosen), PARAMS, X)
     assert used <= budget
-    # Not needlessly small: a much larger chunk would not have fitted.
-    if chosen < X.shape[0]:
-        bigger = min(X.shape[0], 2 * chosen)
-        assert (
-            temp_bytes(batch_vmap(mlp, (None, 0), batch_size=bigger), PARAMS, X)
-            > budget
-        )
+    # Not needlessly small (check_auto_choice): a chunk twice as large as the
+    # largest that fits would not have fitted.
     (search,) = searches
     check_auto_choice(
         search,
@@ -264,11 +260,12 @@ def test_auto_cache_accounts_for_static_arguments(monkeypatch):
         )
 
 
-def test_auto_takes_the_largest_size_below_one_that_does_not_fit():
-    # Issue 17: one chunk of all N examples drops the loop and needs far more memory
-    # than N - 1 examples in chunks; the search used to stop at the size it had
+def test_auto_finds_the_largest_size_below_one_that_does_not_fit(monkeypatch):
+    # One chunk of all N examples drops the loop and needs far more memory than
+    # N - 1 examples in chunks; the search used to stop at the size it had
     # interpolated to (26 of 128) after that probe, deep in CPU's slow small-chunk
-    # range, though 127 fits.
+    # range, though 127 fits. It finds 127, then takes two chunks of 64 (two
+    # chunks of 127 would evaluate 254 examples).
     keys = jax.random.split(jax.random.key(0), 3)
     widths = [32, 64, 64, 10]
     params = [
@@ -289,6 +286,31 @@ def test_auto_takes_the_largest_size_below_one_that_does_not_fit():
 
     below, whole = temp(127), temp(128)
     assert whole > 4 * below  # the jump the search must not be misled by
+    searches = record_auto_searches(monkeypatch)
     f = per_example_grads(loss, batch_size="auto", memory_limit=2 * below)
     f(params, x, y)
-    assert last_batch_size(f) == 127
+    (search,) = searches
+    assert max(b for b, m in search["seen"].items() if m <= 2 * below) == 127
+    assert last_batch_size(f) == 64
+
+
+@pytest.mark.parametrize(
+    "n, fits, chosen",
+    [(256, 255, 128), (256, 256, 256), (257, 256, 129), (1000, 300, 250),
+     (7, 3, 3), (13, 1, 1), (100, 99, 50)],
+)  # fmt: skip
+def test_auto_takes_the_fewest_chunks_each_as_short_as_they_allow(n, fits, chosen):
+    """Of the sizes that fit, the fewest chunks, and of those the size that
+    evaluates the fewest examples (ceil(N / B) * B, the last window included): 255
+    of 256 would evaluate 510 examples, 128 evaluates 256."""
+
+    def measure(b):  # fits up to `fits`
+        return 1000 * b
+
+    got = _memory.choose_batch_size("test", measure, n, 1000 * fits)
+    assert got == chosen
+    evaluated = -(-n // got) * got
+    assert all(
+        -(-n // b) > -(-n // got) or -(-n // b) * b >= evaluated
+        for b in range(1, fits + 1)
+    )

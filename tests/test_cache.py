@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from chunkvmap import batch_map, batch_vmap
-from chunkvmap._core import _cache
+from chunkvmap._core import _cache, _program
 
 from .helpers import CompileCounter
 
@@ -249,10 +249,18 @@ def test_progress_calls_reuse_the_compiled_program():
 
 
 def test_a_recursive_closure_is_a_key():
-    def countdown(n):
-        return 0 if n == 0 else countdown(n - 1)
+    """A function in its own closure is compared to a bounded depth (then by
+    identity): itself, never another."""
 
-    assert _cache._identity(countdown) == _cache._identity(countdown)
+    def make():
+        def countdown(n):
+            return 0 if n == 0 else countdown(n - 1)
+
+        return countdown
+
+    first, second = make(), make()
+    assert _program.interchangeable(first, first)
+    assert not _program.interchangeable(first, second)
 
 
 def test_a_linen_call_leaves_nothing_of_itself_in_the_live_transform():

@@ -24,16 +24,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools as ft
-import types
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
-import jax.extend.core as jcore
 import numpy as np
 
-from . import _axes, _memory, _mesh
+from . import _axes, _memory, _mesh, _program
 
 
 MAX_ENTRIES = 32
@@ -50,14 +48,9 @@ Call = Callable[[tuple, dict, Known], Any]
 class LRU(collections.OrderedDict):
     """A bounded mapping that forgets its least recently used entry."""
 
-    def get_or_build(
-        self,
-        key: Hashable,
-        build: Callable[[], Any],
-        valid: Callable[[Any], bool] = lambda value: True,
-    ) -> Any:
-        """The value of `key` (built when missing, or when `valid` rejects it)."""
-        if key in self and valid(self[key]):
+    def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The value of `key` (built when missing)."""
+        if key in self:
             self.move_to_end(key)
             return self[key]
         value = build()
@@ -137,135 +130,36 @@ class EagerCache:
 
         closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*values)
         consts = list(closed.consts)
-        text, callables, inner = _program_key(closed.jaxpr)
+        out_tree = jax.tree.structure(out_shape)
+        if any(isinstance(c, jax.core.Tracer) for c in consts):
+            # The function closes over a value that an outer transformation traces
+            # (`jax.grad` with respect to it, say): the program is evaluated as
+            # traced, under that transformation (its derivative rules with it),
+            # and not kept.
+            out = jax.core.eval_jaxpr(closed.jaxpr, consts, *values)
+            return jax.tree.unflatten(out_tree, out)
+        program = _program.Program.of(closed.jaxpr)
         key = (
             treedef,
             tuple(static),
             shardings,
             jax.sharding.get_abstract_mesh(),
             tuple(_const_type(c) for c in consts),
-            text,
-            callables,
-            tuple(id(c) for c in inner),
+            tuple(_const_type(c) for c in program.hoisted),
+            program.key,
         )
-        entry = self.entries.get_or_build(
-            key,
-            lambda: _Entry(_compiled(closed.jaxpr), inner),
-            lambda entry: entry.holds(inner),
+        args = (consts, program.hoisted, *values)
+        run = self.entries.get_or_build(
+            key, lambda: program.compiled().lower(*args).compile()
         )
-        out = entry.run(consts, *values)
-        return jax.tree.unflatten(jax.tree.structure(out_shape), out)
-
-
-class _Entry:
-    """A compiled program and the arrays compiled into it (the constants of its
-    inner jaxprs: arrays a nested `jax.jit` closed over), held weakly: the entry
-    serves a call only while they are the very arrays of that call."""
-
-    def __init__(self, run: Callable[..., Any], inner: list[Any]):
-        self.run = run
-        self.refs = [_weak(c) for c in inner]
-
-    def holds(self, inner: list[Any]) -> bool:
-        return all(ref() is c for ref, c in zip(self.refs, inner))
-
-
-def _weak(value: Any) -> Callable[[], Any]:
-    try:
-        return weakref.ref(value)
-    except TypeError:
-        return lambda: value
+        out = run(*args)
+        return jax.tree.unflatten(out_tree, out)
 
 
 def _const_type(c: Any) -> Any:
-    """A closed-over constant's type, with its sharding (an argument of the
-    compiled program)."""
+    """A constant's type, with its sharding (an argument of the compiled
+    program)."""
     return (jax.typeof(c), getattr(c, "sharding", None))
-
-
-def _compiled(jaxpr: Any) -> Callable[..., Any]:
-    """`jaxpr` as one jitted function of its constants and arguments."""
-
-    @jax.jit
-    def run(consts: list[Any], *values: Any) -> Any:
-        return jax.core.eval_jaxpr(jaxpr, consts, *values)
-
-    return run
-
-
-# Parameters of JAX's primitives holding differentiation rules: an eager call's
-# program is evaluated, never differentiated, so they do not tell programs apart.
-_RULES = frozenset(
-    {"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "jvp", "fwd_jaxpr_thunk", "bwd", "fwd"}
-)
-
-
-def _program_key(jaxpr: Any) -> tuple[str, tuple[Any, ...], list[Any]]:
-    """What tells two traced programs apart: their text (equations, shapes, literal
-    constants), the Python callables they call back into (host callbacks, which the
-    text shows without identity), and the constants of their inner jaxprs (arrays
-    that a nested `jax.jit` closed over are compiled into the program: a new array
-    there is a new program)."""
-    callables: list[Any] = []
-    inner: list[Any] = []
-    _walk(jaxpr, callables, inner)
-    return str(jaxpr), tuple(callables), inner
-
-
-def _walk(jaxpr: Any, callables: list[Any], inner: list[Any]) -> None:
-    for eqn in jaxpr.eqns:
-        for name, value in eqn.params.items():
-            if name in _RULES:
-                continue
-            for v in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(v, jcore.ClosedJaxpr):
-                    inner.extend(v.consts)
-                    _walk(v.jaxpr, callables, inner)
-                elif isinstance(v, jcore.Jaxpr):
-                    _walk(v, callables, inner)
-                elif callable(v) and not isinstance(v, type):
-                    callables.append(_identity(getattr(v, "callback_func", v)))
-
-
-def _identity(value: Any, depth: int = 0) -> Any:
-    """A callable (or what a closure holds) as a key: a function by its code and
-    what its closure holds (JAX wraps a callback in a new closure at every trace),
-    lists, tuples and dicts by their items, a hashable value by itself (callables
-    compare as they define: a bound method by its object and function), anything
-    else by identity (held, so that the identity cannot be reused while the key
-    lives)."""
-    if depth > 8:  # deep (or self-referring) closures: by identity
-        return _Same(value)
-    if isinstance(value, types.FunctionType):
-        cells = []
-        for cell in value.__closure__ or ():
-            try:
-                cells.append(_identity(cell.cell_contents, depth + 1))
-            except ValueError:  # an empty cell
-                cells.append(None)
-        return ("function", value.__code__, tuple(cells))
-    if type(value) in (list, tuple):
-        return (type(value), tuple(_identity(v, depth + 1) for v in value))
-    if type(value) is dict:
-        return (dict, tuple((k, _identity(v, depth + 1)) for k, v in value.items()))
-    try:
-        hash(value)
-    except TypeError:
-        return _Same(value)
-    return value
-
-
-class _Same:
-    """A key part equal only to the very same object."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.value is self.value
-
-    def __hash__(self) -> int:
-        return id(self.value)
 
 
 _MEMO: weakref.WeakKeyDictionary[Any, LRU] = weakref.WeakKeyDictionary()

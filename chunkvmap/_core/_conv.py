@@ -25,7 +25,6 @@ which XLA:CPU leaves to that path inside the loop.
 
 from __future__ import annotations
 
-import contextlib
 import functools as ft
 import math
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from ._jaxprs import bind_params, sub_jaxprs
+from ._jaxprs import bind, evaluate, rebuilt, sub_jaxprs
 
 
 _CONV = "conv_general_dilated"
@@ -191,40 +190,24 @@ def has_convolution(jaxpr: Any) -> bool:
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """`jaxpr` evaluated with its convolutions (and those of its sub-jaxprs) laid
     out for XLA:CPU."""
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        # In the context the equation was traced in (its mesh, as jax.core.eval_jaxpr).
-        ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-        with ctx if ctx is not None else contextlib.nullcontext():
-            if _rewritten(eqn):
-                outs = [_conv(*ins, dict(eqn.params), _depthwise(eqn))]
-            else:
-                outs = _bind(eqn, ins)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return evaluate(jaxpr, consts, args, _equation)
 
 
-def _bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
-    """`eqn` on `ins`, its sub-jaxprs rewritten where they hold convolutions."""
+def _equation(eqn: Any, ins: list[Any]) -> list[Any]:
+    """`eqn` on `ins`: a convolution laid out, any other primitive bound with its
+    sub-jaxprs rewritten where they hold convolutions."""
+    if _rewritten(eqn):
+        return [_conv(*ins, dict(eqn.params), _depthwise(eqn))]
     params = dict(eqn.params)
     for key, value in eqn.params.items():
         subs = sub_jaxprs(value)
         if not subs or not any(has_convolution(s) for s in subs):
             continue
         if isinstance(value, (tuple, list)):
-            params[key] = type(value)(_rewrite(v) for v in value)
+            params[key] = rebuilt(value, [_rewrite(v) for v in value])
         else:
             params[key] = _rewrite(value)
-    subfuns, kw = bind_params(eqn.primitive, params)
-    outs = eqn.primitive.bind(*subfuns, *ins, **kw)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
+    return bind(eqn, ins, params)
 
 
 def _rewrite(sub: Any) -> Any:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._axes import stacked as stacked_type
+from ._axes import ARRAY_TYPES, stacked as stacked_type
 from ._options import identity
 
 
@@ -622,10 +622,22 @@ class Body:
         )
 
         def shares(part: list[Any], length: int) -> list[Any]:
+            # Only arrays go through the vmap over the shares; anything else (a
+            # function an Equinox module holds, say) is closed over as it is.
+            mapped = [
+                k for k, (x, a) in enumerate(zip(part, axes))
+                if a is not None or isinstance(x, ARRAY_TYPES)
+            ]  # fmt: skip
+
+            def one(values: list[Any]) -> list[Any]:
+                full = list(part)
+                for k, v in zip(mapped, values):
+                    full[k] = v
+                return self.chunk_fn(full, length)
+
             ys = jax.vmap(
-                lambda ls: self.chunk_fn(ls, length), in_axes=(list(axes),),
-                out_axes=list(out_axes),
-            )(part)  # fmt: skip
+                one, in_axes=([axes[k] for k in mapped],), out_axes=list(out_axes)
+            )([part[k] for k in mapped])
             return [
                 y if o is None else _with_entry(y, o, entry)
                 for y, o in zip(ys, out_axes)

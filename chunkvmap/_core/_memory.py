@@ -111,10 +111,15 @@ def temp_bytes(name: str, program: Callable[..., Any], abstract_args: list[Any])
 def choose_batch_size(
     name: str, measure: Callable[[int], int], size: int, limit: int
 ) -> int:
-    """The largest batch size `B <= size` with `measure(B) <= limit` (by the estimate).
+    """The batch size for `size` examples under `limit` bytes: the fewest chunks
+    that fit, each as short as they allow.
 
-    `measure(B)` is the compiled temporary memory with chunks of `B`. A budget that does
-    not fit one example is an error.
+    `measure(B)` is the compiled temporary memory with chunks of `B`. The largest
+    `B` with `measure(B) <= limit` (by the estimate) gives the fewest chunks,
+    `ceil(size / B)`; of the sizes that give as few, the smallest evaluates the
+    fewest examples (`ceil(size / B) * B`, the last chunk's window included): 128
+    rather than 255 for 256 examples. A budget that does not fit one example is
+    an error.
     """
     if size <= 1:
         return max(size, 1)
@@ -159,16 +164,20 @@ def choose_batch_size(
             fits = seen[best]
             local = (used - fits) / (guess - best)
             guess = best + int((limit - fits) / local)
+    chunks = -(-size // best)
+    balanced = -(-size // chunks)
     logger.info(
-        "%s batch_size='auto': chose %d of %d examples for a budget of %d bytes "
-        "(probes: %s)",
+        "%s batch_size='auto': chose %d of %d examples (%d chunks; up to %d fit) "
+        "for a budget of %d bytes (probes: %s)",
         name,
-        best,
+        balanced,
         size,
+        chunks,
+        best,
         limit,
         dict(sorted(seen.items())),
     )
-    return best
+    return balanced
 
 
 # --------------------------------------------------------------------------------------

@@ -227,7 +227,9 @@ def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
         out_box[:] = [out_tree]
         return out_leaves
 
-    fun_flat = jax.jit(fun_flat)
+    # Inlined where it is called: the arrays `fun` closes over are then constants
+    # of the caller's program, which an eager call passes as arguments.
+    fun_flat = jax.jit(fun_flat, inline=True)
     # The first size an "auto" search measures, else the chunk size itself.
     probe = (
         min(size, 1)

@@ -1,0 +1,410 @@
+"""An eager call's traced program as its cache sees it: what tells two programs
+apart, and one function of everything that varies between calls.
+
+`Program.of(closed)` reads a program traced by `jax.make_jaxpr`:
+
+* **Its key** tells apart any two programs that could compute different things:
+  the jaxpr's text (equations, shapes, literal constants), every Python object an
+  equation holds besides jaxprs and printed values (host callbacks, say) as
+  `Held`, and where the constants of its nested jaxprs sit.
+* **Its arguments** are everything else that varies: the arrays the trace closed
+  over (`closed.consts`) and the arrays that nested jaxprs hold as constants (a
+  `jax.jit` inside the user's function closing over a NumPy or JAX array). Nested
+  constants become arguments wherever the equation holding them can be evaluated
+  here (`jit`, `checkpoint`, custom derivatives, `scan`, `while`, `cond`: their
+  bodies are evaluated by `evaluate`, their constants passed in); elsewhere (an
+  equation of any other primitive) they stay compiled in and are part of the key:
+  a JAX array by identity, a NumPy array by its value.
+
+So a program compiled for one call serves another only when it computes the same
+function of the other's arguments, and it holds none of them. Differentiation
+rules (`custom_jvp`'s, `custom_vjp`'s) are not part of the key: a cached program is
+only evaluated, on concrete arguments (a program that closes over a tracer is
+evaluated as traced, never cached: `EagerCache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import dis
+import functools as ft
+import hashlib
+import struct
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import jax.extend.core.primitives as prims
+import numpy as np
+from jax import lax
+
+from ._jaxprs import bind, evaluate
+
+
+# Parameters holding differentiation rules: a cached program is evaluated, never
+# differentiated, so they do not tell programs apart.
+_RULES = frozenset(
+    {"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "jvp", "fwd_jaxpr_thunk", "bwd", "fwd",
+     "out_trees"}
+)  # fmt: skip
+
+# Immutable values compared by value (floats by their bits: 0.0 is not -0.0).
+_VALUES = (int, bool, str, bytes, type(None), type(Ellipsis), np.dtype, types.CodeType)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """A traced program: `key`, and `run(consts, hoisted, *args)` evaluating it
+    (`hoisted`: the nested constants that are its arguments, `Program.hoisted` for
+    this trace; a later trace with the same key passes its own)."""
+
+    jaxpr: Any
+    key: tuple
+    hoisted: list[Any]
+    slots: dict[int, int]
+    inlined: frozenset[int]
+
+    @classmethod
+    def of(cls, jaxpr: Any) -> Program:
+        walk = _Walk()
+        walk.jaxpr(jaxpr, hoisting=True)
+        key = (str(jaxpr), tuple(walk.parts))
+        return cls(jaxpr, key, walk.hoisted, walk.slots, frozenset(walk.inlined))
+
+    def compiled(self) -> Callable[..., Any]:
+        """One `jax.jit` of this program's constants, nested constants and
+        arguments."""
+        if not self.hoisted:
+
+            @jax.jit
+            def plain(consts: list[Any], hoisted: list[Any], *args: Any) -> Any:
+                return jax.core.eval_jaxpr(self.jaxpr, consts, *args)
+
+            return plain
+
+        @jax.jit
+        def run(consts: list[Any], hoisted: list[Any], *args: Any) -> Any:
+            return _Evaluation(self, hoisted).jaxpr(self.jaxpr, consts, args)
+
+        return run
+
+
+class _Walk:
+    """One pass over a program: the key's parts beyond its text (`parts`), the
+    nested constants that become arguments (`hoisted`, each nested ClosedJaxpr's
+    from `slots[id(closed)]` on) and the equations evaluated here (`inlined`)."""
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.hoisted: list[Any] = []
+        self.slots: dict[int, int] = {}
+        self.inlined: set[int] = set()
+
+    def jaxpr(self, jaxpr: Any, hoisting: bool) -> bool:
+        """Reads `jaxpr`'s equations (their nested constants hoisted where
+        `hoisting`: the caller evaluates `jaxpr` itself); whether any hoisted."""
+        holds = False
+        for eqn in jaxpr.eqns:
+            evaluable = hoisting and _evaluable(eqn)
+            inner = False
+            for name, value in eqn.params.items():
+                if name in _RULES:
+                    continue
+                for v in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(v, jcore.ClosedJaxpr):
+                        inner |= self.closed(v, evaluable)
+                    elif isinstance(v, jcore.Jaxpr):
+                        inner |= self.jaxpr(v, evaluable)
+                    elif _held(v):
+                        self.parts.append(Held(v))
+            if inner:
+                self.inlined.add(id(eqn))
+            holds |= inner
+        return holds
+
+    def closed(self, closed: Any, hoisting: bool) -> bool:
+        """Reads a nested ClosedJaxpr: its constants hoisted where `hoisting` (the
+        same object twice: the same arguments), compiled in otherwise."""
+        consts = closed.consts
+        if hoisting and consts and all(_is_array(c) for c in consts):
+            base = self.slots.get(id(closed))
+            if base is None:
+                base = self.slots[id(closed)] = len(self.hoisted)
+                self.hoisted.extend(consts)
+            self.parts.append(("hoisted", base, len(consts)))
+            self.jaxpr(closed.jaxpr, hoisting)
+            return True
+        self.parts.extend(_compiled_in(c) for c in consts)
+        return self.jaxpr(closed.jaxpr, hoisting)
+
+
+def _is_array(c: Any) -> bool:
+    return isinstance(c, (jax.Array, np.ndarray))
+
+
+def _compiled_in(c: Any) -> Any:
+    """A key part for a constant compiled into the program: a NumPy array by its
+    value (it may change in place), anything else by identity (`Held`)."""
+    if isinstance(c, np.ndarray):
+        digest = hashlib.blake2b(np.ascontiguousarray(c).view(np.uint8)).digest()
+        return ("numpy", c.dtype, c.shape, digest)
+    return Held(c)
+
+
+def _held(value: Any) -> bool:
+    """Whether a parameter is a Python object the program's text does not show
+    completely (a callable, an object of the user's)."""
+    if isinstance(value, (tuple, list)):
+        return any(_held(v) for v in value)
+    if isinstance(value, type):
+        return False
+    if callable(value):
+        return True
+    return not isinstance(value, _VALUES + (float, complex)) and not _jax_value(value)
+
+
+def _jax_value(value: Any) -> bool:
+    """A value of JAX's or NumPy's own types (meshes, shardings, dimension
+    numbers, avals): immutable, and shown by the text."""
+    return _module(value) in ("jax", "jaxlib", "numpy", "ml_dtypes")
+
+
+def _module(value: Any) -> str:
+    return type(value).__module__.split(".")[0]
+
+
+class Held:
+    """A key part for a Python object a program holds: equal to another while the
+    two are interchangeable (`interchangeable`), compared when a key is looked up,
+    so that a callable's state is read as it is then."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: Any):
+        self.value = value
+        code = getattr(_function(value), "__code__", None)
+        self._hash = hash((type(value), code))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Held) and interchangeable(self.value, other.value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+def _function(value: Any) -> Any:
+    """The plain function a partial or a bound method wraps (itself otherwise)."""
+    while isinstance(value, (ft.partial, types.MethodType)):
+        value = value.func if isinstance(value, ft.partial) else value.__func__
+    return value
+
+
+def interchangeable(a: Any, b: Any, depth: int = 0) -> bool:
+    """Whether `a` can stand for `b` in a compiled program: the same object; equal
+    immutable values of one type (floats by their bits); plain functions with the
+    same code, globals, defaults and closure (each compared this way; the dicts
+    and lists in the closure of JAX's own functions by their items), that never
+    rebind their closure (`nonlocal`); partials and bound methods of
+    interchangeable functions (a method of the same object); JAX's own frozen
+    dataclasses (and chunkvmap's) with interchangeable fields. Anything else only
+    by identity."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or depth > 8:
+        return False
+    if isinstance(a, _VALUES):
+        return a == b
+    if isinstance(a, (float, complex, np.generic)):
+        return _bits(a) == _bits(b)
+    if type(a) is tuple:
+        return len(a) == len(b) and _all(a, b, depth)
+    if isinstance(a, types.FunctionType):
+        return _same_function(a, b, depth)
+    if isinstance(a, ft.partial):
+        return (
+            interchangeable(a.func, b.func, depth + 1)
+            and _all(a.args, b.args, depth)
+            and _same_dict(a.keywords, b.keywords, depth)
+        )
+    if isinstance(a, types.MethodType):
+        return a.__self__ is b.__self__ and interchangeable(
+            a.__func__, b.__func__, depth + 1
+        )
+    if dataclasses.is_dataclass(a) and _module(a) in ("jax", "chunkvmap"):
+        frozen = type(a).__dataclass_params__.frozen  # pyright: ignore
+        fields = [f.name for f in dataclasses.fields(a)]
+        return frozen and _all(
+            [getattr(a, f) for f in fields], [getattr(b, f) for f in fields], depth
+        )
+    if _jax_value(a) and not _is_array(a):  # arrays: only by identity
+        try:
+            return bool(a == b) and not callable(a)
+        except Exception:  # noqa: BLE001 (an array's elementwise ==)
+            return False
+    return False
+
+
+def _all(a: Sequence[Any], b: Sequence[Any], depth: int) -> bool:
+    return len(a) == len(b) and all(
+        interchangeable(x, y, depth + 1) for x, y in zip(a, b)
+    )
+
+
+def _same_dict(a: dict | None, b: dict | None, depth: int) -> bool:
+    a, b = a or {}, b or {}
+    return a.keys() == b.keys() and _all(list(a.values()), [b[k] for k in a], depth)
+
+
+def _bits(x: Any) -> bytes:
+    if isinstance(x, np.generic):
+        return x.dtype.str.encode() + x.tobytes()
+    if isinstance(x, complex):
+        return struct.pack("<dd", x.real, x.imag)
+    return struct.pack("<d", x)
+
+
+def _same_function(a: types.FunctionType, b: types.FunctionType, depth: int) -> bool:
+    if (
+        a.__code__ != b.__code__
+        or a.__globals__ is not b.__globals__
+        or _rebinds_closure(a.__code__)
+        or not _all(a.__defaults__ or (), b.__defaults__ or (), depth)
+        or not _same_dict(a.__kwdefaults__, b.__kwdefaults__, depth)
+        or a.__dict__ != b.__dict__
+    ):
+        return False
+    cells_a, cells_b = _cells(a), _cells(b)
+    if a.__module__.split(".")[0] == "jax":
+        # JAX's own callbacks' wrappers: made anew at every trace, and never
+        # changing the dicts and lists they hold (a callback's static arguments)
+        cells_a, cells_b = _frozen(cells_a), _frozen(cells_b)
+    return _all(cells_a, cells_b, depth)
+
+
+def _frozen(values: list[Any]) -> list[Any]:
+    """Lists and dicts as tuples of their items (keys sorted by their text)."""
+    return [
+        tuple(sorted(v.items(), key=lambda kv: repr(kv[0])))
+        if type(v) is dict
+        else tuple(v)
+        if type(v) is list
+        else v
+        for v in values
+    ]
+
+
+_EMPTY = object()
+
+
+def _cells(f: types.FunctionType) -> list[Any]:
+    out = []
+    for cell in f.__closure__ or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            out.append(_EMPTY)
+    return out
+
+
+@ft.lru_cache(maxsize=1024)
+def _rebinds_closure(code: types.CodeType) -> bool:
+    """Whether a function of `code` rebinds a variable of its closure
+    (`nonlocal x; x = ...`): two such functions differ once either has run."""
+    return any(
+        ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in code.co_freevars
+        for ins in dis.get_instructions(code)
+    )
+
+
+def _evaluable(eqn: Any) -> bool:
+    """Whether `eqn` is one `_Evaluation` evaluates from its parts (a nested `jit`
+    only without shardings or compiler options of its own)."""
+    if eqn.primitive is prims.jit_p:
+        shardings = (*eqn.params["in_shardings"], *eqn.params["out_shardings"])
+        return not eqn.params.get("compiler_options_kvs") and not any(
+            isinstance(s, jax.sharding.Sharding) for s in shardings
+        )
+    return eqn.primitive in _EVALUATED
+
+
+class _Evaluation:
+    """A program evaluated with its nested constants given (`hoisted`, by the
+    positions `Program.slots` gives them)."""
+
+    def __init__(self, program: Program, hoisted: Sequence[Any]):
+        self.program = program
+        self.hoisted = hoisted
+
+    def jaxpr(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:
+        return evaluate(jaxpr, consts, args, self.equation)
+
+    def equation(self, eqn: Any, ins: list[Any]) -> list[Any]:
+        if id(eqn) not in self.program.inlined:
+            return bind(eqn, ins)
+        return _EVALUATED.get(eqn.primitive, _inline)(self, eqn, ins)
+
+    def sub(self, jaxpr: Any, *args: Any) -> list[Any]:
+        """A nested jaxpr (open or closed) evaluated on `args`."""
+        if isinstance(jaxpr, jcore.Jaxpr):
+            return self.jaxpr(jaxpr, (), args)
+        base = self.program.slots.get(id(jaxpr))
+        consts = (
+            jaxpr.consts
+            if base is None
+            else self.hoisted[base : base + len(jaxpr.consts)]
+        )
+        return self.jaxpr(jaxpr.jaxpr, consts, args)
+
+
+def _inline(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
+    """A call (`jit`, `checkpoint`, a custom derivative's primal): its body, here."""
+    params = eqn.params
+    return run.sub(params.get("jaxpr", params.get("call_jaxpr")), *ins)
+
+
+def _scan(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
+    p = eqn.params
+    consts, rest = ins[: p["num_consts"]], ins[p["num_consts"] :]
+    init, xs = rest[: p["num_carry"]], rest[p["num_carry"] :]
+
+    def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        outs = run.sub(p["jaxpr"], *consts, *carry, *x)
+        return outs[: p["num_carry"]], outs[p["num_carry"] :]
+
+    carry, ys = lax.scan(
+        body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
+    return [*carry, *ys]
+
+
+def _while(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts, init = ins[:nc], ins[nc : nc + nb], ins[nc + nb :]
+    return lax.while_loop(
+        lambda c: run.sub(p["cond_jaxpr"], *cond_consts, *c)[0],
+        lambda c: run.sub(p["body_jaxpr"], *body_consts, *c),
+        init,
+    )
+
+
+def _cond(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
+    index, ops = ins[0], ins[1:]
+    branches = [ft.partial(run.sub, b) for b in eqn.params["branches"]]
+    return lax.switch(index, branches, *ops)
+
+
+# The primitives `_Evaluation` evaluates from their parts (for evaluation only:
+# custom derivatives are their primal computation).
+_EVALUATED: dict[Any, Callable[[_Evaluation, Any, list[Any]], list[Any]]] = {
+    prims.jit_p: _inline,
+    prims.closed_call_p: _inline,
+    prims.remat_p: _inline,
+    prims.custom_jvp_call_p: _inline,
+    prims.custom_vjp_call_p: _inline,
+    prims.scan_p: _scan,
+    prims.while_p: _while,
+    prims.cond_p: _cond,
+}
