@@ -40,7 +40,8 @@ def run_seconds(exe, args, repeats):
 
 
 def machine() -> str:
-    """One line naming the software and hardware the numbers come from."""
+    """One line naming the software and hardware the numbers come from, with the
+    machine's load (its 1-minute average) when it is asked."""
     import os
     import platform
 
@@ -48,7 +49,8 @@ def machine() -> str:
     return (
         f"jax {jax.__version__}, backend {jax.default_backend()} "
         f"({device.device_kind}, {jax.device_count()} device(s)), "
-        f"{platform.machine()} host with {os.cpu_count()} CPU core(s)"
+        f"{platform.machine()} host with {os.cpu_count()} CPU core(s), "
+        f"load {os.getloadavg()[0]:.1f}"
     )
 
 

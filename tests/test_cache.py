@@ -1,6 +1,7 @@
 """The eager cache: compiled once per program, never stale (a changed closure is
 seen, as by jax.vmap), bounded, never keeping user functions alive."""
 
+import functools as ft
 import gc
 import weakref
 
@@ -288,3 +289,93 @@ def test_a_linen_call_leaves_nothing_of_itself_in_the_live_transform():
     gc.collect()
     assert ref() is None
     assert lifted is not None  # alive to the end, and its transform with it
+
+
+def test_held_callables_are_interchangeable_only_when_they_would_do_the_same():
+    """What a program holds (a host callback, say) stands for another only when
+    calling either does the same thing: floats by their bits, defaults and
+    closures compared, a mutable value or an object only by identity, a function
+    that rebinds its closure only by identity."""
+    same = _program.interchangeable
+
+    def scaled(s):
+        return lambda x, s=s: x * s
+
+    def closing(s):
+        return lambda x: x * s
+
+    def counter():
+        n = 0
+
+        def count(x):
+            nonlocal n
+            n += 1
+            return x
+
+        return count
+
+    assert same(scaled(2.0), scaled(2.0)) and same(closing(2.0), closing(2.0))
+    assert not same(scaled(0.0), scaled(-0.0))
+    assert not same(closing(0.0), closing(-0.0))
+    assert not same(scaled(1), scaled(1.0)) and not same(scaled(1), scaled(True))
+    assert not same(closing([]), closing([]))  # two lists: two states
+    assert not same(counter(), counter())  # each counts its own calls
+    def keyword(s):
+        return lambda x, *, t=s: x * t
+
+    assert same(keyword(1.0), keyword(1.0)) and not same(keyword(1.0), keyword(2.0))
+    assert same(ft.partial(max, 1.0), ft.partial(max, 1.0))
+    assert not same(ft.partial(max, 0.0), ft.partial(max, -0.0))
+    first, second = [], []
+    assert same(first.append, first.append) and not same(first.append, second.append)
+    assert not same(np.zeros(1), np.zeros(1))  # mutable: only itself
+
+
+def test_a_callback_default_of_minus_zero_is_a_new_program():
+    def sign(v):
+        return jax.pure_callback(
+            SINK["cb"], jax.ShapeDtypeStruct(v.shape, v.dtype), v,
+            vmap_method="sequential",
+        )  # fmt: skip
+
+    f, x = batch_vmap(sign, batch_size=2), jnp.ones((5, 3))
+    for s in (0.0, -0.0):
+        SINK["cb"] = lambda v, s=s: np.copysign(np.asarray(v), s)
+        np.testing.assert_array_equal(np.signbit(f(x)), np.signbit(jax.vmap(sign)(x)))
+
+
+def test_a_custom_vjp_compiles_once():
+    """The derivative rules an eagerly evaluated program holds (a custom_vjp's
+    output trees, made anew at every trace) do not tell programs apart."""
+
+    @jax.custom_vjp
+    def double(z):
+        return z * 2
+
+    double.defvjp(lambda z: (z * 2, None), lambda _, g: (g * 2,))
+    f, x = batch_vmap(double, batch_size=2), jnp.ones((5, 3))
+    f(x)
+    with CompileCounter() as compiles:
+        np.testing.assert_allclose(f(x), 2 * np.ones((5, 3)))
+    assert compiles.count == 0
+
+
+@pytest.mark.parametrize("where", ["closure", "nested jit"])
+def test_a_dropped_transform_leaves_no_array_alive(where):
+    """Once the transform and what its function closed over are dropped, none of
+    the closure's arrays is among `jax.live_arrays()` (a distinctive shape)."""
+    held = {"a": jnp.ones((7, 11))}
+
+    def f(v):
+        a = held["a"]
+        if where == "nested jit":
+            return jax.jit(lambda y: y @ a)(v)
+        return v @ a
+
+    g = batch_vmap(f, batch_size=2)
+    for value in (1.0, 2.0):
+        held["a"] = jnp.full((7, 11), value)
+        np.testing.assert_allclose(g(jnp.ones((5, 7))), 7 * value * np.ones((5, 11)))
+    del g, held["a"]
+    gc.collect()
+    assert not [a for a in jax.live_arrays() if a.shape == (7, 11)]

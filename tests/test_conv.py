@@ -31,6 +31,18 @@ from .helpers import clipped_sum, jaxpr_eqns, tree_allclose
 N, B = 7, 3  # examples in chunks of 3: two full chunks and a remainder
 
 
+@pytest.fixture(autouse=True)
+def _every_kernel_laid_out(request, monkeypatch):
+    """The rewrite applies from 64 (input x output) channels on, where it runs
+    faster; this file's small kernels (fast to compile) are laid out too, so that
+    every layout's rewrite is checked. `test_small_kernels_keep_their_layout`
+    checks the threshold itself."""
+    if request.node.originalname != "test_small_kernels_keep_their_layout":
+        from chunkvmap._core import _conv
+
+        monkeypatch.setattr(_conv, "_MIN_CHANNELS", 0)
+
+
 def close(actual, expected, rtol=1e-5):
     """Equal structure, shapes and dtypes, and values to float32 summation-order
     differences: each leaf to `rtol` relative to its largest entry (a gradient entry
@@ -161,6 +173,24 @@ def test_batch_sizes_jit_and_eager(n, b):
     close(jax.jit(chunked)(w, x), expected)
 
 
+@pytest.mark.parametrize(
+    "nd, cin, cout, laid_out",
+    [(1, 2, 4, False), (2, 4, 4, False), (3, 2, 4, False), (3, 4, 16, True),
+     (2, 8, 8, True), (1, 32, 2, True)],
+)  # fmt: skip
+def test_small_kernels_keep_their_layout(nd, cin, cout, laid_out):
+    """Kernels of fewer than 64 (input x output) channels run faster on XLA:CPU's
+    own path inside the loop (a 3-D 2 -> 4 convolution 7x slower laid out), and
+    are left as they are; larger ones are laid out. Values match jax.vmap."""
+    sp = "DHW"[-nd:]
+    case = Case("c", ("NC" + sp, "OI" + sp, "NC" + sp), cin=cin, cout=cout)
+    w, x = case.arrays(N)
+    chunked = batch_vmap(case.f, (None, 0), batch_size=B)
+    eqns = jaxpr_eqns(jax.make_jaxpr(chunked)(w, x))
+    assert any(e.primitive.name == "custom_jvp_call" for e in eqns) == laid_out
+    close(chunked(w, x), jax.vmap(case.f, (None, 0))(w, x))
+
+
 def test_the_chunk_function_is_rewritten():
     """The traced program holds the canonical convolution in a custom_jvp (the
     positive control of the dtype tests below)."""
@@ -221,6 +251,10 @@ SUB_JAXPRS = {
         jnp.sum(w) > 0, lambda: nchw(w, x), lambda: -nchw(w, 2.0 * x)
     ),
     "nested": jax.jit(jax.checkpoint(scanned)),
+    # custom_linear_solve, whose jaxprs are a namedtuple
+    "cg": lambda w, x: jax.scipy.sparse.linalg.cg(
+        lambda v: v + 0.05 * nchw(w, v), x, maxiter=3
+    )[0],
     "custom_jvp": conv_custom_jvp,
     "custom_vjp": conv_custom_vjp,
     "precision_highest": lambda w, x: lax.conv_general_dilated(

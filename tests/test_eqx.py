@@ -1,5 +1,7 @@
 """chunkvmap.eqx.filter_batch_vmap against eqx.filter_vmap on the same inputs."""
 
+import contextlib
+
 import equinox as eqx  # noqa: E402
 import jax
 import jax.numpy as jnp
@@ -225,3 +227,63 @@ def test_decorator_form_keeps_chunk_size():
     assert calls == [(1, 3), (2, 3), (3, 3)]
     with pytest.raises(ValueError, match="filter_batch_vmap chunk_size must be"):
         filter_batch_vmap(chunk_size=0)(lambda x: x)
+
+
+@pytest.mark.parametrize("hold", ["placed", "set_mesh", "mesh="])
+@pytest.mark.parametrize(
+    "entry", ["filter_batch_vmap", "per_example_grads", "clipped_grad_sum", "ghost"]
+)
+def test_modules_holding_functions_on_a_mesh(entry, hold):
+    """An MLP holds its activation (a function) as a field: its members, or the
+    data, sharded over a mesh (placed, under jax.set_mesh, or named by mesh=) run
+    as on one device, as with eqx.filter_vmap and jax.vmap(jax.grad)."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from chunkvmap import clipped_grad_sum, per_example_grads
+
+    from .helpers import clipped_sum
+
+    mesh = jax.make_mesh((8,), ("data",))
+
+    def placed(tree):
+        if hold == "mesh=":
+            return tree
+        sharding = NamedSharding(mesh, P("data"))
+        return jax.tree.map(
+            lambda a: jax.device_put(a, sharding) if eqx.is_array(a) else a, tree
+        )
+
+    options = dict(batch_size=2, shard=True, mesh=mesh) if hold == "mesh=" else {}
+    options.setdefault("batch_size", 2)
+    context = jax.set_mesh(mesh) if hold == "set_mesh" else contextlib.nullcontext()
+    if entry == "filter_batch_vmap":
+        models = eqx.filter_vmap(make_model)(jax.random.split(jax.random.key(3), 16))
+        expected = eqx.filter_vmap(apply, in_axes=(eqx.if_array(0), None))(models, X[0])
+        with context:
+            got = filter_batch_vmap(apply, in_axes=(eqx.if_array(0), None), **options)(
+                placed(models), X[0]
+            )
+        tree_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        return
+    model = make_model(jax.random.key(4))
+    xs = jnp.linspace(-1.0, 1.0, 16 * 3, dtype=jnp.float32).reshape(16, 3)
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    def loss_of_arrays(p, x):
+        return loss(eqx.combine(p, static), x)
+
+    with context:
+        if entry == "per_example_grads":
+            got = per_example_grads(loss, **options)(model, placed(xs))
+            expected = jax.vmap(jax.grad(loss_of_arrays), (None, 0))(params, xs)
+        else:
+            method = "ghost" if entry == "ghost" else "vmap"
+            clipped = clipped_grad_sum(loss, 0.5, method=method, **options)
+            got = clipped(model, placed(xs))[0]
+            expected = clipped_sum(loss_of_arrays, 0.5, (params, xs))[0]
+    tree_allclose(arrays(got), expected, rtol=1e-4, atol=1e-6)

@@ -301,6 +301,12 @@ def test_input_on_another_mesh_is_moved_onto_the_mesh(entry):
     tree_allclose(out, jax.vmap(f, (None, 0))(PARAMS, data(13)))
 
 
+def explicit_other():
+    """An Explicit 1-D mesh over the devices in reverse order, axis "e"."""
+    devices = np.array(jax.devices()[:8][::-1])
+    return jax.sharding.Mesh(devices, ("e",), axis_types=(AxisType.Explicit,))
+
+
 def test_explicit_inputs_and_ambient_meshes():
     explicit = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
     xe = jax.device_put(data(16), NamedSharding(explicit, P("d")))
@@ -316,6 +322,13 @@ def test_explicit_inputs_and_ambient_meshes():
         out = batch_vmap(f, (None, 0), batch_size=1, shard=True)(PARAMS, data(16))
         tree_allclose(out, ref)
         assert out.sharding.spec == P("d", None)
+    # Inputs placed on the mesh= they name do not let it override the held one.
+    on_other = jax.device_put(data(16), NamedSharding(explicit_other(), P("e")))
+    with jax.set_mesh(explicit):
+        with pytest.raises(ValueError, match="called under jax.set_mesh"):
+            batch_vmap(f, (None, 0), batch_size=1, shard=True, mesh=explicit_other())(
+                PARAMS, on_other
+            )
     # An ambient 1-D Auto mesh is used when no mesh is passed.
     with jax.set_mesh(MESH):
         out = batch_vmap(f, (None, 0), batch_size=1, shard=True)(PARAMS, data(16))

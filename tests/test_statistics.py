@@ -336,6 +336,29 @@ def test_ghost_gram_takes_a_layers_ghost_terms_only_where_they_cost_less():
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=atol)
 
 
+def test_ghost_gram_shares_a_convolutions_patches_over_the_chunk():
+    """A convolution's ghost terms also cost building its patches, once per
+    example, shared by the chunk of rows (16 here): a 3x3 kernel over 5x5 images of
+    16 channels keeps its ghost pair terms (they would not pay if building the
+    patches cost a chunk's worth per pair)."""
+
+    def loss(p, x):
+        y = jax.lax.conv_general_dilated(x[None], p["k"], (1, 1), "VALID")
+        return jnp.sum(jnp.tanh(y) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {"k": jnp.asarray(rng.normal(size=(16, 16, 3, 3)) / 10, jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(20, 16, 5, 5)), jnp.float32)
+    dots = _statistics._GhostDots("gram", loss, (params, x), (0,), (None, 0), False, 16)
+    assert dots.traced.plan.leaves[0].rule == "ghost"
+    assert dots.ghost == [0]
+    _, flat = oracle_grads(loss, params, x)
+    got = per_example_grad_gram(loss, batch_size=16, method="ghost")(params, x)
+    expected = flat @ flat.T
+    atol = 1e-5 * float(np.abs(expected).max())
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=atol)
+
+
 def test_gram_of_a_batch_with_itself_is_exactly_symmetric():
     """Over positions (a dense layer on 7 of them), the two chunks that reach a
     pair can round its ghost terms differently; the matrix takes one value for

@@ -207,7 +207,8 @@ def interchangeable(a: Any, b: Any, depth: int = 0) -> bool:
     same code, globals, defaults and closure (each compared this way; the dicts
     and lists in the closure of JAX's own functions by their items), that never
     rebind their closure (`nonlocal`); partials and bound methods of
-    interchangeable functions (a method of the same object); JAX's own frozen
+    interchangeable functions (a method of the same object, a built-in one by its
+    name); JAX's own frozen
     dataclasses (and chunkvmap's) with interchangeable fields. Anything else only
     by identity."""
     if a is b:
@@ -228,6 +229,8 @@ def interchangeable(a: Any, b: Any, depth: int = 0) -> bool:
             and _all(a.args, b.args, depth)
             and _same_dict(a.keywords, b.keywords, depth)
         )
+    if isinstance(a, types.BuiltinMethodType):  # `some_list.append`, `max`
+        return a.__self__ is b.__self__ and a.__name__ == b.__name__
     if isinstance(a, types.MethodType):
         return a.__self__ is b.__self__ and interchangeable(
             a.__func__, b.__func__, depth + 1
