@@ -80,10 +80,9 @@ MUTANTS = {
     ),
     "eager cache: programs keyed without their text (Python constants)": (
         (
-            "chunkvmap/_core/_cache.py",
-            "        text, callables, inner = _program_key(closed.jaxpr)\n",
-            "        text, callables, inner = _program_key(closed.jaxpr)\n"
-            "        text = ''\n",
+            "chunkvmap/_core/_program.py",
+            "        key = (str(jaxpr), tuple(walk.parts))\n",
+            '        key = ("", tuple(walk.parts))\n',
         ),
         ["test_cache", "test_compose"],
     ),
@@ -421,6 +420,102 @@ MUTANTS = {
             "            if False:",
         ),
         ["test_statistics", "test_wherever"],
+    ),
+    "eager cache: held objects (host callbacks) left out of the key": (
+        (
+            "chunkvmap/_core/_program.py",
+            "                    elif _held(v):\n",
+            "                    elif False:\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "eager cache: a held function's defaults not compared": (
+        (
+            "chunkvmap/_core/_program.py",
+            "        or not _all(a.__defaults__ or (), b.__defaults__ or (), depth)\n",
+            "",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "eager cache: held floats compared by == (0.0 is -0.0)": (
+        (
+            "chunkvmap/_core/_program.py",
+            "        return _bits(a) == _bits(b)\n",
+            "        return a == b\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "eager cache: nested jits' constants compiled in, not arguments": (
+        (
+            "chunkvmap/_core/_program.py",
+            "        walk.jaxpr(jaxpr, hoisting=True)\n",
+            "        walk.jaxpr(jaxpr, hoisting=False)\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "eager cache: NumPy constants compiled in taken by identity": (
+        (
+            "chunkvmap/_core/_program.py",
+            "    if isinstance(c, np.ndarray):\n",
+            "    if False:\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "eager cache: a closure holding a tracer cached": (
+        (
+            "chunkvmap/_core/_cache.py",
+            "        if any(isinstance(c, jax.core.Tracer) for c in consts):\n",
+            "        if False:\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "eager cache: a custom_vjp's output trees keyed": (
+        ("chunkvmap/_core/_program.py", '     "out_trees"}', "}"),
+        ["test_cache", "test_closures"],
+    ),
+    "mesh: mesh= overrides a held mesh over inputs placed on it": (
+        (
+            "chunkvmap/_core/_mesh.py",
+            "    if not jax.sharding.get_abstract_mesh().empty:\n",
+            "    if not jax.sharding.get_abstract_mesh().empty and mesh is None:\n",
+        ),
+        ["test_sharding", "test_wherever"],
+    ),
+    "gram: a convolution's patch cost multiplied by the chunk": (
+        (
+            "chunkvmap/_dp/_statistics.py",
+            "    ghost += sum(u.form.build_cost for u in leaf.uses) / chunk\n",
+            "    ghost += sum(u.form.build_cost for u in leaf.uses) * chunk\n",
+        ),
+        ["test_statistics"],
+    ),
+    "conv: every kernel laid out, however few its channels": (
+        (
+            "chunkvmap/_core/_conv.py",
+            "        and rhs.shape[out_dim] * rhs.shape[in_dim] >= _MIN_CHANNELS\n",
+            "",
+        ),
+        ["test_conv"],
+    ),
+    "conv: a namedtuple parameter rebuilt from one iterable": (
+        (
+            "chunkvmap/_core/_jaxprs.py",
+            '    if hasattr(value, "_fields"):',
+            "    if False:",
+        ),
+        ["test_conv"],
+    ),
+    "auto: the largest size that fits, not the fewest chunks' shortest": (
+        ("chunkvmap/_core/_memory.py", "    return balanced\n", "    return best\n"),
+        ["test_auto", "test_conformance"],
+    ),
+    "shares: every leaf, functions too, through the vmap over the shares": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "                if a is not None or isinstance(x, ARRAY_TYPES)\n",
+            "                if True\n",
+        ),
+        ["test_eqx", "test_wherever"],
     ),
 }
 

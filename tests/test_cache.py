@@ -320,6 +320,7 @@ def test_held_callables_are_interchangeable_only_when_they_would_do_the_same():
     assert not same(scaled(1), scaled(1.0)) and not same(scaled(1), scaled(True))
     assert not same(closing([]), closing([]))  # two lists: two states
     assert not same(counter(), counter())  # each counts its own calls
+
     def keyword(s):
         return lambda x, *, t=s: x * t
 
@@ -379,3 +380,18 @@ def test_a_dropped_transform_leaves_no_array_alive(where):
     del g, held["a"]
     gc.collect()
     assert not [a for a in jax.live_arrays() if a.shape == (7, 11)]
+
+
+def test_a_nested_numpy_constant_compiled_in_is_read_by_value():
+    """A nested jit with shardings of its own is left as it is, its constants
+    compiled into the program: a NumPy one changed in place is a new program."""
+    a = np.ones(3, np.float32)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def f(v):
+        return jax.jit(lambda y: y * a, out_shardings=device)(v)
+
+    g, x = batch_vmap(f, batch_size=2), jnp.ones((5, 3))
+    for value in (1.0, 4.0):
+        a[:] = value
+        np.testing.assert_allclose(g(x), jax.vmap(f)(x))
