@@ -2,15 +2,19 @@
 
 Called eagerly (no argument is a tracer), a chunkvmap transform traces its whole
 evaluation to a jaxpr (`jax.make_jaxpr`: the user's function and the chunked loop,
-no compilation) and runs it through one `jax.jit` per distinct program, kept in a small
-LRU. Two calls share a compiled program when their jaxprs are the same (Python
-constants, including those in the user's function's closure, are literals of the
-jaxpr, so a changed constant is a new program) and their arguments have the same types
-and shardings; the arrays the trace closed over (a closure's arrays, a model's weights
-held in a global) are arguments of the compiled program, passed anew at every call.
-So an eager call returns what `jax.vmap` would return for the function as it is now,
-as `jax.vmap` does, while a repeated call costs a trace, not a compilation. Under an
-outer `jax.jit` the caller's cache does that, and the call goes straight through.
+no compilation) and runs it through one compiled program per distinct program, kept
+in a small LRU. Two calls share a compiled program when their programs compute the
+same function of the same arguments (`_program.Program`: the jaxpr's text, every
+Python object it holds, where its nested constants sit) and their arguments have the
+same types and shardings. Every array that can change between calls is an argument
+of the compiled program, passed anew at every call: the arrays the trace closed over
+(a closure's arrays, a model's weights held in a global) and those a nested
+`jax.jit` closed over. So an eager call returns what `jax.vmap` would return for the
+function as it is now, a repeated call costs a trace, not a compilation, and the
+cache keeps no array of any call alive. A function closing over a tracer (`jax.grad`
+with respect to a value it closes over) is evaluated as traced, under that
+transformation, and nothing is kept. Under an outer `jax.jit` the caller's cache
+does that, and the call goes straight through.
 
 Every call first resolves its mesh and runs under it (`_mesh.run_under`).
 
@@ -18,7 +22,6 @@ Caches that outlive one transform (`batch_map`'s, keyed by the user's `fun`; the
 adapters', keyed by their options) hold their keys weakly (`memo`), so they never keep
 a user's function alive and disappear with it.
 """
-
 from __future__ import annotations
 
 import collections
@@ -69,8 +72,8 @@ class Placement:
 
 
 class EagerCache:
-    """`call(args, kwargs, known)` under the call's mesh, through one cached
-    `jax.jit` per traced program (see the module docstring).
+    """`call(args, kwargs, known)` under the call's mesh, through one compiled
+    program per traced program (see the module docstring).
 
     A call with a tracer, an unhashable non-array leaf, or (unless `numpy_arrays`) a
     NumPy array is evaluated directly. `numpy_arrays=True` is for entry points that

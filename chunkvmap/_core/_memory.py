@@ -1,10 +1,13 @@
-"""`batch_size="auto"`: the largest chunk whose compiled temporary memory fits a budget.
+"""`batch_size="auto"`: the fewest chunks whose compiled temporary memory fits a
+budget, each as short as they allow.
 
 The estimate is XLA's own: `jax.jit(program).lower(...).compile().memory_analysis()`
 of the very program that will run, for the actual argument shapes. Temporary memory
 is close to affine in the chunk size (a fixed part plus a per-example part), so two
 probes (one example, then a few) give a first guess, which is then checked by compiling
-it and corrected until it fits; one step up is tried when the guess left room.
+it and corrected until it fits; one step up is tried when the guess left room. The
+largest size that fits gives the fewest chunks; the shortest size that gives as few
+evaluates the fewest examples (the last chunk's window included).
 """
 
 from __future__ import annotations

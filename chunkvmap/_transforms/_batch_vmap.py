@@ -96,13 +96,17 @@ def batch_vmap(
     and is usually the better shape; `jax.grad(lambda p: batch_vmap(...)(p, x).sum())`
     is the one that relies on remat.
 
-    Called eagerly (no argument is a tracer), the returned function compiles the
-    chunked program once per argument structure, array types and values of non-array
-    arguments, as `jax.jit` would, and reuses it on later calls (so `f` is traced on
-    the first call only); under an outer `jax.jit` the caller's cache does that.
+    Called eagerly (no argument is a tracer), every call traces `f`, so that it
+    sees `f` as it is now (its closure's arrays, Python constants, callbacks), as
+    `jax.vmap` does, and the chunked program is compiled once per distinct program:
+    a new array (in the arguments or in `f`'s closure) compiles nothing, and a
+    changed Python constant or callback, a new argument structure or type is a
+    new program. Under an outer `jax.jit` the caller's cache does that.
 
-    `batch_size="auto"` picks the largest chunk whose temporary memory, by XLA's
-    compiled estimate for the actual argument shapes, fits `memory_limit`. It compiles
+    `batch_size="auto"` picks the fewest chunks whose temporary memory, by XLA's
+    compiled estimate for the actual argument shapes, fits `memory_limit`, each as
+    short as they allow (`N=256` that fits 255 at once runs two chunks of 128, not
+    two of 255 overlapping by 254). It compiles
     a few probe programs on the first call for each set of shapes and caches the
     choice; `chunkvmap.last_batch_size(fn)` shows it, and the `chunkvmap` logger
     reports it at INFO level. The budget covers the evaluation as called: under
