@@ -120,8 +120,8 @@ def _batch_size(
     size: int,
     lay: Any,
 ) -> int | None:
-    """The chunk size: the options', or for "auto" the largest whose program (over
-    `size` examples: each device's share when laid out) fits the budget."""
+    """The chunk size: the options', or for "auto" the fewest chunks whose program
+    (over `size` examples: each device's share when laid out) fits the budget."""
     if auto is None or not auto.search:
         if auto is not None:
             auto.used(options.batch_size, size)  # pyright: ignore[reportArgumentType]

@@ -877,7 +877,7 @@ def clipped_grad(
     `batch_size`, `chunk_size`): any number of examples works (no divisibility, no
     padding), chunks are contiguous, and at most `microbatch_size` gradients exist at
     once, so memory does not grow with the batch. `microbatch_size="auto"` picks the
-    largest chunk that fits `memory_limit`.
+    fewest chunks that fit `memory_limit`, each as short as they allow.
 
     Padding is never needed, but `is_padding_example=` (a boolean vector, one entry
     per example) is accepted at call time with jax-privacy's meaning: padded examples

@@ -726,11 +726,11 @@ def per_example_grad_gram(
     batch_size - 1` only (cyclically), which reaches every pair from one of its two
     chunks, and the matrix is exactly symmetric; those rows (`N // 2 + batch_size`
     values per example) are held until the matrix is read from them. With
-    `batch_size="auto"` the rows' chunk is the largest whose program fits
+    `batch_size="auto"` the rows take the fewest chunks whose program fits
     `memory_limit` (by XLA's compiled estimate, as in `batch_vmap`), so the more
     memory, the fewer chunks and recomputed gradients: with `other_batch_size`
     given, the other batch is chunked by it; without, both batches are chunked by
-    the same size, the largest that fits.
+    the same size.
 
     Args:
       fun: the loss of one example; a real scalar (or `(scalar, aux)` with
@@ -741,7 +741,7 @@ def per_example_grad_gram(
       batch_argnums: the positional arguments holding the examples (default: every
         argument not in `argnums`), in both batches.
       batch_size: examples of the rows' batch per chunk (None: all at once;
-        "auto": the largest that fits `memory_limit`).
+        "auto": the fewest chunks that fit `memory_limit`).
       other_batch_size: examples of the other batch per chunk (default:
         `batch_size`).
       method: "vmap" (each chunk's per-example gradients, dotted) or "ghost"
@@ -890,7 +890,8 @@ def per_example_grad_gram(
         return out if has_aux else out[0]
 
     def choose(args: tuple, other: tuple | None, resolved: tuple) -> int:
-        """The largest size for both batches whose program fits the budget."""
+        """The size for both batches: the fewest chunks whose program fits the
+        budget."""
         leaves, treedef = jax.tree.flatten((args, other))
         dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
         abstract = [_axes.sized(leaves[i], None, 0) for i in dyn]
