@@ -176,12 +176,18 @@ def namespace(run: Page, text: str) -> dict:
 
 def check_auto_choice(fn, xs, chosen: int, budget: int) -> None:
     """`batch_size="auto"` chunked: `chosen` examples fit the budget by XLA's
-    estimate (as the page says), and one more does not."""
+    estimate (as the page says), no fewer chunks would (the shortest size that
+    takes one chunk fewer does not fit), and `chosen` is the shortest size that
+    takes as few."""
     from chunkvmap import batch_vmap
 
-    assert isinstance(chosen, int) and 1 < chosen < xs.shape[0], chosen
+    n = xs.shape[0]
+    assert isinstance(chosen, int) and 1 < chosen < n, chosen
     assert temp_bytes(batch_vmap(fn, batch_size=chosen), xs) <= budget
-    assert temp_bytes(batch_vmap(fn, batch_size=chosen + 1), xs) > budget
+    chunks = -(-n // chosen)
+    assert chosen == -(-n // chunks), (chosen, chunks)
+    fewer = -(-n // (chunks - 1))
+    assert temp_bytes(batch_vmap(fn, batch_size=fewer), xs) > budget
 
 
 # The oracles are jitted: run op by op, they would take longer than the snippets.

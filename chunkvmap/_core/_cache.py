@@ -22,6 +22,7 @@ Caches that outlive one transform (`batch_map`'s, keyed by the user's `fun`; the
 adapters', keyed by their options) hold their keys weakly (`memo`), so they never keep
 a user's function alive and disappear with it.
 """
+
 from __future__ import annotations
 
 import collections
