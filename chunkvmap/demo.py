@@ -540,7 +540,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"memory: jax.vmap / method; time: method / jax.vmap; chunk: examples "
         f"evaluated at once ('auto' chose {auto_row['chunk']} for "
-        f"{args.memory_budget}: the largest chunk that fits)."
+        f"{args.memory_budget}: the fewest chunks that fit, each as short as they "
+        f"allow)."
     )
     ratio = scan["s"] / per_example["s"]
     if ratio > 0.8:

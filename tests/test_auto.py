@@ -314,3 +314,14 @@ def test_auto_takes_the_fewest_chunks_each_as_short_as_they_allow(n, fits, chose
         -(-n // b) > -(-n // got) or -(-n // b) * b >= evaluated
         for b in range(1, fits + 1)
     )
+
+
+def test_auto_keeps_the_largest_size_where_the_shorter_one_does_not_fit():
+    """The estimate is not monotone in the chunk size (the last window's length
+    changes with it): the shorter size is measured, and where it does not fit,
+    the largest that does is kept."""
+
+    def measure(b):  # 255 fits; 128, the shorter size for two chunks, does not
+        return 10**9 if b == 128 else 1000 * b
+
+    assert _memory.choose_batch_size("test", measure, 256, 1000 * 255) == 255

@@ -121,7 +121,9 @@ def choose_batch_size(
     `B` with `measure(B) <= limit` (by the estimate) gives the fewest chunks,
     `ceil(size / B)`; of the sizes that give as few, the smallest evaluates the
     fewest examples (`ceil(size / B) * B`, the last chunk's window included): 128
-    rather than 255 for 256 examples. A budget that does not fit one example is
+    rather than 255 for 256 examples. It is measured too (the estimate is not
+    monotone in `B`: the last window's length changes with it), and where it does
+    not fit, the largest size is taken. A budget that does not fit one example is
     an error.
     """
     if size <= 1:
@@ -169,6 +171,8 @@ def choose_batch_size(
             guess = best + int((limit - fits) / local)
     chunks = -(-size // best)
     balanced = -(-size // chunks)
+    if probe(balanced) > limit:  # the estimate is not monotone in B
+        balanced = best
     logger.info(
         "%s batch_size='auto': chose %d of %d examples (%d chunks; up to %d fit) "
         "for a budget of %d bytes (probes: %s)",
