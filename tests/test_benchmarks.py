@@ -101,7 +101,7 @@ def test_compile_benchmark_runs(tmp_path):
 
 def test_eager_benchmark_runs(tmp_path):
     """`benchmarks/bench_eager.py --quick`: a row per function, each checked against
-    jax.vmap before it is timed."""
+    its reference (jax.vmap, eqx.filter_vmap, method="vmap") before it is timed."""
     script = GPU.parent / "bench_eager.py"
     out = tmp_path / "eager.md"
     proc = subprocess.run(
@@ -115,7 +115,7 @@ def test_eager_benchmark_runs(tmp_path):
     rows = [
         r for r in out.read_text().splitlines() if r.startswith("| ") and "ms" not in r
     ]
-    assert len(rows) == 4, rows
+    assert len(rows) == 7, rows
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[1:4])
