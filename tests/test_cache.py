@@ -104,10 +104,10 @@ def test_flax_adapter_caches_keep_neither_options_nor_functions_alive(adapter):
 def test_the_cache_is_bounded_and_forgets_the_least_recently_used():
     f = batch_vmap(lambda x, k: x * k, in_axes=(0, None), batch_size=2)
     x = jnp.ones(3)
-    for k in range(_cache.MAX_ENTRIES + 1):  # a static Python int: one entry each
+    for k in range(_program.MAX_ENTRIES + 1):  # a static Python int: one entry each
         f(x, k)
     with CompileCounter() as compiles:
-        f(x, _cache.MAX_ENTRIES)  # the most recent: still cached
+        f(x, _program.MAX_ENTRIES)  # the most recent: still cached
         f(x, 1)  # used least recently but one: still cached
     assert compiles.count == 0
     with CompileCounter() as compiles:

@@ -55,6 +55,7 @@ class Leaf:
     sums: bool = True  # `combine` adds leaf by leaf (or has nothing to combine)
     rows: bool = False  # `summarise` returns rows
     windows: bool = False  # see `_loop.Accumulator.windows`
+    pure: bool = False  # see `_loop.Accumulator.pure` (opted into by each leaf)
 
     summary: Any = None  # the types of one chunk's summary, when known
 
@@ -84,6 +85,10 @@ class Fold(Leaf):
     def sums(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
         return self.reduction in _loop.SUMS
 
+    @property
+    def pure(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.name is None  # a front end's own fold, not a user's reduction
+
     def resolve(self, outs: Any, length: int) -> Leaf:
         if self.name is None:
             return self
@@ -105,6 +110,7 @@ class Fold(Leaf):
 @dataclasses.dataclass(frozen=True)
 class KeepFirst(Leaf):
     sums: bool = False
+    pure: bool = True
 
     def resolve(self, outs: Any, length: int) -> Leaf:
         if any(o.axis is not None for o in jax.tree.leaves(outs)):
@@ -126,6 +132,7 @@ class Stack(Leaf):
     # Set by `resolve`: the subtree's structure and each leaf's output axis.
     tree: Any = None
     axes: tuple[int | None, ...] = ()
+    pure: bool = True
 
     @property
     def sums(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
@@ -171,6 +178,7 @@ class Moments(Leaf):
 
     axes: tuple[int, ...] = ()  # set by `resolve`: each leaf's examples axis
     sums: bool = False
+    pure: bool = True
 
     def resolve(self, outs: Any, length: int) -> Leaf:
         leaves = jax.tree.leaves(outs)
@@ -254,7 +262,11 @@ def compose(spec: Any) -> _loop.Accumulator:
     def prepare(signature: _loop.Signature, length: int) -> _loop.Accumulator:
         return _resolved(spec, signature, length)
 
-    return _loop.Accumulator(_unprepared, _unprepared, prepare=prepare)
+    pure = all(
+        leaf.pure
+        for leaf in jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, Leaf))
+    )
+    return _loop.Accumulator(_unprepared, _unprepared, prepare=prepare, pure=pure)
 
 
 def _unprepared(*_: Any) -> Any:
@@ -300,6 +312,7 @@ def _resolved(spec: Any, signature: _loop.Signature, length: int) -> _loop.Accum
         finish=finish,
         rows=any(leaf.rows for leaf in leaves),
         windows=all(leaf.windows for leaf in leaves),
+        pure=all(leaf.pure for leaf in leaves),
     )
 
 

@@ -25,7 +25,6 @@ a user's function alive and disappear with it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools as ft
 import weakref
@@ -36,9 +35,8 @@ import jax
 import numpy as np
 
 from . import _axes, _memory, _mesh, _program
+from ._program import LRU
 
-
-MAX_ENTRIES = 32
 
 # A call: (positional arguments, keyword arguments, known shardings) -> result. The
 # known shardings are those of an eager call's array arguments (`_axes.Known`), by the
@@ -47,21 +45,6 @@ MAX_ENTRIES = 32
 # for a call under an outer `jax.jit`, where the types say all there is to see.
 Known = _axes.Known
 Call = Callable[[tuple, dict, Known], Any]
-
-
-class LRU(collections.OrderedDict):
-    """A bounded mapping that forgets its least recently used entry."""
-
-    def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        """The value of `key` (built when missing)."""
-        if key in self:
-            self.move_to_end(key)
-            return self[key]
-        value = build()
-        self[key] = value
-        if len(self) > MAX_ENTRIES:
-            self.popitem(last=False)
-        return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,27 +56,22 @@ class Placement:
 
 
 class EagerCache:
-    """`call(args, kwargs, known)` under the call's mesh, through one compiled
-    program per traced program (see the module docstring).
+    """`call(args, kwargs, known)` under the call's mesh (`_mesh.run_under`).
 
-    A call with a tracer, an unhashable non-array leaf, or (unless `numpy_arrays`) a
-    NumPy array is evaluated directly. `numpy_arrays=True` is for entry points that
-    convert NumPy inputs to JAX arrays anyway (so they can be arguments of the
-    compiled program).
+    The call itself runs eagerly: the chunked evaluation it reaches compiles once
+    per distinct program (`_chunked.evaluate`). With `whole`, an eager call (no
+    argument a tracer) is traced whole instead and compiled once per distinct traced
+    program (`_program.run_traced`): for front ends that compute before the chunked
+    evaluation (a linearisation), so that their work is compiled too. A call with an
+    unhashable non-array argument is evaluated directly.
     """
 
     def __init__(
-        self,
-        call: Call,
-        *,
-        numpy_arrays: bool = False,
-        placement: Placement = Placement(),
-        cached: bool = True,
+        self, call: Call, *, placement: Placement = Placement(), whole: bool = False
     ):
         self.call = call
-        self.arrays = (jax.Array, np.ndarray) if numpy_arrays else (jax.Array,)
         self.placement = placement
-        self.cached = cached
+        self.whole = whole
         self.entries = LRU()
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -102,68 +80,40 @@ class EagerCache:
         )
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
-        if not self.cached:
+        if not self.whole:
             return self.call(args, kwargs, _axes.NOTHING_KNOWN)
         flat, treedef = jax.tree.flatten((args, kwargs))
         dyn, static = [], []
         for i, x in enumerate(flat):
             if isinstance(x, jax.core.Tracer):
                 return self.call(args, kwargs, _axes.NOTHING_KNOWN)
-            if isinstance(x, self.arrays):
+            if isinstance(x, (jax.Array, np.ndarray)):
                 dyn.append(i)
                 continue
-            if isinstance(x, np.ndarray):
-                return self.call(args, kwargs, _axes.NOTHING_KNOWN)
             try:
                 hash(x)
             except TypeError:
                 return self.call(args, kwargs, _axes.NOTHING_KNOWN)
             static.append((i, type(x), x))
         values = [flat[i] for i in dyn]
-        # The arrays' shardings decide how the call is chunked (and the call is told
-        # them, see `Call`).
         shardings = tuple(getattr(v, "sharding", None) for v in values)
+        outs: list[Any] = []  # the output's structure and leaves that are not traced
 
-        def traced(*values: Any) -> Any:
+        def program(*values: Any) -> Any:
             full = list(flat)
             for i, v in zip(dyn, values):
                 full[i] = v
             args, kwargs = jax.tree.unflatten(treedef, full)
             known = _axes.Known(list(zip(values, shardings)))
-            return self.call(args, kwargs, known)
+            leaves, tree = jax.tree.flatten(self.call(args, kwargs, known))
+            outs[:] = [tree, leaves]
+            return [x for x in leaves if isinstance(x, jax.core.Tracer)]
 
-        closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*values)
-        consts = list(closed.consts)
-        out_tree = jax.tree.structure(out_shape)
-        if any(isinstance(c, jax.core.Tracer) for c in consts):
-            # The function closes over a value that an outer transformation traces
-            # (`jax.grad` with respect to it, say): the program is evaluated as
-            # traced, under that transformation (its derivative rules with it),
-            # and not kept.
-            out = jax.core.eval_jaxpr(closed.jaxpr, consts, *values)
-            return jax.tree.unflatten(out_tree, out)
-        program = _program.Program.of(closed.jaxpr)
-        key = (
-            treedef,
-            tuple(static),
-            shardings,
-            jax.sharding.get_abstract_mesh(),
-            tuple(_const_type(c) for c in consts),
-            tuple(_const_type(c) for c in program.hoisted),
-            program.key,
-        )
-        args = (consts, program.hoisted, *values)
-        run = self.entries.get_or_build(
-            key, lambda: program.compiled().lower(*args).compile()
-        )
-        out = run(*args)
-        return jax.tree.unflatten(out_tree, out)
-
-
-def _const_type(c: Any) -> Any:
-    """A constant's type, with its sharding (an argument of the compiled
-    program)."""
-    return (jax.typeof(c), getattr(c, "sharding", None))
+        key = (treedef, tuple(static), shardings, jax.sharding.get_abstract_mesh())
+        traced = iter(_program.run_traced(program, values, self.entries, key))
+        tree, leaves = outs
+        leaves = [next(traced) if isinstance(x, jax.core.Tracer) else x for x in leaves]
+        return tree.unflatten(leaves)
 
 
 _MEMO: weakref.WeakKeyDictionary[Any, LRU] = weakref.WeakKeyDictionary()

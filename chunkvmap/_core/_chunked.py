@@ -10,10 +10,22 @@ evaluation is chosen: one vmap (the chunk is everything), stacked or folded chun
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _accumulators, _axes, _conv, _loop, _memory, _progress, _sharding
+import jax
+import numpy as np
+
+from . import (
+    _accumulators,
+    _axes,
+    _conv,
+    _loop,
+    _memory,
+    _program,
+    _progress,
+    _sharding,
+)
 from ._axes import Inputs
 from ._options import ChunkOptions, identity
 
@@ -25,13 +37,16 @@ def body(
     signature: _loop.Signature,
     length: int,
     convolutions: bool,
+    traced: _program.Retraced,
 ) -> _loop.Body:
     """The `_loop.Body` of a traced chunk function (traced for chunks of `length`),
     combined as `options` say: stacked, folded by the user's reduction, or
     accumulated by a front end's own accumulator; an accumulator is prepared here for
     this signature, once, before any loop is built (a user's reduction is checked
     then: `_accumulators.Fold`). `convolutions`: whether the traced chunk has a
-    convolution (`_conv.has_convolution`)."""
+    convolution (`_conv.has_convolution`). `chunk_fn` takes the arrays the chunk's
+    trace reads (`traced.params`) first, then the chunk's leaves mapped along
+    `axes`: the body's `params`, unmapped."""
     accumulator = options.accumulator
     if accumulator is None and options.reduction is not None:
         accumulator = _accumulators.compose(
@@ -46,9 +61,27 @@ def body(
     # chunk without one is left as it is: re-evaluating it would cost a trace).
     if convolutions:
         chunk_fn = _conv.canonical(chunk_fn)
-    return _loop.Body(
-        options.name, chunk_fn, axes, signature, accumulator, post, options.remat
+    params = traced.params
+    out_tree, out_avals, out_axes = signature
+    # Known by its chunk's trace where nothing else runs the user's code: no
+    # reduction of the user's (folding or post-processing), no front end's
+    # accumulator that computes from more than the chunks' outputs.
+    known = (
+        traced.kept
+        and options.reduction is None
+        and options.chunk_reduction is identity
+        and (options.accumulator is None or options.accumulator.pure)
     )
+    key = None
+    if known:
+        key = (
+            traced.first.key, length, convolutions, tuple(axes), out_tree,
+            tuple(out_avals), tuple(out_axes), _program.Held(options),
+        )  # fmt: skip
+    return _loop.Body(
+        options.name, chunk_fn, (*[None] * len(params), *axes), signature,
+        accumulator, post, options.remat, params, key, lambda: traced.kept,
+    )  # fmt: skip
 
 
 def zero_examples(name: str) -> ValueError:
@@ -66,7 +99,13 @@ def evaluate(
     auto: _memory.AutoBatch | None,
     axis_name: Any = None,
 ) -> Any:
-    """The user's output (stacked, or the folded summary) of `body` over `inputs`."""
+    """The user's output (stacked, or the folded summary) of `body` over `inputs`.
+
+    The layout and the chunk size are decided first; then, when every input is a
+    concrete array (an eager call), the program is compiled once per distinct body
+    and input types and kept by the transform (`auto.programs`): the arrays the
+    chunk reads are among its inputs (`Body.params`), so a new one compiles
+    nothing."""
     name = options.name
     if body.accumulator is not None and inputs.size == 0:
         raise zero_examples(name)
@@ -74,8 +113,9 @@ def evaluate(
     if inputs.size:
         lay = _sharding.layout(
             name, options.shard, options.mesh, inputs.paths, inputs.leaves,
-            body.axes, inputs.known,
+            body.axes[len(body.params) :], inputs.known,
         )  # fmt: skip
+    inputs = _with_params(inputs, body.params)
     one_device = lay is not None and lay.size == 1 and lay.explicit
     if one_device:
         # The examples' axis is sharded over one device: the plain loop runs on the
@@ -93,7 +133,11 @@ def evaluate(
             )
         local = inputs.size // lay.size or inputs.size
         batch = _batch_size(body, inputs, options, auto, local, lay)
-        result = _sharding.evaluate(body, inputs, lay, batch, options.reporter)
+
+        def run(leaves: list[Any]) -> Any:
+            laid = dataclasses.replace(inputs, leaves=leaves)
+            return _sharding.evaluate(body, laid, lay, batch, options.reporter)
+
     else:
         batch = _batch_size(body, inputs, options, auto, inputs.size, None)
         plan = _loop.make_plan(inputs.size, batch)
@@ -105,11 +149,74 @@ def evaluate(
                 f"examples. Use {options.batch_arg}=None (or >= {inputs.size}) with "
                 f"axis_name."
             )
-        report = _progress.hook(options.reporter, plan.num_chunks)
-        result = body.run(inputs.leaves, plan, report)
-        if one_device:
-            result = _sharding.laid_result(lay, body, result)
-    return body.finish(result)
+
+        def run(leaves: list[Any]) -> Any:
+            report = _progress.hook(options.reporter, plan.num_chunks)
+            result = body.run(leaves, plan, report)
+            return _sharding.laid_result(lay, body, result) if one_device else result
+
+    programs = None if auto is None else auto.programs
+    key = (lay, batch, axis_name)
+    return _compiled(body, inputs, programs, key, lambda xs: body.finish(run(xs)))
+
+
+def _with_params(inputs: Inputs, params: Sequence[Any]) -> Inputs:
+    """`inputs` with the body's `params` before its leaves (unmapped arrays)."""
+    if not params:
+        return inputs
+    k = len(params)
+    return dataclasses.replace(
+        inputs,
+        leaves=[*params, *inputs.leaves],
+        paths=[*["the function's closure"] * k, *inputs.paths],
+        dyn=[*range(k), *(i + k for i in inputs.dyn)],
+        key=(inputs.key, tuple(jax.typeof(p) for p in params)),
+    )
+
+
+def _compiled(
+    body: _loop.Body,
+    inputs: Inputs,
+    programs: Any,
+    decided: Any,
+    run: Callable[[list[Any]], Any],
+) -> Any:
+    """`run(inputs.leaves)`; for an eager call (every input a concrete array), by
+    one compiled program per body, input types and shardings, mesh and `decided`
+    (the layout and chunk size), kept in `programs`. A body known by its chunk's
+    trace (`Body.key`) is looked up before the program is traced; any other, by the
+    program it traces to (`_program.run_traced`)."""
+    values = [inputs.leaves[i] for i in inputs.dyn]
+    eager = programs is not None and all(
+        isinstance(v, np.ndarray)
+        or (isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer))
+        for v in values
+    )
+    if not eager:
+        return run(inputs.leaves)
+
+    def program(*values: Any) -> Any:
+        full = list(inputs.leaves)
+        for i, v in zip(inputs.dyn, values):
+            full[i] = v
+        return run(full)
+
+    key = (
+        inputs.key,
+        tuple(getattr(v, "sharding", None) for v in values),
+        jax.sharding.get_abstract_mesh(),
+        decided,
+    )
+    if body.key is None:
+        return _program.run_traced(program, values, programs, key)
+    key = (body.key, *key)
+    if key in programs:
+        programs.move_to_end(key)
+        return programs[key](*values)
+    compiled = jax.jit(program).lower(*values).compile()
+    if body.kept():  # (else a trace compiled its own arrays in)
+        programs.get_or_build(key, lambda: compiled)
+    return compiled(*values)
 
 
 def _batch_size(

@@ -294,6 +294,10 @@ class Accumulator:
     # accumulator with nothing to fold whose rows do not depend on the window that
     # made them, so that one `summarise` is traced, not a branch for the remainder.
     windows: bool = False
+    # Whether it computes from the chunks' outputs alone, by code that is the same
+    # from call to call (none of the user's functions, nothing traced for the call):
+    # an eager program of it is then known by its chunk's trace and its own fields.
+    pure: bool = False
 
     @classmethod
     def adding(cls, summarise: Callable[[Any], tuple[Any, Any]]) -> Accumulator:
@@ -330,6 +334,14 @@ class Body:
     accumulator: Accumulator | None = None
     post: Callable[[Any], Any] = identity
     remat: Any = True
+    # The arrays the chunk function's trace reads (its closure's), its first inputs
+    # (unmapped: `axes` starts with a None for each).
+    params: tuple[Any, ...] = ()
+    # What tells this body apart from any other that could compute something else
+    # on inputs of the same types (None: nothing does; an eager program of it is
+    # not kept), and whether a program built from it may be kept (`Retraced.kept`).
+    key: Any = None
+    kept: Callable[[], bool] = lambda: True
 
     @property
     def out_tree(self) -> Any:

@@ -19,6 +19,8 @@ from typing import Any
 
 import jax
 
+from . import _program
+
 
 logger = logging.getLogger("chunkvmap")
 
@@ -201,6 +203,8 @@ class AutoBatch:
         self.search = search
         self.cache: dict[Any, int] = {}
         self.last: int | None = None
+        # The transform's eager programs (`_chunked.evaluate`).
+        self.programs = _program.LRU()
 
     def choose(self, key: Any, measure: Callable[[int], int], size: int) -> int:
         """The batch size for the call described by `key` (searched on first use)."""

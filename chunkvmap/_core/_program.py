@@ -25,13 +25,14 @@ evaluated as traced, never cached: `EagerCache`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import dis
 import functools as ft
 import hashlib
 import struct
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -52,6 +53,24 @@ _RULES = frozenset(
 
 # Immutable values compared by value (floats by their bits: 0.0 is not -0.0).
 _VALUES = (int, bool, str, bytes, type(None), type(Ellipsis), np.dtype, types.CodeType)
+
+
+MAX_ENTRIES = 32
+
+
+class LRU(collections.OrderedDict):
+    """A bounded mapping that forgets its least recently used entry."""
+
+    def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The value of `key` (built when missing)."""
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = build()
+        self[key] = value
+        if len(self) > MAX_ENTRIES:
+            self.popitem(last=False)
+        return value
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -89,6 +108,119 @@ class Program:
             return _Evaluation(self, hoisted).jaxpr(self.jaxpr, consts, args)
 
         return run
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Trace:
+    """A function traced once, at the types it runs with: its `Program` and every
+    array it reads (`consts`: the trace's own constants, `top` of them, then those
+    of its nested jits that can be arguments), which `apply` takes as arguments, so
+    that a program built on it holds none of them (closure conversion)."""
+
+    program: Program
+    consts: list[Any]
+    top: int
+
+    @classmethod
+    def of(cls, closed: Any) -> Trace:
+        """The trace of a `ClosedJaxpr`."""
+        program = Program.of(closed.jaxpr)
+        consts = list(closed.consts)
+        return cls(program, consts + list(program.hoisted), len(consts))
+
+    @property
+    def key(self) -> tuple:
+        """What tells it apart from any trace that could compute something else
+        (the types of its constants are the caller's: they are arguments)."""
+        return (self.program.key, self.top)
+
+    @property
+    def traced(self) -> bool:
+        """Whether it closes over a value an outer transformation traces."""
+        return any(isinstance(c, jax.core.Tracer) for c in self.consts)
+
+    def apply(self, consts: Sequence[Any], *args: Any) -> list[Any]:
+        """The traced function of `args`, with `consts` for the arrays it reads
+        (`Trace.consts`, or arrays of the same types)."""
+        top, hoisted = consts[: self.top], consts[self.top :]
+        if not hoisted:
+            return jax.core.eval_jaxpr(self.program.jaxpr, top, *args)
+        return _Evaluation(self.program, hoisted).jaxpr(self.program.jaxpr, top, args)
+
+    def fits(self, consts: Sequence[Any]) -> bool:
+        """Whether `consts` (another trace's) can stand for this trace's: as many,
+        of the same types."""
+        return len(consts) == len(self.consts) and all(
+            jax.typeof(a) == jax.typeof(b) for a, b in zip(consts, self.consts)
+        )
+
+
+def traced(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """`fn` traced at `args` (values or types): its `ClosedJaxpr` (a value an outer
+    transformation traces, closed over, among its constants) and its flat outputs'
+    types."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    return closed, jax.tree.leaves(shape)
+
+
+def run_traced(
+    program: Callable[..., Any], values: Sequence[Any], programs: LRU, key: Hashable
+) -> Any:
+    """`program(*values)` (concrete arrays) by the program it traces to, compiled
+    once per distinct traced program and `key` and kept in `programs`: every array
+    the trace reads is an argument of the compiled program (`Trace`), so a new one
+    compiles nothing and none is kept. A program that reads a value an outer
+    transformation traces is evaluated as traced, under it, and not kept."""
+    closed, shape = jax.make_jaxpr(program, return_shape=True)(*values)
+    trace = Trace.of(closed)
+    out_tree = jax.tree.structure(shape)
+    if trace.traced:
+        out = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *values)
+        return jax.tree.unflatten(out_tree, out)
+    key = (trace.key, tuple(_const_type(c) for c in trace.consts), key)
+    args = (trace.consts, *values)
+    compiled = programs.get_or_build(
+        key, lambda: jax.jit(trace.apply).lower(*args).compile()
+    )
+    return jax.tree.unflatten(out_tree, compiled(*args))
+
+
+def _const_type(c: Any) -> Any:
+    """A constant's type, with its sharding (an argument of a compiled program)."""
+    return (jax.typeof(c), getattr(c, "sharding", None))
+
+
+class Retraced:
+    """A function traced at its first input types (`first`, keyed by `key`), and
+    again at others: `jitted(length)` is the function, jitted, for chunks of
+    `length`. The first trace's arrays stand for each later one's where they fit
+    (as many, of the same types: the same function in the same call reads the same
+    arrays); where they do not, the later trace keeps its own and `kept` turns
+    False: a compiled program of it must not be kept for other calls. A function
+    that closes over a value an outer transformation traces (`first.traced`) is
+    called as it is, its closure left to JAX (`params` then holds nothing)."""
+
+    def __init__(self, first: Trace, key: Hashable, jitted: Callable[[int], Any]):
+        self.first = first
+        self.kept = not first.traced
+        self.params = () if first.traced else tuple(first.consts)
+        self._jitted = jitted
+        self._traces = {key: first}
+
+    def __call__(
+        self, params: Sequence[Any], values: list[Any], length: int
+    ) -> list[Any]:
+        """The function of `values` (chunks of `length`), reading `params`."""
+        if self.first.traced:
+            return self._jitted(length)(*values)
+        key = (length, tuple(jax.typeof(v) for v in values))
+        if key not in self._traces:
+            self._traces[key] = Trace.of(traced(self._jitted(length), values)[0])
+        this = self._traces[key]
+        if not this.fits(params):
+            self.kept = False
+            params = this.consts
+        return this.apply(params, *values)
 
 
 class _Walk:

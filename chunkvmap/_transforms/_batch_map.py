@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import _axes, _cache, _chunked, _conv, _loop, _memory
+from .._core import _axes, _cache, _chunked, _conv, _loop, _memory, _program
 from .._core._options import ChunkOptions, check_bool, check_callable, identity
 from ._batch_vmap import check_outputs
 
@@ -130,7 +130,7 @@ def batch_map(
     run = _cache.memo(
         fun,
         (options, strip_dim0),
-        lambda: _cache.EagerCache(call, numpy_arrays=True, placement=placement),
+        lambda: _cache.EagerCache(call, placement=placement),
     )
     return run((xs,), {})
 
@@ -237,14 +237,22 @@ def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
         else _loop.make_plan(size, options.batch_size).batch
     )
     chunk_avals = [_axes.sized(x, 0, probe) for x in leaves]
-    first = fun_flat.trace(*chunk_avals)
-    out_chunk_avals = first.out_info
+    first, out_chunk_avals = _program.traced(fun_flat, chunk_avals)
     (out_tree,) = out_box
     out_avals = [_axes.per_example(a) for a in out_chunk_avals]
+    # The loop evaluates the trace, the arrays it reads passed in (`Body.params`).
+    retraced = _program.Retraced(
+        _program.Trace.of(first),
+        (probe, tuple(first.in_avals)),
+        lambda length: fun_flat,
+    )
+    k = len(retraced.params)
 
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
-        return fun_flat(*chunk_leaves)
+        return retraced(chunk_leaves[:k], list(chunk_leaves[k:]), length)
 
     signature = _loop.Signature(out_tree, out_avals, [0] * len(out_avals))
-    convolutions = _conv.has_convolution(first.jaxpr)
-    return _chunked.body(options, chunk_fn, axes, signature, probe, convolutions)
+    convolutions = _conv.has_convolution(first)
+    return _chunked.body(
+        options, chunk_fn, axes, signature, probe, convolutions, retraced
+    )

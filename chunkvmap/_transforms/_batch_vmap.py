@@ -10,15 +10,14 @@ gradient, Jacobian, vectorize and adapter front ends reuse it with their own opt
 from __future__ import annotations
 
 import dataclasses
-import functools as ft
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar, Unpack
 
 import jax
 import jax.numpy as jnp
 
-from .._core import _axes, _cache, _chunked, _conv, _loop, _memory
+from .._core import _axes, _cache, _chunked, _conv, _loop, _memory, _program
 from .._core._cache import function_name
 from .._core._options import (
     Chunking,
@@ -239,7 +238,7 @@ def vmap_transform(
         return transform.map(f, args, kwargs, in_axes, out_axes, known=known)
 
     # A plain vmap (nothing to chunk, fold or report) runs eagerly, as jax.vmap does.
-    return transform.public(call, f, cached=not options.plain)
+    return transform.public(call, f)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -352,9 +351,9 @@ class Transform:
             options, self.auto, arg_names, self.spmd_axis_name, out_names, known,
         )  # fmt: skip
 
-    def cache(self, call: _cache.Call, cached: bool = True) -> _cache.EagerCache:
-        """`call` run under each call's mesh, through an eager cache."""
-        return _cache.EagerCache(call, placement=self.placement, cached=cached)
+    def cache(self, call: _cache.Call, whole: bool = False) -> _cache.EagerCache:
+        """`call` run under each call's mesh (`whole`: see `_cache.EagerCache`)."""
+        return _cache.EagerCache(call, placement=self.placement, whole=whole)
 
     def cache_for(self, key: Any, call: Callable[[], _cache.Call]) -> _cache.EagerCache:
         """The eager cache (`cache`) of the call `call()` that this transform keeps
@@ -362,12 +361,12 @@ class Transform:
         return self._caches.get_or_build(key, lambda: self.cache(call()))
 
     def public(
-        self, call: _cache.Call, wrapped: Callable[..., Any], cached: bool = True
+        self, call: _cache.Call, wrapped: Callable[..., Any], whole: bool = False
     ) -> Callable[..., Any]:
         """The function a user gets: `call(args, kwargs, known)` through `cache`,
         with `wrapped`'s name and docstring, holding the `"auto"` state for
         `last_batch_size`."""
-        run = self.cache(call, cached)
+        run = self.cache(call, whole)
 
         @_cache.wraps(wrapped)
         def transformed(*args: Any, **kwargs: Any) -> Any:
@@ -519,38 +518,20 @@ def _trace(
 
         return call
 
-    # One chunk is `jax.jit(jax.vmap(f_flat))`, one jitted function per (output axes,
-    # chunk length). Tracing it here for the output structure fills JAX's trace cache,
-    # so the loop's chunk reuses that trace instead of tracing `f` (or batching its
-    # jaxpr) again. The trace is vmapped, so collectives over `axis_name` resolve.
-    # With every output along axis 0 (the default) that first trace is the chunk
-    # itself, and `f` is traced and batched in one pass. Other output axes are known
-    # only from the output's structure: `f_flat` is then jitted on its own, so that the
-    # chunk with the final output axes batches the cached trace instead of tracing `f`
-    # a second time.
+    # One chunk is `jax.vmap(f_flat)` at the loop's length, traced once (`first`)
+    # for the output structure; the loop evaluates a trace, the arrays it reads
+    # passed in as unmapped inputs (`Body.params`), so that a compiled program holds
+    # none of them. With every output along axis 0 (the usual case) that first trace
+    # is the chunk; other output axes are known only from the output's structure:
+    # `f_flat` is then jitted on its own (inlined), so that the chunk with the
+    # outputs unmapped where they are batches its cached trace instead of tracing
+    # `f` again. Another length, or inputs with other sharding types, is traced
+    # again, the first trace's arrays standing for its own.
     all_zero = isinstance(out_axes, int) and out_axes == 0
-    # Inlined where they are called (`inline=True`): the arrays `f` closes over then
-    # become constants of the caller's program, not of a nested jaxpr, so that an
-    # eager call passes them as arguments (`_cache.EagerCache`).
-    traced = f_flat if all_zero else jax.jit(f_flat, inline=True)
-    jitted: dict[tuple, Callable[..., Any]] = {}
+    inner = f_flat if all_zero else jax.jit(f_flat, inline=True)
 
-    def vmapped(flat_out_axes: Any, length: int) -> Callable[..., Any]:
-        key = (flat_out_axes, length)
-        if key not in jitted:
-            if isinstance(flat_out_axes, int) or all(
-                a in (0, None) for a in flat_out_axes
-            ):
-                jitted[key] = jax.jit(
-                    _cache.wraps(f)(vmap_flat(traced, flat_out_axes, length)),
-                    inline=True,
-                )
-            else:
-                leading = [None if a is None else 0 for a in flat_out_axes]
-                jitted[key] = _moved(
-                    _cache.wraps(f)(vmap_flat(traced, leading, length)), flat_out_axes
-                )
-        return jitted[key]
+    def mapped_at(length: int, leading: Any = 0) -> Callable[..., Any]:
+        return jax.jit(_cache.wraps(f)(vmap_flat(inner, leading, length)), inline=True)
 
     # The length the loop's chunks will have (when it is known now). Plain shapes,
     # without sharding types: those say nothing about the output structure, and
@@ -560,49 +541,48 @@ def _trace(
     batch = options.batch_size
     length = batch if isinstance(batch, int) and 0 < batch < size else size
     chunk_avals = [_axes.sized(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
-    first = vmapped(0, length).trace(*chunk_avals)
-    mapped_avals = first.out_info
+    first, mapped_avals = _program.traced(mapped_at(length), chunk_avals)
+    trace = _program.Trace.of(first)
     out_avals = [_axes.per_example(a) for a in mapped_avals]
     flat_axes = _flat_out_axes(name, out_axes, out_box[0], out_avals)
     if None in flat_axes and options.check_unmapped:  # before jax.vmap is asked
         probe, batched = _batched_probe()
-        probed = vmap_flat(lambda *xs: probe(traced(*xs)), 0, length)
+        probed = vmap_flat(lambda *xs: probe(f_flat(*xs)), 0, length)
         jax.eval_shape(probed, *chunk_avals)
         names = out_names(out_box[0].unflatten(out_avals))
         _check_unmapped(name, f, flat_axes, batched, names)
     signature = _loop.Signature(out_box[0], out_avals, flat_axes)
-    # Every output along axis 0 (the usual case): the traced function is the chunk.
-    flat = 0 if all(a == 0 for a in flat_axes) else tuple(flat_axes)
+    leading = [None if a is None else 0 for a in flat_axes]
+    if None in flat_axes:  # the chunk leaves its unmapped outputs unmapped
+        trace = _program.Trace.of(
+            _program.traced(mapped_at(length, leading), chunk_avals)[0]
+        )
+    retraced = _program.Retraced(
+        trace,
+        (length, tuple(first.in_avals)),
+        lambda length: mapped_at(length, leading),
+    )
+    moved = [a not in (0, None) for a in flat_axes]
+    k = len(retraced.params)
 
     def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
-        return vmapped(flat, length)(*[chunk_leaves[i] for i in dyn])
-
-    convolutions = _conv.has_convolution(first.jaxpr)
-    return _chunked.body(options, chunk_fn, axes, signature, length, convolutions)
-
-
-def _moved(fn: Callable[..., Any], out_axes: Sequence[Any]) -> Callable[..., Any]:
-    """`fn` (a chunk with its outputs along axis 0, or unmapped) with its outputs
-    moved to `out_axes`, the move outside a compiled call of `fn`.
-
-    Inside one program XLA lays the per-example computation out for the moved
-    outputs (on the statistics' gradients, examples last, that costs copies: a
-    quarter more memory on a transformer); behind a call boundary it keeps its own
-    layout and the move is one transpose. The call is not inlined, so the arrays
-    `fn` closes over are passed to it as arguments (`jax.make_jaxpr`'s constants),
-    never compiled into it: an eager call's cache sees them as its own arguments.
-    """
-
-    def call(*leaves: Any) -> list[Any]:
-        closed = jax.make_jaxpr(fn)(*leaves)
-        run = jax.jit(_cache.wraps(fn)(ft.partial(jax.core.eval_jaxpr, closed.jaxpr)))
-        outs = run(closed.consts, *leaves)
+        params, values = chunk_leaves[:k], [chunk_leaves[k + i] for i in dyn]
+        if not any(moved):
+            return retraced(params, values, length)
+        # Behind a call boundary, where XLA keeps the chunk's own layout: the move
+        # is then one transpose (inside, XLA lays the per-example computation out
+        # for the moved outputs: on the statistics' gradients, examples last, a
+        # quarter more memory on a transformer).
+        call = jax.jit(_cache.wraps(f)(lambda p, *v: retraced(p, list(v), length)))
+        outs = call(params, *values)
         return [
-            o if a in (0, None) else jnp.moveaxis(o, 0, a)
-            for o, a in zip(outs, out_axes)
+            jnp.moveaxis(o, 0, a) if m else o for o, a, m in zip(outs, flat_axes, moved)
         ]
 
-    return call
+    convolutions = _conv.has_convolution(first)
+    return _chunked.body(
+        options, chunk_fn, axes, signature, length, convolutions, retraced
+    )
 
 
 def check_outputs(name: str, f: Any, out: Any) -> None:

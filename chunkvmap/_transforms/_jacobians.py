@@ -74,10 +74,11 @@ def _basis_map(
     transform: Transform, fn: Callable[..., Any], linear: Any, n: int, out_axis: int
 ) -> Any:
     """`fn(linear, i)` for every basis index `i < n`, chunked; the linear map
-    `linear` (a pytree holding its residuals) is an unmapped argument, so the
-    chunked program closes over no traced value."""
+    `linear` (holding its residuals) is closed over: the chunk's trace reads its
+    residuals as it reads any closure's arrays (an eager call passes them to its
+    compiled program), and its linearised program is in that trace."""
     index = jnp.arange(n, dtype=jnp.int32)
-    return transform.map(fn, (linear, index), {}, (None, 0), out_axis)
+    return transform.map(lambda i: fn(linear, i), (index,), {}, 0, out_axis)
 
 
 def _dyn_args(name: str, argnums_t: tuple[int, ...], single: bool, args: tuple):
@@ -288,7 +289,7 @@ def batch_jacfwd(
         jac = jax.tree.map(block, columns, out)
         return (jac, lin[2]) if has_aux else jac
 
-    return transform.public(jacobian, fun)
+    return transform.public(jacobian, fun, whole=True)  # (its linearisation)
 
 
 @decorator_form("fun")
@@ -420,4 +421,4 @@ def batch_jacrev(
         jac = out_tree.unflatten(per_output)
         return (jac, res[2]) if has_aux else jac
 
-    return transform.public(jacobian, fun)
+    return transform.public(jacobian, fun, whole=True)  # (its linearisation)
