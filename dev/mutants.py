@@ -86,24 +86,6 @@ MUTANTS = {
         ),
         ["test_cache", "test_compose"],
     ),
-    "eager cache: the chunk's jits keep the closure's arrays inside": (
-        (
-            "chunkvmap/_transforms/_batch_vmap.py",
-            "(vmap_flat(traced, flat_out_axes, length)),\n"
-            "                    inline=True,",
-            "(vmap_flat(traced, flat_out_axes, length)),",
-        ),
-        ["test_cache", "test_conformance"],
-    ),
-    "eager cache: a chunk moved off axis 0 keeps the closure's arrays inside": (
-        (
-            "chunkvmap/_transforms/_batch_vmap.py",
-            "        outs = run(closed.consts, *leaves)\n",
-            "        outs = jax.jit(lambda *xs: jax.core.eval_jaxpr(\n"
-            "            closed.jaxpr, closed.consts, *xs))(*leaves)\n",
-        ),
-        ["test_cache", "test_conformance"],
-    ),
     "mesh: never resolved (nothing entered)": (
         (
             "chunkvmap/_core/_mesh.py",
@@ -461,14 +443,6 @@ MUTANTS = {
         ),
         ["test_cache", "test_closures"],
     ),
-    "eager cache: a closure holding a tracer cached": (
-        (
-            "chunkvmap/_core/_cache.py",
-            "        if any(isinstance(c, jax.core.Tracer) for c in consts):\n",
-            "        if False:\n",
-        ),
-        ["test_cache", "test_closures"],
-    ),
     "eager cache: a custom_vjp's output trees keyed": (
         ("chunkvmap/_core/_program.py", '     "out_trees"}', "}"),
         ["test_cache", "test_closures"],
@@ -516,6 +490,51 @@ MUTANTS = {
             "                if True\n",
         ),
         ["test_eqx", "test_wherever"],
+    ),
+    "eager programs: a whole traced program reading a tracer compiled": (
+        ("chunkvmap/_core/_program.py", "    if trace.traced:\n", "    if False:\n"),
+        ["test_cache", "test_closures"],
+    ),
+    "eager programs: a chunk closing over a tracer closure-converted": (
+        (
+            "chunkvmap/_core/_program.py",
+            "        if self.first.traced:\n",
+            "        if False:\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "eager programs: a body known without its chunk's trace": (
+        (
+            "chunkvmap/_core/_chunked.py",
+            "            traced.first.key, length, convolutions, tuple(axes), "
+            "out_tree,\n",
+            "            length, convolutions, tuple(axes), out_tree,\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "eager programs: a body with any accumulator known by its chunk's trace": (
+        (
+            "chunkvmap/_core/_chunked.py",
+            "        and (options.accumulator is None or options.accumulator.pure)\n",
+            "",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "eager programs: a retrace's own arrays compiled into a kept program": (
+        (
+            "chunkvmap/_core/_program.py",
+            "            self.kept = False\n",
+            "            pass\n",
+        ),
+        ["test_cache", "test_closures", "test_auto"],
+    ),
+    "eager programs: a retrace that reads other arrays given the first's": (
+        (
+            "chunkvmap/_core/_program.py",
+            "        if not this.reads(self.first.consts):\n",
+            "        if False:\n",
+        ),
+        ["test_cache", "test_closures"],
     ),
 }
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from chunkvmap import batch_map, batch_vmap
-from chunkvmap._core import _cache, _program
+from chunkvmap._core import _program
 
 from .helpers import CompileCounter
 
@@ -395,3 +395,19 @@ def test_a_nested_numpy_constant_compiled_in_is_read_by_value():
     for value in (1.0, 4.0):
         a[:] = value
         np.testing.assert_allclose(g(x), jax.vmap(f)(x))
+
+
+def test_a_chunk_that_reads_other_arrays_at_another_length_is_not_kept():
+    """`batch_size="auto"` traces the chunk at one example, then at the size it
+    chose: a function that reads another array at that length (chosen by its
+    chunk's length) is evaluated with it, every call, as it is now."""
+    held = {"one": jnp.full((1, 3), 100.0), "many": jnp.ones((1, 3))}
+
+    def fun(chunk):
+        return chunk * (held["one"] if chunk.shape[0] == 1 else held["many"])
+
+    x = jnp.ones((8, 3))
+    for value in (2.0, 3.0):
+        held["many"] = jnp.full((1, 3), value)
+        out = batch_map(fun, x, "auto", memory_limit="1MiB")
+        np.testing.assert_allclose(out, value * np.ones((8, 3)))

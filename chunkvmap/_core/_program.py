@@ -147,11 +147,11 @@ class Trace:
             return jax.core.eval_jaxpr(self.program.jaxpr, top, *args)
         return _Evaluation(self.program, hoisted).jaxpr(self.program.jaxpr, top, args)
 
-    def fits(self, consts: Sequence[Any]) -> bool:
-        """Whether `consts` (another trace's) can stand for this trace's: as many,
-        of the same types."""
+    def reads(self, consts: Sequence[Any]) -> bool:
+        """Whether this trace reads the very arrays `consts` (another trace's), in
+        that order."""
         return len(consts) == len(self.consts) and all(
-            jax.typeof(a) == jax.typeof(b) for a, b in zip(consts, self.consts)
+            a is b for a, b in zip(consts, self.consts)
         )
 
 
@@ -193,10 +193,11 @@ def _const_type(c: Any) -> Any:
 class Retraced:
     """A function traced at its first input types (`first`, keyed by `key`), and
     again at others: `jitted(length)` is the function, jitted, for chunks of
-    `length`. The first trace's arrays stand for each later one's where they fit
-    (as many, of the same types: the same function in the same call reads the same
-    arrays); where they do not, the later trace keeps its own and `kept` turns
-    False: a compiled program of it must not be kept for other calls. A function
+    `length`. A later trace that reads the very arrays the first one reads takes
+    them as `params` (the arrays passed for the first's); one that reads others (it
+    made arrays of its own while traced, or chose them by the chunk's length) keeps
+    its own, and `kept` turns False: a compiled program of it must not be kept for
+    other calls. A function
     that closes over a value an outer transformation traces (`first.traced`) is
     called as it is, its closure left to JAX (`params` then holds nothing)."""
 
@@ -217,7 +218,7 @@ class Retraced:
         if key not in self._traces:
             self._traces[key] = Trace.of(traced(self._jitted(length), values)[0])
         this = self._traces[key]
-        if not this.fits(params):
+        if not this.reads(self.first.consts):
             self.kept = False
             params = this.consts
         return this.apply(params, *values)
