@@ -297,6 +297,15 @@ def stacked(aval: Any, axis: int | None, length: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=weak)
 
 
+def unmapped(aval: Any, axis: int | None) -> jax.ShapeDtypeStruct:
+    """The type of one example of `aval` mapped along `axis` (None: `aval`)."""
+    if axis is None:
+        return aval
+    shape = tuple(aval.shape[:axis]) + tuple(aval.shape[axis + 1 :])
+    weak = getattr(aval, "weak_type", False)
+    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=weak)
+
+
 def per_example(aval: Any) -> jax.ShapeDtypeStruct:
     """The type of one example of `aval`, stacked along its leading axis."""
     weak = getattr(aval, "weak_type", False)

@@ -345,7 +345,7 @@ def clipped_sums(
         extra.append(padding)
 
     if config.method == "ghost" and size > 0:
-        sums = _GhostSums(
+        sums = _GhostSums.of(
             transform, fun, config, args, in_axes, kwargs, diff, batch_args
         )
         if sums.report.runs == "ghost":  # (else nothing to gain: the per-example path)
@@ -439,7 +439,11 @@ class _GhostSums:
     gradient entries are zeroed before its norm, except `other`'s, whose non-finite
     examples are fixed after the chunk's sum (`_fix_nonfinite`)."""
 
-    def __init__(self, transform, fun, config, args, in_axes, kwargs, diff, batch_args):
+    @classmethod
+    def of(cls, transform, fun, config, args, in_axes, kwargs, diff, batch_args):
+        """The ghost sums of a call: its loss traced, and the plan of an earlier
+        call of the transform with the same loss program (`Traced.key`) kept, so
+        that an eager call does not plan again."""
         name = transform.name
         note = _note(name, fun, config)
 
@@ -448,7 +452,7 @@ class _GhostSums:
                 return fun(*args, **kwargs)
 
         with _single_example_hint(name, config):
-            self.traced = ghost.Traced(
+            traced = ghost.Traced(
                 noted, list(args), kwargs, diff,
                 # the examples' arguments, and the per-example keys of prng_argnum
                 # (split into one key per example, but passed without a batch axis)
@@ -456,10 +460,19 @@ class _GhostSums:
                 strip=True, has_aux=config.has_aux,
                 keep_batch_dim=config.keep_batch_dim, expand=batch_args,
             )  # fmt: skip
-        check_scalar_loss(name, self.traced)
+        check_scalar_loss(name, traced)
+        sums = transform.memo(
+            ("ghost sums", traced.key()),
+            lambda: cls(transform, fun, config, traced, len(args)),
+        )
+        sums.traced.adopt(traced)
+        return sums
+
+    def __init__(self, transform, fun, config, traced, n_args):
+        self.traced = traced
         self.report = ghost.report_of(self.traced.plan, self.traced)
         warn_fallback(transform, fun, self.report)
-        self.transform, self.config, self.n_args = transform, config, len(args)
+        self.transform, self.config, self.n_args = transform, config, n_args
         plan = self.traced.plan
         leaves = plan.leaves
         self.pe = plan.with_rule(ghost.PER_EXAMPLE)
@@ -678,7 +691,10 @@ class _GhostSums:
             (0, 0, None),
             known=known,
             check_unmapped=False,  # the parameters: unmapped inputs
-            accumulator=Accumulator.adding(self.summarise),
+            # (computes from the chunks' outputs by this plan, kept for its loss)
+            accumulator=dataclasses.replace(
+                Accumulator.adding(self.summarise), pure=True
+            ),
         )
         if not self.config.sums:
             return None, extras

@@ -355,6 +355,11 @@ class Transform:
         """`call` run under each call's mesh (`whole`: see `_cache.EagerCache`)."""
         return _cache.EagerCache(call, placement=self.placement, whole=whole)
 
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """`build()`, kept by this transform for `key` (a front end's own state of
+        its calls, e.g. a loss's ghost plan; at most `_program.MAX_ENTRIES`)."""
+        return self._caches.get_or_build(key, build)
+
     def cache_for(self, key: Any, call: Callable[[], _cache.Call]) -> _cache.EagerCache:
         """The eager cache (`cache`) of the call `call()` that this transform keeps
         for `key` (e.g. an adapter's axis specs; at most `_cache.MAX_ENTRIES`)."""
@@ -518,15 +523,16 @@ def _trace(
 
         return call
 
-    # One chunk is `jax.vmap(f_flat)` at the loop's length, traced once (`first`)
-    # for the output structure; the loop evaluates a trace, the arrays it reads
-    # passed in as unmapped inputs (`Body.params`), so that a compiled program holds
-    # none of them. With every output along axis 0 (the usual case) that first trace
-    # is the chunk; other output axes are known only from the output's structure:
-    # `f_flat` is then jitted on its own (inlined), so that the chunk with the
-    # outputs unmapped where they are batches its cached trace instead of tracing
-    # `f` again. Another length, or inputs with other sharding types, is traced
-    # again, the first trace's arrays standing for its own.
+    # One chunk is `jax.vmap(f_flat)` at the loop's length, traced once (`first`);
+    # the loop evaluates that trace, the arrays it reads passed in as unmapped
+    # inputs (`Body.params`), so that a compiled program holds none of them. With
+    # every output along axis 0 (the usual case) the chunk is traced directly;
+    # other output axes are known only from the output's structure: `f_flat` is
+    # then jitted on its own (inlined) and traced on one example first, so that the
+    # chunk, its unmapped outputs left unmapped, batches that cached trace instead
+    # of tracing `f` again. Another length, or inputs with other sharding types,
+    # is traced again, the first trace's arrays standing for its own where it reads
+    # them.
     all_zero = isinstance(out_axes, int) and out_axes == 0
     inner = f_flat if all_zero else jax.jit(f_flat, inline=True)
 
@@ -541,24 +547,26 @@ def _trace(
     batch = options.batch_size
     length = batch if isinstance(batch, int) and 0 < batch < size else size
     chunk_avals = [_axes.sized(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
-    first, mapped_avals = _program.traced(mapped_at(length), chunk_avals)
-    trace = _program.Trace.of(first)
-    out_avals = [_axes.per_example(a) for a in mapped_avals]
+    if all_zero or axis_name is not None:
+        first, mapped_avals = _program.traced(mapped_at(length), chunk_avals)
+        out_avals = [_axes.per_example(a) for a in mapped_avals]
+    else:  # one example's outputs first (collectives need the vmap's axis name)
+        example = [_axes.sized(leaves[i], None, 0) for i in dyn]
+        example = [_axes.unmapped(x, a) for x, a in zip(example, dyn_axes)]
+        out_avals = _program.traced(inner, example)[1]
     flat_axes = _flat_out_axes(name, out_axes, out_box[0], out_avals)
     if None in flat_axes and options.check_unmapped:  # before jax.vmap is asked
         probe, batched = _batched_probe()
-        probed = vmap_flat(lambda *xs: probe(f_flat(*xs)), 0, length)
+        probed = vmap_flat(lambda *xs: probe(inner(*xs)), 0, length)
         jax.eval_shape(probed, *chunk_avals)
         names = out_names(out_box[0].unflatten(out_avals))
         _check_unmapped(name, f, flat_axes, batched, names)
     signature = _loop.Signature(out_box[0], out_avals, flat_axes)
     leading = [None if a is None else 0 for a in flat_axes]
-    if None in flat_axes:  # the chunk leaves its unmapped outputs unmapped
-        trace = _program.Trace.of(
-            _program.traced(mapped_at(length, leading), chunk_avals)[0]
-        )
+    if not all_zero:  # the chunk, its unmapped outputs left unmapped
+        first = _program.traced(mapped_at(length, leading), chunk_avals)[0]
     retraced = _program.Retraced(
-        trace,
+        _program.Trace.of(first),
         (length, tuple(first.in_avals)),
         lambda length: mapped_at(length, leading),
     )

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ..._core import _axes, _memory
+from ..._core import _axes, _memory, _program
 from ._plan import GHOST, INSTANTIATED, PER_EXAMPLE, Evaluation, Plan
 
 
@@ -22,6 +23,14 @@ def _one_example_sharding(aval: Any, stripped: bool) -> Any:
         return None
     spec = tuple(sharding.spec) + (None,) * (len(aval.shape) - len(sharding.spec))
     return jax.sharding.NamedSharding(mesh, jax.P(*(spec[1:] if stripped else spec)))
+
+
+def _scalar(c: Any) -> Any:
+    """A scalar constant by its value (its bits), a traced one by identity."""
+    if isinstance(c, jax.core.Tracer):
+        return _program.Held(c)
+    value = np.asarray(c)
+    return (value.dtype.str, value.tobytes())
 
 
 def check_scalar_loss(name: str, traced: Traced) -> None:
@@ -86,11 +95,52 @@ class Traced:
         self.out_tree = jax.tree.structure(shape)
         value = jax.tree.leaves(shape)[0] if jax.tree.leaves(shape) else None
         self.value_aval = value
-        self.plan = Plan(closed, positions, example_positions, paths)
+        self.closed = closed
         self._one = one
         self._plan_args = (positions, example_positions, paths)
+        self._plan: Plan | None = None
+        self._plans: dict[Any, Plan] = {}
+        self._static = [
+            x for x in jax.tree.leaves((args, kwargs)) if not _axes.is_array(x)
+        ]
+
+    @property
+    def plan(self) -> Plan:
+        """The loss's ghost plan (analysed on first use)."""
+        if self._plan is None:
+            self._plan = Plan(self.closed, *self._plan_args)
+            here = jax.sharding.get_abstract_mesh()
+            self._plans = {(here, tuple(self._leaf_types(self._avals))): self._plan}
+        return self._plan
+
+    def key(self) -> Hashable:
+        """What the plan depends on: the loss's program (`_program.Trace`), the
+        types of what it reads and the values of its scalars among them (a
+        constant scale between a leaf and its use is part of the use), the
+        arguments' structure and non-array values, the mesh."""
+        trace = _program.Trace.of(self.closed)
+        return (
+            trace.key,
+            tuple(jax.typeof(c) for c in trace.consts),
+            tuple(_scalar(c) for c in trace.consts if np.ndim(c) == 0),
+            tuple(self._avals),
+            tuple(_program.Held(x) for x in self._static),
+            tuple((tree, tuple(arr)) for tree, arr in self.arg_defs),
+            self.diff,
+            self.batch_args,
+            self.keep_batch_dim,
+            tuple(self._example_positions),
+            jax.sharding.get_abstract_mesh(),
+        )
+
+    def adopt(self, other: Traced) -> None:
+        """Evaluate `other`'s loss (a later call's, of the same `key`) with this
+        plan: its jaxpr (the arrays it reads) and its function."""
+        plan = self.plan
+        plan.closed = self.closed = other.closed
+        self._one = other._one
         here = jax.sharding.get_abstract_mesh()
-        self._plans = {(here, tuple(self._leaf_types(avals))): self.plan}
+        self._plans = {(here, tuple(self._leaf_types(self._avals))): plan}
 
     def _flatten(self, args, kwargs, mapped, strip) -> tuple[list, ...]:
         """The types of one example's array leaves (the jaxpr's inputs), the
