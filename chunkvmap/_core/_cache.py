@@ -1,22 +1,16 @@
-"""One eager cache for every entry point: compile once per program, never stale.
+"""Eager calls: run under the call's mesh, compiled once per program, never stale.
 
-Called eagerly (no argument is a tracer), a chunkvmap transform traces its whole
-evaluation to a jaxpr (`jax.make_jaxpr`: the user's function and the chunked loop,
-no compilation) and runs it through one compiled program per distinct program, kept
-in a small LRU. Two calls share a compiled program when their programs compute the
-same function of the same arguments (`_program.Program`: the jaxpr's text, every
-Python object it holds, where its nested constants sit) and their arguments have the
-same types and shardings. Every array that can change between calls is an argument
-of the compiled program, passed anew at every call: the arrays the trace closed over
-(a closure's arrays, a model's weights held in a global) and those a nested
-`jax.jit` closed over. So an eager call returns what `jax.vmap` would return for the
-function as it is now, a repeated call costs a trace, not a compilation, and the
-cache keeps no array of any call alive. A function closing over a tracer (`jax.grad`
-with respect to a value it closes over) is evaluated as traced, under that
-transformation, and nothing is kept. Under an outer `jax.jit` the caller's cache
-does that, and the call goes straight through.
-
-Every call first resolves its mesh and runs under it (`_mesh.run_under`).
+Every call first resolves its mesh and runs under it (`_mesh.run_under`). Called
+eagerly (no argument is a tracer), a transform's front end then runs eagerly, and the
+chunked evaluation it reaches compiles once per distinct program
+(`_chunked.evaluate`): the chunk is traced once per call (so the call sees the
+function's closure as it is now, as `jax.vmap` does), the arrays that trace reads are
+inputs of the compiled program (`_program.Trace`), and the program is looked up by
+that trace and the inputs' types. A new array in the closure compiles nothing, and
+no array of any call is kept. A front end that computes before the chunked
+evaluation (the Jacobians' linearisation) traces the whole call instead
+(`EagerCache(whole=True)`, `_program.run_traced`). Under an outer `jax.jit` the
+caller's cache does all this, and the call goes straight through.
 
 Caches that outlive one transform (`batch_map`'s, keyed by the user's `fun`; the
 adapters', keyed by their options) hold their keys weakly (`memo`), so they never keep
