@@ -215,8 +215,9 @@ class Retraced:
         if self.first.traced:
             return self._jitted(length)(*values)
         key = (length, tuple(jax.typeof(v) for v in values))
-        if key not in self._traces:
-            self._traces[key] = Trace.of(traced(self._jitted(length), values)[0])
+        if key not in self._traces:  # (at the values' own types, their mesh's too)
+            again = self._jitted(length).trace(*values).jaxpr
+            self._traces[key] = Trace.of(again)
         this = self._traces[key]
         if not this.reads(self.first.consts):
             self.kept = False

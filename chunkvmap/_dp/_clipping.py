@@ -228,7 +228,7 @@ class Clipping:
     # jax-privacy's call rules: `is_padding_example=` is accepted, and the
     # differentiated arguments may not hold examples.
     jax_privacy: bool = False
-    method: str = "vmap"
+    method: ghost.Method = ghost.Method.VMAP
     # Whether the clipped sum is wanted (else only the per-example extras: norms).
     sums: bool = True
     # Whether the norms are each differentiated leaf's (a tree like the gradient's)
@@ -344,11 +344,11 @@ def clipped_sums(
         padding = _check_padding(name, padding, size)
         extra.append(padding)
 
-    if config.method == "ghost" and size > 0:
+    if config.method is ghost.Method.GHOST and size > 0:
         sums = _GhostSums.of(
             transform, fun, config, args, in_axes, kwargs, diff, batch_args
         )
-        if sums.report.runs == "ghost":  # (else nothing to gain: the per-example path)
+        if sums.report.runs is ghost.Method.GHOST:  # (else: the per-example path)
             return (*sums(args, in_axes, kwargs, extra, known), size)
 
     value_and_grad = filtered_value_and_grad(
@@ -741,7 +741,7 @@ def warn_fallback(transform: Transform, fun: Any, report: ghost.GhostReport) -> 
     shares = report.shares()
     share = shares.get(ghost.PER_EXAMPLE, 0.0)
     fallback = report.fallback()
-    if report.runs == "vmap":
+    if report.runs is ghost.Method.VMAP:
         message = (
             f"{transform.name} method='ghost' runs as method='vmap' for "
             f"{function_name(fun)} (the same result): {report.why}."
@@ -974,7 +974,7 @@ def clipped_grad(
     """
     name = "clipped_grad"
     _check_clip_norm(name, l2_clip_norm)
-    check_method(name, method, pre_clipping_transform)
+    method = check_method(name, method, pre_clipping_transform)
     for arg, value in (
         ("has_aux", has_aux),
         ("rescale_to_unit_norm", rescale_to_unit_norm),
@@ -1052,24 +1052,25 @@ def _check_normalize_by(name: str, value: Any) -> None:
         )
 
 
-_METHODS = ("vmap", "ghost")
-
-
 def check_method(
     name: str, method: Any, pre_clipping_transform: Any = identity
-) -> None:
-    if not isinstance(method, str) or method not in _METHODS:
+) -> ghost.Method:
+    """The `method` a user passed (`"vmap"` or `"ghost"`), checked."""
+    values = [m.value for m in ghost.Method]
+    if not isinstance(method, str) or method not in values:
         raise ValueError(
-            f"{name} method must be one of {', '.join(map(repr, _METHODS))}, but got "
+            f"{name} method must be one of {', '.join(map(repr, values))}, but got "
             f"method={method!r}."
         )
-    if method == "ghost" and pre_clipping_transform is not identity:
+    method = ghost.Method(method)
+    if method is ghost.Method.GHOST and pre_clipping_transform is not identity:
         raise ValueError(
             f"{name} method='ghost' cannot apply pre_clipping_transform="
             f"{pre_clipping_transform!r}: ghost clipping never forms the per-example "
             f"gradients a transform would act on. Use method='vmap' (the default) "
             f"with a pre-clipping transform."
         )
+    return method
 
 
 def _check_dtype(name: str, dtype: Any) -> Any:
@@ -1179,7 +1180,7 @@ def clipped_grad_sum(
     name = "clipped_grad_sum"
     _check_clip_norm(name, l2_clip_norm)
     check_bool(name, "return_norms", return_norms)
-    check_method(name, method)
+    method = check_method(name, method)
     transform = grad_transform(
         name,
         fun,

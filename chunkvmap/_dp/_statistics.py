@@ -134,7 +134,7 @@ def per_example_grad_norms(
     name = "per_example_grad_norms"
     check_bool(name, "has_aux", has_aux)
     check_bool(name, "per_leaf", per_leaf)
-    _clipping.check_method(name, method)
+    method = _clipping.check_method(name, method)
     transform = grad_transform(
         name,
         fun,
@@ -283,7 +283,7 @@ def per_example_grad_stats(
     name = "per_example_grad_stats"
     check_bool(name, "has_aux", has_aux)
     check_bool(name, "per_leaf", per_leaf)
-    _clipping.check_method(name, method)
+    method = _clipping.check_method(name, method)
     transform = grad_transform(
         name,
         fun,
@@ -321,11 +321,11 @@ def per_example_grad_stats(
                 f"undefined), but the examples' axis has size 0."
             )
         moments = None
-        if method == "ghost":
+        if method is ghost.Method.GHOST:
             moments = _GhostMoments(name, fun, args, kwargs, diff, in_axes, has_aux)
             report = ghost.report_of(moments.traced.plan, moments.traced)
             _clipping.warn_fallback(transform, fun, report)
-            if report.runs == "vmap":  # the per-example path (the same result)
+            if report.runs is ghost.Method.VMAP:  # the per-example path (the same)
                 moments = None
         if moments is not None:
             state, (sq_norms, aux) = transform.map(
@@ -777,7 +777,7 @@ def per_example_grad_gram(
     """
     name = "per_example_grad_gram"
     check_bool(name, "has_aux", has_aux)
-    _clipping.check_method(name, method)
+    method = _clipping.check_method(name, method)
     other_batch_size = _axes.check_positive_int(
         "other_batch_size", other_batch_size, transform=name
     )
@@ -816,7 +816,7 @@ def per_example_grad_gram(
         `resolved`: the call's differentiated arguments, its `in_axes` and the other
         batch's)."""
         diff, in_axes, other_axes = resolved
-        if method == "ghost":
+        if method is ghost.Method.GHOST:
             chunk = _chunk_length(rows, args, in_axes)[1]
             dots = _GhostDots(name, fun, args, diff, in_axes, has_aux, chunk)
             rep, dot = dots.parts, dots.dot
@@ -928,7 +928,7 @@ def per_example_grad_gram(
             )
         args = differentiable_floats(args, diff, in_axes)
         other = differentiable_floats(other, diff, other_axes)
-        if method == "ghost":
+        if method is ghost.Method.GHOST:
             shapes, other_shapes = _shapes(args, in_axes), _shapes(other, other_axes)
             if other_shapes != shapes:
                 raise ValueError(

@@ -536,8 +536,8 @@ def _trace(
     all_zero = isinstance(out_axes, int) and out_axes == 0
     inner = f_flat if all_zero else jax.jit(f_flat, inline=True)
 
-    def mapped_at(length: int, leading: Any = 0) -> Callable[..., Any]:
-        return jax.jit(_cache.wraps(f)(vmap_flat(inner, leading, length)), inline=True)
+    def mapped_at(length: int, leading: Any = 0, fn: Any = inner) -> Callable[..., Any]:
+        return jax.jit(_cache.wraps(f)(vmap_flat(fn, leading, length)), inline=True)
 
     # The length the loop's chunks will have (when it is known now). Plain shapes,
     # without sharding types: those say nothing about the output structure, and
@@ -565,10 +565,12 @@ def _trace(
     leading = [None if a is None else 0 for a in flat_axes]
     if not all_zero:  # the chunk, its unmapped outputs left unmapped
         first = _program.traced(mapped_at(length, leading), chunk_avals)[0]
+    # (a retrace, in the loop's context, traces `f` there: not the cached trace of
+    # another context, so that what `f` does per context (ghost's plans) happens)
     retraced = _program.Retraced(
         _program.Trace.of(first),
         (length, tuple(first.in_avals)),
-        lambda length: mapped_at(length, leading),
+        lambda length: mapped_at(length, leading, f_flat),
     )
     moved = [a not in (0, None) for a in flat_axes]
     k = len(retraced.params)

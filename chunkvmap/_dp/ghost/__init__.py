@@ -35,6 +35,8 @@ from ._plan import (
     PER_EXAMPLE as PER_EXAMPLE,
     UNUSED as UNUSED,
     Evaluation as Evaluation,
+    LeafRule as LeafRule,
+    Method as Method,
     Plan as Plan,
     accumulation_dtype as accumulation_dtype,
 )

@@ -6,6 +6,7 @@ cotangents (`Plan.run`, `Plan.backward`)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -21,12 +22,32 @@ from ._primitives import PLAIN, Info, handler
 from ._rules import Use, rule_kind
 
 
-GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED = (
-    "ghost",
-    "instantiated",
-    "per-example",
-    "unused",
-)
+class _Named(enum.StrEnum):
+    """An enumeration whose members are their strings (so that reports and messages
+    show them, and a user's string compares equal)."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Method(_Named):
+    """The program that computes per-example quantities: per-example gradients
+    (`VMAP`) or ghost norms from activations and cotangents (`GHOST`)."""
+
+    VMAP = "vmap"
+    GHOST = "ghost"
+
+
+class LeafRule(_Named):
+    """How `method="ghost"` treats a differentiated leaf (see `ghost_report`)."""
+
+    GHOST = "ghost"
+    INSTANTIATED = "instantiated"
+    PER_EXAMPLE = "per-example"
+    UNUSED = "unused"
+
+
+GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED = LeafRule
 
 
 # What a per-example gradient entry costs `method="vmap"` beyond the operations that
@@ -49,11 +70,12 @@ _MEMORY_GAIN = 0.25
 
 
 class Verdict(NamedTuple):
-    """Which program `method="ghost"` runs: `"ghost"`, or `"vmap"` (the per-example
-    path itself, the same result); whether the ghost program is predicted slower
-    than the vmap program (it then runs for its memory); and why, in words."""
+    """Which program `method="ghost"` runs: `Method.GHOST`, or `Method.VMAP` (the
+    per-example path itself, the same result); whether the ghost program is
+    predicted slower than the vmap program (it then runs for its memory); and why,
+    in words."""
 
-    runs: str
+    runs: Method
     slower: bool
     why: str
     # Running for its memory: the operand entries it keeps per example, over the
@@ -208,7 +230,7 @@ class Plan:
         large instantiated leaves for the chunk's sum, where the vmap program keeps
         those leaves' per-example gradients."""
         if not any(x.rule == GHOST for x in self.leaves):
-            return Verdict("vmap", False, "no parameter has a ghost norm")
+            return Verdict(Method.VMAP, False, "no parameter has a ghost norm")
         extra = vmap_cost = convs = 0.0  # flops
         avoided = kept = everything = 0  # entries per example
         for k, leaf in enumerate(self.leaves):
@@ -243,10 +265,10 @@ class Plan:
             )
         moved += convs
         if moved - extra >= _GAIN * vmap_cost:
-            return Verdict("ghost", False, counts)
+            return Verdict(Method.GHOST, False, counts)
         if avoided - kept >= _MEMORY_GAIN * everything:
             return Verdict(
-                "ghost",
+                Method.GHOST,
                 True,
                 f"{counts}; it runs for its memory: it keeps {_count(kept)} "
                 f"operand entries per example in place of {_count(avoided)} "
@@ -255,7 +277,7 @@ class Plan:
                 counts,
             )
         return Verdict(
-            "vmap",
+            Method.VMAP,
             False,
             f"the ghost program is predicted no faster ({counts}) and saves little "
             f"memory ({_count(max(avoided - kept, 0))} of {_count(everything)} "

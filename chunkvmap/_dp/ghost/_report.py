@@ -12,7 +12,15 @@ import jax.numpy as jnp
 from ..._core._cache import function_name
 from ..._core._options import check_callable
 from ..._transforms._grads import check_argnums, resolve_argnums
-from ._plan import _MEMORY_GAIN, GHOST, INSTANTIATED, PER_EXAMPLE, UNUSED, Plan
+from ._plan import (
+    _MEMORY_GAIN,
+    GHOST,
+    INSTANTIATED,
+    PER_EXAMPLE,
+    UNUSED,
+    Method,
+    Plan,
+)
 from ._rules import rule_kind
 from ._traced import Traced, check_scalar_loss
 
@@ -62,8 +70,10 @@ class GhostReport:
         self.rows = rows
         self.uses = uses or {}
         if runs is None:
-            runs = "ghost" if any(r == GHOST for _, _, r, _ in rows) else "vmap"
-        self.runs, self.slower, self.why = runs, slower, why
+            runs = (
+                Method.GHOST if any(r == GHOST for _, _, r, _ in rows) else Method.VMAP
+            )
+        self.runs, self.slower, self.why = Method(runs), slower, why
 
     def rule(self, path: str) -> str:
         """The rule of the leaf at key path `path` (as in `rows`)."""
@@ -114,7 +124,7 @@ class GhostReport:
                 "parameters by use: "
                 + ", ".join(f"{k[5:]} {100 * shares[k]:.1f}%" for k in kinds)
             )
-        if self.runs == "vmap":
+        if self.runs is Method.VMAP:
             why = f": {self.why}" if self.why else ""
             lines.append(f"method='ghost' runs as method='vmap'{why}")
         elif self.slower:
@@ -151,7 +161,7 @@ def report_of(plan: Plan, traced: Traced | None = None) -> GhostReport:
             if ghost <= (1 - _MEMORY_GAIN) * vmap:
                 why = f"{why} ({sizes})"
             else:
-                runs, slower = "vmap", False
+                runs, slower = Method.VMAP, False
                 why = (
                     f"the ghost program is predicted no faster ({counts}) and "
                     f"saves little memory ({sizes})"

@@ -294,16 +294,24 @@ class Traced:
         leaves are `params` (`params_of`), in the current mesh context: how a
         chunk's sums find the plan of the examples they sum, from those examples'
         own outputs."""
-        key = (
-            jax.sharding.get_abstract_mesh(),
-            tuple(jax.typeof(x) for x in params),
-        )
-        if key not in self._plans:
+        mesh = jax.sharding.get_abstract_mesh()
+        types = tuple(jax.typeof(x) for x in params)
+        if (mesh, types) in self._plans:
+            return self._plans[(mesh, types)]
+        # (inside a `shard_map`, the examples' types and the chunk's outputs' may
+        # name the mesh differently: the plan of this context, by shapes)
+        shapes = [(t.shape, t.dtype) for t in types]
+        found = [
+            plan
+            for (m, ts), plan in self._plans.items()
+            if m == mesh and [(t.shape, t.dtype) for t in ts] == shapes
+        ]
+        if len(found) != 1:
             raise RuntimeError(
                 "ghost clipping: no example was traced with these parameter types "
                 "in this mesh context"
             )
-        return self._plans[key]
+        return found[0]
 
     def rebuild(self, args: Sequence[Any], kwargs: dict, values: Sequence[Any]):
         """`(args, kwargs)` with their array leaves replaced by `values`."""
