@@ -398,7 +398,7 @@ MUTANTS = {
     "gram: per-share starts gathered, not rolled": (
         (
             "chunkvmap/_dp/_statistics.py",
-            "            if summarising_shares():",
+            "            if ghost.explicit_spec(()) is not None:",
             "            if False:",
         ),
         ["test_statistics", "test_wherever"],

@@ -22,8 +22,6 @@ sharding or the user's function beyond its chunk function (`ChunkFn`).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools as ft
 import operator
@@ -230,25 +228,6 @@ def fold(reduction: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
 # Reductions that are sums: summaries split over devices are then combined by one
 # all-reduce (in the order XLA chooses) instead of a gather and an ordered fold.
 SUMS = (jnp.add, lax.add, operator.add)
-
-_SHARES = contextvars.ContextVar("chunkvmap_shares", default=False)
-
-
-@contextlib.contextmanager
-def _summarising_shares():
-    token = _SHARES.set(True)
-    try:
-        yield
-    finally:
-        _SHARES.reset(token)
-
-
-def summarising_shares() -> bool:
-    """Whether the `Accumulator.summarise` being traced runs vmapped over devices'
-    shares (`Body.run_shares`, Explicit mesh axes): its values then differ share by
-    share, and a gather from an array they all hold, by a per-share index, has no
-    output sharding JAX can infer."""
-    return _SHARES.get()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -659,11 +638,10 @@ class Body:
         if accumulator is not None:
 
             def summarise(ys: list[Any]) -> Any:  # one summary per share
-                with _summarising_shares():
-                    result = jax.vmap(
-                        lambda y: accumulator.summarise(self.out_tree.unflatten(y)),
-                        in_axes=(list(out_axes),),
-                    )(ys)
+                result = jax.vmap(
+                    lambda y: accumulator.summarise(self.out_tree.unflatten(y)),
+                    in_axes=(list(out_axes),),
+                )(ys)
                 return jax.tree.map(lambda y: _with_entry(y, 0, entry), result)
 
             def combine(a: Any, b: Any) -> Any:  # share by share

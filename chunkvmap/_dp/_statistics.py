@@ -37,7 +37,7 @@ from .._core._accumulators import (
     moments as moments_of,
     unshifted,
 )
-from .._core._loop import Accumulator, summarising_shares
+from .._core._loop import Accumulator
 from .._core._options import check_bool, decorator_form, identity
 from .._transforms._batch_vmap import Transform, batch_vmap
 from .._transforms._grads import (
@@ -862,7 +862,10 @@ def per_example_grad_gram(
                 theirs, _, key = rep(*example)
                 return jax.vmap(lambda a: dot(key, a, theirs))(mine)
 
-            if summarising_shares():  # a per-share start: rolled, not gathered
+            # Over Explicit mesh axes the chunks of all devices' shares may run
+            # vmapped together: a per-share start then gathers from a batch they
+            # all hold with no output sharding JAX can infer; rolled, not gathered.
+            if ghost.explicit_spec(()) is not None:
                 them = _rotated(whole, in_axes, start, size, width)
                 inner = batch_vmap(
                     entry, in_axes=(None, *in_axes), batch_size=inner_size
