@@ -211,18 +211,6 @@ MUTANTS = {
         ),
         ["test_loop", "test_statistics"],
     ),
-    "adapters: a Flax call's function told apart by identity (no cache hit)": (
-        (
-            "chunkvmap/_adapters/_stateful.py",
-            "return isinstance(other, _Current)",
-            "return other is self",
-        ),
-        ["test_cache"],
-    ),
-    "adapters: a cache key keeps the call's function": (
-        ("chunkvmap/_adapters/_stateful.py", "current.fn = None", "pass"),
-        ["test_cache"],
-    ),
     "conv: depthwise convolutions laid out canonically": (
         ("chunkvmap/_core/_conv.py", "groups > 1\n", "groups < 0\n"),
         ["test_conv"],

@@ -28,32 +28,20 @@ def stateful_map(
     state_root: str,
 ) -> tuple[Any, Any]:
     """`fn(*args) -> (y, state)` mapped by `transform`; returns `(y, state)`, in one
-    chunked evaluation, through the eager cache and under the call's mesh as every
-    entry point's (one eager cache per axis specs, kept by the transform; `fn`,
-    which Flax's lifting makes anew at every call, is told apart by its traced
-    program): without a reduction both are stacked; with one, `y` is folded by it
-    and `state` stacked beside it. Messages name the outputs `out...` and the state
+    chunked evaluation, under the call's mesh as every entry point's (`fn`, which
+    Flax's lifting makes anew at every call, is told apart by its chunk's trace):
+    without a reduction both are stacked; with one, `y` is folded by it and `state`
+    stacked beside it. Messages name the outputs `out...` and the state
     `state_root...` (how the user knows it)."""
     in_axes = _axes.check_axes_spec(
         "in_axes", in_axes, top_level_tuple=True, transform=transform.name
     )
     axes = (in_axes, out_axes, state_axes)
 
-    def call() -> _cache.Call:
-        def evaluate(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-            current, *args = args
-            return _evaluate(
-                transform, state_root, current.fn, tuple(args), axes, known
-            )
+    def evaluate(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        return _evaluate(transform, state_root, fn, args, axes, known)
 
-        return evaluate
-
-    key = (state_root, *(_axes.spec_key(spec) for spec in axes))
-    current = _Current(fn)
-    try:
-        return transform.cache_for(key, call)((current, *args), {})
-    finally:  # a cache key may keep `current`: not the function and its closure
-        current.fn = None
+    return transform.cache(evaluate)(args, {})
 
 
 def _evaluate(
@@ -88,21 +76,6 @@ def _evaluate(
         options=options.replace(accumulator=accumulator), out_names=both_paths,
         known=known,
     )  # fmt: skip
-
-
-class _Current:
-    """A call's function, passed to the eager cache beside its arguments. Every one
-    compares equal: the cache traces each call, and its traced program (the
-    function's constants and closed-over arrays included) tells programs apart."""
-
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Current)
-
-    def __hash__(self) -> int:
-        return hash(_Current)
 
 
 def _folded_and_stacked(
