@@ -136,19 +136,10 @@ def per_example_grad_norms(
     check_bool(name, "per_leaf", per_leaf)
     method = _clipping.check_method(name, method)
     transform = grad_transform(
-        name,
-        fun,
-        argnums,
-        batch_argnums,
-        exclusive=True,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
-    )
+        name, fun, argnums, batch_argnums, exclusive=True, batch_size=batch_size,
+        chunk_size=chunk_size, shard=shard, mesh=mesh, remat=remat,
+        memory_limit=memory_limit, progress=progress,
+    )  # fmt: skip
     config = _clipping.Clipping(
         math.inf,
         nan_safe=False,
@@ -285,37 +276,15 @@ def per_example_grad_stats(
     check_bool(name, "per_leaf", per_leaf)
     method = _clipping.check_method(name, method)
     transform = grad_transform(
-        name,
-        fun,
-        argnums,
-        batch_argnums,
-        exclusive=True,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
-    )
+        name, fun, argnums, batch_argnums, exclusive=True, batch_size=batch_size,
+        chunk_size=chunk_size, shard=shard, mesh=mesh, remat=remat,
+        memory_limit=memory_limit, progress=progress,
+    )  # fmt: skip
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         diff, in_axes = transform.resolve(args)
         args = differentiable_floats(args, diff, in_axes)
-        value_and_grad = filtered_value_and_grad(
-            fun, diff, transform.args.single, has_aux, name
-        )
-
-        def example(*inputs: Any, **kw: Any) -> Any:
-            value, grads = value_and_grad(*inputs, **kw)
-            aux = value[1] if has_aux else None
-            grads = jax.tree.map(lambda g: g.astype(_stats_dtype(g.dtype)), grads)
-            if per_leaf:
-                return grads, jax.tree.map(_clipping.global_sq_norm, grads), aux
-            return grads, _clipping.global_sq_norm(grads), aux
-
-        size = _axes_size(transform, args, in_axes, kwargs)
-        if size == 0:
+        if _axes_size(transform, args, in_axes, kwargs) == 0:
             raise ValueError(
                 f"{name} needs at least one example (the mean over zero examples is "
                 f"undefined), but the examples' axis has size 0."
@@ -327,38 +296,12 @@ def per_example_grad_stats(
             _clipping.warn_fallback(transform, fun, report)
             if report.runs is ghost.Method.VMAP:  # the per-example path (the same)
                 moments = None
+        mapped = (args, kwargs, in_axes, known)
         if moments is not None:
-            state, (sq_norms, aux) = transform.map(
-                moments.example,
-                args,
-                kwargs,
-                in_axes,
-                (0, 0, None),
-                known=known,
-                check_unmapped=False,  # the parameters: unmapped inputs
-                accumulator=Accumulator(merge_moments, moments.summarise),
-            )
-            count, mean, m2 = unshifted(state)
-            single = transform.args.single
-            mean = moments.traced.grads_tree(mean, single)
-            m2 = moments.traced.grads_tree(m2, single)
-            if per_leaf:
-                sq_norms = moments.traced.grads_tree(sq_norms, single)
-            else:
-                sq_norms = sum(sq_norms[1:], sq_norms[0])
+            count, mean, m2, sq_norms, aux = moments.run(transform, per_leaf, *mapped)
         else:
-            # The gradients' examples along their last axis: the moments' reductions
-            # are contiguous, fused with the subtraction and the square (over a
-            # leading axis they are strided, several times slower on CPU, and a
-            # contraction would materialise the squares).
-            (count, mean, m2), sq_norms, aux = transform.map(
-                example,
-                args,
-                kwargs,
-                in_axes,
-                (-1, 0, 0),
-                known=known,
-                accumulator=compose((Moments(), Stack(), Stack())),
+            count, mean, m2, sq_norms, aux = _formed_moments(
+                transform, fun, diff, has_aux, per_leaf, name, *mapped
             )
         variance = jax.tree.map(lambda s: s / count.astype(s.dtype), m2)
         sum_sq = jax.tree.map(
@@ -369,6 +312,34 @@ def per_example_grad_stats(
         return GradStats(mean, variance, sum_sq, sq_norms, aux)
 
     return transform.public(call, fun)
+
+
+def _formed_moments(
+    transform: Transform, fun: Callable[..., Any], diff: Any, has_aux: bool,
+    per_leaf: bool, name: str, args: tuple, kwargs: dict, in_axes: tuple, known: Any,
+) -> tuple:  # fmt: skip
+    """`(count, mean, m2, sq_norms, aux)` from each chunk's formed gradients."""
+    value_and_grad = filtered_value_and_grad(
+        fun, diff, transform.args.single, has_aux, name
+    )
+
+    def example(*inputs: Any, **kw: Any) -> Any:
+        value, grads = value_and_grad(*inputs, **kw)
+        aux = value[1] if has_aux else None
+        grads = jax.tree.map(lambda g: g.astype(_stats_dtype(g.dtype)), grads)
+        if per_leaf:
+            return grads, jax.tree.map(_clipping.global_sq_norm, grads), aux
+        return grads, _clipping.global_sq_norm(grads), aux
+
+    # The gradients' examples along their last axis: the moments' reductions are
+    # contiguous, fused with the subtraction and the square (over a leading axis
+    # they are strided, several times slower on CPU, and a contraction would
+    # materialise the squares).
+    (count, mean, m2), sq_norms, aux = transform.map(
+        example, args, kwargs, in_axes, (-1, 0, 0), known=known,
+        accumulator=compose((Moments(), Stack(), Stack())),
+    )  # fmt: skip
+    return count, mean, m2, sq_norms, aux
 
 
 class _GhostMoments:
@@ -392,6 +363,26 @@ class _GhostMoments:
         self.pe = traced.plan.with_rule(ghost.PER_EXAMPLE)
         self.ruled = [k for k in range(len(leaves)) if k not in self.pe]
         self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])
+
+    def run(
+        self, transform: Transform, per_leaf: bool, args: tuple, kwargs: dict,
+        in_axes: tuple, known: Any,
+    ) -> tuple:  # fmt: skip
+        """`(count, mean, m2, sq_norms, aux)` over the examples, chunk by chunk."""
+        state, (sq_norms, aux) = transform.map(
+            self.example, args, kwargs, in_axes, (0, 0, None), known=known,
+            check_unmapped=False,  # the parameters: unmapped inputs
+            accumulator=Accumulator(merge_moments, self.summarise),
+        )  # fmt: skip
+        count, mean, m2 = unshifted(state)
+        single = transform.args.single
+        mean = self.traced.grads_tree(mean, single)
+        m2 = self.traced.grads_tree(m2, single)
+        if per_leaf:
+            sq_norms = self.traced.grads_tree(sq_norms, single)
+        else:
+            sq_norms = sum(sq_norms[1:], sq_norms[0])
+        return count, mean, m2, sq_norms, aux
 
     def example(self, *inputs: Any, **kw: Any) -> Any:
         traced = self.traced
@@ -786,52 +777,81 @@ def per_example_grad_gram(
         name, fun, argnums, batch_argnums, exclusive=True, batch_size=batch_size,
         chunk_size=chunk_size, memory_limit=memory_limit, **options,
     )  # fmt: skip
-    # "auto" without other_batch_size: one size for both batches, searched here
-    joint = transform.options.auto and other_batch_size is None
-    if other_batch_size is None and not joint:
-        other_batch_size = transform.options.batch_size
-    # the other batch's chunking (validated now, so errors name this function)
-    inner_transform = grad_transform(
-        name, fun, argnums, batch_argnums, exclusive=True,
-        batch_size=None if joint else other_batch_size,
+    gram = _Gram(
+        name, fun, argnums, batch_argnums, has_aux, method, options, transform,
+        other_batch_size,
     )  # fmt: skip
-    fixed: dict[tuple[int, bool], Transform] = {}
+    return transform.public(gram.call, fun)
 
-    def sized(b: int, measuring: bool = False) -> Transform:
+
+class _Gram:
+    """`per_example_grad_gram`'s evaluation: the rows' chunking (`transform`), the
+    other batch's, and the size searched for both when "auto" has no
+    `other_batch_size`."""
+
+    def __init__(
+        self, name: str, fun: Callable[..., Any], argnums: Any, batch_argnums: Any,
+        has_aux: bool, method: Any, options: dict, transform: Transform,
+        other_batch_size: int | None,
+    ) -> None:  # fmt: skip
+        self.name, self.fun, self.has_aux, self.method = name, fun, has_aux, method
+        self.argnums, self.batch_argnums = argnums, batch_argnums
+        self.options, self.transform = options, transform
+        # "auto" without other_batch_size: one size for both batches, searched here
+        self.joint = transform.options.auto and other_batch_size is None
+        if other_batch_size is None and not self.joint:
+            other_batch_size = transform.options.batch_size
+        self.other_batch_size = other_batch_size
+        # the other batch's chunking (validated now, so errors name the transform)
+        self.inner = grad_transform(
+            name, fun, argnums, batch_argnums, exclusive=True,
+            batch_size=None if self.joint else other_batch_size,
+        )  # fmt: skip
+        self.fixed: dict[tuple[int, bool], Transform] = {}
+
+    def sized(self, b: int, measuring: bool = False) -> Transform:
         """The rows' chunking at a chosen size (a measured program runs on one
         device, as `batch_vmap`'s search measures one)."""
-        if (b, measuring) not in fixed:
-            opts = dict(options, shard=False, mesh=None) if measuring else options
-            fixed[b, measuring] = grad_transform(
-                name, fun, argnums, batch_argnums, exclusive=True, batch_size=b,
-                **opts,
+        if (b, measuring) not in self.fixed:
+            opts = self.options
+            if measuring:
+                opts = dict(opts, shard=False, mesh=None)
+            self.fixed[b, measuring] = grad_transform(
+                self.name, self.fun, self.argnums, self.batch_argnums,
+                exclusive=True, batch_size=b, **opts,
             )  # fmt: skip
-        return fixed[b, measuring]
+        return self.fixed[b, measuring]
+
+    def parts(self, rows: Transform, args: tuple, diff: Any, in_axes: tuple) -> tuple:
+        """`(rep, dot)`: an example's representation `(rep, aux, key)` and the dot
+        product of two representations."""
+        if self.method is ghost.Method.GHOST:
+            chunk = _chunk_length(rows, args, in_axes)[1]
+            dots = _GhostDots(
+                self.name, self.fun, args, diff, in_axes, self.has_aux, chunk
+            )
+            return dots.parts, dots.dot
+        grad = filtered_value_and_grad(
+            self.fun, diff, rows.args.single, self.has_aux, self.name
+        )
+
+        def rep(*example: Any) -> tuple[Any, Any, Any]:
+            value, g = grad(*example)
+            return g, value[1] if self.has_aux else None, ()
+
+        return rep, lambda key, a, b: _tree_vdot(a, b)
 
     def evaluate(
-        rows: Transform, inner_size: Any, args: tuple, other: tuple | None,
+        self, rows: Transform, inner_size: Any, args: tuple, other: tuple | None,
         known: Any, resolved: tuple,
     ) -> Any:  # fmt: skip
         """The matrix of `args` against `other` (None: against themselves;
         `resolved`: the call's differentiated arguments, its `in_axes` and the other
         batch's)."""
         diff, in_axes, other_axes = resolved
-        if method is ghost.Method.GHOST:
-            chunk = _chunk_length(rows, args, in_axes)[1]
-            dots = _GhostDots(name, fun, args, diff, in_axes, has_aux, chunk)
-            rep, dot = dots.parts, dots.dot
-        else:
-            grad = filtered_value_and_grad(fun, diff, rows.args.single, has_aux, name)
-
-            def rep(*example: Any) -> tuple[Any, Any, Any]:
-                value, g = grad(*example)
-                return g, value[1] if has_aux else None, ()
-
-            def dot(key: Any, a: Any, b: Any) -> jax.Array:
-                return _tree_vdot(a, b)
-
+        rep, dot = self.parts(rows, args, diff, in_axes)
         if other is None:
-            return symmetric(rows, inner_size, args, known, in_axes, rep, dot)
+            return self.symmetric(rows, inner_size, args, known, in_axes, rep, dot)
         axes = (None, *other_axes)
         other = tuple(_whole_examples(a, ax) for a, ax in zip(other, other_axes))
 
@@ -846,53 +866,31 @@ def per_example_grad_gram(
             return inner(mine, *other), aux
 
         out = rows.map(row, args, {}, in_axes, 0, known=known)
-        return out if has_aux else out[0]
+        return out if self.has_aux else out[0]
 
     def symmetric(
-        rows: Transform, inner_size: Any, args: tuple, known: Any, in_axes: tuple,
-        rep: Callable[..., Any], dot: Callable[..., Any],
+        self, rows: Transform, inner_size: Any, args: tuple, known: Any,
+        in_axes: tuple, rep: Callable[..., Any], dot: Callable[..., Any],
     ) -> Any:  # fmt: skip
         """The batch against itself (`_SymmetricRows`): each chunk of rows holds
         its examples' `rep` and dots them with half of the batch."""
         size, batch = _chunk_length(rows, args, in_axes)
-        whole = tuple(_whole_examples(a, ax) for a, ax in zip(args, in_axes))
-
-        def columns(mine: Any, key: Any, start: Any) -> jax.Array:
-            def entry(mine: Any, *example: Any) -> Any:
-                theirs, _, key = rep(*example)
-                return jax.vmap(lambda a: dot(key, a, theirs))(mine)
-
-            # Over Explicit mesh axes the chunks of all devices' shares may run
-            # vmapped together: a per-share start then gathers from a batch they
-            # all hold with no output sharding JAX can infer; rolled, not gathered.
-            if ghost.explicit_spec(()) is not None:
-                them = _rotated(whole, in_axes, start, size, width)
-                inner = batch_vmap(
-                    entry, in_axes=(None, *in_axes), batch_size=inner_size
-                )
-                return inner(mine, *them)
-
-            def at(mine: Any, j: Any) -> Any:
-                return entry(mine, *_example_at(whole, in_axes, j))
-
-            js = (start + jnp.arange(width, dtype=jnp.int32)) % size
-            return batch_vmap(at, in_axes=(None, 0), batch_size=inner_size)(mine, js)
+        width = min(size, size // 2 + batch)
+        columns = _columns(rep, dot, args, in_axes, size, width, inner_size)
 
         def row(index: Any, *example: Any) -> Any:
             mine, aux, key = rep(*example)
             return (mine, index, key), aux
 
-        width = min(size, size // 2 + batch)
-        rows_of = _SymmetricRows(size, width, columns)
         index = jnp.arange(size, dtype=jnp.int32)
         out = rows.map(
             row, (index, *args), {}, (0, *in_axes), ((0, 0, None), 0),
             known=known, check_unmapped=False,  # the parameters: unmapped
-            accumulator=compose((rows_of, Stack())),
+            accumulator=compose((_SymmetricRows(size, width, columns), Stack())),
         )  # fmt: skip
-        return out if has_aux else out[0]
+        return out if self.has_aux else out[0]
 
-    def choose(args: tuple, other: tuple | None, resolved: tuple) -> int:
+    def choose(self, args: tuple, other: tuple | None, resolved: tuple) -> int:
         """The size for both batches: the fewest chunks whose program fits the
         budget."""
         leaves, treedef = jax.tree.flatten((args, other))
@@ -905,16 +903,17 @@ def per_example_grad_gram(
                 for i, v in zip(dyn, values):
                     full[i] = v
                 a, o = jax.tree.unflatten(treedef, full)
-                return evaluate(sized(b, True), b, a, o, None, resolved)
+                return self.evaluate(self.sized(b, True), b, a, o, None, resolved)
 
-            return _memory.temp_bytes(name, program, abstract)
+            return _memory.temp_bytes(self.name, program, abstract)
 
         key = (treedef, tuple(jax.typeof(leaves[i]) for i in dyn))
-        size = _axes_size(transform, args, resolved[1], {})
-        return transform.auto.choose(key, measure, size)
+        size = _axes_size(self.transform, args, resolved[1], {})
+        return self.transform.auto.choose(key, measure, size)
 
-    def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        kwargs = dict(kwargs)
+    def resolve(self, args: tuple, kwargs: dict) -> tuple:
+        """`(args, other given or None, resolved)` of a call, checked."""
+        name, kwargs = self.name, dict(kwargs)
         given = kwargs.pop("other", None)
         other = args if given is None else tuple(given)
         if kwargs:
@@ -922,8 +921,8 @@ def per_example_grad_gram(
                 f"{name} takes fun's positional arguments and other= only, but got "
                 f"the keyword arguments {sorted(kwargs)}."
             )
-        diff, in_axes = transform.resolve(args)
-        other_diff, other_axes = inner_transform.resolve(other)
+        diff, in_axes = self.transform.resolve(args)
+        other_diff, other_axes = self.inner.resolve(other)
         if other_diff != diff or len(other) != len(args):
             raise ValueError(
                 f"{name} other= must hold fun's {len(args)} positional arguments, "
@@ -931,7 +930,7 @@ def per_example_grad_gram(
             )
         args = differentiable_floats(args, diff, in_axes)
         other = differentiable_floats(other, diff, other_axes)
-        if method is ghost.Method.GHOST:
+        if self.method is ghost.Method.GHOST:
             shapes, other_shapes = _shapes(args, in_axes), _shapes(other, other_axes)
             if other_shapes != shapes:
                 raise ValueError(
@@ -939,11 +938,43 @@ def per_example_grad_gram(
                     f"the call's ({shapes}), but got {other_shapes}; use "
                     f"method='vmap'."
                 )
-        resolved = (diff, in_axes, other_axes)
         against = None if given is None else other  # None: the batch's symmetry
-        if joint:
-            b = choose(args, against, resolved)
-            return evaluate(sized(b), b, args, against, known, resolved)
-        return evaluate(transform, other_batch_size, args, against, known, resolved)
+        return args, against, (diff, in_axes, other_axes)
 
-    return transform.public(call, fun)
+    def call(self, args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        args, against, resolved = self.resolve(args, kwargs)
+        if self.joint:
+            b = self.choose(args, against, resolved)
+            return self.evaluate(self.sized(b), b, args, against, known, resolved)
+        return self.evaluate(
+            self.transform, self.other_batch_size, args, against, known, resolved
+        )
+
+
+def _columns(
+    rep: Callable[..., Any], dot: Callable[..., Any], args: tuple, in_axes: tuple,
+    size: int, width: int, inner_size: Any,
+) -> Callable[..., Any]:  # fmt: skip
+    """`columns(mine, key, start)`: a chunk's dot products with the `width` examples
+    from `start` (cyclically) of the whole batch `args`."""
+    whole = tuple(_whole_examples(a, ax) for a, ax in zip(args, in_axes))
+
+    def entry(mine: Any, *example: Any) -> Any:
+        theirs, _, key = rep(*example)
+        return jax.vmap(lambda a: dot(key, a, theirs))(mine)
+
+    def at(mine: Any, j: Any) -> Any:
+        return entry(mine, *_example_at(whole, in_axes, j))
+
+    def columns(mine: Any, key: Any, start: Any) -> jax.Array:
+        # Over Explicit mesh axes the chunks of all devices' shares may run
+        # vmapped together: a per-share start then gathers from a batch they all
+        # hold with no output sharding JAX can infer; rolled, not gathered.
+        if ghost.explicit_spec(()) is not None:
+            them = _rotated(whole, in_axes, start, size, width)
+            inner = batch_vmap(entry, in_axes=(None, *in_axes), batch_size=inner_size)
+            return inner(mine, *them)
+        js = (start + jnp.arange(width, dtype=jnp.int32)) % size
+        return batch_vmap(at, in_axes=(None, 0), batch_size=inner_size)(mine, js)
+
+    return columns
