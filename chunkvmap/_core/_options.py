@@ -89,6 +89,12 @@ def check_bool(name: str, arg: str, value: Any) -> bool:
     return bool(value)
 
 
+def check_bools(name: str, **flags: Any) -> None:
+    """`check_bool` for each keyword."""
+    for arg, value in flags.items():
+        check_bool(name, arg, value)
+
+
 def _check_batch_size(name: str, arg: str, value: Any) -> int | str | None:
     if isinstance(value, str):
         if value == "auto":

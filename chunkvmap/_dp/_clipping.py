@@ -31,6 +31,7 @@ from .._core._accumulators import Fold, Stack
 from .._core._loop import Accumulator
 from .._core._options import (
     check_bool,
+    check_bools,
     check_callable,
     decorator_form,
     identity,
@@ -314,52 +315,84 @@ def clipped_sums(
 ) -> tuple[Any, AuxiliaryOutput, int]:
     """The clipped gradient sum of a call, its per-example extras, and `N` (`known`:
     the concrete shardings of an eager call's arguments)."""
-    name = transform.name
-    kwargs = dict(kwargs)
-    padding = kwargs.pop("is_padding_example", None) if config.jax_privacy else None
-    diff, in_axes = transform.resolve(args)
-    batch_args = [i for i, a in enumerate(in_axes) if a is not None]
-    args = differentiable_floats(args, diff, in_axes)  # as jax.grad differentiates
-    mapped = mapped_leaves(name, args, in_axes, kwargs)
-    size = _axes.mapped_size(
-        *mapped,
-        None,
-        transform=name,
-        # jax-privacy's phrase, for code that matches it
-        hint="Batch axis must have the same size for all inputs in batch_argnums",
-    )
-    args, in_axes = list(args), list(in_axes)
-    if config.prng_argnum is not None:  # one key per example, split from the given one
-        (k,) = resolve_argnums(name, "prng_argnum", (config.prng_argnum,), len(args))
-        if k in diff or k in batch_args:
-            raise ValueError(
-                f"{name} prng_argnum={config.prng_argnum} is also in "
-                f"{'argnums' if k in diff else 'batch_argnums'}; the key argument "
-                f"must be passed whole (it is split into one key per example)."
-            )
-        args[k] = jax.tree.map(lambda key: jax.random.split(key, size), args[k])
-        in_axes[k] = 0
-    extra = []  # the padding flags, mapped beside the arguments
-    if padding is not None:
-        padding = _check_padding(name, padding, size)
-        extra.append(padding)
-
-    if config.method is ghost.Method.GHOST and size > 0:
+    call = _ClippedCall.of(transform, config, args, kwargs)
+    if config.method is ghost.Method.GHOST and call.size > 0:
         sums = _GhostSums.of(
-            transform, fun, config, args, in_axes, kwargs, diff, batch_args
-        )
+            transform, fun, config, call.args, call.in_axes, call.kwargs, call.diff,
+            call.batch_args,
+        )  # fmt: skip
         if sums.report.runs is ghost.Method.GHOST:  # (else: the per-example path)
-            return (*sums(args, in_axes, kwargs, extra, known), size)
+            extra = [] if call.padding is None else [call.padding]
+            return (
+                *sums(call.args, call.in_axes, call.kwargs, extra, known),
+                call.size,
+            )
+    return _formed_sums(transform, fun, config, call, known)
 
+
+class _ClippedCall(NamedTuple):
+    """A clipped sum's call, resolved: its arguments (floats made differentiable,
+    the key split per example), their axes, the keywords, the differentiated and
+    batched argument positions, `N`, and the checked padding flags (or None)."""
+
+    args: tuple
+    in_axes: tuple
+    kwargs: dict
+    diff: tuple
+    batch_args: list
+    size: int
+    padding: Any
+
+    @classmethod
+    def of(
+        cls, transform: Transform, config: Clipping, args: tuple, kwargs: dict
+    ) -> _ClippedCall:
+        name, kwargs = transform.name, dict(kwargs)
+        padding = kwargs.pop("is_padding_example", None) if config.jax_privacy else None
+        diff, in_axes = transform.resolve(args)
+        batch_args = [i for i, a in enumerate(in_axes) if a is not None]
+        args = differentiable_floats(args, diff, in_axes)  # as jax.grad differentiates
+        mapped = mapped_leaves(name, args, in_axes, kwargs)
+        size = _axes.mapped_size(
+            *mapped, None, transform=name,
+            # jax-privacy's phrase, for code that matches it
+            hint="Batch axis must have the same size for all inputs in batch_argnums",
+        )  # fmt: skip
+        args, in_axes = list(args), list(in_axes)
+        if config.prng_argnum is not None:  # one key per example, split from the given
+            (k,) = resolve_argnums(
+                name, "prng_argnum", (config.prng_argnum,), len(args)
+            )
+            if k in diff or k in batch_args:
+                raise ValueError(
+                    f"{name} prng_argnum={config.prng_argnum} is also in "
+                    f"{'argnums' if k in diff else 'batch_argnums'}; the key argument "
+                    f"must be passed whole (it is split into one key per example)."
+                )
+            args[k] = jax.tree.map(lambda key: jax.random.split(key, size), args[k])
+            in_axes[k] = 0
+        if padding is not None:
+            padding = _check_padding(name, padding, size)
+        return cls(tuple(args), tuple(in_axes), kwargs, diff, batch_args, size, padding)
+
+
+def _formed_sums(
+    transform: Transform, fun: Callable[..., Any], config: Clipping,
+    call: _ClippedCall, known: Any,
+) -> tuple[Any, AuxiliaryOutput, int]:  # fmt: skip
+    """The clipped sum from each example's formed gradient (`method="vmap"`, and
+    ghost's per-example path)."""
+    name, padded = transform.name, call.padding is not None
     value_and_grad = filtered_value_and_grad(
-        fun, diff, transform.args.single, config.has_aux, name, _note(name, fun, config)
-    )
+        fun, call.diff, transform.args.single, config.has_aux, name,
+        _note(name, fun, config),
+    )  # fmt: skip
 
     def example(*inputs: Any, **kw: Any) -> Any:
         inputs = list(inputs)
-        pad = inputs.pop() if padding is not None else None
+        pad = inputs.pop() if padded else None
         if config.keep_batch_dim:  # jax-privacy's default: a batch of one example
-            for i in batch_args:
+            for i in call.batch_args:
                 inputs[i] = jax.tree.map(lambda x: jnp.expand_dims(x, 0), inputs[i])
         with _single_example_hint(name, config):
             value, grads = value_and_grad(*inputs, **kw)
@@ -373,29 +406,25 @@ def clipped_sums(
         )
         return config.prepare(grads, pad), extras
 
-    all_args, all_axes = (*args, *extra), (*in_axes, *[0] * len(extra))
-    if size == 0:  # the empty sum (a Poisson-sampled lot may be empty)
+    all_args = (*call.args, *([call.padding] if padded else []))
+    all_axes = (*call.in_axes, *([0] if padded else []))
+    if call.size == 0:  # the empty sum (a Poisson-sampled lot may be empty)
         (grads, _), extras = jax.tree.map(
             lambda a: jnp.zeros(a.shape, a.dtype),
-            _one_example_avals(example, all_args, kwargs, all_axes),
+            _one_example_avals(example, all_args, call.kwargs, all_axes),
         )
         empty = jax.tree.map(lambda x: jnp.zeros((0, *x.shape), x.dtype), extras)
-        return grads, empty, size
+        return grads, empty, call.size
 
     def chunk_sum(chunk: Any) -> Any:  # the chunk's clipped sum
         grads, scales = chunk
         return scaled_sum(scales, grads) if config.sums else ()
 
     total, extras = transform.map(
-        example,
-        tuple(all_args),
-        kwargs,
-        tuple(all_axes),
-        0,
-        known=known,
+        example, all_args, call.kwargs, all_axes, 0, known=known,
         accumulator=_accumulators.compose((Fold(jnp.add, chunk_sum), Stack())),
-    )
-    return total, extras, size
+    )  # fmt: skip
+    return total, extras, call.size
 
 
 class _Parts(NamedTuple):
@@ -853,6 +882,16 @@ def _check_clip_norm(name: str, value: Any) -> None:
         )
 
 
+def _check_prng_argnum(name: str, prng_argnum: Any) -> None:
+    if prng_argnum is not None and (
+        isinstance(prng_argnum, bool) or not isinstance(prng_argnum, numbers.Integral)
+    ):
+        raise TypeError(
+            f"{name} prng_argnum must be an int or None, but got "
+            f"prng_argnum={prng_argnum!r}."
+        )
+
+
 @decorator_form("fun")
 def clipped_grad(
     fun: Callable[..., Any],
@@ -975,56 +1014,26 @@ def clipped_grad(
     name = "clipped_grad"
     _check_clip_norm(name, l2_clip_norm)
     method = check_method(name, method, pre_clipping_transform)
-    for arg, value in (
-        ("has_aux", has_aux),
-        ("rescale_to_unit_norm", rescale_to_unit_norm),
-        ("keep_batch_dim", keep_batch_dim),
-        ("return_values", return_values),
-        ("return_grad_norms", return_grad_norms),
-        ("nan_safe", nan_safe),
-    ):
-        check_bool(name, arg, value)
+    flags = dict(
+        has_aux=has_aux, rescale_to_unit_norm=rescale_to_unit_norm,
+        keep_batch_dim=keep_batch_dim, return_values=return_values,
+        return_grad_norms=return_grad_norms, nan_safe=nan_safe,
+    )  # fmt: skip
+    check_bools(name, **flags)
     check_callable(name, "pre_clipping_transform", pre_clipping_transform)
     _check_normalize_by(name, normalize_by)
-    if dtype is not None:
-        dtype = _check_dtype(name, dtype)
-    if prng_argnum is not None and (
-        isinstance(prng_argnum, bool) or not isinstance(prng_argnum, numbers.Integral)
-    ):
-        raise TypeError(
-            f"{name} prng_argnum must be an int or None, but got "
-            f"prng_argnum={prng_argnum!r}."
-        )
+    dtype = None if dtype is None else _check_dtype(name, dtype)
+    _check_prng_argnum(name, prng_argnum)
     transform = grad_transform(
-        name,
-        fun,
-        argnums,
-        batch_argnums,
-        exclusive=True,
-        spmd_axis_name=spmd_axis_name,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        microbatch_size=microbatch_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
-    )
+        name, fun, argnums, batch_argnums, exclusive=True,
+        spmd_axis_name=spmd_axis_name, batch_size=batch_size, chunk_size=chunk_size,
+        microbatch_size=microbatch_size, shard=shard, mesh=mesh, remat=remat,
+        memory_limit=memory_limit, progress=progress,
+    )  # fmt: skip
     config = Clipping(
-        l2_clip_norm,
-        rescale_to_unit_norm=rescale_to_unit_norm,
-        nan_safe=nan_safe,
-        dtype=dtype,
-        pre_clipping_transform=pre_clipping_transform,
-        keep_batch_dim=keep_batch_dim,
-        return_values=return_values,
-        return_grad_norms=return_grad_norms,
-        has_aux=has_aux,
-        prng_argnum=prng_argnum,
-        jax_privacy=True,
-        method=method,
-    )
+        l2_clip_norm, dtype=dtype, pre_clipping_transform=pre_clipping_transform,
+        prng_argnum=prng_argnum, jax_privacy=True, method=method, **flags,
+    )  # fmt: skip
     with_aux = has_aux or return_values or return_grad_norms
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
@@ -1034,8 +1043,10 @@ def clipped_grad(
         return (total, extras) if with_aux else total
 
     bound = (1.0 if rescale_to_unit_norm else l2_clip_norm) / normalize_by
-    clipped = ClippedGrad(transform.public(call, fun), bound, with_aux)
-    return _memory.attach(clipped, transform.auto)  # for last_batch_size
+    # attached: `last_batch_size`
+    return _memory.attach(
+        ClippedGrad(transform.public(call, fun), bound, with_aux), transform.auto
+    )
 
 
 def _check_normalize_by(name: str, value: Any) -> None:
