@@ -472,7 +472,7 @@ def _trace(
     `jax.vmap`)."""
     name = options.name
     out_axes, out_names = outs
-    axis_name, spmd_axis_name = axis_names
+    axis_name = axis_names[0]
     out_box: list[Any] = []
 
     def f_flat(*dyn_leaves):
@@ -489,40 +489,8 @@ def _trace(
     # Named after the user's function, so JAX's own messages point at it.
     f_flat = _cache.wraps(f)(f_flat)
     dyn_axes = tuple(axes[i] for i in dyn)
-    no_mapped_arg = all(a is None for a in dyn_axes)
 
-    # The leaves go to jax.vmap in one list per input axis (`in_axes` one entry per
-    # list), not one argument each: broadcasting a per-argument `in_axes` costs
-    # jax.vmap time per leaf, noticeable on models of hundreds of leaves.
-    groups: dict[int | None, list[int]] = {}
-    for k, a in enumerate(dyn_axes):
-        groups.setdefault(a, []).append(k)
-    group_axes, group_index = tuple(groups), list(groups.values())
-
-    def vmap_flat(fn: Callable[..., Any], flat_out_axes: Any, length: int):
-        def grouped(*lists):
-            flat = [None] * len(dyn_axes)
-            for index, values in zip(group_index, lists):
-                for k, v in zip(index, values):
-                    flat[k] = v
-            return fn(*flat)
-
-        mapped = jax.vmap(
-            _cache.wraps(f)(grouped),
-            in_axes=group_axes,
-            out_axes=(
-                flat_out_axes if isinstance(flat_out_axes, int) else list(flat_out_axes)
-            ),
-            axis_name=axis_name,
-            axis_size=length if no_mapped_arg else None,
-            spmd_axis_name=spmd_axis_name,
-        )
-
-        def call(*dyn_leaves):
-            return mapped(*[[dyn_leaves[k] for k in index] for index in group_index])
-
-        return call
-
+    vmap_flat = _GroupedVmap(f, dyn_axes, axis_names)
     # One chunk is `jax.vmap(f_flat)` at the loop's length, traced once (`first`);
     # the loop evaluates that trace, the arrays it reads passed in as unmapped
     # inputs (`Body.params`), so that a compiled program holds none of them. With
@@ -572,6 +540,57 @@ def _trace(
         (length, tuple(first.in_avals)),
         lambda length: mapped_at(length, leading, f_flat),
     )
+    chunk_fn = _chunk_fn(f, retraced, dyn, flat_axes)
+    convolutions = _conv.has_convolution(first)
+    return _chunked.body(
+        options, chunk_fn, axes, signature, length, convolutions, retraced
+    )
+
+
+class _GroupedVmap:
+    """`self(fn, out_axes, length)`: `jax.vmap` of `fn`, a function of the dynamic
+    leaves (mapped along `dyn_axes`), with `jax.vmap`'s axis names. The leaves go
+    to `jax.vmap` in one list per input axis (`in_axes` one entry per list), not
+    one argument each: broadcasting a per-argument `in_axes` costs `jax.vmap` time
+    per leaf, noticeable on models of hundreds of leaves."""
+
+    def __init__(self, f: Any, dyn_axes: tuple, axis_names: tuple) -> None:
+        groups: dict[int | None, list[int]] = {}
+        for k, a in enumerate(dyn_axes):
+            groups.setdefault(a, []).append(k)
+        self.f, self.count, self.axis_names = f, len(dyn_axes), axis_names
+        self.axes, self.index = tuple(groups), list(groups.values())
+        self.no_mapped_arg = all(a is None for a in dyn_axes)
+
+    def __call__(self, fn: Callable[..., Any], out_axes: Any, length: int) -> Any:
+        def grouped(*lists):
+            flat = [None] * self.count
+            for index, values in zip(self.index, lists):
+                for k, v in zip(index, values):
+                    flat[k] = v
+            return fn(*flat)
+
+        axis_name, spmd_axis_name = self.axis_names
+        mapped = jax.vmap(
+            _cache.wraps(self.f)(grouped),
+            in_axes=self.axes,
+            out_axes=out_axes if isinstance(out_axes, int) else list(out_axes),
+            axis_name=axis_name,
+            axis_size=length if self.no_mapped_arg else None,
+            spmd_axis_name=spmd_axis_name,
+        )
+
+        def call(*dyn_leaves):
+            return mapped(*[[dyn_leaves[k] for k in index] for index in self.index])
+
+        return call
+
+
+def _chunk_fn(
+    f: Any, retraced: _program.Retraced, dyn: list, flat_axes: list
+) -> Callable[..., Any]:
+    """The loop's chunk function: the chunk's trace evaluated on the chunk's
+    leaves (the trace's arrays first), its outputs moved to their axes."""
     moved = [a not in (0, None) for a in flat_axes]
     k = len(retraced.params)
 
@@ -589,10 +608,7 @@ def _trace(
             jnp.moveaxis(o, 0, a) if m else o for o, a, m in zip(outs, flat_axes, moved)
         ]
 
-    convolutions = _conv.has_convolution(first)
-    return _chunked.body(
-        options, chunk_fn, axes, signature, length, convolutions, retraced
-    )
+    return chunk_fn
 
 
 def check_outputs(name: str, f: Any, out: Any) -> None:
