@@ -242,20 +242,10 @@ def batch_jacfwd(
     """
     name = "batch_jacfwd"
     transform = _jac_transform(
-        name,
-        fun,
-        argnums,
-        has_aux,
-        holomorphic,
-        unwrap_numpy_int=True,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
-    )
+        name, fun, argnums, has_aux, holomorphic, unwrap_numpy_int=True,
+        batch_size=batch_size, chunk_size=chunk_size, shard=shard, mesh=mesh,
+        remat=remat, memory_limit=memory_limit, progress=progress,
+    )  # fmt: skip
     checked = _checked(name, fun, has_aux, aux_is_mapped=True)
 
     def jacobian(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
@@ -349,20 +339,10 @@ def batch_jacrev(
     """
     name = "batch_jacrev"
     transform = _jac_transform(
-        name,
-        fun,
-        argnums,
-        has_aux,
-        holomorphic,
-        unwrap_numpy_int=False,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
-    )
+        name, fun, argnums, has_aux, holomorphic, unwrap_numpy_int=False,
+        batch_size=batch_size, chunk_size=chunk_size, shard=shard, mesh=mesh,
+        remat=remat, memory_limit=memory_limit, progress=progress,
+    )  # fmt: skip
     check_bool(name, "allow_int", allow_int)
     checked = _checked(name, fun, has_aux, aux_is_mapped=False)
 
@@ -405,20 +385,30 @@ def batch_jacrev(
 
         m = sum(int(np.size(y)) for y in out_leaves)
         rows = _basis_map(transform, row, pull, m, 0)
-        per_output = []
-        for k, y in enumerate(out_leaves):
-            lo = sum(int(np.size(z)) for z in out_leaves[:k])
-            it = iter(rows)
-            blocks = []
-            for x, i in zip(in_leaves, ints):
-                shape = (*np.shape(y), *np.shape(x))
-                if i:
-                    blocks.append(jnp.zeros(shape, jnp.result_type(x)))
-                    continue
-                block = jax.lax.slice_in_dim(next(it), lo, lo + int(np.size(y)))
-                blocks.append(block.reshape(shape))
-            per_output.append(in_tree.unflatten(blocks))
+        per_output = _row_blocks(rows, out_leaves, in_leaves, ints, in_tree)
         jac = out_tree.unflatten(per_output)
         return (jac, res[2]) if has_aux else jac
 
     return transform.public(jacobian, fun, whole=True)  # (its linearisation)
+
+
+def _row_blocks(
+    rows: list, out_leaves: list, in_leaves: list, ints: list, in_tree: Any
+) -> list:
+    """Per output leaf, its Jacobian blocks against every input leaf (a pytree like
+    the inputs'), from the stacked rows of the differentiated inputs (integer inputs:
+    zeros of their dtype)."""
+    per_output = []
+    for k, y in enumerate(out_leaves):
+        lo = sum(int(np.size(z)) for z in out_leaves[:k])
+        it = iter(rows)
+        blocks = []
+        for x, i in zip(in_leaves, ints):
+            shape = (*np.shape(y), *np.shape(x))
+            if i:
+                blocks.append(jnp.zeros(shape, jnp.result_type(x)))
+                continue
+            block = jax.lax.slice_in_dim(next(it), lo, lo + int(np.size(y)))
+            blocks.append(block.reshape(shape))
+        per_output.append(in_tree.unflatten(blocks))
+    return per_output
