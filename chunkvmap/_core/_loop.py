@@ -478,110 +478,47 @@ class Body:
         def summarise(ys: list[Any]) -> Any:
             return accumulator.summarise(out_tree.unflatten(ys))
 
-        return self._fold(
+        fold = _Fold(
             self.chunk_fn, self.axes, self.out_axes, summarise, accumulator.combine,
-            accumulator.summary, leaves, plan, report, 0, accumulator.rows,
-            accumulator.windows,
+            accumulator.summary, 0, accumulator.rows, accumulator.windows,
         )  # fmt: skip
+        return self._fold(fold, leaves, plan, report)
 
     def _fold(
-        self,
-        chunk_fn: ChunkFn,
-        axes: Sequence[int | None],
-        out_axes: Sequence[int | None],
-        summarise: Callable[[list[Any]], Any],
-        combine: Callable[[Any, Any], Any],
-        summary_avals: Any,
-        leaves: Sequence[Any],
-        plan: Plan,
+        self, fold: _Fold, leaves: Sequence[Any], plan: Plan,
         report: Callable[[Any], None],
-        row_axis: int,
-        has_rows: bool,
-        windows: bool,
-    ) -> Any:
-        """The scan of `accumulated`: `chunk_fn`'s outputs (mapped along `out_axes`)
-        summarised per chunk into `(summary, rows)`, the summaries folded with
-        `combine` and the rows (the chunk's examples along `row_axis`) written at the
-        chunk's offset. The carry has the types `summary_avals`, or those of the
-        summaries themselves when the leaves carry sharding types (or
-        `summary_avals` is None). `windows`: the last chunk's whole window is
-        summarised too (`Accumulator.windows`)."""
+    ) -> Any:  # fmt: skip
+        """The scan of `accumulated`: `fold.chunk_fn`'s outputs summarised per chunk
+        into `(summary, rows)`, the summaries folded with `fold.combine` and the rows
+        written at the chunk's offset (`_Fold`)."""
+        chunk_fn, axes = fold.chunk_fn, fold.axes
         if plan.single:
-            result = summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
+            result = fold.summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
             report(0)
             return result
         batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
-
-        def tail(ys: list[Any]) -> list[Any]:
-            return [
-                y if a is None else lax.slice_in_dim(y, batch - rem, batch, axis=a)
-                for y, a in zip(ys, out_axes)
-            ]
-
-        def padded(result: Any) -> Any:
-            # The remainder's rows at the end of a chunk-long block (zeros before:
-            # they are never written, see `body`).
-            summary, rows = result
-            widths = [(0, 0, 0)] * (row_axis + 1)
-            widths[row_axis] = (batch - rem, 0, 0)
-
-            def pad(r: jax.Array) -> jax.Array:
-                config = widths + [(0, 0, 0)] * (r.ndim - row_axis - 1)
-                return lax.pad(r, jnp.zeros((), r.dtype), config)
-
-            return summary, jax.tree.map(pad, rows)
+        remainder = _remainder_summary(fold, batch, rem)
 
         @ft.partial(checkpointed, remat=self.remat)
         def evaluate(i):
             ys = chunk_fn(plan.chunk(leaves, axes, i), batch)
-            if rem == 0 or windows:
-                return summarise(ys)
+            if rem == 0 or fold.windows:
+                return fold.summarise(ys)
             return lax.cond(
-                i == last, lambda: padded(summarise(tail(ys))), lambda: summarise(ys)
+                i == last, lambda: remainder(ys), lambda: fold.summarise(ys)
             )
 
-        def write(buffer: jax.Array, rows: jax.Array, i: Any) -> jax.Array:
-            start = plan.start(i)
-            if rem:  # the last window keeps the rows earlier chunks wrote
-                first = lax.select(i == last, np.int32(batch - rem), np.int32(0))
-                shape = [1] * rows.ndim
-                shape[row_axis] = batch
-                new = lax.broadcasted_iota(jnp.int32, shape, row_axis) >= first
-                old = lax.dynamic_slice_in_dim(buffer, start, batch, axis=row_axis)
-                rows = jnp.where(new, rows, old)
-            return lax.dynamic_update_slice_in_dim(buffer, rows, start, row_axis)
+        write = _row_writer(plan, fold.row_axis)
 
         def body(carry, i):
             acc, buffers = carry
             s, rows = evaluate(i)
             report(i)
-            acc = lax.cond(i == 0, lambda: s, lambda: combine(acc, s))
+            acc = lax.cond(i == 0, lambda: s, lambda: fold.combine(acc, s))
             buffers = jax.tree.map(lambda b, r: write(b, r, i), buffers, rows)
             return (acc, buffers), None
 
-        row_avals: Any = ()
-        if summary_avals is None or sharding_in_types(leaves) or has_rows:
-            # The carry takes the summaries' own types: those of the first chunk's
-            # (one abstract evaluation of `summarise`, not one per branch of the last
-            # chunk's `cond`).
-            types = jax.eval_shape(
-                lambda: summarise(
-                    chunk_fn(plan.chunk(leaves, axes, jnp.int32(0)), batch)
-                )
-            )
-            if summary_avals is None or sharding_in_types(leaves):
-                summary_avals = types[0]
-            row_avals = types[1]
-
-        def buffer(a: Any) -> jax.Array:
-            shape = list(a.shape)
-            shape[row_axis] = plan.size
-            return zeros(shape, a)
-
-        init = (
-            jax.tree.map(lambda a: zeros(a.shape, a), summary_avals),
-            jax.tree.map(buffer, row_avals),
-        )
+        init = _fold_init(fold, leaves, plan)
         with jax.named_scope("chunkvmap"):
             acc, _ = lax.scan(body, init, jnp.arange(plan.num_chunks))
         return acc
@@ -649,10 +586,11 @@ class Body:
                     return a
                 return jax.vmap(accumulator.combine)(a, b)
 
-            return self._fold(
-                shares, local, shifted, summarise, combine, None, leaves, plan,
-                report, 1, accumulator.rows, accumulator.windows,
+            fold = _Fold(
+                shares, local, shifted, summarise, combine, None, 1,
+                accumulator.rows, accumulator.windows,
             )  # fmt: skip
+            return self._fold(fold, leaves, plan, report)
         if plan.single:
             ys = shares(plan.whole(leaves, local), plan.size)
             report(0)
@@ -672,3 +610,92 @@ class Body:
             return self.accumulator.finish(*result)
         out = self.out_tree.unflatten(result)
         return out if self.post is identity else self.post(out)
+
+
+class _Fold(NamedTuple):
+    """What `Body._fold` folds: `chunk_fn`'s outputs (its leaves mapped along
+    `axes`, its outputs along `out_axes`) summarised by `summarise` into
+    `(summary, rows)`; the summaries folded with `combine`, the rows (the chunk's
+    examples along `row_axis`) written at the chunk's offset. The carry has the
+    types `summary_avals`, or those of the summaries themselves when the leaves
+    carry sharding types (or `summary_avals` is None). `has_rows`: the summaries
+    have rows; `windows`: the last chunk's whole window is summarised too
+    (`Accumulator.windows`)."""
+
+    chunk_fn: ChunkFn
+    axes: Sequence[int | None]
+    out_axes: Sequence[int | None]
+    summarise: Callable[[list[Any]], Any]
+    combine: Callable[[Any, Any], Any]
+    summary_avals: Any
+    row_axis: int
+    has_rows: bool
+    windows: bool
+
+
+def _remainder_summary(fold: _Fold, batch: int, rem: int) -> Callable[..., Any]:
+    """The last chunk's summary where `rem` does not fill a chunk: only its last
+    `rem` outputs summarised, their rows at the end of a chunk-long block (zeros
+    before: they are never written, see `_row_writer`)."""
+    row_axis = fold.row_axis
+
+    def pad(r: jax.Array) -> jax.Array:
+        config = [(0, 0, 0)] * r.ndim
+        config[row_axis] = (batch - rem, 0, 0)
+        return lax.pad(r, jnp.zeros((), r.dtype), config)
+
+    def remainder(ys: list[Any]) -> Any:
+        tail = [
+            y if a is None else lax.slice_in_dim(y, batch - rem, batch, axis=a)
+            for y, a in zip(ys, fold.out_axes)
+        ]
+        summary, rows = fold.summarise(tail)
+        return summary, jax.tree.map(pad, rows)
+
+    return remainder
+
+
+def _row_writer(plan: Plan, row_axis: int) -> Callable[..., jax.Array]:
+    """`write(buffer, rows, i)`: chunk `i`'s rows written into `buffer` at its
+    offset (the last window keeps the rows earlier chunks wrote)."""
+    batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
+
+    def write(buffer: jax.Array, rows: jax.Array, i: Any) -> jax.Array:
+        start = plan.start(i)
+        if rem:
+            first = lax.select(i == last, np.int32(batch - rem), np.int32(0))
+            shape = [1] * rows.ndim
+            shape[row_axis] = batch
+            new = lax.broadcasted_iota(jnp.int32, shape, row_axis) >= first
+            old = lax.dynamic_slice_in_dim(buffer, start, batch, axis=row_axis)
+            rows = jnp.where(new, rows, old)
+        return lax.dynamic_update_slice_in_dim(buffer, rows, start, row_axis)
+
+    return write
+
+
+def _fold_init(fold: _Fold, leaves: Sequence[Any], plan: Plan) -> tuple:
+    """The fold's initial carry: zero summaries and zero row buffers."""
+    summary_avals, row_avals = fold.summary_avals, ()
+    if summary_avals is None or sharding_in_types(leaves) or fold.has_rows:
+        # The carry takes the summaries' own types: those of the first chunk's
+        # (one abstract evaluation of `summarise`, not one per branch of the last
+        # chunk's `cond`).
+        types = jax.eval_shape(
+            lambda: fold.summarise(
+                fold.chunk_fn(plan.chunk(leaves, fold.axes, jnp.int32(0)), plan.batch)
+            )
+        )
+        if summary_avals is None or sharding_in_types(leaves):
+            summary_avals = types[0]
+        row_avals = types[1]
+
+    def buffer(a: Any) -> jax.Array:
+        shape = list(a.shape)
+        shape[fold.row_axis] = plan.size
+        return zeros(shape, a)
+
+    return (
+        jax.tree.map(lambda a: zeros(a.shape, a), summary_avals),
+        jax.tree.map(buffer, row_avals),
+    )
