@@ -205,39 +205,22 @@ def _split(
     kwargs: dict[str, Any],
     shown: Any = frozenset(),
 ) -> _Call:
+    """The call's vectorised arguments (as arrays, with their names, keys and core
+    dimensions) apart from its excluded ones (and Nones)."""
     names: list[str] = []
     keys: list[int | str] = []
     values: list[Any] = []
     fixed: dict[int | str, Any] = {}
-    for i, x in enumerate(args):
-        if i in excluded:
-            fixed[i] = x
+    given = [(i, f"args[{i}]", x) for i, x in enumerate(args)]
+    given += [(k, f"kwargs[{k!r}]", x) for k, x in kwargs.items()]
+    for key, name, x in given:
+        if key in excluded:
+            fixed[key] = x
         else:
-            names.append(f"args[{i}]")
-            keys.append(i)
+            names.append(name)
+            keys.append(key)
             values.append(x)
-    for k, x in kwargs.items():
-        if k in excluded:
-            fixed[k] = x
-        else:
-            names.append(f"kwargs[{k!r}]")
-            keys.append(k)
-            values.append(x)
-    if sig is None:
-        core: list[CoreDims] = [()] * len(values)
-    elif len(sig.inputs) != len(values):
-        listed = ", ".join(names) or "none"
-        raise TypeError(
-            f"wrong number of positional arguments: expected {len(sig.inputs)}, got "
-            f"{len(values)} on vectorized function with excluded="
-            f"{shown!r} and signature={sig.text!r}. "
-            f"{_NAME} with signature={sig.text!r} expects {len(sig.inputs)} vectorised "
-            f"argument(s), but got {len(values)} ({listed}; excluded="
-            f"{set(excluded) or '{}'}). Keyword arguments not in excluded are "
-            f"vectorised too, after the positional ones."
-        )
-    else:
-        core = list(sig.inputs)
+    core = _core_dims(sig, names, values, excluded, shown)
     none_at = {i for i, (x, d) in enumerate(zip(values, core)) if x is None and d}
     call_names, call_keys, arrays, call_core = [], [], [], []
     for name, key, x, dims in zip(names, keys, values, core):
@@ -252,28 +235,47 @@ def _split(
                 )
             fixed[key] = None
             continue
-        try:
-            arrays.append(jnp.asarray(x))
-        except (TypeError, ValueError) as e:
-            raise type(e)(
-                f"{_NAME} vectorises {name}, so it must be convertible with "
-                f"jnp.asarray, but got a value of type {type(x).__name__}: "
-                f"{str(e).rstrip('.')}. "
-                f"Pass non-array arguments through excluded."
-            ) from None
+        arrays.append(_as_array(name, x))
         call_names.append(name)
         call_keys.append(key)
         call_core.append(dims)
     return _Call(
-        call_names,
-        call_keys,
-        arrays,
-        call_core,
-        fixed,
-        len(args),
-        list(kwargs),
+        call_names, call_keys, arrays, call_core, fixed, len(args), list(kwargs),
         shown,
-    )
+    )  # fmt: skip
+
+
+def _core_dims(
+    sig: _Signature | None, names: list, values: list, excluded: Any, shown: Any
+) -> list[CoreDims]:
+    """Each vectorised argument's core dimensions, checked against the number of
+    the signature's inputs."""
+    if sig is None:
+        return [()] * len(values)
+    if len(sig.inputs) != len(values):
+        listed = ", ".join(names) or "none"
+        raise TypeError(
+            f"wrong number of positional arguments: expected {len(sig.inputs)}, got "
+            f"{len(values)} on vectorized function with excluded="
+            f"{shown!r} and signature={sig.text!r}. "
+            f"{_NAME} with signature={sig.text!r} expects {len(sig.inputs)} vectorised "
+            f"argument(s), but got {len(values)} ({listed}; excluded="
+            f"{set(excluded) or '{}'}). Keyword arguments not in excluded are "
+            f"vectorised too, after the positional ones."
+        )
+    return list(sig.inputs)
+
+
+def _as_array(name: str, x: Any) -> jax.Array:
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise type(e)(
+            f"{_NAME} vectorises {name}, so it must be convertible with "
+            f"jnp.asarray, but got a value of type {type(x).__name__}: "
+            f"{str(e).rstrip('.')}. "
+            f"Pass non-array arguments through excluded."
+        ) from None
 
 
 def _shape_list(call: _Call) -> str:
