@@ -227,14 +227,10 @@ def _lifted(
         per_example.__name__ = per_example.__qualname__ = method
 
         y, vars_out = stateful_map(
-            chunked,
-            per_example,
-            (variable_groups, rng_groups, args, kw),
-            (in_group_axes, rng_axes, in_axes, kw_axes),
-            out_axes,
-            out_group_axes,
+            chunked, per_example, (variable_groups, rng_groups, args, kw),
+            (in_group_axes, rng_axes, in_axes, kw_axes), out_axes, out_group_axes,
             state_root="variables",
-        )
+        )  # fmt: skip
         vars_out = tuple(
             g if a is None else meta.add_axis(g, a, params)
             for g, a in zip(vars_out, out_group_axes)
@@ -242,30 +238,40 @@ def _lifted(
         return y, vars_out
 
     def transformed(scope_tree: Any, *args: Any, **kwargs: Any) -> Any:
-        counters = [s.rng_counters for s in jax.tree.leaves(scope_tree)]
-        saved = [_copy_counters(c) for c in counters]
-
-        def restore():
-            for c, s in zip(counters, saved):
-                _restore_counters(c, s)
-
         packed = pack(
-            ft.partial(body, restore),
-            in_filters,
-            out_filters,
-            rng_filters,
-            name="batch_vmap",
-            enable_kwargs=True,
-        )
+            ft.partial(body, _counters_restorer(scope_tree)), in_filters, out_filters,
+            rng_filters, name="batch_vmap", enable_kwargs=True,
+        )  # fmt: skip
         return packed(scope_tree, *args, **kwargs)
 
     return transformed
+
+
+def _counters_restorer(scope_tree: Any) -> Callable[[], None]:
+    """A function that puts the scopes' RNG counters back to what they are now."""
+    counters = [s.rng_counters for s in jax.tree.leaves(scope_tree)]
+    saved = [_copy_counters(c) for c in counters]
+
+    def restore() -> None:
+        for c, s in zip(counters, saved):
+            _restore_counters(c, s)
+
+    return restore
 
 
 # Named like `flax.core.lift.vmap`: `lift_transform` names the transformed Module class
 # after it ("VmapDense"), and the class name decides auto-generated submodule names and
 # therefore the RNG streams their parameters are drawn from.
 _lifted.__name__ = "vmap"
+
+
+def _check_metadata_params(metadata_params: Any) -> None:
+    if not isinstance(metadata_params, Mapping):
+        raise TypeError(
+            f"{_NAME} metadata_params must be a mapping (e.g. "
+            f"{{nn.PARTITION_NAME: 'batch'}}), but got metadata_params="
+            f"{metadata_params!r} of type {type(metadata_params).__name__}."
+        )
 
 
 def batch_vmap(
@@ -414,44 +420,24 @@ def batch_vmap(
     out_axes = _axes.check_axes_spec(
         "out_axes", out_axes, top_level_tuple=False, transform=_NAME
     )
-    if not isinstance(metadata_params, Mapping):
-        raise TypeError(
-            f"{_NAME} metadata_params must be a mapping (e.g. "
-            f"{{nn.PARTITION_NAME: 'batch'}}), but got metadata_params="
-            f"{metadata_params!r} of type {type(metadata_params).__name__}."
-        )
+    _check_metadata_params(metadata_params)
     transform = Transform.make(
-        _NAME,
-        chunk_size=chunk_size,
-        reduction=reduction,
-        chunk_reduction=chunk_reduction,
-        axis_name=axis_name,
-        axis_size=axis_size,
-        batch_size=batch_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
-    )
+        _NAME, chunk_size=chunk_size, reduction=reduction,
+        chunk_reduction=chunk_reduction, axis_name=axis_name, axis_size=axis_size,
+        batch_size=batch_size, shard=shard, mesh=mesh, remat=remat,
+        memory_limit=memory_limit, progress=progress,
+    )  # fmt: skip
     if not callable(target):
         raise TypeError(
             f"{_NAME} target must be a linen Module class or a method, but got "
             f"{target!r} of type {type(target).__name__}."
         )
     transformed = lift_transform(
-        _lifted,
-        target,
-        variable_axes,
-        split_rngs,
-        methods=methods,
-        in_axes=in_axes,
-        out_axes=out_axes,
-        axis_size=transform.axis_size,
-        metadata_params=metadata_params,
-        chunked=transform,
+        _lifted, target, variable_axes, split_rngs, methods=methods, in_axes=in_axes,
+        out_axes=out_axes, axis_size=transform.axis_size,
+        metadata_params=metadata_params, chunked=transform,
         method=_method_name(target, methods),
-    )
+    )  # fmt: skip
     return _memory.attach(transformed, transform.auto)  # for last_batch_size
 
 
