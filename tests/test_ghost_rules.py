@@ -297,7 +297,7 @@ def test_scans_stacked_and_repeated():
     }  # fmt: skip
     plan = check(loss, p, normal(6, 6, D, scale=1.0))
     assert "per-example" not in rules(plan).values()
-    assert [lv[0] for lv in plan.leaves[0].uses[0].levels] == ["stack", "stack"]
+    assert [lv.stacked for lv in plan.leaves[0].uses[0].levels] == [True, True]
     for name, rest in (("deep", ""), ("layers", "['w']"), ("u", "")):
         assert pair_kinds(plan, name, rest) == ["einsum"], name
 

@@ -287,30 +287,32 @@ def evaluate(
         return outs
 
     def run(*values):
-        # Stacked outputs (and an accumulator's rows, along axis 0) come back split
-        # over the layout; the global remainder's, from the first device.
-        stacked_specs: Any = {}
-        if per_device:
-            stacked_specs["local"] = (
-                lay.spec(0) if reduced else [lay.spec(a) for a in body.out_axes]
-            )
-        if rem:
-            stacked_specs["rem"] = P(axes)
-        out_specs = (P(), stacked_specs) if reduced else stacked_specs
         outs = jax.shard_map(
-            shard_body,
-            mesh=lay.mesh,
-            in_specs=(in_specs,),
-            out_specs=out_specs,
-            axis_names=set(axes),
+            shard_body, mesh=lay.mesh, in_specs=(in_specs,),
+            out_specs=_out_specs(body, lay, per_device, rem), axis_names=set(axes),
             check_vma=False,
-        )(list(values))
+        )(list(values))  # fmt: skip
         if reduced:
             summary, rows = outs
             return summary, _assemble_rows(rows, lay)
         return _assemble(outs, body.out_axes, lay)
 
     return jax.jit(run)(*[leaves[i] for i in dyn])
+
+
+def _out_specs(body: Body, lay: Layout, per_device: int, rem: int) -> Any:
+    """`evaluate`'s output specs: stacked outputs (and an accumulator's rows, along
+    axis 0) come back split over the layout; the global remainder's, from the first
+    device."""
+    reduced = body.accumulator is not None
+    stacked_specs: Any = {}
+    if per_device:
+        stacked_specs["local"] = (
+            lay.spec(0) if reduced else [lay.spec(a) for a in body.out_axes]
+        )
+    if rem:
+        stacked_specs["rem"] = P(lay.axes)
+    return (P(), stacked_specs) if reduced else stacked_specs
 
 
 def _typed(

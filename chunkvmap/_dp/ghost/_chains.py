@@ -4,50 +4,62 @@ and where their output lies in the leaf (`Layout`)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import enum
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.extend.core.primitives as prims
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ._context import bind
+
+
+class Step(enum.Enum):
+    """What a chain step does: apply a primitive, multiply by a constant, or take
+    the iteration's slice of a leaf a scan reads through its `xs`."""
+
+    PRIM = enum.auto()
+    SCALE = enum.auto()
+    STACK = enum.auto()
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One step of a chain: a primitive (output `index` of a multiple-result one), a
-    constant `scale`, or `stack` (the iteration's slice of a scanned leaf)."""
+    constant `scale`, or `STACK` (the iteration's slice of a scanned leaf)."""
 
-    kind: str  # "prim" | "scale" | "stack"
+    kind: Step
     prim: Any = None
     params: Any = None
     index: int = 0
     scale: float = 1.0
 
     def apply(self, w: Any) -> Any:
-        if self.kind == "scale":
+        if self.kind is Step.SCALE:
             return w * jnp.asarray(self.scale, w.dtype)
         out = bind(self.prim, [w], self.params)
         return out[self.index] if self.prim.multiple_results else out
 
 
-# Unary primitives that pass a value through unchanged (up to dtype or layout hints).
+STACK = Op(Step.STACK)
+
+# Unary primitives that pass a value through unchanged (up to dtype or layout hints);
+# by name where JAX does not export the primitive.
 IDENTITY = frozenset(
     {
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "sharding_constraint",
-        "reshard",
-        "mesh_cast",
-        "reduce_precision",
+        prims.convert_element_type_p,
+        prims.copy_p,
+        prims.sharding_constraint_p,
+        prims.reduce_precision_p,
     }
 )
-# Unary linear primitives that move, select or broadcast entries.
-LAYOUT = frozenset(
-    {"transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "slice"}
-)
-MULTI = frozenset({"split"})
+IDENTITY_NAMES = frozenset({"reshard", "mesh_cast"})
+
+
+def is_identity(prim: Any) -> bool:
+    return prim in IDENTITY or prim.name in IDENTITY_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,58 +111,17 @@ def layout_of(chain: Sequence[Op], shape: Sequence[int]) -> Layout | None:
     stacked: list[Axis] = []
     scale = 1.0
     for op in chain:
-        if op.kind == "scale":
+        if op.kind is Step.SCALE:
             scale *= op.scale
             continue
-        if op.kind == "stack":
+        if op.kind is Step.STACK:
             stacked.append(axes.pop(0))
             continue
-        name, p = op.prim.name, op.params
-        if name in IDENTITY:
+        if is_identity(op.prim):
             continue
-        if name == "transpose":
-            axes = [axes[i] for i in p["permutation"]]
-        elif name == "squeeze":
-            dims = {d % len(axes) for d in p["dimensions"]}
-            axes = [a for i, a in enumerate(axes) if i not in dims]
-        elif name == "expand_dims":
-            for d in sorted(p["dimensions"]):
-                axes.insert(d, Axis(None, 1))
-        elif name == "broadcast_in_dim":
-            new = [Axis(None, n) for n in p["shape"]]
-            for i, d in enumerate(p["broadcast_dimensions"]):
-                if axes[i].size == p["shape"][d]:
-                    new[d] = axes[i]
-            axes = new
-        elif name == "reshape":
-            if p.get("dimensions") is not None:
-                return None
-            kept = [a for a in axes if a.size != 1]
-            sizes = [n for n in p["new_sizes"] if n != 1]
-            if [a.size for a in kept] != sizes:
-                return None
-            it = iter(kept)
-            axes = [next(it) if n != 1 else Axis(None, 1) for n in p["new_sizes"]]
-        elif name in ("slice", "split"):
-            if name == "slice":
-                starts, limits = p["start_indices"], p["limit_indices"]
-                strides = p["strides"] or (1,) * len(axes)
-            else:
-                starts = [0] * len(axes)
-                limits = [a.size for a in axes]
-                strides = [1] * len(axes)
-                axis = p["axis"]
-                starts[axis] = int(sum(p["sizes"][: op.index]))
-                limits[axis] = starts[axis] + int(p["sizes"][op.index])
-            new = []
-            for a, s, lim, st in zip(axes, starts, limits, strides):
-                size = max(0, -(-(lim - s) // st))
-                if a.leaf is not None:
-                    b0, _, d0 = box[a.leaf]
-                    box[a.leaf] = (b0 + d0 * s, size, d0 * st)
-                new.append(Axis(a.leaf, size))
-            axes = new
-        else:
+        moved = _MOVES.get(op.prim)
+        axes = None if moved is None else moved(axes, op, box)
+        if axes is None:
             return None
         # a leaf axis that left the output must be a single entry
         present = {a.leaf for a in (*axes, *stacked) if a.leaf is not None}
@@ -160,28 +131,96 @@ def layout_of(chain: Sequence[Op], shape: Sequence[int]) -> Layout | None:
     return Layout(tuple(axes), tuple(box), tuple(stacked), scale)
 
 
+# How each layout primitive moves a chain's axes: `move(axes, op, box)` is the new
+# axes (None: entries mixed), `box` updated in place for what a slice selects.
+Move = Callable[[list, Op, list], "list | None"]
+
+
+def _transposed(axes: list, op: Op, box: list) -> list:
+    return [axes[i] for i in op.params["permutation"]]
+
+
+def _squeezed(axes: list, op: Op, box: list) -> list:
+    dims = {d % len(axes) for d in op.params["dimensions"]}
+    return [a for i, a in enumerate(axes) if i not in dims]
+
+
+def _broadcast(axes: list, op: Op, box: list) -> list:
+    shape = op.params["shape"]
+    new = [Axis(None, n) for n in shape]
+    for i, d in enumerate(op.params["broadcast_dimensions"]):
+        if axes[i].size == shape[d]:
+            new[d] = axes[i]
+    return new
+
+
+def _reshaped(axes: list, op: Op, box: list) -> list | None:
+    p = op.params
+    if p.get("dimensions") is not None:
+        return None
+    kept = [a for a in axes if a.size != 1]
+    sizes = [n for n in p["new_sizes"] if n != 1]
+    if [a.size for a in kept] != sizes:
+        return None
+    it = iter(kept)
+    return [next(it) if n != 1 else Axis(None, 1) for n in p["new_sizes"]]
+
+
+def _sliced(axes: list, op: Op, box: list) -> list:
+    p = op.params
+    if op.prim is lax.slice_p:
+        starts, limits = p["start_indices"], p["limit_indices"]
+        strides = p["strides"] or (1,) * len(axes)
+    else:  # split: output `op.index`'s part
+        starts = [0] * len(axes)
+        limits = [a.size for a in axes]
+        strides = [1] * len(axes)
+        axis = p["axis"]
+        starts[axis] = int(sum(p["sizes"][: op.index]))
+        limits[axis] = starts[axis] + int(p["sizes"][op.index])
+    new = []
+    for a, s, lim, st in zip(axes, starts, limits, strides):
+        size = max(0, -(-(lim - s) // st))
+        if a.leaf is not None:
+            b0, _, d0 = box[a.leaf]
+            box[a.leaf] = (b0 + d0 * s, size, d0 * st)
+        new.append(Axis(a.leaf, size))
+    return new
+
+
+_MOVES: dict[Any, Move] = {
+    lax.transpose_p: _transposed,
+    lax.squeeze_p: _squeezed,
+    lax.broadcast_in_dim_p: _broadcast,
+    lax.reshape_p: _reshaped,
+    lax.slice_p: _sliced,
+    lax.split_p: _sliced,
+}
+"""The unary linear primitives that move, select or broadcast a leaf's entries."""
+
+
 def chain_op(eqn: Any, position: int, index: int, consts: Sequence[Any]) -> Op | None:
     """The chain step that equation `eqn` applies to its operand `position` (the leaf
     side), or None when it is not one. `consts[i]` is the concrete value of operand i
     when it is an example-independent constant (else None)."""
-    name = eqn.primitive.name
-    if name in IDENTITY or name in LAYOUT or name in MULTI:
+    prim = eqn.primitive
+    if is_identity(prim) or prim in _MOVES:
         if len(eqn.invars) != 1:
             return None
-        if name == "convert_element_type" and not jnp.issubdtype(
+        if prim is lax.convert_element_type_p and not jnp.issubdtype(
             eqn.params["new_dtype"], jnp.floating
         ):  # (a cast to complex mixes real and imaginary parts into the use)
             return None
-        return Op("prim", eqn.primitive, dict(eqn.params), index)
-    if name == "neg":
-        return Op("scale", scale=-1.0)
-    if name in ("mul", "div") and len(eqn.invars) == 2:
+        return Op(Step.PRIM, prim, dict(eqn.params), index)
+    if prim is lax.neg_p:
+        return Op(Step.SCALE, scale=-1.0)
+    if prim in (lax.mul_p, lax.div_p) and len(eqn.invars) == 2:
         other = consts[1 - position]
         if other is None or np.ndim(other) != 0:
             return None
         value = float(np.asarray(other))
-        if name == "mul":
-            return Op("scale", scale=value)
+        if prim is lax.mul_p:
+            return Op(Step.SCALE, scale=value)
         if position == 0 and value != 0:
-            return Op("scale", scale=1.0 / value)
+            return Op(Step.SCALE, scale=1.0 / value)
     return None

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..._core._jaxprs import call_jaxpr, open_jaxpr
-from ._chains import Op, chain_op
-from ._rules import RULES, Rule
+from ._chains import STACK, Op, chain_op
+from ._rules import RULES, Level, Rule
 
 
 if TYPE_CHECKING:
@@ -132,8 +132,8 @@ class Scan(Primitive):
         consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
         if record:
             plan.flag_all(init, "carried through a scan")
-        inner = [_level(i, ("repeat", length), None) for i in consts]
-        inner_xs = [_level(i, ("stack", length), Op("stack")) for i in xs]
+        inner = [_level(i, Level(False, length), None) for i in consts]
+        inner_xs = [_level(i, Level(True, length), STACK) for i in xs]
         carry = [Info(tainted=i.tainted) for i in init]
         sub = (*here, 0)
         for _ in range(ncar + 1):  # the carry's dependence on the example: a fixpoint
@@ -232,7 +232,7 @@ class Cond(Primitive):
         return outs
 
 
-def _level(info: Info, level: tuple[str, int], step: Op | None) -> Info:
+def _level(info: Info, level: Level, step: Op | None) -> Info:
     """A scan's operand as its body sees it: a leaf's chain one level deeper (and,
     read through `xs`, one `stack` step longer)."""
     if info.origin is None:

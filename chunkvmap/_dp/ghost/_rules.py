@@ -38,30 +38,38 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._chains import Axis, Layout, Op
+from ._chains import Axis, Layout, Op, Step
 from ._context import bind, explicit_spec
 from ._forms import EinsumForm, Form, RowsForm, Symbol, _Fresh
+
+
+class Level(NamedTuple):
+    """A scan around a use: its `length`, and whether the leaf is `stacked` (read
+    through the scan's xs, a slice per iteration) rather than read whole by every
+    iteration."""
+
+    stacked: bool
+    length: int
 
 
 @dataclasses.dataclass
 class Use:
     """One use of a leaf: operand `slot` of equation `eqn` at `path`, reached through
-    `chain`, inside scans `levels` (`(kind, length)`, outer first: "stack" when the
-    leaf is read through the scan's xs, "repeat" when every iteration reads it)."""
+    `chain`, inside scans `levels` (`Level`s, outer first)."""
 
     leaf: int
     path: tuple
     eqn: Any
     slot: int
     chain: tuple[Op, ...]
-    levels: tuple[tuple[str, int], ...]
+    levels: tuple[Level, ...]
     rule: Rule
     record: tuple[int, ...]
     leaf_aval: Any
@@ -105,12 +113,12 @@ class Use:
         return self._nest(w, list(recorded), 0, 0)
 
     def _nest(self, w: Any, recorded: list, i: int, level: int) -> Any:
-        while i < len(self.chain) and self.chain[i].kind != "stack":
+        while i < len(self.chain) and self.chain[i].kind is not Step.STACK:
             w = self.chain[i].apply(w)
             i += 1
         if level < len(self.levels):
-            kind, length = self.levels[level]
-            if kind == "repeat":
+            stacked, length = self.levels[level]
+            if not stacked:
                 return jax.vmap(
                     lambda r: self._nest(w, r, i, level + 1), axis_size=length
                 )(recorded)
@@ -505,7 +513,7 @@ def _row_lookup(use: Use) -> bool:
     layout = use.layout
     if layout is None or use.slot != 0 or layout.scale != 1.0:
         return False
-    return not any(kind == "stack" for kind, _ in use.levels)
+    return not any(level.stacked for level in use.levels)
 
 
 def _rows_form(use: Use, r: int, off_syms, positions, off_shape, build) -> RowsForm:
@@ -594,7 +602,7 @@ def _conv_gradient(use: Use) -> Callable[[Sequence[Any], Any, bool], Any]:
     window = tuple(kernel.shape[d] for d in dn.rhs_spec[2:])
     out_spatial = tuple(out_aval.shape[d] for d in dn.out_spec[2:])
     groups = p["feature_group_count"]
-    chain = [op for op in use.chain if op.kind != "stack"]
+    chain = [op for op in use.chain if op.kind is not Step.STACK]
 
     def gradient(recorded, delta, batched):
         (x,) = recorded
@@ -680,8 +688,8 @@ def _level_symbols(use: Use, layout: Layout, fresh: _Fresh) -> list[Symbol]:
     """The symbols of a use's level axes: the leaf axis a stacked scan consumed, a
     private (summed) symbol for a scan that reads the whole leaf every iteration."""
     out, stacked = [], iter(layout.stacked)
-    for kind, _ in use.levels:
-        out.append(_axis_symbol(next(stacked), fresh) if kind == "stack" else fresh())
+    for level in use.levels:
+        out.append(_axis_symbol(next(stacked), fresh) if level.stacked else fresh())
     return out
 
 
