@@ -6,6 +6,7 @@ masking of non-finite entries through the forms' arrays (`sanitize`)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -19,7 +20,40 @@ from ._chains import _boxes_disjoint
 from ._context import explicit_spec
 
 
-Symbol = tuple  # ("leaf", j) | ("leaf", j, part) | ("private", n)
+class Part(enum.IntEnum):
+    """A leaf axis whole, or one factor of its split (a grouped convolution's
+    output features: the group, then the feature within it)."""
+
+    WHOLE = 0
+    GROUP = 1
+    WITHIN = 2
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class LeafAxis:
+    """The symbol of leaf axis `axis` (or of its `part`)."""
+
+    axis: int
+    part: Part = Part.WHOLE
+
+
+@dataclasses.dataclass(frozen=True)
+class Private:
+    """A symbol of the use's own (summed over when two forms meet), number `n`."""
+
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """A symbol added where forms are evaluated: the chunk's examples, or a
+    lookup's positions."""
+
+    name: str
+
+
+Symbol = LeafAxis | Private | Mark
+EXAMPLE, POSITION = Mark("example"), Mark("position")
 
 
 class _Fresh:
@@ -27,7 +61,7 @@ class _Fresh:
         self.n = itertools.count()
 
     def __call__(self) -> Symbol:
-        return ("private", next(self.n))
+        return Private(next(self.n))
 
 
 @dataclasses.dataclass
@@ -68,7 +102,7 @@ class Form:
         sizes = {}
         for spec, shape in zip(self.specs, self.shapes):
             for sym, n in zip(spec, shape):
-                if sym[0] == "leaf":
+                if isinstance(sym, LeafAxis):
                     sizes[sym] = n
         return sizes
 
@@ -92,11 +126,11 @@ class EinsumForm(Form):
         out: list[Symbol] = []
         out_spec: list[Any] = []
         for j in range(len(shape)):
-            parts = sorted(s for s in self.leaf_symbols if s[1] == j)
-            out += parts  # ("leaf", j) or its (group, within) split, in that order
+            parts = sorted(s for s in self.leaf_symbols if s.axis == j)
+            out += parts  # axis j whole, or its (group, within) split, in that order
             entry = spec[j] if spec is not None and j < len(spec) else None
             out_spec += [entry] if len(parts) == 1 else [None] * len(parts)
-        specs = [(("example",), *sp) if batched else sp for sp in self.specs]
+        specs = [(EXAMPLE, *sp) if batched else sp for sp in self.specs]
         g = jnp.einsum(
             _equation(specs, out),
             *arrays,
@@ -113,7 +147,9 @@ class EinsumForm(Form):
         """Every array's leaf axes are also carried together by some array of
         every form."""
         cylinders = [
-            {s for s in spec if s[0] == "leaf"} for f in forms for spec in f.specs
+            {s for s in spec if isinstance(s, LeafAxis)}
+            for f in forms
+            for spec in f.specs
         ]
         return all(
             any(c <= set(spec) for spec in f.specs) for c in cylinders for f in forms
@@ -138,12 +174,14 @@ class RowsForm(Form):
             rows, valid = rows.reshape(-1), valid.reshape(-1)
             delta = delta.reshape((-1, *delta.shape[2:]))
         offsets = self.specs[2][1:]
-        private = tuple(1 + i for i, s in enumerate(offsets) if s[0] != "leaf")
+        private = tuple(
+            1 + i for i, s in enumerate(offsets) if not isinstance(s, LeafAxis)
+        )
         mask = valid.reshape(valid.shape + (1,) * (delta.ndim - 1))
         d = jnp.where(mask, delta, jnp.zeros((), delta.dtype)).sum(private)
-        named = [("leaf", self.row), *(s for s in offsets if s[0] == "leaf")]
+        named = [LeafAxis(self.row), *(s for s in offsets if isinstance(s, LeafAxis))]
         g = jnp.zeros((shape[self.row], *d.shape[1:]), d.dtype).at[rows].add(d)
-        g = g.transpose([named.index(("leaf", j)) for j in range(len(shape))])
+        g = g.transpose([named.index(LeafAxis(j)) for j in range(len(shape))])
         want = explicit_spec(spec or ())
         return g if want is None else jax.sharding.reshard(g, want)
 
@@ -156,12 +194,14 @@ class RowsForm(Form):
 
     @property
     def row_symbol(self) -> Symbol:
-        return ("leaf", self.row)
+        return LeafAxis(self.row)
 
     @classmethod
     def maskable(cls, forms):
         """The same leaf offsets in every form."""
-        offsets = {tuple(s for s in f.specs[2][1:] if s[0] == "leaf") for f in forms}
+        offsets = {
+            tuple(s for s in f.specs[2][1:] if isinstance(s, LeafAxis)) for f in forms
+        }
         return len(offsets) == 1
 
     @classmethod
@@ -194,16 +234,16 @@ def _einsum_cost(specs, shapes, out=()) -> float:
 def _rename(specs, taken: set) -> list[tuple[Symbol, ...]]:
     """`specs` with their private symbols renamed apart from `taken`."""
     counter = itertools.count(
-        max([s[1] + 1 for s in taken if s[0] == "private"], default=0)
+        max([s.n + 1 for s in taken if isinstance(s, Private)], default=0)
     )
     table: dict = {}
     out = []
     for spec in specs:
         renamed = []
         for s in spec:
-            if s[0] == "private":
+            if isinstance(s, Private):
                 if s not in table:
-                    table[s] = ("private", next(counter))
+                    table[s] = Private(next(counter))
                 renamed.append(table[s])
             else:
                 renamed.append(s)
@@ -299,7 +339,7 @@ def _centred(specs: list, arrays: list, acc: Any) -> list[tuple[list, list]]:
     if len(specs) != 2:
         return [(list(specs), arrays)]
     (sa, sd), (a, d) = specs, arrays
-    positions = [s for s in sa if s[0] == "private" and s in sd]
+    positions = [s for s in sa if isinstance(s, Private) and s in sd]
     if not positions:
         return [(list(specs), arrays)]
     ia = tuple(sa.index(s) for s in positions)
@@ -368,8 +408,7 @@ here (a missing pair makes the leaf instantiated, which is always exact)."""
 def _gathered(dense: EinsumForm, rows: RowsForm) -> tuple[list, list]:
     """The einsum `<G_rows, G_dense>`: the dense form's operands that carry the row
     symbol taken at the rows' positions, with the rows' cotangent."""
-    row = rows.row_symbol
-    position = ("position",)
+    row, position = rows.row_symbol, POSITION
     specs, shapes = [], []
     for spec, shape in zip(dense.specs, dense.shapes):
         if row in spec:
@@ -427,7 +466,7 @@ def _sanitize_einsum(forms: Sequence[Form], arrays: Sequence[list]) -> list[list
     cylinders = []
     for f, arrs in zip(forms, arrays):
         for spec, x in zip(f.specs, arrs):
-            keep = [i for i, s in enumerate(spec) if s[0] == "leaf"]
+            keep = [i for i, s in enumerate(spec) if isinstance(s, LeafAxis)]
             other = tuple(i for i in range(len(spec)) if i not in keep)
             bad = jnp.any(~jnp.isfinite(x), axis=other)
             cylinders.append((tuple(spec[i] for i in keep), bad))
@@ -460,7 +499,9 @@ def _sanitize_rows(forms: Sequence[Form], arrays: Sequence[list]) -> list[list]:
     bad = []
     for f, (rows, valid, delta) in zip(forms, arrays):
         offsets = f.specs[2][1:]
-        private = tuple(1 + i for i, s in enumerate(offsets) if s[0] != "leaf")
+        private = tuple(
+            1 + i for i, s in enumerate(offsets) if not isinstance(s, LeafAxis)
+        )
         b = jnp.any(~jnp.isfinite(delta), axis=private)
         bad.append(b & valid.reshape(valid.shape + (1,) * (b.ndim - 1)))
     out = []
@@ -473,8 +514,8 @@ def _sanitize_rows(forms: Sequence[Form], arrays: Sequence[list]) -> list[list]:
             )
             hit = h > 0 if hit is None else hit | (h > 0)
         offsets = f.specs[2][1:]
-        leaf_offsets = [s for s in offsets if s[0] == "leaf"]
-        hit = _on_spec(hit, [("position",), *leaf_offsets], f.specs[2])
+        leaf_offsets = [s for s in offsets if isinstance(s, LeafAxis)]
+        hit = _on_spec(hit, [POSITION, *leaf_offsets], f.specs[2])
         gone = hit | ~valid.reshape(valid.shape + (1,) * (delta.ndim - 1))
         out.append([rows, valid, jnp.where(gone, jnp.zeros((), delta.dtype), delta)])
     return out

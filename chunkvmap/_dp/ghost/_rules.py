@@ -47,7 +47,16 @@ from jax import lax
 
 from ._chains import Axis, Layout, Op, Step
 from ._context import bind, explicit_spec
-from ._forms import EinsumForm, Form, RowsForm, Symbol, _Fresh
+from ._forms import (
+    POSITION,
+    EinsumForm,
+    Form,
+    LeafAxis,
+    Part,
+    RowsForm,
+    Symbol,
+    _Fresh,
+)
 
 
 class Level(NamedTuple):
@@ -357,9 +366,10 @@ def _conv_operands(use: Use) -> tuple[list, list] | None:
     batch = fresh()
     spatial = [fresh() for _ in range(len(rhs_spec) - 2)]
     if groups > 1:
-        if o_sym[0] != "leaf":
+        if not isinstance(o_sym, LeafAxis):
             return None
-        g_sym, og_sym = o_sym + ("group",), o_sym + ("within",)
+        g_sym = LeafAxis(o_sym.axis, Part.GROUP)
+        og_sym = LeafAxis(o_sym.axis, Part.WITHIN)
         grp: list[Symbol] = [g_sym]
         o_syms, o_sizes = [g_sym, og_sym], [groups, out_feat // groups]
     else:
@@ -521,10 +531,10 @@ def _rows_form(use: Use, r: int, off_syms, positions, off_shape, build) -> RowsF
     cotangent `(positions, *off_shape)` with symbols `off_syms`."""
     layout = use.layout
     syms = frozenset(
-        s for s in (("leaf", layout.axes[r].leaf), *off_syms) if s[0] == "leaf"
+        s for s in (LeafAxis(layout.axes[r].leaf), *off_syms) if isinstance(s, LeafAxis)
     )
     form = RowsForm(
-        [(), (), (("position",), *off_syms)],
+        [(), (), (POSITION, *off_syms)],
         [(positions,), (positions,), (positions, *off_shape)],
         build,
         syms,
@@ -681,7 +691,7 @@ def _patches(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil, lhs_spe
 
 
 def _axis_symbol(axis: Axis, fresh: _Fresh) -> Symbol:
-    return ("leaf", axis.leaf) if axis.leaf is not None else fresh()
+    return LeafAxis(axis.leaf) if axis.leaf is not None else fresh()
 
 
 def _level_symbols(use: Use, layout: Layout, fresh: _Fresh) -> list[Symbol]:
@@ -694,8 +704,8 @@ def _level_symbols(use: Use, layout: Layout, fresh: _Fresh) -> list[Symbol]:
 
 
 def _einsum_form(specs, shapes, build, layout: Layout, use: Use) -> Form | None:
-    syms = frozenset(s for spec in specs for s in spec if s[0] == "leaf")
-    leaf_axes = {s[1] for s in syms}
+    syms = frozenset(s for spec in specs for s in spec if isinstance(s, LeafAxis))
+    leaf_axes = {s.axis for s in syms}
     if leaf_axes != set(layout.present()):
         return None
     form = EinsumForm(specs, shapes, build, syms, layout.box)
