@@ -39,7 +39,6 @@ from jax.custom_derivatives import SymbolicZero
 from ._jaxprs import bind, evaluate, rebuilt, sub_jaxprs
 
 
-_CONV = "conv_general_dilated"
 _FAST_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 # A kernel with fewer (input channels per group) x (output channels) runs faster on
 # XLA:CPU's naive path inside the loop than laid out: measured with 1-D, 2-D and
@@ -150,7 +149,7 @@ def _conv_jvp(
 
 def _rewritten(eqn: Any) -> bool:
     """Whether `eqn` is a convolution chunkvmap lays out for XLA:CPU."""
-    if eqn.primitive.name != _CONV:
+    if eqn.primitive is not lax.conv_general_dilated_p:
         return False
     lhs, rhs = (v.aval for v in eqn.invars)
     nd = len(eqn.params["dimension_numbers"][0]) - 2

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.extend.core.primitives as prims
 import jax.numpy as jnp
 from jax import lax
 
@@ -286,24 +287,24 @@ def _custom(eqn: Any) -> str:
 
 
 _INLINE, _REMAT = Inline(), Remat()
-PRIMITIVES: dict[str, Primitive] = {
-    **{name: Ruled(rule) for name, rule in RULES.items()},
-    **dict.fromkeys(("pjit", "jit", "closed_call", "core_call"), _INLINE),
-    **dict.fromkeys(("checkpoint", "remat", "remat2"), _REMAT),
-    "scan": Scan(),
-    "cond": Cond(),
+PRIMITIVES: dict[Any, Primitive] = {
+    **{prim: Ruled(rule) for prim, rule in RULES.items()},
+    **dict.fromkeys((prims.jit_p, prims.closed_call_p), _INLINE),
+    prims.remat_p: _REMAT,
+    lax.scan_p: Scan(),
+    lax.cond_p: Cond(),
     **dict.fromkeys(
-        ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"),
+        (prims.custom_jvp_call_p, prims.custom_vjp_call_p, prims.custom_lin_p),
         Opaque(_custom),
     ),
-    "while": Opaque(lambda eqn: "enters a while loop"),
+    lax.while_p: Opaque(lambda eqn: "enters a while loop"),
 }
-"""Every primitive the plan treats specially, by name; any other is `UNRULED`. A
-new higher-order primitive is one `Primitive` subclass here (its `walk` and `run`);
-a new first-order rule is an entry of `_rules.RULES`."""
+"""Every primitive the plan treats specially, keyed by JAX's primitive objects; any
+other is `UNRULED`. A new higher-order primitive is one `Primitive` subclass here
+(its `walk` and `run`); a new first-order rule is an entry of `_rules.RULES`."""
 
 UNRULED = Primitive()
 
 
 def handler(eqn: Any) -> Primitive:
-    return PRIMITIVES.get(eqn.primitive.name, UNRULED)
+    return PRIMITIVES.get(eqn.primitive, UNRULED)

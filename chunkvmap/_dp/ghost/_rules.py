@@ -35,12 +35,14 @@ floating-point operations); otherwise it is instantiated. Both are exact.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core.primitives as prims
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -57,6 +59,16 @@ from ._forms import (
     Symbol,
     _Fresh,
 )
+
+
+class UseKind(enum.StrEnum):
+    """The kind of a use a rule covers, as reports name it."""
+
+    LINEAR = "linear"
+    ELEMENTWISE = "elementwise"
+    DENSE = "dense"
+    CONV = "conv"
+    EMBEDDING = "embedding"
 
 
 class Level(NamedTuple):
@@ -214,7 +226,7 @@ class Rule:
     other). A leaf may be operand `slot` if that slot is linear or bilinear; the
     other bilinear operands and every non-float operand are recorded."""
 
-    kind = "linear"
+    kind = UseKind.LINEAR
     linear: tuple[int, ...] | None = None  # None: every operand
     bilinear: tuple[int, ...] = ()
 
@@ -252,7 +264,7 @@ class Elementwise(Rule):
     """`x + b`, `x - b`, `x * s`, `x / s`, `select(pred, x, b)`: biases, scales and
     position tables (instantiated: `sum_t delta_t`, `sum_t a_t * delta_t`)."""
 
-    kind = "elementwise"
+    kind = UseKind.ELEMENTWISE
 
     def __init__(self, linear: tuple[int, ...] | None = None, bilinear=()):
         self.linear = linear
@@ -276,7 +288,7 @@ class _Product(Rule):
 class Dot(_Product):
     """`dot_general`: `G = einsum(activation, delta)`."""
 
-    kind = "dense"
+    kind = UseKind.DENSE
     what = "a dot_general"
 
     def form(self, use: Use) -> Form | None:
@@ -320,7 +332,7 @@ class Conv(_Product):
     """`conv_general_dilated` with the kernel as the parameter: unfolded into patches
     (`lax.conv_general_dilated_patches`), `G = einsum(patches, delta)`."""
 
-    kind = "conv"
+    kind = UseKind.CONV
     what = "a convolution"
 
     def form(self, use: Use) -> Form | None:
@@ -433,7 +445,7 @@ class Gather(Rule):
     `eqx.nn.Embedding`): `G = scatter_add(rows, delta)`, ghost norm by matching
     rows."""
 
-    kind = "embedding"
+    kind = UseKind.EMBEDDING
     linear = (0,)
 
     def record(self, eqn, slot):
@@ -486,7 +498,7 @@ class DynamicSlice(Rule):
     scans around it, `G = scatter_add(rows, delta)` at the clamped start index (the
     row `dynamic_slice` reads), ghost norm by matching rows."""
 
-    kind = "embedding"
+    kind = UseKind.EMBEDDING
 
     def form(self, use: Use) -> Form | None:
         layout = use.layout
@@ -720,26 +732,30 @@ def _complete(layout: Layout, shape: Sequence[int]) -> bool:
     )
 
 
-RULES: dict[str, Rule] = {
-    "dot_general": Dot(),
-    "conv_general_dilated": Conv(),
-    "gather": Gather(),
-    "add": Elementwise(),
-    "sub": Elementwise(),
-    "add_any": Elementwise(),
-    "mul": Elementwise(linear=(), bilinear=(0, 1)),
-    "div": Elementwise(linear=(0,)),
-    "select_n": Elementwise(linear=None),  # the predicate (not float) is recorded
-    "concatenate": Rule(),
-    "pad": Rule(),
-    "dynamic_slice": DynamicSlice(),
-    "dynamic_update_slice": Rule(),
-    "reduce_sum": Rule(),
-    "cumsum": Rule(),
+RULES: dict[Any, Rule] = {
+    lax.dot_general_p: Dot(),
+    lax.conv_general_dilated_p: Conv(),
+    lax.gather_p: Gather(),
+    lax.add_p: Elementwise(),
+    lax.sub_p: Elementwise(),
+    prims.add_jaxvals_p: Elementwise(),
+    lax.mul_p: Elementwise(linear=(), bilinear=(0, 1)),
+    lax.div_p: Elementwise(linear=(0,)),
+    lax.select_n_p: Elementwise(linear=None),  # the predicate (not float) is recorded
+    lax.concatenate_p: Rule(),
+    lax.pad_p: Rule(),
+    lax.dynamic_slice_p: DynamicSlice(),
+    lax.dynamic_update_slice_p: Rule(),
+    lax.reduce_sum_p: Rule(),
+    lax.cumsum_p: Rule(),
 }
-"""The primitives a parameter may enter, by name. Each rule's instantiation and chunk
-sum come from the primitive's own transpose; `form` adds a ghost norm."""
+"""The primitives a parameter may enter, keyed by JAX's primitive objects. Each
+rule's instantiation and chunk sum come from the primitive's own transpose; `form`
+adds a ghost norm."""
 
 
 def rule_kind(use: Use) -> str:
-    return use.rule.kind if use.rule.kind != "linear" else use.eqn.primitive.name
+    """The kind a report shows: the rule's, or the primitive's name for a linear
+    use."""
+    kind = use.rule.kind
+    return use.eqn.primitive.name if kind is UseKind.LINEAR else str(kind)
