@@ -226,8 +226,8 @@ MUTANTS = {
     "ghost: c / w taken as linear in w": (
         (
             "chunkvmap/_dp/ghost/_rules.py",
-            '"div": Elementwise(linear=(0,)),',
-            '"div": Elementwise(linear=(0, 1)),',
+            "lax.div_p: Elementwise(linear=(0,)),",
+            "lax.div_p: Elementwise(linear=(0, 1)),",
         ),
         GHOST_TESTS,
     ),
@@ -266,8 +266,8 @@ MUTANTS = {
     "ghost: a scan's constant leaf taken as stacked": (
         (
             "chunkvmap/_dp/ghost/_primitives.py",
-            'inner = [_level(i, ("repeat", length), None) for i in consts]',
-            'inner = [_level(i, ("stack", length), None) for i in consts]',
+            "inner = [_level(i, Level(False, length), None) for i in consts]",
+            "inner = [_level(i, Level(True, length), None) for i in consts]",
         ),
         GHOST_TESTS,
     ),
@@ -298,8 +298,8 @@ MUTANTS = {
     "ghost: a ghost program predicted slower runs silently": (
         (
             "chunkvmap/_dp/ghost/_plan.py",
-            '                "ghost",\n                True,\n',
-            '                "ghost",\n                False,\n',
+            "                Method.GHOST,\n                True,\n",
+            "                Method.GHOST,\n                False,\n",
         ),
         GHOST_TESTS,
     ),
@@ -386,8 +386,8 @@ MUTANTS = {
     "gram: per-share starts gathered, not rolled": (
         (
             "chunkvmap/_dp/_statistics.py",
-            "            if ghost.explicit_spec(()) is not None:",
-            "            if False:",
+            "        if ghost.explicit_spec(()) is not None:",
+            "        if False:",
         ),
         ["test_statistics", "test_wherever"],
     ),

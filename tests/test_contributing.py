@@ -191,3 +191,18 @@ def test_meta_the_parsers_read_the_document(text):
     assert {"test", "demo", "bench", "docs"} <= make_targets()
     assert runnable("chunkvmap.demo") and runnable("pytest")
     assert not runnable("chunkvmap.gone") and not runnable("chunkvmap._core")
+
+
+def test_every_mutant_edits_one_place_of_the_source():
+    """`dev/mutants.py`'s edits still name the library's code: each mutant's string
+    occurs exactly once in its file (a refactor that moves it must move the mutant)."""
+    spec = importlib.util.spec_from_file_location(
+        "mutants", ROOT / "dev" / "mutants.py"
+    )
+    mutants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutants)
+    counts = {
+        name: (ROOT / path).read_text().count(old)
+        for name, ((path, old, _), _files) in mutants.MUTANTS.items()
+    }
+    assert {name: n for name, n in counts.items() if n != 1} == {}
