@@ -91,6 +91,38 @@ def _positive_float(text: str) -> float:
     return value
 
 
+_OPTIONS: tuple[tuple[str, dict], ...] = (
+    ("--examples", dict(type=_positive_int, default=1024,
+     help="number of examples N in the comparison table")),
+    ("--plot-up-to", dict(type=_positive_int, default=4096,
+     help="the memory plot runs N over 256, 1024, 4096, ... up to this")),
+    ("--batch-size", dict(type=_positive_int, default=64,
+     help="chunkvmap's chunk size: examples evaluated at once")),
+    ("--epochs", dict(type=_positive_int, default=20,
+     help="training epochs over the digits training set; an epoch is "
+     "N / lot-size steps")),
+    ("--lot-size", dict(type=_positive_int, default=256,
+     help="expected examples per DP-SGD step: each example is sampled with "
+     "probability lot-size / N")),
+    ("--clip", dict(type=_positive_float, default=1.0,
+     help="L2 clipping norm of each per-example gradient")),
+    ("--noise", dict(type=_non_negative_float, default=1.0,
+     help="noise multiplier: noise std = noise x clip")),
+    ("--learning-rate", dict(type=_positive_float, default=3e-3,
+     help="Adam learning rate")),
+    ("--method", dict(choices=("ghost", "vmap"), default="ghost",
+     help="clipped_grad's method for training")),
+    ("--memory-budget", dict(default="128MiB",
+     help="memory_limit of the batch_size='auto' row")),
+    ("--seed", dict(type=int, default=0, help="random seed")),
+    ("--plot", dict(default="demo_memory.png",
+     help="where to write the memory plot; '' to skip it")),
+    ("--repeats", dict(type=_positive_int, default=3,
+     help="timed runs per step-time measurement (median)")),
+)  # fmt: skip
+"""The demo's command-line options (each help ends with its default)."""
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m chunkvmap.demo",
@@ -103,81 +135,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "chunkvmap's clipped sums."
         ),
     )
-    parser.add_argument(
-        "--examples",
-        type=_positive_int,
-        default=1024,
-        help="number of examples N in the comparison table (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--plot-up-to",
-        type=_positive_int,
-        default=4096,
-        help="the memory plot runs N over 256, 1024, 4096, ... up to this "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=_positive_int,
-        default=64,
-        help="chunkvmap's chunk size: examples evaluated at once "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--epochs",
-        type=_positive_int,
-        default=20,
-        help="training epochs over the digits training set; an epoch is "
-        "N / lot-size steps (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--lot-size",
-        type=_positive_int,
-        default=256,
-        help="expected examples per DP-SGD step: each example is sampled with "
-        "probability lot-size / N (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--clip",
-        type=_positive_float,
-        default=1.0,
-        help="L2 clipping norm of each per-example gradient (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--noise",
-        type=_non_negative_float,
-        default=1.0,
-        help="noise multiplier: noise std = noise x clip (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--learning-rate",
-        type=_positive_float,
-        default=3e-3,
-        help="Adam learning rate (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--method",
-        choices=("ghost", "vmap"),
-        default="ghost",
-        help="clipped_grad's method for training (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--memory-budget",
-        default="128MiB",
-        help="memory_limit of the batch_size='auto' row (default: %(default)s)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
-    parser.add_argument(
-        "--plot",
-        default="demo_memory.png",
-        help="where to write the memory plot; '' to skip it (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=_positive_int,
-        default=3,
-        help="timed runs per step-time measurement (median) (default: %(default)s)",
-    )
+    for flag, spec in _OPTIONS:
+        text = spec["help"] + ("" if flag == "--seed" else " (default: %(default)s)")
+        parser.add_argument(flag, **dict(spec, help=text))
     args = parser.parse_args(argv)
     if args.examples < 256:
         parser.error(f"--examples must be at least 256, got {args.examples}")
@@ -281,6 +241,37 @@ class _EpochBar:
             self.bar.update(1)
 
 
+def _noised_update(optimizer: Any, std: float) -> Any:
+    """A DP-SGD step: Gaussian noise of `std` added to the clipped sum, then the
+    optimizer's update."""
+    import optax
+
+    @jax.jit
+    def update(params, opt_state, total, key):
+        leaves, treedef = jax.tree.flatten(total)
+        keys = jax.random.split(key, len(leaves))
+        noisy = [
+            g + std * jax.random.normal(k, g.shape, g.dtype)
+            for g, k in zip(leaves, keys)
+        ]
+        grads = jax.tree.unflatten(treedef, noisy)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return update
+
+
+def _lot_sum(add_sub_lot: Any, params: Any, x: Any, y: Any) -> Any:
+    """A lot's clipped sum, added up over its sub-lots (`sub_lots`)."""
+    total = jax.tree.map(jnp.zeros_like, params)
+    offset = 0
+    for size in sub_lots(len(x)):
+        part = slice(offset, offset + size)
+        offset += size
+        total = add_sub_lot(total, params, x[part], y[part])
+    return total
+
+
 def train(args: argparse.Namespace) -> float:
     import optax
     from tqdm.auto import tqdm
@@ -297,14 +288,11 @@ def train(args: argparse.Namespace) -> float:
     opt_state = optimizer.init(params)
     epoch_bar = _EpochBar()
     # jax-privacy's clipped_grad, from chunkvmap: any lot size, chunks of batch_size.
+    # (normalized by the expected lot size q N, not the sampled one)
     clipped = clipped_grad(
-        batch_loss,
-        l2_clip_norm=args.clip,
-        normalize_by=lot,  # the expected lot size q N, not the sampled one
-        batch_size=args.batch_size,
-        method=args.method,
-        progress=epoch_bar,
-    )
+        batch_loss, l2_clip_norm=args.clip, normalize_by=lot,
+        batch_size=args.batch_size, method=args.method, progress=epoch_bar,
+    )  # fmt: skip
     # Noise std: noise multiplier x the sum's sensitivity (clip / lot).
     std = args.noise * clipped.sensitivity("ADD_OR_REMOVE_ONE")
 
@@ -312,17 +300,7 @@ def train(args: argparse.Namespace) -> float:
     def add_sub_lot(total, params, x, y):
         return jax.tree.map(jnp.add, total, clipped(params, (x, y)))
 
-    @jax.jit
-    def update(params, opt_state, total, key):
-        leaves, treedef = jax.tree.flatten(total)
-        keys = jax.random.split(key, len(leaves))
-        noisy = [
-            g + std * jax.random.normal(k, g.shape, g.dtype)
-            for g, k in zip(leaves, keys)
-        ]
-        grads = jax.tree.unflatten(treedef, noisy)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+    update = _noised_update(optimizer, std)
 
     @jax.jit
     def accuracy(params, x, y):
@@ -347,13 +325,8 @@ def train(args: argparse.Namespace) -> float:
             epoch_bar.bar = bar
             for idx in lots:
                 lot_sizes.append(len(idx))
-                total = jax.tree.map(jnp.zeros_like, params)
-                offset = 0
-                for size in sub_lots(len(idx)):
-                    part = idx[offset : offset + size]
-                    offset += size
-                    compiled.add(size)
-                    total = add_sub_lot(total, params, x_train[part], y_train[part])
+                compiled.update(sub_lots(len(idx)))
+                total = _lot_sum(add_sub_lot, params, x_train[idx], y_train[idx])
                 key, noise_key = jax.random.split(key)
                 params, opt_state = update(params, opt_state, total, noise_key)
             jax.effects_barrier()
@@ -362,6 +335,14 @@ def train(args: argparse.Namespace) -> float:
         epoch_bar.bar = None
     seconds = time.perf_counter() - start
     acc = float(accuracy(params, x_test, y_test))
+    _report_training(args, q, lot_sizes, compiled, seconds, acc)
+    return acc
+
+
+def _report_training(
+    args: argparse.Namespace, q: float, lot_sizes: list, compiled: set,
+    seconds: float, acc: float,
+) -> None:  # fmt: skip
     steps = len(lot_sizes)
     epsilon = privacy_spent(q, args.noise, steps, DELTA)
     print(
@@ -374,7 +355,6 @@ def train(args: argparse.Namespace) -> float:
         f"privacy: epsilon = {epsilon:.2f} at delta = {DELTA:g} (dp-accounting RDP, "
         f"{steps} x Poisson(q = {q:.3f}) Gaussian(noise multiplier {args.noise}))"
     )
-    return acc
 
 
 # --------------------------------------------------------------------------------------
@@ -458,29 +438,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         sizes.append(n)
         n *= 4
     sizes = sorted({*sizes, args.examples})
-    params = init_mlp(jax.random.key(args.seed), (64, *HIDDEN, 10))
-    rng = np.random.default_rng(args.seed)
-    B, clip = args.batch_size, args.clip
-    auto = clipped_grad(
-        batch_loss,
-        l2_clip_norm=clip,
-        batch_size="auto",
-        memory_limit=args.memory_budget,
-    )
-    methods = {
-        "jax.grad (non-private)": jax.grad(batch_loss),
-        "jax.vmap + clip + sum": _with_vmap(clip),
-        "clipped_grad vmap": clipped_grad(batch_loss, l2_clip_norm=clip, batch_size=B),
-        "lax.scan by hand": _with_scan(clip, B),
-        "clipped_grad auto": auto,
-        "clipped_grad ghost": clipped_grad(
-            batch_loss, l2_clip_norm=clip, batch_size=B, method="ghost"
-        ),
-    }
+    methods = _methods(args)
     plotted = [m for m in methods if m not in ("clipped_grad auto", "lax.scan by hand")]
     memory: dict[str, list[float]] = {m: [] for m in plotted}
+    params = init_mlp(jax.random.key(args.seed), (64, *HIDDEN, 10))
+    rng = np.random.default_rng(args.seed)
     table = []
-    backend = jax.default_backend()
     for n in sizes:
         x = jnp.asarray(rng.normal(size=(n, 64)), jnp.float32)
         y = jnp.asarray(rng.integers(0, 10, size=(n,)), jnp.int32)
@@ -495,12 +458,39 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             if m in memory:
                 memory[m].append(mib)
             chunk = {"jax.grad (non-private)": "-", "jax.vmap + clip + sum": n}.get(
-                m, B
+                m, args.batch_size
             )
-            if fn is auto:
-                chunk = last_batch_size(auto)
+            if m == "clipped_grad auto":
+                chunk = last_batch_size(fn)
             table.append(dict(method=m, chunk=chunk, mib=mib, s=seconds, out=out))
-    ref = table[1]
+    _print_table(args, table)
+    _print_findings(args, table)
+    return dict(sizes=sizes, memory=memory)
+
+
+def _methods(args: argparse.Namespace) -> dict[str, Any]:
+    """The compared gradient steps, by the names the table shows."""
+    B, clip = args.batch_size, args.clip
+    return {
+        "jax.grad (non-private)": jax.grad(batch_loss),
+        "jax.vmap + clip + sum": _with_vmap(clip),
+        "clipped_grad vmap": clipped_grad(batch_loss, l2_clip_norm=clip, batch_size=B),
+        "lax.scan by hand": _with_scan(clip, B),
+        "clipped_grad auto": clipped_grad(
+            batch_loss,
+            l2_clip_norm=clip,
+            batch_size="auto",
+            memory_limit=args.memory_budget,
+        ),  # fmt: skip
+        "clipped_grad ghost": clipped_grad(
+            batch_loss, l2_clip_norm=clip, batch_size=B, method="ghost"
+        ),
+    }
+
+
+def _print_table(args: argparse.Namespace, table: list[dict]) -> None:
+    """The table, each row's result checked against jax.vmap's (`table[1]`)."""
+    ref, backend = table[1], jax.default_backend()
     # Chunks and the full batch run matmuls of different shapes: float rounding
     # differs, more so where f32 matmuls use reduced-precision passes (GPU/TPU).
     tolerance = 1e-4 if backend == "cpu" else 1e-2
@@ -534,6 +524,10 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             f"{ref['mib'] / max(row['mib'], 2**-20):>6.1f}x | {row['s'] * 1e3:>8.1f} | "
             f"{row['s'] / ref['s']:>5.2f}x | {err}"
         )
+
+
+def _print_findings(args: argparse.Namespace, table: list[dict]) -> None:
+    """What the table shows, in words."""
     by = {row["method"]: row for row in table}
     ghost, per_example = by["clipped_grad ghost"], by["clipped_grad vmap"]
     scan, auto_row = by["lax.scan by hand"], by["clipped_grad auto"]
@@ -565,7 +559,6 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         f"{ghost['s'] / table[0]['s']:.1f}x the non-private step's time; training "
         f"used method={args.method!r}."
     )
-    return dict(sizes=sizes, memory=memory)
 
 
 def plot(result: dict[str, Any], path: str, batch_size: int) -> None:

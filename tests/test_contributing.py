@@ -206,3 +206,12 @@ def test_every_mutant_edits_one_place_of_the_source():
         for name, ((path, old, _), _files) in mutants.MUTANTS.items()
     }
     assert {name: n for name, n in counts.items() if n != 1} == {}
+
+
+def test_no_function_of_the_library_is_longer_than_sixty_lines_of_code():
+    spec = importlib.util.spec_from_file_location(
+        "function_lengths", ROOT / "dev" / "function_lengths.py"
+    )
+    lengths = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lengths)
+    assert [(n, where) for n, where in lengths.lengths() if n > 60] == []
