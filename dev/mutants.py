@@ -383,6 +383,22 @@ MUTANTS = {
         ),
         GHOST_TESTS,
     ),
+    "trace: the chunk traced outside the context its loop runs in": (
+        (
+            "chunkvmap/_core/_chunked.py",
+            "    if lay is None or lay.size <= 1 or lay.explicit:\n",
+            "    if True:\n",
+        ),
+        ["test_sharding"],
+    ),
+    "trace: a trace made under one mesh run under another": (
+        (
+            "chunkvmap/_core/_program.py",
+            "    return portable and jax.sharding.AxisType.Explicit not in here.axis_types",
+            "    return True",
+        ),
+        ["test_sharding", "test_wherever"],
+    ),
     "gram: per-share starts gathered, not rolled": (
         (
             "chunkvmap/_dp/_statistics.py",

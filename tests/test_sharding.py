@@ -1,5 +1,7 @@
 """shard=True on 8 simulated CPU devices, against jax.vmap."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from chunkvmap import batch_map, batch_vmap
 
-from .helpers import temp_bytes, tree_allclose
+from .helpers import TraceCounter, temp_bytes, tree_allclose
 
 
 pytestmark = pytest.mark.skipif(
@@ -343,3 +345,42 @@ def test_auto_batch_size_with_shard_is_chosen_per_device():
     )
     tree_allclose(fn(PARAMS, data(64)), jax.vmap(f, (None, 0))(PARAMS, data(64)))
     assert last_batch_size(fn) == 8  # all of each device's share fits
+
+
+def _held(how: str, x: jax.Array) -> tuple[dict, jax.Array, object]:
+    """The options, the examples and the context of a call whose mesh is held as
+    a user holds it: passed (`mesh=`), entered (`jax.set_mesh`) or placed (the
+    examples already sharded over it)."""
+    if how == "mesh=":
+        return dict(shard=True, mesh=MESH), x, contextlib.nullcontext()
+    if how == "set_mesh":
+        return dict(shard=True), x, jax.set_mesh(MESH)
+    return {}, jax.device_put(x, NamedSharding(MESH, P("d"))), contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("how", ["mesh=", "set_mesh", "placed"])
+@pytest.mark.parametrize("batch_size", [2, 3, None])
+@pytest.mark.parametrize("call", ["eager", "jit", "grad"])
+def test_f_is_traced_once_per_call_over_the_devices(how, batch_size, call, rng):
+    """The chunk is traced where the loop runs it (each device's share, in the
+    context of `shard_map`'s manual axes), so `f` is traced once per call, as
+    without a mesh: 24 examples, 3 per device (chunks of 2 leave a window)."""
+    x = jnp.asarray(rng.normal(size=(24, 3)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
+    counted = TraceCounter(lambda x, w: jnp.tanh(x @ w).sum())
+    options, x, context = _held(how, x)
+    g = batch_vmap(counted, (0, None), batch_size=batch_size, **options)
+    run = {
+        "eager": g,
+        "jit": jax.jit(g),
+        "grad": jax.grad(lambda w, x: g(x, w).sum()),
+    }[call]
+    args = (w, x) if call == "grad" else (x, w)
+    with context:
+        out = run(*args)
+    assert counted.count == 1
+    reference = jax.vmap(lambda x, w: jnp.tanh(x @ w).sum(), (0, None))
+    expected = {
+        "grad": lambda: jax.grad(lambda w: reference(x, w).sum())(w),
+    }.get(call, lambda: reference(x, w))()
+    tree_allclose(out, expected, rtol=1e-5, atol=1e-6)

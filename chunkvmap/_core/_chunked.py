@@ -9,6 +9,7 @@ evaluation is chosen: one vmap (the chunk is everything), stacked or folded chun
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -92,29 +93,59 @@ def zero_examples(name: str) -> ValueError:
     )
 
 
+def layout(
+    options: ChunkOptions, inputs: Inputs, axes: Sequence[int | None]
+) -> _sharding.Layout | None:
+    """Where the examples run (`_sharding.layout`), decided before the chunk is
+    traced: None for one device's loop."""
+    if not inputs.size:
+        return None
+    return _sharding.layout(
+        options.name, options.shard, options.mesh, inputs.paths, inputs.leaves, axes,
+        inputs.known,
+    )  # fmt: skip
+
+
+def chunk_length(options: ChunkOptions, size: int, lay: Any) -> int:
+    """The length of the loop's chunks over `size` examples laid out by `lay`
+    (each device's share when split; the options' size, or all of them): the
+    length a chunk is traced at (a size "auto" chooses is not known yet)."""
+    if lay is not None and lay.size > 1:
+        size = size // lay.size or size
+    batch = options.batch_size
+    return batch if isinstance(batch, int) and 0 < batch < size else size
+
+
+def tracing(lay: _sharding.Layout | None) -> Any:
+    """The context the chunk is first traced in: that of the loop's chunks. Over a
+    layout `shard_map` runs, its mesh with the layout's axes Manual, so that the
+    trace is the one the loop runs (a trace there may depend on the mesh); else the
+    caller's."""
+    if lay is None or lay.size <= 1 or lay.explicit:
+        return contextlib.nullcontext()
+    mesh = getattr(lay.mesh, "abstract_mesh", lay.mesh)
+    manual = dict.fromkeys(lay.axes, jax.sharding.AxisType.Manual)
+    return jax.sharding.use_abstract_mesh(mesh.update_axis_types(manual))
+
+
 def evaluate(
     body: _loop.Body,
     inputs: Inputs,
     options: ChunkOptions,
     auto: _memory.AutoBatch | None,
+    lay: _sharding.Layout | None,
     axis_name: Any = None,
 ) -> Any:
-    """The user's output (stacked, or the folded summary) of `body` over `inputs`.
+    """The user's output (stacked, or the folded summary) of `body` over `inputs`,
+    laid out by `lay` (`layout`).
 
-    The layout and the chunk size are decided first; then, when every input is a
-    concrete array (an eager call), the program is compiled once per distinct body
-    and input types and kept by the transform (`auto.programs`): the arrays the
-    chunk reads are among its inputs (`Body.params`), so a new one compiles
-    nothing."""
+    The chunk size is decided first; then, when every input is a concrete array (an
+    eager call), the program is compiled once per distinct body and input types
+    and kept by the transform (`auto.programs`): the arrays the chunk reads are
+    among its inputs (`Body.params`), so a new one compiles nothing."""
     name = options.name
     if body.accumulator is not None and inputs.size == 0:
         raise zero_examples(name)
-    lay = None
-    if inputs.size:
-        lay = _sharding.layout(
-            name, options.shard, options.mesh, inputs.paths, inputs.leaves,
-            body.axes[len(body.params) :], inputs.known,
-        )  # fmt: skip
     inputs = _with_params(inputs, body.params)
     one_device = lay is not None and lay.size == 1 and lay.explicit
     if one_device:

@@ -201,12 +201,17 @@ class Retraced:
     that closes over a value an outer transformation traces (`first.traced`) is
     called as it is, its closure left to JAX (`params` then holds nothing)."""
 
-    def __init__(self, first: Trace, key: Hashable, jitted: Callable[[int], Any]):
+    def __init__(
+        self, first: Trace, at: tuple[int, Sequence[Any]], jitted: Callable[[int], Any]
+    ):
+        """`at`: the first trace's chunk length and input types."""
         self.first = first
         self.kept = not first.traced
         self.params = () if first.traced else tuple(first.consts)
         self._jitted = jitted
-        self._traces = {key: first}
+        length, avals = at
+        here = jax.sharding.get_abstract_mesh()
+        self._traces = {(length, tuple(map(_type_key, avals))): [(here, first)]}
 
     def __call__(
         self, params: Sequence[Any], values: list[Any], length: int
@@ -214,15 +219,45 @@ class Retraced:
         """The function of `values` (chunks of `length`), reading `params`."""
         if self.first.traced:
             return self._jitted(length)(*values)
-        key = (length, tuple(jax.typeof(v) for v in values))
-        if key not in self._traces:  # (at the values' own types, their mesh's too)
-            again = self._jitted(length).trace(*values).jaxpr
-            self._traces[key] = Trace.of(again)
-        this = self._traces[key]
+        key = (length, tuple(_type_key(jax.typeof(v)) for v in values))
+        here = jax.sharding.get_abstract_mesh()
+        made = self._traces.setdefault(key, [])
+        this = next((t for m, t in made if runs_here(m, here)), None)
+        if this is None:  # (at the values' own types, in this context)
+            this = Trace.of(self._jitted(length).trace(*values).jaxpr)
+            made.append((here, this))
         if not this.reads(self.first.consts):
             self.kept = False
             params = this.consts
         return this.apply(params, *values)
+
+
+def runs_here(made_under: Any, here: Any) -> bool:
+    """Whether a trace made under the context mesh `made_under` runs as it is
+    under `here`: the same mesh, or a trace made outside any mesh (or inside
+    `shard_map`'s Manual axes only: JAX's ops then record no sharding) run where
+    no axis is Explicit (a value of no named axis traces the same way there)."""
+    if made_under == here:
+        return True
+    manual = jax.sharding.AxisType.Manual
+    portable = all(t is manual for t in made_under.axis_types)
+    return portable and jax.sharding.AxisType.Explicit not in here.axis_types
+
+
+def _type_key(aval: Any) -> Hashable:
+    """A value's type as traces tell it apart (`runs_here` tells the contexts):
+    its shape, dtype and weakness where neither it (no named axis) nor the context
+    (no Explicit axis) names a mesh, else its whole type."""
+    sharding = getattr(aval, "sharding", None)
+    explicit = jax.sharding.AxisType.Explicit
+    if (
+        sharding is None
+        or explicit in jax.sharding.get_abstract_mesh().axis_types
+        or any(p is not None for p in sharding.spec)
+        or getattr(aval, "vma", None)
+    ):
+        return aval
+    return (aval.shape, aval.dtype, aval.weak_type)
 
 
 class _Walk:

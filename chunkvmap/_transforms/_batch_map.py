@@ -156,10 +156,14 @@ def _map_call(
         if size == 0 and options.reduction is None:
             return _empty(fun, leaves, treedef, options)
         fun = _strip_dim0(name, fun)
-    body = _trace(fun, leaves, axes, treedef, size, options)
     key = (treedef, tuple(jax.typeof(x) for x in leaves))
     inputs = _axes.Inputs(leaves, paths, range(len(leaves)), size, key, known)
-    return _chunked.evaluate(body, inputs, options, auto)
+    lay = _chunked.layout(options, inputs, axes)
+    # The first size an "auto" search measures, else the loop's chunk length.
+    probe = min(size, 1) if options.auto else _chunked.chunk_length(options, size, lay)
+    with _chunked.tracing(lay):
+        body = _trace(fun, leaves, axes, treedef, probe, options)
+    return _chunked.evaluate(body, inputs, options, auto, lay)
 
 
 def _flatten_xs(name: str, xs: Any) -> tuple[list[Any], list[str], Any]:
@@ -207,7 +211,7 @@ def _empty(fun, leaves, treedef, options) -> Any:
     return out if chunk_reduction is identity else chunk_reduction(out)
 
 
-def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
+def _trace(fun, leaves, axes, treedef, probe, options) -> _loop.Body:
     """`fun` traced once on a chunk; one chunk of it as a `_loop.Body`."""
     name = options.name
     out_box: list[Any] = []
@@ -230,12 +234,6 @@ def _trace(fun, leaves, axes, treedef, size, options) -> _loop.Body:
     # Inlined where it is called: the arrays `fun` closes over are then constants
     # of the caller's program, which an eager call passes as arguments.
     fun_flat = jax.jit(fun_flat, inline=True)
-    # The first size an "auto" search measures, else the chunk size itself.
-    probe = (
-        min(size, 1)
-        if options.auto
-        else _loop.make_plan(size, options.batch_size).batch
-    )
     chunk_avals = [_axes.sized(x, 0, probe) for x in leaves]
     first, out_chunk_avals = _program.traced(fun_flat, chunk_avals)
     (out_tree,) = out_box

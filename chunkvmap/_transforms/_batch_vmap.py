@@ -455,15 +455,18 @@ def vmap_call(
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
     key += (_static_key(leaves, dyn),)
     inputs = _axes.Inputs(leaves, paths, dyn, size, key, known or _axes.NOTHING_KNOWN)
-    body = _trace(
-        f, leaves, axes, dyn, treedef, (out_axes, out_names),
-        (axis_name, spmd_axis_name), size, options,
-    )  # fmt: skip
-    return _chunked.evaluate(body, inputs, options, auto, axis_name)
+    lay = _chunked.layout(options, inputs, axes)
+    with _chunked.tracing(lay):
+        body = _trace(
+            f, leaves, axes, dyn, treedef, (out_axes, out_names),
+            (axis_name, spmd_axis_name), _chunked.chunk_length(options, size, lay),
+            options,
+        )  # fmt: skip
+    return _chunked.evaluate(body, inputs, options, auto, lay, axis_name)
 
 
 def _trace(
-    f, leaves, axes, dyn, treedef, outs, axis_names, size, options
+    f, leaves, axes, dyn, treedef, outs, axis_names, length, options
 ) -> _loop.Body:
     """One chunk of `jax.vmap(f)`, traced once (under `jax.jit`, at the length the
     loop's chunks will have) to learn its outputs, as a `_loop.Body` whose chunk
@@ -507,13 +510,11 @@ def _trace(
     def mapped_at(length: int, leading: Any = 0, fn: Any = inner) -> Callable[..., Any]:
         return jax.jit(_cache.wraps(f)(vmap_flat(fn, leading, length)), inline=True)
 
-    # The length the loop's chunks will have (when it is known now). Plain shapes,
-    # without sharding types: those say nothing about the output structure, and
-    # jax.vmap rejects some that chunkvmap lays out itself (unmapped inputs sharded
-    # over the mesh axes of the mapped ones); the loop takes the sharding types of
-    # the values themselves.
-    batch = options.batch_size
-    length = batch if isinstance(batch, int) and 0 < batch < size else size
+    # At the length the loop's chunks will have (`_chunked.chunk_length`), in plain
+    # shapes, without sharding types: those say nothing about the output structure,
+    # and jax.vmap rejects some that chunkvmap lays out itself (unmapped inputs
+    # sharded over the mesh axes of the mapped ones); the loop takes the sharding
+    # types of the values themselves.
     chunk_avals = [_axes.sized(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
     if all_zero or axis_name is not None:
         first, mapped_avals = _program.traced(mapped_at(length), chunk_avals)

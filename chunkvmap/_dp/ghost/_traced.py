@@ -299,13 +299,18 @@ class Traced:
         if (mesh, types) in self._plans:
             return self._plans[(mesh, types)]
         # (inside a `shard_map`, the examples' types and the chunk's outputs' may
-        # name the mesh differently: the plan of this context, by shapes)
+        # name the mesh differently, and a chunk traced outside any mesh may run
+        # under one (`_program.runs_here`): the plan of that context, by shapes)
         shapes = [(t.shape, t.dtype) for t in types]
-        found = [
-            plan
+        by_shapes = [
+            (m, plan)
             for (m, ts), plan in self._plans.items()
-            if m == mesh and [(t.shape, t.dtype) for t in ts] == shapes
+            if [(t.shape, t.dtype) for t in ts] == shapes
         ]
+        found = [plan for m, plan in by_shapes if m == mesh]
+        if not found:  # (plans of equivalent contexts have one structure: any one)
+            found = [p for m, p in by_shapes if _program.runs_here(m, mesh)]
+            found = found[:1]
         if len(found) != 1:
             raise RuntimeError(
                 "ghost clipping: no example was traced with these parameter types "
