@@ -110,8 +110,8 @@ def chunk_length(options: ChunkOptions, size: int, lay: Any) -> int:
     """The length of the loop's chunks over `size` examples laid out by `lay`
     (each device's share when split; the options' size, or all of them): the
     length a chunk is traced at (a size "auto" chooses is not known yet)."""
-    if lay is not None and lay.size > 1:
-        size = size // lay.size or size
+    devices = 1 if lay is None else lay.size
+    size = size // devices or size
     batch = options.batch_size
     return batch if isinstance(batch, int) and 0 < batch < size else size
 
