@@ -163,7 +163,7 @@ def test_shard_and_mesh_validation():
         r"shard=\('a', 'b'\)",
     ):
         batch_vmap(jnp.sum, shard=True, mesh=mesh2)
-    with pytest.raises(ValueError, match=r"shard=\('c',\), but mesh has no axis 'c'"):
+    with pytest.raises(ValueError, match=r"shard=\('c',\), but the mesh has no axis 'c'"):
         batch_vmap(jnp.sum, shard="c", mesh=mesh2)
     with pytest.raises(ValueError, match="shard=False"):
         batch_vmap(jnp.sum, mesh=mesh1)
@@ -171,7 +171,7 @@ def test_shard_and_mesh_validation():
         batch_vmap(jnp.sum, shard=True, mesh="mesh")  # pyright: ignore[reportArgumentType]
     # Ambient N-D meshes are checked when called.
     with jax.set_mesh(mesh2):
-        with pytest.raises(ValueError, match=r"shard=True on a mesh with axes"):
+        with pytest.raises(ValueError, match=r"shard=True with a mesh of axes"):
             batch_vmap(jnp.sum, shard=True)(jnp.ones((8, 2)))
 
 

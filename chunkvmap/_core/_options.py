@@ -149,6 +149,14 @@ def _check_shard(name: str, shard: Any, mesh: Any) -> Any:
             f"to shard the mapped axis. Pass shard=True (a 1-D mesh) or the names of "
             f"the axes to split the examples over, or drop mesh."
         )
+    shard_axes(name, shard, mesh)
+    return shard
+
+
+def shard_axes(name: str, shard: Any, mesh: Any) -> tuple[str, ...]:
+    """The mesh axes `shard` (True, or checked axis names) splits the examples
+    over, on `mesh` (the one passed, or the one a call resolves): checked when the
+    transform is built where `mesh=` is given, and when called otherwise."""
     names = tuple(mesh.axis_names)
     if shard is True and len(names) != 1:
         raise ValueError(
@@ -156,13 +164,15 @@ def _check_shard(name: str, shard: Any, mesh: Any) -> Any:
             f"{dict(mesh.shape)}): name the axes the examples are split over, e.g. "
             f"shard={names[0]!r} or shard={names}."
         )
-    missing = [a for a in shard if a not in names] if shard is not True else []
+    if shard is True:
+        return names
+    missing = [a for a in shard if a not in names]
     if missing:
         raise ValueError(
-            f"{name} got shard={shard!r}, but mesh has no axis "
+            f"{name} got shard={shard!r}, but the mesh has no axis "
             f"{', '.join(map(repr, missing))}: its axes are {names}."
         )
-    return shard
+    return tuple(shard)
 
 
 class Chunking(TypedDict, total=False):

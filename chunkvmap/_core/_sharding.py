@@ -58,6 +58,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from . import _progress
 from ._axes import Inputs, Known
 from ._loop import Accumulator, Body, make_plan, spec_entries, zeros
+from ._options import shard_axes
 
 
 AXIS_NAME = "chunkvmap"
@@ -187,22 +188,7 @@ def _requested(
             f"differs from mesh={mesh}. Call it outside jax.set_mesh, pass no mesh "
             f"(the ambient one is used), or set that mesh as the ambient one."
         )
-    names = tuple(mesh.axis_names)
-    if shard is True:
-        if len(names) != 1:
-            raise ValueError(
-                f"{name} got shard=True on a mesh with axes {names} (shape "
-                f"{dict(mesh.shape)}): name the axes the examples are split over, "
-                f"e.g. shard={names[0]!r} or shard={names}."
-            )
-        return Layout(mesh, names)
-    missing = [a for a in shard if a not in names]
-    if missing:
-        raise ValueError(
-            f"{name} got shard={shard!r}, but the mesh has no axis "
-            f"{', '.join(map(repr, missing))}: its axes are {names}."
-        )
-    return Layout(mesh, tuple(shard))
+    return Layout(mesh, shard_axes(name, shard, mesh))
 
 
 def all_auto(mesh: Mesh) -> Mesh:
