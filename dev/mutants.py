@@ -141,8 +141,8 @@ MUTANTS = {
     "mesh: an eager transform under a held Explicit mesh not staged": (
         (
             "chunkvmap/_core/_mesh.py",
-            "return _staged(held, run, flat, tree)",
-            "return run(args, kwargs)",
+            "return _staged(held, None, run, flat, tree)",
+            "return run(args, kwargs, None)",
         ),
         ["test_wherever"],
     ),
@@ -396,6 +396,14 @@ MUTANTS = {
             "chunkvmap/_core/_program.py",
             "    return portable and jax.sharding.AxisType.Explicit not in here.axis_types",
             "    return True",
+        ),
+        ["test_sharding", "test_wherever"],
+    ),
+    "mesh: the layout takes the mesh= given, not the one the call resolved": (
+        (
+            "chunkvmap/_core/_sharding.py",
+            "        mesh = known.mesh\n",
+            "        mesh = known.mesh if mesh is None else mesh\n",
         ),
         ["test_sharding", "test_wherever"],
     ),

@@ -313,15 +313,18 @@ def per_example(aval: Any) -> jax.ShapeDtypeStruct:
 
 
 class Known:
-    """The concrete shardings of an eager call's array arguments, told by the
-    tracers that stand for them in the call's trace (where a tracer's type shows
-    only Explicit mesh axes, so that a layout visible on the concrete arrays stays
-    visible inside). Each sharding is held with its tracer, and found by the
-    tracer's identity; empty for a call under an outer `jax.jit`, where the types
+    """What a call knows before it looks at its inputs: the mesh its placement
+    resolved (`mesh`: `_mesh.resolve`'s, None where the caller holds one or none is
+    needed), and the concrete shardings of an eager call's array arguments, told
+    by the tracers that stand for them in the call's trace (where a tracer's type
+    shows only Explicit mesh axes, so that a layout visible on the concrete arrays
+    stays visible inside). Each sharding is held with its tracer, and found by the
+    tracer's identity; none for a call under an outer `jax.jit`, where the types
     say all there is to see."""
 
-    def __init__(self, pairs: Sequence[tuple[Any, Any]] = ()):
+    def __init__(self, pairs: Sequence[tuple[Any, Any]] = (), mesh: Any = None):
         self._entries = {id(t): (t, s) for t, s in pairs if s is not None}
+        self.mesh = mesh
 
     def sharding_of(self, x: Any) -> Any:
         """The concrete sharding of the argument `x` stands for, or None."""

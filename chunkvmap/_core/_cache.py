@@ -73,21 +73,21 @@ class EagerCache:
             self.placement.shard, self.placement.mesh, self._run, args, kwargs
         )
 
-    def _run(self, args: tuple, kwargs: dict) -> Any:
+    def _run(self, args: tuple, kwargs: dict, resolved: Any) -> Any:
         if not self.whole:
-            return self.call(args, kwargs, _axes.NOTHING_KNOWN)
+            return self.call(args, kwargs, _axes.Known(mesh=resolved))
         flat, treedef = jax.tree.flatten((args, kwargs))
         dyn, static = [], []
         for i, x in enumerate(flat):
             if isinstance(x, jax.core.Tracer):
-                return self.call(args, kwargs, _axes.NOTHING_KNOWN)
+                return self.call(args, kwargs, _axes.Known(mesh=resolved))
             if isinstance(x, (jax.Array, np.ndarray)):
                 dyn.append(i)
                 continue
             try:
                 hash(x)
             except TypeError:
-                return self.call(args, kwargs, _axes.NOTHING_KNOWN)
+                return self.call(args, kwargs, _axes.Known(mesh=resolved))
             static.append((i, type(x), x))
         values = [flat[i] for i in dyn]
         shardings = tuple(getattr(v, "sharding", None) for v in values)
@@ -98,7 +98,7 @@ class EagerCache:
             for i, v in zip(dyn, values):
                 full[i] = v
             args, kwargs = jax.tree.unflatten(treedef, full)
-            known = _axes.Known(list(zip(values, shardings)))
+            known = _axes.Known(list(zip(values, shardings)), resolved)
             leaves, tree = jax.tree.flatten(self.call(args, kwargs, known))
             outs[:] = [tree, leaves]
             return [x for x in leaves if isinstance(x, jax.core.Tracer)]

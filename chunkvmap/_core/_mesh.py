@@ -39,7 +39,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from . import _sharding
 
 
-Run = Callable[[tuple, dict], Any]
+Run = Callable[[tuple, dict, Any], Any]  # (args, kwargs, the resolved mesh)
 
 
 def resolve(shard: Any, mesh: Mesh | None, leaves: list[Any]) -> Any:
@@ -82,26 +82,28 @@ def _explicit(mesh: Any) -> bool:
 
 
 def run_under(shard: Any, mesh: Mesh | None, run: Run, args: tuple, kwargs: dict):
-    """`run(args, kwargs)` under the call's mesh (see the module docstring)."""
+    """`run(args, kwargs, resolved)` under the call's mesh (see the module
+    docstring), `resolved` the mesh `resolve` chose (None: the caller's, or
+    none)."""
     flat, tree = jax.tree.flatten((args, kwargs))
     target = resolve(shard, mesh, flat)
     if target is None:
         held = jax.sharding.get_abstract_mesh()
         traced = any(isinstance(x, jax.core.Tracer) for x in flat)
         if held.empty or not held.explicit_axes or not traced:
-            return run(args, kwargs)
+            return run(args, kwargs, None)
         # Under an eager transform (`jax.grad`, `jax.vmap` outside `jit`) JAX runs
         # the evaluation op by op, and its eager transposes lose sharding types that
         # its staged ones keep (a reshard's cotangent stays sharded, and the pad
         # that transposes a slice of it then fails): staged, the call runs as under
         # `jax.jit`. (Under an outer `jit` the stage is a nested jit, which XLA
         # inlines; an inlined stage would be transposed op by op again.)
-        return _staged(held, run, flat, tree)
+        return _staged(held, None, run, flat, tree)
     if isinstance(target, Mesh) and not _explicit(target):
         # Auto axes are not in the types: the evaluation names the mesh itself (a
         # `shard_map` over it), under any context; arrays elsewhere are moved.
         args, kwargs = tree.unflatten([_moved(x, target) for x in flat])
-        return run(args, kwargs)
+        return run(args, kwargs, target)
     if isinstance(target, Mesh):
         try:
             context = jax.set_mesh(target)
@@ -110,8 +112,8 @@ def run_under(shard: Any, mesh: Mesh | None, run: Run, args: tuple, kwargs: dict
         if context is not None:
             with context:
                 args, kwargs = tree.unflatten([_moved(x, target) for x in flat])
-                return run(args, kwargs)
-    return _staged(target, run, flat, tree)
+                return run(args, kwargs, target)
+    return _staged(target, target, run, flat, tree)
 
 
 def _moved(x: Any, mesh: Mesh) -> Any:
@@ -124,9 +126,11 @@ def _moved(x: Any, mesh: Mesh) -> Any:
     return jax.device_put(x, NamedSharding(mesh, P()))
 
 
-def _staged(mesh: Mesh | AbstractMesh, run: Run, flat: list[Any], tree: Any) -> Any:
+def _staged(
+    mesh: Mesh | AbstractMesh, resolved: Any, run: Run, flat: list[Any], tree: Any
+) -> Any:
     """`run` inside one `jax.jit` under `mesh`'s abstract mesh, its array arguments
-    put on `mesh` when it is concrete."""
+    put on `mesh` when it is concrete (`resolved`: as `run_under`'s)."""
     dyn = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
     abstract = mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh
 
@@ -136,7 +140,7 @@ def _staged(mesh: Mesh | AbstractMesh, run: Run, flat: list[Any], tree: Any) -> 
             for i, v in zip(dyn, values):
                 full[i] = _put(v, mesh) if isinstance(mesh, Mesh) else v
             args, kwargs = tree.unflatten(full)
-            return run(args, kwargs)
+            return run(args, kwargs, resolved)
 
     return jax.jit(staged)(*[flat[i] for i in dyn])
 

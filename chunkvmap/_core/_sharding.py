@@ -131,7 +131,7 @@ def layout(
     """The call's layout: requested by `shard`, else visible on the mapped inputs
     (`known`: see `_visible_sharding`)."""
     if shard is not False:
-        return _requested(name, shard, mesh, leaves, known)
+        return _requested(name, shard, mesh, known)
     found: dict[tuple[Any, ...], list[str]] = {}
     for path, x, axis in zip(paths, leaves, axes):
         sharding = None if axis is None else _visible_sharding(x, known)
@@ -156,28 +156,22 @@ def layout(
     return Layout(mesh, data)
 
 
-def _requested(
-    name: str, shard: Any, mesh: Any, leaves: Sequence[Any], known: Known
-) -> Layout:
-    """The layout `shard=` asks for, over `mesh`, the ambient mesh, the mesh the
-    inputs are placed on, or all devices."""
+def _requested(name: str, shard: Any, mesh: Any, known: Known) -> Layout:
+    """The layout `shard=` asks for, over the mesh the call runs under: the one it
+    holds or entered, else the one its placement resolved (`Known.mesh`: `mesh=`,
+    with Auto axes where the caller does not hold it, the mesh the inputs are
+    placed on, or all devices)."""
     ambient = jax.sharding.get_abstract_mesh()
-    if mesh is None and ambient.empty:
-        mesh = _inputs_mesh(leaves, known)
-    if mesh is None and ambient.empty and shard is not True:
-        raise ValueError(
-            f"{name} got shard={shard!r}, which names mesh axes, but no mesh: pass "
-            f"mesh=, or call it under jax.set_mesh(mesh). (shard=True alone spreads "
-            f"the examples over all devices.)"
-        )
-    if mesh is None:
-        mesh = default_mesh() if ambient.empty else ambient
-    elif ambient.empty:
-        # A mesh the caller does not hold and the inputs are not on: its axes are
-        # used as Auto ones (`_mesh.resolve`), so that no sharding type of it
-        # reaches the caller.
-        if not _on(mesh, leaves, known):
-            mesh = all_auto(mesh)
+    if ambient.empty:
+        if known.mesh is None:
+            raise ValueError(
+                f"{name} got shard={shard!r}, which names mesh axes, but no mesh: "
+                f"pass mesh=, or call it under jax.set_mesh(mesh). (shard=True alone "
+                f"spreads the examples over all devices.)"
+            )
+        mesh = known.mesh
+    elif mesh is None:
+        mesh = ambient
     elif all_auto(mesh).abstract_mesh == ambient:
         # The mesh entered for the call with Auto axes (the caller does not hold it:
         # `_mesh.resolve`).
@@ -197,24 +191,6 @@ def all_auto(mesh: Mesh) -> Mesh:
     if tuple(mesh.axis_types) == types:
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
-
-
-def _on(mesh: Mesh, leaves: Sequence[Any], known: Known) -> bool:
-    """Whether any of `leaves` is placed on `mesh` (or typed over it)."""
-    for x in leaves:
-        sharding = _visible_sharding(x, known)
-        if sharding is not None and sharding.mesh in (mesh, mesh.abstract_mesh):
-            return True
-    return False
-
-
-def _inputs_mesh(leaves: Sequence[Any], known: Known) -> Any:
-    """The mesh the inputs are placed on (the first one seen), or None."""
-    for x in leaves:
-        sharding = _visible_sharding(x, known)
-        if sharding is not None and not sharding.mesh.empty:
-            return sharding.mesh
-    return None
 
 
 def evaluate(

@@ -71,14 +71,20 @@ class JacArgs:
 
 
 def _basis_map(
-    transform: Transform, fn: Callable[..., Any], linear: Any, n: int, out_axis: int
-) -> Any:
+    transform: Transform, fn: Callable[..., Any], linear: Any, n: int, out_axis: int,
+    known: Any,
+) -> Any:  # fmt: skip
     """`fn(linear, i)` for every basis index `i < n`, chunked; the linear map
     `linear` (holding its residuals) is closed over: the chunk's trace reads its
     residuals as it reads any closure's arrays (an eager call passes them to its
-    compiled program), and its linearised program is in that trace."""
+    compiled program), and its linearised program is in that trace. The chunks map
+    over basis indices made here, not over the arguments: of what the call knows
+    (`known`), only its mesh lays them out."""
     index = jnp.arange(n, dtype=jnp.int32)
-    return transform.map(lambda i: fn(linear, i), (index,), {}, 0, out_axis)
+    known = _axes.Known(mesh=known.mesh)
+    return transform.map(
+        lambda i: fn(linear, i), (index,), {}, 0, out_axis, known=known
+    )
 
 
 def _dyn_args(name: str, argnums_t: tuple[int, ...], single: bool, args: tuple):
@@ -249,9 +255,6 @@ def batch_jacfwd(
     checked = _checked(name, fun, has_aux, aux_is_mapped=True)
 
     def jacobian(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        # The chunks map over basis indices made here, not over the arguments: their
-        # shardings (`known`) lay out nothing.
-        del known
         dyn, with_dyn = transform.resolve(args)
         in_leaves, in_tree = jax.tree.flatten(dyn)
         _check_dtypes(name, "input", in_leaves, holomorphic)
@@ -263,7 +266,7 @@ def batch_jacfwd(
             return push(in_tree.unflatten(_basis(in_leaves, index, dtypes)))
 
         n = sum(int(np.size(x)) for x in in_leaves)
-        columns = _basis_map(transform, column, push, n, -1)
+        columns = _basis_map(transform, column, push, n, -1, known)
 
         def block(c: jax.Array, y: Any) -> Any:
             if not jnp.issubdtype(jnp.result_type(y), jnp.inexact):
@@ -347,9 +350,6 @@ def batch_jacrev(
     checked = _checked(name, fun, has_aux, aux_is_mapped=False)
 
     def jacobian(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        # The chunks map over basis indices made here, not over the arguments: their
-        # shardings (`known`) lay out nothing.
-        del known
         dyn, with_dyn = transform.resolve(args)
         in_leaves, in_tree = jax.tree.flatten(dyn)
         ints = [
@@ -384,7 +384,7 @@ def batch_jacrev(
             return cotangent
 
         m = sum(int(np.size(y)) for y in out_leaves)
-        rows = _basis_map(transform, row, pull, m, 0)
+        rows = _basis_map(transform, row, pull, m, 0, known)
         per_output = _row_blocks(rows, out_leaves, in_leaves, ints, in_tree)
         jac = out_tree.unflatten(per_output)
         return (jac, res[2]) if has_aux else jac
