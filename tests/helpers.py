@@ -201,39 +201,74 @@ def clipped_sum(
 
     Each example's gradient g_i (every leaf of the `argnums` arguments of `fun`, on
     `args` mapped along `in_axes`: by default the first argument unmapped and the
-    others along axis 0) is scaled by min(1, clip / ||g_i||) and the scaled gradients
-    are summed. `finite_only` zeroes non-finite gradient entries first (`nan_safe`'s
-    definition); `pad` (N booleans) scales padding examples by 0. The norm and the
-    scale use the double-`where` idiom, so that the oracle itself has finite
-    derivatives where g_i = 0 (it is differentiated to check second order). Returns
-    the sum (structured like `jax.grad(fun, argnums)`) and the N norms, from one
-    compiled program.
+    others along axis 0; `kwargs`, not differentiated, mapped along axis 0 as
+    `jax.vmap` maps keyword arguments) is clipped and summed by `clip_and_sum`.
+    Leaves that are not arrays (a string passed whole to every example) are passed
+    as they are, as `jax.vmap` passes them. Returns the sum (structured like
+    `jax.grad(fun, argnums)`) and the N norms, from one compiled program.
     """
     args = tuple(args)
     if in_axes is None:
         in_axes = (None,) + (0,) * (len(args) - 1)
     argnums = tuple(argnums) if isinstance(argnums, list) else argnums
+    leaves, tree = jax.tree.flatten((args, kwargs or {}))
+    fixed = tuple((i, x) for i, x in enumerate(leaves) if not _is_array(x))
+    traced = [x for x in leaves if _is_array(x)]
     return _clipped_sum(
-        fun, in_axes, argnums, finite_only, clip, args, kwargs or {}, pad
+        fun, in_axes, argnums, finite_only, tree, fixed, clip, traced, pad
     )
 
 
-@ft.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _clipped_sum(fun, in_axes, argnums, finite_only, clip, args, kwargs, pad):
-    grads = jax.vmap(jax.grad(ft.partial(fun, **kwargs), argnums), in_axes)(*args)
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
+@ft.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _clipped_sum(fun, in_axes, argnums, finite_only, tree, fixed, clip, traced, pad):
+    fixed, traced = dict(fixed), iter(traced)
+    leaves = [fixed[i] if i in fixed else next(traced) for i in range(tree.num_leaves)]
+    args, kwargs = jax.tree.unflatten(tree, leaves)
+    grads = jax.vmap(jax.grad(fun, argnums), in_axes)(*args, **kwargs)
+    return clip_and_sum(grads, clip, finite_only=finite_only, pad=pad)
+
+
+def clip_and_sum(grads, clip, *, finite_only=False, pad=None):
+    """`clipped_sum`'s clipping and sum, of per-example gradients already stacked
+    (every leaf of `grads` holds the N examples along axis 0).
+
+    Each example's gradient g_i is scaled by min(1, clip / ||g_i||) and the scaled
+    gradients are summed. ||g_i|| is accumulated in at least float32 (float64 for
+    double-precision leaves). `finite_only` zeroes non-finite gradient entries first
+    (`nan_safe`'s definition); otherwise a NaN norm stays NaN and scales its example
+    by 0 (jax-privacy's rule with `nan_safe=False`), and an infinite norm scales it by
+    clip / inf = 0. `pad` (N booleans) scales padding examples by 0. The norm and the
+    scale use the double-`where` idiom, so that the oracle itself has finite
+    derivatives where g_i = 0 (it is differentiated to check second order). Returns
+    the sum and the N norms.
+    """
     if finite_only:
         grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0), grads)
+    leaves = jax.tree.leaves(grads)
+    reals = [jnp.finfo(g.dtype).dtype for g in leaves]  # complex64 -> float32
+    acc = max([jnp.dtype(jnp.float32), *reals], key=lambda dtype: dtype.itemsize)
     squares = sum(
-        jnp.sum(jnp.abs(g.reshape(g.shape[0], -1)) ** 2, 1)
-        for g in jax.tree.leaves(grads)
+        jnp.sum(jnp.square(jnp.abs(g).astype(acc)), axis=tuple(range(1, g.ndim)))
+        for g in leaves
     )
     positive = squares > 0
     norms = jnp.where(positive, jnp.sqrt(jnp.where(positive, squares, 1)), 0)
+    norms = jnp.where(jnp.isnan(squares), squares, norms)
+    clip = jnp.asarray(clip, norms.dtype)
     clipped = norms > clip
     scale = jnp.where(clipped, clip / jnp.where(clipped, norms, 1), 1)
+    scale = jnp.where(jnp.isnan(norms), 0, scale)
     if pad is not None:
         scale = jnp.where(pad, 0, scale)
-    total = jax.tree.map(
-        lambda g: jnp.einsum("n,n...->...", scale.astype(g.dtype), g), grads
-    )
-    return total, norms
+
+    # A product and a sum over the examples (not a contraction, which JAX refuses
+    # to type when the examples' axis is sharded over an Explicit mesh).
+    def scaled_sum(g):
+        factor = jnp.expand_dims(scale.astype(g.dtype), tuple(range(1, g.ndim)))
+        return jnp.sum(factor * g, 0)
+
+    return jax.tree.map(scaled_sum, grads), norms

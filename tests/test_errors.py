@@ -163,7 +163,9 @@ def test_shard_and_mesh_validation():
         r"shard=\('a', 'b'\)",
     ):
         batch_vmap(jnp.sum, shard=True, mesh=mesh2)
-    with pytest.raises(ValueError, match=r"shard=\('c',\), but the mesh has no axis 'c'"):
+    with pytest.raises(
+        ValueError, match=r"shard=\('c',\), but the mesh has no axis 'c'"
+    ):
         batch_vmap(jnp.sum, shard="c", mesh=mesh2)
     with pytest.raises(ValueError, match="shard=False"):
         batch_vmap(jnp.sum, mesh=mesh1)

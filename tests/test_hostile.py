@@ -50,7 +50,7 @@ import chunkvmap.eqx
 import chunkvmap.linen
 import chunkvmap.nnx
 
-from .helpers import tree_allclose
+from .helpers import clipped_sum, tree_allclose
 
 
 def profile(examples: int):
@@ -909,23 +909,11 @@ def clipped_oracle(
 
     if batch_argnums is not None and resolved(argnums) & resolved(batch_argnums):
         raise ValueError("argnums and batch_argnums overlap")
-    grads = per_example_oracle(fun, args, kwargs, argnums, batch_argnums)
-    leaves = jax.tree.leaves(grads)
-    n = leaves[0].shape[0]
-    squares = sum(
-        jnp.sum(
-            jnp.square(jnp.abs(g).astype(jnp.float32)).reshape(
-                n, math.prod(g.shape[1:])
-            ),
-            axis=1,
-        )
-        for g in leaves
+    in_axes = grad_in_axes(nargs, argnums, batch_argnums)
+    total, norms = clipped_sum(
+        fun, clip, args, in_axes=in_axes, argnums=argnums, kwargs=kwargs
     )
-    norms = jnp.sqrt(squares)
-    # jax-privacy's clip_pytree (nan_safe=False): a NaN norm scales by 0
-    scale = jnp.nan_to_num(jnp.minimum(1, jnp.float32(clip) / norms), posinf=0.0)
-    total = jax.tree.map(lambda g: jnp.tensordot(scale.astype(g.dtype), g, 1), grads)
-    out = (total, jnp.asarray(n, jnp.int32))
+    out = (total, jnp.asarray(norms.shape[0], jnp.int32))
     return (*out, norms) if return_norms else out
 
 

@@ -35,6 +35,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import chunkvmap as cv
 
+from .helpers import clipped_sum
+
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices (jax_num_cpu_devices=8)"
@@ -156,11 +158,6 @@ def f(w, x):
     return jnp.tanh(x @ w)
 
 
-def clip(g, c=1.0):
-    norm = jnp.sqrt(jnp.sum(g * g))
-    return g * jnp.minimum(1.0, c / jnp.maximum(norm, 1e-30))
-
-
 def _grads(w, x):
     return jax.vmap(jax.grad(loss), (None, 0))(w, x)
 
@@ -193,7 +190,7 @@ def entry_point(entry: str, opts: dict):
         summed = cv.clipped_grad_sum(loss, 1.0, method=method, **b)
         return (
             lambda w, x: summed(w, x)[0],
-            lambda w, x: jax.vmap(clip)(_grads(w, x)).sum(0),
+            lambda w, x: clipped_sum(loss, 1.0, (w, x))[0],
         )
     if entry == "clipped_grad":
         clipped = cv.clipped_grad(
@@ -202,7 +199,7 @@ def entry_point(entry: str, opts: dict):
             batch_argnums=1,
             **b,
         )
-        return clipped, lambda w, x: jax.vmap(clip)(_grads(w, x)).sum(0)
+        return clipped, lambda w, x: clipped_sum(loss, 1.0, (w, x))[0]
     if entry == "per_example_grad_norms":
         return (
             cv.per_example_grad_norms(loss, **b),
