@@ -478,32 +478,33 @@ def _trace(
     axis_name = axis_names[0]
     out_box: list[Any] = []
 
-    def f_flat(*dyn_leaves):
+    @_cache.wraps(f)  # named after it, so that JAX's own messages point at it
+    def f_tree(*dyn_leaves):
         full = list(leaves)
         for i, x in zip(dyn, dyn_leaves):
             full[i] = x
         f_args, f_kwargs = jax.tree.unflatten(treedef, full)
         out = f(*f_args, **f_kwargs)
         check_outputs(name, f, out)
-        out_leaves, out_tree = jax.tree.flatten(out)
-        out_box[:] = [out_tree]
-        return out_leaves
+        out_box[:] = [jax.tree.structure(out)]
+        return out
 
-    # Named after the user's function, so JAX's own messages point at it.
-    f_flat = _cache.wraps(f)(f_flat)
+    f_flat = _cache.wraps(f)(lambda *dyn_leaves: jax.tree.leaves(f_tree(*dyn_leaves)))
     dyn_axes = tuple(axes[i] for i in dyn)
 
     vmap_flat = _GroupedVmap(f, dyn_axes, axis_names)
     # One chunk is `jax.vmap(f_flat)` at the loop's length, traced once (`first`);
     # the loop evaluates that trace, the arrays it reads passed in as unmapped
     # inputs (`Body.params`), so that a compiled program holds none of them. With
-    # every output along axis 0 (the usual case) the chunk is traced directly;
-    # other output axes are known only from the output's structure: `f_flat` is
-    # then jitted on its own (inlined) and traced on one example first, so that the
-    # chunk, its unmapped outputs left unmapped, batches that cached trace instead
-    # of tracing `f` again. Another length, or inputs with other sharding types,
-    # is traced again, the first trace's arrays standing for its own where it reads
-    # them.
+    # every output along axis 0 (the usual case) the chunk is traced directly, and
+    # so it is with other axes given as a prefix that leaves no output unmapped
+    # (or needs no check of one): `jax.vmap` broadcasts the prefix itself
+    # (`_direct`). Otherwise the output axes are known only from the output's
+    # structure: `f_flat` is then jitted on its own (inlined) and traced on one
+    # example first, so that the chunk, its unmapped outputs left unmapped,
+    # batches that cached trace instead of tracing `f` again. Another length, or
+    # inputs with other sharding types, is traced again, the first trace's arrays
+    # standing for its own where it reads them.
     all_zero = isinstance(out_axes, int) and out_axes == 0
     inner = f_flat if all_zero else jax.jit(f_flat, inline=True)
 
@@ -516,9 +517,16 @@ def _trace(
     # sharded over the mesh axes of the mapped ones); the loop takes the sharding
     # types of the values themselves.
     chunk_avals = [_axes.sized(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
+    direct = not (all_zero or axis_name is not None or callable(out_axes))
+    direct = direct and not (_has_none(out_axes) and options.check_unmapped)
     if all_zero or axis_name is not None:
         first, mapped_avals = _program.traced(mapped_at(length), chunk_avals)
         out_avals = [_axes.per_example(a) for a in mapped_avals]
+    elif direct:
+        first, out_avals = _direct(
+            name, vmap_flat, f_tree, out_axes, length, chunk_avals
+        )
+        out_avals = _unmapped_avals(name, out_axes, out_box[0], out_avals)
     else:  # one example's outputs first (collectives need the vmap's axis name)
         example = [_axes.sized(leaves[i], None, 0) for i in dyn]
         example = [_axes.unmapped(x, a) for x, a in zip(example, dyn_axes)]
@@ -532,7 +540,7 @@ def _trace(
         _check_unmapped(name, f, flat_axes, batched, names)
     signature = _loop.Signature(out_box[0], out_avals, flat_axes)
     leading = [None if a is None else 0 for a in flat_axes]
-    if not all_zero:  # the chunk, its unmapped outputs left unmapped
+    if not (all_zero or direct):  # the chunk, its unmapped outputs left unmapped
         first = _program.traced(mapped_at(length, leading), chunk_avals)[0]
     # (a retrace, in the loop's context, traces `f` there: not the cached trace of
     # another context, so that what `f` does per context (ghost's plans) happens)
@@ -546,6 +554,39 @@ def _trace(
     return _chunked.body(
         options, chunk_fn, axes, signature, length, convolutions, retraced
     )
+
+
+def _direct(
+    name: str, vmap_flat: _GroupedVmap, f_tree: Callable[..., Any], out_axes: Any,
+    length: int, chunk_avals: list,
+) -> tuple[Any, list]:  # fmt: skip
+    """The chunk traced with `jax.vmap`'s own `out_axes` prefix (mapped outputs at
+    axis 0, unmapped ones unmapped), its outputs flat: `(trace, output types)`."""
+    spec = jax.tree.map(
+        lambda a: None if a is None else 0, out_axes, is_leaf=lambda a: a is None
+    )
+
+    @_cache.wraps(f_tree)
+    def checked(*dyn_leaves: Any) -> Any:  # our message where the prefix misfits
+        out = f_tree(*dyn_leaves)
+        _axes.broadcast_axes(
+            "out_axes", out_axes, out, "function's output", transform=name
+        )
+        return out
+
+    mapped = vmap_flat(checked, spec, length)
+    flat = jax.jit(lambda *xs: jax.tree.leaves(mapped(*xs)), inline=True)
+    return _program.traced(flat, chunk_avals)
+
+
+def _unmapped_avals(name: str, out_axes: Any, out_tree: Any, avals: list) -> list:
+    """One example's output types from a chunk's (`_direct`'s): a mapped output
+    without its chunk axis."""
+    out = out_tree.unflatten(list(range(len(avals))))
+    spec = _axes.broadcast_axes(
+        "out_axes", out_axes, out, "function's output", transform=name
+    )
+    return [a if s is None else _axes.per_example(a) for a, s in zip(avals, spec)]
 
 
 class _GroupedVmap:
@@ -575,7 +616,7 @@ class _GroupedVmap:
         mapped = jax.vmap(
             _cache.wraps(self.f)(grouped),
             in_axes=self.axes,
-            out_axes=out_axes if isinstance(out_axes, int) else list(out_axes),
+            out_axes=out_axes,
             axis_name=axis_name,
             axis_size=length if self.no_mapped_arg else None,
             spmd_axis_name=spmd_axis_name,
