@@ -407,6 +407,14 @@ MUTANTS = {
         ),
         ["test_sharding", "test_wherever"],
     ),
+    "ghost: a loss planned again on every eager call": (
+        (
+            "chunkvmap/_dp/ghost/_traced.py",
+            '    kept = memo(("ghost loss", key), lambda: traced)\n',
+            "    kept = traced\n",
+        ),
+        ["test_cache", *GHOST_TESTS],
+    ),
     "gram: per-share starts gathered, not rolled": (
         (
             "chunkvmap/_dp/_statistics.py",

@@ -411,3 +411,46 @@ def test_a_chunk_that_reads_other_arrays_at_another_length_is_not_kept():
         held["many"] = jnp.full((1, 3), value)
         out = batch_map(fun, x, "auto", memory_limit="1MiB")
         np.testing.assert_allclose(out, value * np.ones((8, 3)))
+
+
+@pytest.mark.parametrize(
+    "quantity", ["clipped_grad_sum", "per_example_grad_stats", "per_example_grad_gram"]
+)
+def test_an_eager_ghost_quantity_plans_its_loss_once(quantity, monkeypatch):
+    """Every quantity made from ghost clipping's evaluation keeps the plan of its
+    loss (`ghost.traced_loss`): repeated eager calls, the closure changed between
+    them, analyse the loss once, compile nothing after the first call, and give
+    what a new transform gives."""
+    import chunkvmap
+    from chunkvmap._dp.ghost import _traced
+
+    made = []
+
+    class Counted(_traced.Plan):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    scale = {"s": jnp.ones(2)}  # (a scalar's value is part of the plan's key)
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) * scale["s"])
+
+    def build():
+        transform = getattr(chunkvmap, quantity)
+        args = (loss, 1.0) if quantity == "clipped_grad_sum" else (loss,)
+        return transform(*args, batch_size=3, method="ghost")
+
+    w = jnp.ones((4, 2)) / 4
+    x = jnp.arange(32.0).reshape(8, 4) / 32
+    fn = build()
+    jax.block_until_ready(fn(w, x))
+    monkeypatch.setattr(_traced, "Plan", Counted)
+    for s in (2.0, 3.0):
+        scale["s"] = jnp.full(2, s, jnp.float32)
+        with CompileCounter() as compiles:
+            got = fn(w, x)
+        assert compiles.count == 0, s
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(build()(w, x))):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert len(made) == 2  # the two new transforms', none of the kept one's

@@ -310,6 +310,16 @@ def test_gram_evaluates_fewer_gradients_as_its_memory_grows():
     assert counts == sorted(counts, reverse=True) and len(set(counts)) == 3, counts
 
 
+def _ghost_dots(loss, params, x, chunk):
+    """The Gram's ghost evaluation of `loss(params, x)` for chunks of `chunk` rows:
+    which leaves keep their ghost terms (`_GhostDots.ghost`)."""
+    traced, _ = _statistics.ghost.traced_loss(
+        lambda key, build: build(), "gram", loss, (params, x), {}, (0,), [1],
+        strip=True, has_aux=False, keep_batch_dim=False,
+    )  # fmt: skip
+    return _statistics._GhostDots(traced, chunk)
+
+
 def test_ghost_gram_takes_a_layers_ghost_terms_only_where_they_cost_less():
     """Per pair of examples, a dense use's ghost terms cost `T^2 (d_in + d_out)`
     and its formed gradients' dot product `d_in d_out`, plus their formation shared
@@ -324,9 +334,7 @@ def test_ghost_gram_takes_a_layers_ghost_terms_only_where_they_cost_less():
     params = {"w": jnp.asarray(rng.normal(size=(128, 128)) / 11, jnp.float32)}
     for t, pays in ((4, True), (48, False)):
         x = jnp.asarray(rng.normal(size=(20, t, 128)), jnp.float32)
-        dots = _statistics._GhostDots(
-            "gram", loss, (params, x), (0,), (None, 0), False, 16
-        )
+        dots = _ghost_dots(loss, params, x, 16)
         assert dots.traced.plan.leaves[0].rule == "ghost"
         assert dots.ghost == ([0] if pays else []), t
         _, flat = oracle_grads(loss, params, x)
@@ -349,7 +357,7 @@ def test_ghost_gram_shares_a_convolutions_patches_over_the_chunk():
     rng = np.random.default_rng(0)
     params = {"k": jnp.asarray(rng.normal(size=(16, 16, 3, 3)) / 10, jnp.float32)}
     x = jnp.asarray(rng.normal(size=(20, 16, 5, 5)), jnp.float32)
-    dots = _statistics._GhostDots("gram", loss, (params, x), (0,), (None, 0), False, 16)
+    dots = _ghost_dots(loss, params, x, 16)
     assert dots.traced.plan.leaves[0].rule == "ghost"
     assert dots.ghost == [0]
     _, flat = oracle_grads(loss, params, x)

@@ -46,7 +46,6 @@ from .._transforms._grads import (
     resolve_argnums,
 )
 from . import ghost
-from .ghost import check_scalar_loss
 
 
 class AuxiliaryOutput(NamedTuple):
@@ -481,21 +480,17 @@ class _GhostSums:
                 return fun(*args, **kwargs)
 
         with _single_example_hint(name, config):
-            traced = ghost.Traced(
-                noted, list(args), kwargs, diff,
+            traced, key = ghost.traced_loss(
+                transform.memo, name, noted, args, kwargs, diff,
                 # the examples' arguments, and the per-example keys of prng_argnum
                 # (split into one key per example, but passed without a batch axis)
                 [i for i, a in enumerate(in_axes) if a is not None],
                 strip=True, has_aux=config.has_aux,
                 keep_batch_dim=config.keep_batch_dim, expand=batch_args,
             )  # fmt: skip
-        check_scalar_loss(name, traced)
-        sums = transform.memo(
-            ("ghost sums", traced.key()),
-            lambda: cls(transform, fun, config, traced, len(args)),
+        return traced.memo(
+            "sums", lambda: cls(transform, fun, config, traced, len(args))
         )
-        sums.traced.adopt(traced)
-        return sums
 
     def __init__(self, transform, fun, config, traced, n_args):
         self.traced = traced

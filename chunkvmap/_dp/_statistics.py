@@ -291,7 +291,9 @@ def per_example_grad_stats(
             )
         moments = None
         if method is ghost.Method.GHOST:
-            moments = _GhostMoments(name, fun, args, kwargs, diff, in_axes, has_aux)
+            moments = _GhostMoments.of(
+                transform, name, fun, args, kwargs, diff, in_axes, has_aux
+            )
             report = ghost.report_of(moments.traced.plan, moments.traced)
             _clipping.warn_fallback(transform, fun, report)
             if report.runs is ghost.Method.VMAP:  # the per-example path (the same)
@@ -349,16 +351,21 @@ class _GhostMoments:
     updating the mean and centred sum of squares example by example (Welford); the
     leaves no rule covers come formed per example, as with `method="vmap"`."""
 
-    def __init__(
-        self, name: str, fun: Any, args: tuple, kwargs: dict, diff: tuple,
-        in_axes: tuple, has_aux: bool,
-    ):  # fmt: skip
-        mapped = [i for i, a in enumerate(in_axes) if a is not None]
-        self.traced = traced = ghost.Traced(
-            fun, list(args), kwargs, diff, mapped,
+    @classmethod
+    def of(
+        cls, transform: Transform, name: str, fun: Any, args: tuple, kwargs: dict,
+        diff: tuple, in_axes: tuple, has_aux: bool,
+    ) -> _GhostMoments:  # fmt: skip
+        """The moments of a call's loss (`ghost.traced_loss`: planned once)."""
+        traced, _ = ghost.traced_loss(
+            transform.memo, name, fun, args, kwargs, diff,
+            [i for i, a in enumerate(in_axes) if a is not None],
             strip=True, has_aux=has_aux, keep_batch_dim=False,
         )  # fmt: skip
-        ghost.check_scalar_loss(name, traced)
+        return traced.memo("moments", lambda: cls(traced))
+
+    def __init__(self, traced: ghost.Traced):
+        self.traced = traced
         self.leaves = leaves = traced.plan.leaves
         self.pe = traced.plan.with_rule(ghost.PER_EXAMPLE)
         self.ruled = [k for k in range(len(leaves)) if k not in self.pe]
@@ -515,16 +522,22 @@ class _GhostDots:
     is dotted with, `chunk`): unlike the norms, a Gram's ghost terms pay on short
     sequences and wide layers, embeddings and convolutions (`_pair_pays`)."""
 
-    def __init__(
-        self, name: str, fun: Any, args: tuple, diff: tuple, in_axes: tuple,
-        has_aux: bool, chunk: int,
-    ):  # fmt: skip
-        mapped = [i for i, a in enumerate(in_axes) if a is not None]
-        self.traced = traced = ghost.Traced(
-            fun, list(args), {}, diff, mapped,
+    @classmethod
+    def of(
+        cls, transform: Transform, name: str, fun: Any, args: tuple, diff: tuple,
+        in_axes: tuple, has_aux: bool, chunk: int,
+    ) -> _GhostDots:  # fmt: skip
+        """The dot products of a call's loss (`ghost.traced_loss`: planned once)
+        for chunks of `chunk` rows."""
+        traced, _ = ghost.traced_loss(
+            transform.memo, name, fun, args, {}, diff,
+            [i for i, a in enumerate(in_axes) if a is not None],
             strip=True, has_aux=has_aux, keep_batch_dim=False,
         )  # fmt: skip
-        ghost.check_scalar_loss(name, traced)
+        return traced.memo(("dots", chunk), lambda: cls(traced, chunk))
+
+    def __init__(self, traced: ghost.Traced, chunk: int):
+        self.traced = traced
         leaves = traced.plan.leaves
         plan = traced.plan
         self.ghost = [
@@ -827,9 +840,10 @@ class _Gram:
         product of two representations."""
         if self.method is ghost.Method.GHOST:
             chunk = _chunk_length(rows, args, in_axes)[1]
-            dots = _GhostDots(
-                self.name, self.fun, args, diff, in_axes, self.has_aux, chunk
-            )
+            dots = _GhostDots.of(
+                self.transform, self.name, self.fun, args, diff, in_axes,
+                self.has_aux, chunk,
+            )  # fmt: skip
             return dots.parts, dots.dot
         grad = filtered_value_and_grad(
             self.fun, diff, rows.args.single, self.has_aux, self.name

@@ -45,4 +45,8 @@ from ._report import (
     ghost_report as ghost_report,
     report_of as report_of,
 )
-from ._traced import Traced as Traced, check_scalar_loss as check_scalar_loss
+from ._traced import (
+    Traced as Traced,
+    check_scalar_loss as check_scalar_loss,
+    traced_loss as traced_loss,
+)

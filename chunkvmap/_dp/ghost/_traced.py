@@ -103,6 +103,15 @@ class Traced:
         self._static = [
             x for x in jax.tree.leaves((args, kwargs)) if not _axes.is_array(x)
         ]
+        self._quantities: dict[Hashable, Any] = {}
+
+    def memo(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """`build()`, kept with this loss for `key`: what a quantity derives from
+        the plan once (which leaves it forms, masks or pairs), kept and forgotten
+        with the plan itself."""
+        if key not in self._quantities:
+            self._quantities[key] = build()
+        return self._quantities[key]
 
     @property
     def plan(self) -> Plan:
@@ -352,3 +361,29 @@ class Traced:
                 )
             )
         return trees[0] if single else tuple(trees)
+
+
+def traced_loss(
+    memo: Callable[[Hashable, Callable[[], Any]], Any],
+    name: str,
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict,
+    diff: Sequence[int],
+    mapped: Sequence[int],
+    **options: Any,
+) -> tuple[Traced, Hashable]:
+    """The ghost evaluation's set-up, for every quantity made from it (clipped
+    sums, norms, moments, dot products): one example's loss traced (`Traced`, with
+    `options`), checked to be a real scalar, and the plan of an earlier call with
+    the same loss program (`Traced.key`) kept by `memo(key, build)` (a transform's)
+    and made to evaluate this call's loss, so that an eager call plans once.
+    Returns the traced loss and its key (what the quantity built from it is
+    known by: `Traced.memo` keeps it with the loss)."""
+    traced = Traced(fun, list(args), kwargs, diff, mapped, **options)
+    check_scalar_loss(name, traced)
+    key = traced.key()
+    kept = memo(("ghost loss", key), lambda: traced)
+    if kept is not traced:
+        kept.adopt(traced)
+    return kept, key
