@@ -50,15 +50,23 @@ _NAME = "chunkvmap.linen.batch_vmap"
 # Argument checks (when the transform is built).
 
 
+def _check_mapping(arg: str, value: Any, what: str) -> None:
+    """A TypeError unless `value` (the argument `arg`) is a mapping (`what`: of
+    what, with an example)."""
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{_NAME} {arg} must be a mapping {what}, but got {arg}={value!r} of "
+            f"type {type(value).__name__}."
+        )
+
+
 def _check_variable_axes(variable_axes: Any) -> tuple[dict, dict]:
     """`variable_axes` split into `{filter: axis}` for the way in and the way out."""
-    if not isinstance(variable_axes, Mapping):
-        raise TypeError(
-            f"{_NAME} variable_axes must be a mapping from collection filters to an "
-            f"axis (an int, None, In(axis) or Out(axis)), e.g. {{'params': 0}}, but "
-            f"got variable_axes={variable_axes!r} of type "
-            f"{type(variable_axes).__name__}."
-        )
+    _check_mapping(
+        "variable_axes", variable_axes,
+        "from collection filters to an axis (an int, None, In(axis) or Out(axis)), "
+        "e.g. {'params': 0}",
+    )  # fmt: skip
     ins, outs = {}, {}
     for col, axis in variable_axes.items():
         inner = axis.axis if isinstance(axis, (In, Out)) else axis
@@ -76,12 +84,10 @@ def _check_variable_axes(variable_axes: Any) -> tuple[dict, dict]:
 
 
 def _check_split_rngs(split_rngs: Any) -> dict:
-    if not isinstance(split_rngs, Mapping):
-        raise TypeError(
-            f"{_NAME} split_rngs must be a mapping from RNG stream filters to a bool, "
-            f"e.g. {{'params': True}}, but got split_rngs={split_rngs!r} of type "
-            f"{type(split_rngs).__name__}."
-        )
+    _check_mapping(
+        "split_rngs", split_rngs, "from RNG stream filters to a bool, e.g. "
+        "{'params': True}",
+    )  # fmt: skip
     for name, split in split_rngs.items():
         if not isinstance(split, (bool, np.bool_)):
             raise TypeError(
@@ -265,15 +271,6 @@ def _counters_restorer(scope_tree: Any) -> Callable[[], None]:
 _lifted.__name__ = "vmap"
 
 
-def _check_metadata_params(metadata_params: Any) -> None:
-    if not isinstance(metadata_params, Mapping):
-        raise TypeError(
-            f"{_NAME} metadata_params must be a mapping (e.g. "
-            f"{{nn.PARTITION_NAME: 'batch'}}), but got metadata_params="
-            f"{metadata_params!r} of type {type(metadata_params).__name__}."
-        )
-
-
 def batch_vmap(
     target: Any,
     variable_axes: Mapping[Any, Any] = FrozenDict(),
@@ -420,7 +417,9 @@ def batch_vmap(
     out_axes = _axes.check_axes_spec(
         "out_axes", out_axes, top_level_tuple=False, transform=_NAME
     )
-    _check_metadata_params(metadata_params)
+    _check_mapping(
+        "metadata_params", metadata_params, "(e.g. {nn.PARTITION_NAME: 'batch'})"
+    )
     transform = Transform.make(
         _NAME, chunk_size=chunk_size, reduction=reduction,
         chunk_reduction=chunk_reduction, axis_name=axis_name, axis_size=axis_size,
