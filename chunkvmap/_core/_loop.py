@@ -1,6 +1,6 @@
 """The kernel: the chunk plan, in-place slicing, and the stacked and reduced scans.
 
-* the plan (`Plan`): how many chunks, how large the remainder, where the examples
+* the chunks (`Chunks`): how many chunks, how large the remainder, where the examples
   start (a device of a sharded evaluation reads its share in place);
 * slicing (`take`): a chunk is a `dynamic_slice` of the original input along its own
   mapped axis, so inputs are never transposed or copied (in the stacked loop without
@@ -38,7 +38,7 @@ from ._options import identity
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Chunks:
     size: int  # N, the mapped length
     batch: int  # B, 1 <= B <= N (or B = N = 0)
     # Where the N examples start in the leaves' mapped axes (may be traced): a device
@@ -82,10 +82,10 @@ class Plan:
         return take(leaves, axes, self.offset, self.size)
 
 
-def make_plan(size: int, batch_size: Any, offset: Any = 0) -> Plan:
+def make_plan(size: int, batch_size: Any, offset: Any = 0) -> Chunks:
     if batch_size is None or batch_size >= size:
-        return Plan(size, size, offset)
-    return Plan(size, batch_size, offset)
+        return Chunks(size, size, offset)
+    return Chunks(size, batch_size, offset)
 
 
 def take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length: int):
@@ -171,7 +171,7 @@ def _write_chunks(
     evaluate: Callable[[Any], list[Any]],
     out_axes: Sequence[int | None],
     chunk_avals: Sequence[Any],
-    plan: Plan,
+    plan: Chunks,
     report: Callable[[Any], None],
 ) -> list[Any]:
     """A scan over `plan`'s chunks writing each chunk's outputs (`evaluate(i)`, of
@@ -337,7 +337,7 @@ class Body:
     def run(
         self,
         leaves: Sequence[Any],
-        plan: Plan,
+        plan: Chunks,
         report: Callable[[Any], None] = lambda i: None,
     ) -> Any:
         """The flat stacked outputs, or the accumulated `(summary, rows)`, of
@@ -347,7 +347,7 @@ class Body:
         return self.accumulated(leaves, plan, report)
 
     def stacked(
-        self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
+        self, leaves: Sequence[Any], plan: Chunks, report: Callable[[Any], None]
     ) -> list[Any]:
         """Run every chunk and assemble the stacked outputs without a second copy.
 
@@ -417,7 +417,7 @@ class Body:
         return _write_chunks(evaluate, out_axes, chunk_avals, plan, report)
 
     def _split_stacked(
-        self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
+        self, leaves: Sequence[Any], plan: Chunks, report: Callable[[Any], None]
     ) -> list[Any]:
         """`stacked` when every output is along axis 0 and `B` divides `N`: the
         chunks' outputs are the scan's `ys` (nothing to preallocate).
@@ -458,7 +458,7 @@ class Body:
         return [y.reshape(size, *y.shape[2:]) for y in stacked]
 
     def accumulated(
-        self, leaves: Sequence[Any], plan: Plan, report: Callable[[Any], None]
+        self, leaves: Sequence[Any], plan: Chunks, report: Callable[[Any], None]
     ) -> Any:
         """Fold the chunks' summaries, in order, with no identity, and stack their
         rows.
@@ -485,7 +485,7 @@ class Body:
         return self._fold(fold, leaves, plan, report)
 
     def _fold(
-        self, fold: _Fold, leaves: Sequence[Any], plan: Plan,
+        self, fold: _Fold, leaves: Sequence[Any], plan: Chunks,
         report: Callable[[Any], None],
     ) -> Any:  # fmt: skip
         """The scan of `accumulated`: `fold.chunk_fn`'s outputs summarised per chunk
@@ -526,7 +526,7 @@ class Body:
     def run_shares(
         self,
         leaves: Sequence[Any],
-        plan: Plan,
+        plan: Chunks,
         report: Callable[[Any], None] = lambda i: None,
     ) -> Any:
         """`run` over D shares at once: every mapped leaf's axis is split as
@@ -655,7 +655,7 @@ def _remainder_summary(fold: _Fold, batch: int, rem: int) -> Callable[..., Any]:
     return remainder
 
 
-def _row_writer(plan: Plan, row_axis: int) -> Callable[..., jax.Array]:
+def _row_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
     """`write(buffer, rows, i)`: chunk `i`'s rows written into `buffer` at its
     offset (the last window keeps the rows earlier chunks wrote)."""
     batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
@@ -674,7 +674,7 @@ def _row_writer(plan: Plan, row_axis: int) -> Callable[..., jax.Array]:
     return write
 
 
-def _fold_init(fold: _Fold, leaves: Sequence[Any], plan: Plan) -> tuple:
+def _fold_init(fold: _Fold, leaves: Sequence[Any], plan: Chunks) -> tuple:
     """The fold's initial carry: zero summaries and zero row buffers."""
     summary_avals, row_avals = fold.summary_avals, ()
     if summary_avals is None or sharding_in_types(leaves) or fold.has_rows:

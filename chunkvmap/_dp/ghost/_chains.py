@@ -1,5 +1,5 @@
 """Chains: the example-independent linear operations between a leaf and its use,
-and where their output lies in the leaf (`Layout`)."""
+and where their output lies in the leaf (`LeafView`)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class Axis:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class LeafView:
     """Where a chain's output comes from in its leaf.
 
     `axes`: the output's axes; `box[j] = (start, size, stride)`: the entries of leaf
@@ -103,7 +103,7 @@ def _boxes_disjoint(a: tuple, b: tuple) -> bool:
     return False
 
 
-def layout_of(chain: Sequence[Op], shape: Sequence[int]) -> Layout | None:
+def layout_of(chain: Sequence[Op], shape: Sequence[int]) -> LeafView | None:
     """The layout of a chain's output in its leaf, or None when the chain mixes
     entries in a way an einsum cannot name (a reshape that merges or splits axes)."""
     axes = [Axis(j, n) for j, n in enumerate(shape)]
@@ -128,7 +128,7 @@ def layout_of(chain: Sequence[Op], shape: Sequence[int]) -> Layout | None:
         for j in range(len(shape)):
             if j not in present and box[j][1] != 1:
                 return None
-    return Layout(tuple(axes), tuple(box), tuple(stacked), scale)
+    return LeafView(tuple(axes), tuple(box), tuple(stacked), scale)
 
 
 # How each layout primitive moves a chain's axes: `move(axes, op, box)` is the new

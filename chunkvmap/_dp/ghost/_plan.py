@@ -104,7 +104,11 @@ class Evaluation(NamedTuple):
 
 
 @dataclasses.dataclass
-class Leaf:
+class Param:
+    """A differentiated leaf of the loss, as the plan treats it: where it is
+    (`path`), its type, its `rule` (a `LeafRule`) and why, its uses, the cross
+    terms of its uses' pairs, and the costs the mixed rule compared."""
+
     path: str
     shape: tuple
     dtype: Any
@@ -135,7 +139,7 @@ class Plan:
         self.diff_positions = list(diff_positions)
         invars = [jaxpr.invars[i] for i in diff_positions]
         self.leaves = [
-            Leaf(p, tuple(v.aval.shape), v.aval.dtype)
+            Param(p, tuple(v.aval.shape), v.aval.dtype)
             for p, v in zip(leaf_paths, invars)
         ]
         self.leaf_specs = [
@@ -170,11 +174,11 @@ class Plan:
 
     # -- classification --------------------------------------------------------------
 
-    def _flag(self, leaf: Leaf, reason: str) -> None:
+    def _flag(self, leaf: Param, reason: str) -> None:
         if leaf.rule != PER_EXAMPLE:
             leaf.rule, leaf.reason = PER_EXAMPLE, reason
 
-    def _choose(self, leaf: Leaf) -> None:
+    def _choose(self, leaf: Param) -> None:
         """The mixed rule: the ghost norm when every use has a ghost form, every pair
         a ghost cross term, and their cost (floating-point operations per example)
         is at most instantiation's; else the gradient is instantiated."""
@@ -422,7 +426,7 @@ class Plan:
             return jnp.sum(jnp.square(g.astype(acc)))
         return self._ghost_sq(leaf, self.arrays(k, records, deltas), acc)
 
-    def _ghost_sq(self, leaf: Leaf, arrays: list, acc: Any) -> Any:
+    def _ghost_sq(self, leaf: Param, arrays: list, acc: Any) -> Any:
         total = jnp.zeros((), acc)
         for (i, j), p in leaf.pairs.items():
             u, v = leaf.uses[i], leaf.uses[j]

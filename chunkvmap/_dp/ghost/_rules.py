@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._chains import Axis, Layout, Op, Step
+from ._chains import Axis, LeafView, Op, Step
 from ._context import bind, explicit_spec
 from ._forms import (
     POSITION,
@@ -95,7 +95,7 @@ class Use:
     record: tuple[int, ...]
     leaf_aval: Any
     leaf_spec: Any = None  # the leaf's PartitionSpec where its type has one
-    layout: Layout | None = None
+    layout: LeafView | None = None
     form: Form | None = None
 
     @property
@@ -706,7 +706,7 @@ def _axis_symbol(axis: Axis, fresh: _Fresh) -> Symbol:
     return LeafAxis(axis.leaf) if axis.leaf is not None else fresh()
 
 
-def _level_symbols(use: Use, layout: Layout, fresh: _Fresh) -> list[Symbol]:
+def _level_symbols(use: Use, layout: LeafView, fresh: _Fresh) -> list[Symbol]:
     """The symbols of a use's level axes: the leaf axis a stacked scan consumed, a
     private (summed) symbol for a scan that reads the whole leaf every iteration."""
     out, stacked = [], iter(layout.stacked)
@@ -715,7 +715,7 @@ def _level_symbols(use: Use, layout: Layout, fresh: _Fresh) -> list[Symbol]:
     return out
 
 
-def _einsum_form(specs, shapes, build, layout: Layout, use: Use) -> Form | None:
+def _einsum_form(specs, shapes, build, layout: LeafView, use: Use) -> Form | None:
     syms = frozenset(s for spec in specs for s in spec if isinstance(s, LeafAxis))
     leaf_axes = {s.axis for s in syms}
     if leaf_axes != set(layout.present()):
@@ -725,7 +725,7 @@ def _einsum_form(specs, shapes, build, layout: Layout, use: Use) -> Form | None:
     return form
 
 
-def _complete(layout: Layout, shape: Sequence[int]) -> bool:
+def _complete(layout: LeafView, shape: Sequence[int]) -> bool:
     """Whether a layout names every axis of the leaf, in full."""
     return layout.present() == frozenset(range(len(shape))) and all(
         b == (0, n, 1) for b, n in zip(layout.box, shape)
