@@ -335,17 +335,21 @@ class Transform:
         arg_names: Any = None,
         out_names: Callable[[Any], list[str]] | None = None,
         options: ChunkOptions | None = None,
-        **changes: Any,
+        accumulator: Any = None,
+        check_unmapped: bool = True,
     ) -> Any:
         """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by this
-        transform's options (or `options`, a variant of them, with `changes`
-        made: e.g. the accumulator of a front end's own); `arg_names` names the
-        arguments in messages, and `out_names(out)` the leaves of `f`'s output
-        `out` (default `out_paths`); `known`: the concrete shardings of an eager
-        call's arguments (`_cache.Call`)."""
+        transform's options (or `options`, a variant of them); a front end's own
+        `accumulator` combines the chunks' outputs, and `check_unmapped=False`
+        skips the check of outputs `out_axes` leaves unmapped (its own, known to
+        be). `arg_names` names the arguments in messages, and `out_names(out)` the
+        leaves of `f`'s output `out` (default `out_paths`); `known`: what the call
+        knows (`_cache.Known`)."""
         options = options or self.options
-        if changes:
-            options = options.replace(**changes)
+        if accumulator is not None:
+            options = options.replace(accumulator=accumulator)
+        if not check_unmapped:
+            options = options.replace(check_unmapped=False)
         return vmap_call(
             f, args, kwargs, in_axes, out_axes, self.axis_name, self.axis_size,
             options, self.auto, arg_names, self.spmd_axis_name, out_names, known,
