@@ -1,10 +1,12 @@
 """Chunked evaluation: run one `Body` over the inputs, choosing how.
 
-A front end has validated its inputs and traced one chunk of the user's function into
-a `_loop.Body` (its outputs known, its chunk function reusing that trace); here the
-evaluation is chosen: one vmap (the chunk is everything), stacked or folded chunks
-(`_loop`), per-device chunks (`_sharding`), after a `batch_size="auto"` search
-(`_memory`) when asked. Progress hooks are attached here.
+A front end validates its inputs and asks here where the examples run (`layout`),
+before it traces one chunk of the user's function: at the length the loop's chunks
+have (`chunk_length`), in the context they run in (`tracing`), into a `_loop.Body`
+(its outputs known, its chunk function reusing that trace). Then the evaluation is
+chosen: one vmap (the chunk is everything), stacked or folded chunks (`_loop`),
+per-device chunks (`_sharding`), after a `batch_size="auto"` search (`_memory`)
+when asked. Progress hooks are attached here.
 """
 
 from __future__ import annotations
