@@ -384,3 +384,24 @@ def test_f_is_traced_once_per_call_over_the_devices(how, batch_size, call, rng):
         "grad": lambda: jax.grad(lambda w: reference(x, w).sum())(w),
     }.get(call, lambda: reference(x, w))()
     tree_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_trace_runs_only_where_its_mesh_context_allows():
+    """The rule by which a chunk traced in one mesh context is evaluated in another
+    (`_program.runs_here`): a trace made outside any mesh, or inside `shard_map`'s
+    Manual axes only, records no mesh in its operations and runs wherever no axis
+    is Explicit; one made under a mesh with Auto or Explicit axes runs only under
+    that mesh (JAX refuses its operations under another: "context mesh ... should
+    match the aval mesh")."""
+    from chunkvmap._core import _program
+
+    none = jax.sharding.get_abstract_mesh()
+    auto = MESH.abstract_mesh
+    manual = auto.update_axis_types({"d": AxisType.Manual})
+    explicit = auto.update_axis_types({"d": AxisType.Explicit})
+    assert _program.runs_here(none, auto) and _program.runs_here(none, manual)
+    assert _program.runs_here(manual, manual) and _program.runs_here(manual, none)
+    assert not _program.runs_here(none, explicit)
+    assert not _program.runs_here(auto, manual)
+    assert not _program.runs_here(explicit, manual)
+    assert _program.runs_here(explicit, explicit)
