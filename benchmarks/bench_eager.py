@@ -13,6 +13,10 @@ jitted transform, back to back, so that the machine's load shifts all three
 alike). Rows with a target say how far eager chunkvmap may be from its reference.
 
     python benchmarks/bench_eager.py --out benchmarks/results/eager.md
+
+The chunkvmap measured is the one in the folder above this script's (`_common`
+puts it first on the path; `PYTHONPATH` does not override it): to measure another
+checkout, copy this script and `_common.py` into a folder of that checkout.
 """
 
 from __future__ import annotations
