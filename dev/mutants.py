@@ -394,7 +394,8 @@ MUTANTS = {
     "trace: a trace made under one mesh run under another": (
         (
             "chunkvmap/_core/_program.py",
-            "    return portable and jax.sharding.AxisType.Explicit not in here.axis_types",
+            "    return portable and "
+            "jax.sharding.AxisType.Explicit not in here.axis_types",
             "    return True",
         ),
         ["test_sharding", "test_wherever"],
