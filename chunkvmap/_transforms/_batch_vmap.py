@@ -147,6 +147,9 @@ def batch_vmap(
         remainder (N % D examples for D devices) is evaluated once, by one device,
         and the output then comes back replicated. Reductions fold the per-device
         results in device order. Runs multi-host under `jax.distributed` unchanged.
+        `f` is traced once per call there too, at each device's chunk length;
+        once more for a global remainder, and under `Explicit` mesh axes (once at
+        plain types, once at the shares' sharding types).
       mesh: the `jax.sharding.Mesh` that `shard` names axes of (any shape, any axis
         types). None means the ambient mesh of `jax.set_mesh` (inside or outside
         `jax.jit`), else, for `shard=True`, one 1-D mesh over all devices (built
