@@ -533,7 +533,6 @@ def _trace(
         first, out_avals = _direct(
             name, vmap_flat, f_tree, out_axes, length, chunk_avals
         )
-        out_avals = _unmapped_avals(name, out_axes, out_box[0], out_avals)
     else:  # one example's outputs first (collectives need the vmap's axis name)
         example = [_axes.sized(leaves[i], None, 0) for i in dyn]
         example = [_axes.unmapped(x, a) for x, a in zip(example, dyn_axes)]
@@ -568,32 +567,27 @@ def _direct(
     length: int, chunk_avals: list,
 ) -> tuple[Any, list]:  # fmt: skip
     """The chunk traced with `jax.vmap`'s own `out_axes` prefix (mapped outputs at
-    axis 0, unmapped ones unmapped), its outputs flat: `(trace, output types)`."""
+    axis 0, unmapped ones unmapped), its outputs flat: `(trace, one example's
+    output types)`."""
     spec = jax.tree.map(
         lambda a: None if a is None else 0, out_axes, is_leaf=lambda a: a is None
     )
+    axes: list[Any] = []  # each output's axis, as the prefix gives it
 
     @_cache.wraps(f_tree)
     def checked(*dyn_leaves: Any) -> Any:  # our message where the prefix misfits
         out = f_tree(*dyn_leaves)
-        _axes.broadcast_axes(
+        axes[:] = _axes.broadcast_axes(
             "out_axes", out_axes, out, "function's output", transform=name
         )
         return out
 
     mapped = vmap_flat(checked, spec, length)
     flat = jax.jit(lambda *xs: jax.tree.leaves(mapped(*xs)), inline=True)
-    return _program.traced(flat, chunk_avals)
-
-
-def _unmapped_avals(name: str, out_axes: Any, out_tree: Any, avals: list) -> list:
-    """One example's output types from a chunk's (`_direct`'s): a mapped output
-    without its chunk axis."""
-    out = out_tree.unflatten(list(range(len(avals))))
-    spec = _axes.broadcast_axes(
-        "out_axes", out_axes, out, "function's output", transform=name
-    )
-    return [a if s is None else _axes.per_example(a) for a, s in zip(avals, spec)]
+    first, avals = _program.traced(flat, chunk_avals)
+    return first, [
+        a if s is None else _axes.per_example(a) for a, s in zip(avals, axes)
+    ]
 
 
 class _GroupedVmap:
