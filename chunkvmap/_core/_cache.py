@@ -74,20 +74,21 @@ class EagerCache:
         )
 
     def _run(self, args: tuple, kwargs: dict, resolved: Any) -> Any:
+        direct = _axes.Known(mesh=resolved)  # what a call run as it is knows
         if not self.whole:
-            return self.call(args, kwargs, _axes.Known(mesh=resolved))
+            return self.call(args, kwargs, direct)
         flat, treedef = jax.tree.flatten((args, kwargs))
         dyn, static = [], []
         for i, x in enumerate(flat):
             if isinstance(x, jax.core.Tracer):
-                return self.call(args, kwargs, _axes.Known(mesh=resolved))
+                return self.call(args, kwargs, direct)
             if isinstance(x, (jax.Array, np.ndarray)):
                 dyn.append(i)
                 continue
             try:
                 hash(x)
             except TypeError:
-                return self.call(args, kwargs, _axes.Known(mesh=resolved))
+                return self.call(args, kwargs, direct)
             static.append((i, type(x), x))
         values = [flat[i] for i in dyn]
         shardings = tuple(getattr(v, "sharding", None) for v in values)
