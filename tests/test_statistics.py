@@ -313,7 +313,7 @@ def test_gram_evaluates_fewer_gradients_as_its_memory_grows():
 def _ghost_dots(loss, params, x, chunk):
     """The Gram's ghost evaluation of `loss(params, x)` for chunks of `chunk` rows:
     which leaves keep their ghost terms (`_GhostDots.ghost`)."""
-    traced, _ = _statistics.ghost.traced_loss(
+    traced = _statistics.ghost.traced_loss(
         lambda key, build: build(), "gram", loss, (params, x), {}, (0,), [1],
         strip=True, has_aux=False, keep_batch_dim=False,
     )  # fmt: skip

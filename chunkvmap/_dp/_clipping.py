@@ -480,7 +480,7 @@ class _GhostSums:
                 return fun(*args, **kwargs)
 
         with _single_example_hint(name, config):
-            traced, key = ghost.traced_loss(
+            traced = ghost.traced_loss(
                 transform.memo, name, noted, args, kwargs, diff,
                 # the examples' arguments, and the per-example keys of prng_argnum
                 # (split into one key per example, but passed without a batch axis)

@@ -357,7 +357,7 @@ class _GhostMoments:
         diff: tuple, in_axes: tuple, has_aux: bool,
     ) -> _GhostMoments:  # fmt: skip
         """The moments of a call's loss (`ghost.traced_loss`: planned once)."""
-        traced, _ = ghost.traced_loss(
+        traced = ghost.traced_loss(
             transform.memo, name, fun, args, kwargs, diff,
             [i for i, a in enumerate(in_axes) if a is not None],
             strip=True, has_aux=has_aux, keep_batch_dim=False,
@@ -529,7 +529,7 @@ class _GhostDots:
     ) -> _GhostDots:  # fmt: skip
         """The dot products of a call's loss (`ghost.traced_loss`: planned once)
         for chunks of `chunk` rows."""
-        traced, _ = ghost.traced_loss(
+        traced = ghost.traced_loss(
             transform.memo, name, fun, args, {}, diff,
             [i for i, a in enumerate(in_axes) if a is not None],
             strip=True, has_aux=has_aux, keep_batch_dim=False,

@@ -372,18 +372,17 @@ def traced_loss(
     diff: Sequence[int],
     mapped: Sequence[int],
     **options: Any,
-) -> tuple[Traced, Hashable]:
+) -> Traced:
     """The ghost evaluation's set-up, for every quantity made from it (clipped
     sums, norms, moments, dot products): one example's loss traced (`Traced`, with
     `options`), checked to be a real scalar, and the plan of an earlier call with
     the same loss program (`Traced.key`) kept by `memo(key, build)` (a transform's)
     and made to evaluate this call's loss, so that an eager call plans once.
-    Returns the traced loss and its key (what the quantity built from it is
-    known by: `Traced.memo` keeps it with the loss)."""
+    A quantity built from it is kept with it (`Traced.memo`)."""
     traced = Traced(fun, list(args), kwargs, diff, mapped, **options)
     check_scalar_loss(name, traced)
     key = traced.key()
     kept = memo(("ghost loss", key), lambda: traced)
     if kept is not traced:
         kept.adopt(traced)
-    return kept, key
+    return kept
