@@ -174,8 +174,9 @@ MUTANTS = {
     "per-leaf norms: ghost's leaves in the wrong order": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "each = [squares.get(k, zero) for k in range(len(plan.leaves))]",
-            "each = [squares.get(k, zero) for k in range(len(plan.leaves))][::-1]",
+            "each = [squares.get(k, zero) for k in range(len(record.plan.leaves))]",
+            "each = [squares.get(k, zero) for k in range(len(record.plan.leaves))]"
+            "[::-1]",
         ),
         ["test_statistics"],
     ),
@@ -258,7 +259,7 @@ MUTANTS = {
     "ghost: nan_safe's masked leaf's norm taken as finite": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "squares[k] = jnp.where(finite, s, jnp.nan)",
+            "squares[k] = jnp.where(_all_finite(record.arrays(k)), s, jnp.nan)",
             "squares[k] = s",
         ),
         GHOST_TESTS,
@@ -282,8 +283,8 @@ MUTANTS = {
     "ghost: nan_safe's fix of non-finite examples skipped": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "                jnp.any(chosen),\n",
-            "                jnp.any(chosen) & False,\n",
+            "jnp.any(chosen), self._fix_nonfinite",
+            "jnp.any(chosen) & False, self._fix_nonfinite",
         ),
         GHOST_TESTS,
     ),
@@ -314,8 +315,8 @@ MUTANTS = {
     "ghost moments: examples merged unshifted": (
         (
             "chunkvmap/_dp/_statistics.py",
-            "            plan.instantiate(k, *first).astype(_stats_dtype(",
-            "            0 * plan.instantiate(k, *first).astype(_stats_dtype(",
+            "            first.instantiate(k).astype(_stats_dtype(",
+            "            0 * first.instantiate(k).astype(_stats_dtype(",
         ),
         ["test_statistics"],
     ),

@@ -614,12 +614,12 @@ def _ghost_plan(loss, params, example):
     return kinds
 
 
-def test_a_chunk_finds_its_plan_by_its_parameters_types():
-    """A chunk's sums look its plan up by the types of the parameters its examples
-    were traced with (and the mesh context), not by which example was traced last:
-    two plans in one context (a replicated and a column-sharded weight on an
-    Explicit mesh) are told apart, and a lookup with no such example traced is an
-    error."""
+def test_a_record_carries_the_plan_of_the_context_it_was_made_in():
+    """A chunk's records are read by the plan that made them, carried in their
+    own structure (not looked up by which example was traced last): two plans in
+    one context (a replicated and a column-sharded weight on an Explicit mesh) stay
+    apart through `jax.vmap`, `lax.scan` and a jitted call, and the chunk's sums
+    read each by its own."""
     from chunkvmap._dp import ghost as _ghost
 
     def loss(p, x):
@@ -627,20 +627,30 @@ def test_a_chunk_finds_its_plan_by_its_parameters_types():
 
     mesh = jax.make_mesh((2,), ("m",), (jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(mesh):
-        w, x = normal(90, 4, 6), normal(91, 4)
+        w, x = normal(90, 4, 6), normal(91, 3, 4)
         replicated = {"w": jax.device_put(w, jax.P())}
         columns = {"w": jax.device_put(w, jax.P(None, "m"))}
         traced = _ghost.Traced(
-            loss, [replicated, x], {}, [0], [1], strip=False, has_aux=False,
+            loss, [replicated, x], {}, [0], [1], strip=True, has_aux=False,
             keep_batch_dim=False,
         )  # fmt: skip
-        plans = []
-        for params in (replicated, columns):  # the column-sharded one traced last
-            values = traced.arrays([params, x], {})
-            plans.append(traced.plan_here(values))
-            assert traced.params_of(values) == [params["w"]]
+        plans, sums = [], []
+        for params in (replicated, columns):  # the column-sharded one made last
+
+            def chunk(p, xs):
+                def one(xi):
+                    return traced.record(traced.arrays([p, xi], {}), [])[0]
+
+                records = jax.vmap(one)(xs)
+                _, scanned = jax.lax.scan(lambda c, r: (c, r), 0, records)
+                return records, scanned, records.chunk_sum(0)
+
+            records, scanned, total = jax.jit(chunk)(params, x)
+            plans.append(records.plan)
+            assert scanned.plan is records.plan
+            assert records.plan is traced.plan_here(traced.arrays([params, x[0]], {}))
+            sums.append(total)
         assert plans[0] is not plans[1]
-        assert traced.plan_of([replicated["w"]]) is plans[0]
-        assert traced.plan_of([columns["w"]]) is plans[1]
-        with pytest.raises(RuntimeError, match="no example was traced"):
-            traced.plan_of([jax.device_put(w, jax.P("m", None))])
+        expected = jax.grad(lambda w: sum(loss({"w": w}, xi) for xi in x))(w)
+        for total in sums:
+            np.testing.assert_allclose(total, expected, rtol=1e-5, atol=1e-6)

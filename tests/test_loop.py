@@ -24,7 +24,7 @@ def _body(example, x, accumulator, remat=True, out_axes=0, batch=None):
 
     def chunk_fn(leaves, length):
         spec = tree.unflatten(axes)
-        return jax.tree.leaves(jax.vmap(example, out_axes=spec)(leaves[0]))
+        return jax.vmap(example, out_axes=spec)(leaves[0])
 
     signature = _loop.Signature(tree, flat, axes)
     if accumulator is not None and accumulator.prepare is not None:

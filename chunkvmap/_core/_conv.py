@@ -238,12 +238,13 @@ def _struct(aval: Any) -> jax.ShapeDtypeStruct:
     )
 
 
-def canonical(fn: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
-    """`fn` (a chunk function: flat leaves to flat leaves) with its convolutions laid
-    out for XLA:CPU when the default backend is the CPU; `fn` itself otherwise."""
+def canonical(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a chunk function: flat leaves to its outputs) with its convolutions
+    laid out for XLA:CPU when the default backend is the CPU; `fn` itself
+    otherwise."""
 
     @ft.wraps(fn)
-    def laid_out(leaves: list[Any], length: int) -> list[Any]:
+    def laid_out(leaves: list[Any], length: int) -> Any:
         if jax.default_backend() != "cpu":
             return fn(leaves, length)
         # Arrays are traced; anything else (static leaves) is closed over as it is.
@@ -256,9 +257,12 @@ def canonical(fn: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
             return fn(full, length)
 
         arrays = [leaves[k] for k in traced]
-        closed = jax.make_jaxpr(flat)(*arrays)
+        closed, shape = jax.make_jaxpr(flat, return_shape=True)(*arrays)
+        tree = jax.tree.structure(shape)
         if not has_convolution(closed.jaxpr):
-            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
-        return _evaluate(closed.jaxpr, closed.consts, arrays)
+            return tree.unflatten(
+                jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
+            )
+        return tree.unflatten(_evaluate(closed.jaxpr, closed.consts, arrays))
 
     return laid_out

@@ -201,9 +201,12 @@ def _write_chunks(
     return buffers
 
 
-# A chunk function maps (chunk leaves, chunk length) to the chunk's flat outputs, each
-# mapped along its canonical output axis (or unmapped where the axis is None).
-ChunkFn = Callable[[list[Any], int], list[Any]]
+# A chunk function maps (chunk leaves, chunk length) to the chunk's outputs, each
+# leaf mapped along its canonical output axis (or unmapped where the axis is None),
+# in the structure the chunk's own trace gave them (`_program.Retraced`): the
+# leaves are as the body's `Signature` describes them; the structure may hold what
+# the function put in it in its context (ghost clipping's plan there).
+ChunkFn = Callable[[list[Any], int], Any]
 
 
 def checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
@@ -369,7 +372,7 @@ class Body:
         """
         axes = self.axes
         if plan.single:
-            outs = self.chunk_fn(plan.whole(leaves, axes), plan.size)
+            outs = jax.tree.leaves(self.chunk_fn(plan.whole(leaves, axes), plan.size))
             report(0)
             return outs
         size, batch = plan.size, plan.batch
@@ -383,7 +386,7 @@ class Body:
 
         @ft.partial(checkpointed, remat=self.remat)
         def evaluate(i):
-            return chunk_fn(plan.chunk(leaves, axes, i), batch)
+            return jax.tree.leaves(chunk_fn(plan.chunk(leaves, axes, i), batch))
 
         # The types of one chunk's outputs (from the values themselves when they
         # carry sharding types, so that loop carries match them).
@@ -445,7 +448,7 @@ class Body:
             chunk = plan.chunk(leaves, sliced, i) if slicing else list(leaves)
             for j, c in zip(split, chunks):
                 chunk[j] = c
-            return chunk_fn(chunk, batch)
+            return jax.tree.leaves(chunk_fn(chunk, batch))
 
         def body(carry, i_chunks):
             i, chunks = i_chunks
@@ -473,13 +476,9 @@ class Body:
         """
         accumulator = self.accumulator
         assert accumulator is not None
-        out_tree = self.out_tree
-
-        def summarise(ys: list[Any]) -> Any:
-            return accumulator.summarise(out_tree.unflatten(ys))
-
         fold = _Fold(
-            self.chunk_fn, self.axes, self.out_axes, summarise, accumulator.combine,
+            self.chunk_fn, self.axes, self.out_axes, accumulator.summarise,
+            accumulator.combine,
             accumulator.summary, 0, accumulator.rows, accumulator.windows,
         )  # fmt: skip
         return self._fold(fold, leaves, plan, report)
@@ -549,56 +548,44 @@ class Body:
             if a is not None and isinstance(x, jax.Array)
         )
 
-        def shares(part: list[Any], length: int) -> list[Any]:
+        def shares(part: list[Any], length: int) -> Any:
             # Only arrays go through the vmap over the shares; anything else (a
             # function an Equinox module holds, say) is closed over as it is.
             mapped = [
                 k for k, (x, a) in enumerate(zip(part, axes))
                 if a is not None or isinstance(x, ARRAY_TYPES)
             ]  # fmt: skip
+            tree: list[Any] = []  # the structure of this trace's outputs
 
             def one(values: list[Any]) -> list[Any]:
                 full = list(part)
                 for k, v in zip(mapped, values):
                     full[k] = v
-                return self.chunk_fn(full, length)
+                leaves, structure = jax.tree.flatten(self.chunk_fn(full, length))
+                tree[:] = [structure]
+                return leaves
 
             ys = jax.vmap(
                 one, in_axes=([axes[k] for k in mapped],), out_axes=list(out_axes)
             )([part[k] for k in mapped])
-            return [
-                y if o is None else _with_entry(y, o, entry)
-                for y, o in zip(ys, out_axes)
-            ]
+            return tree[0].unflatten(
+                [
+                    y if o is None else _with_entry(y, o, entry)
+                    for y, o in zip(ys, out_axes)
+                ]
+            )
 
-        accumulator = self.accumulator
-        if accumulator is not None:
-
-            def summarise(ys: list[Any]) -> Any:  # one summary per share
-                result = jax.vmap(
-                    lambda y: accumulator.summarise(self.out_tree.unflatten(y)),
-                    in_axes=(list(out_axes),),
-                )(ys)
-                return jax.tree.map(lambda y: _with_entry(y, 0, entry), result)
-
-            def combine(a: Any, b: Any) -> Any:  # share by share
-                if not jax.tree.leaves(a):  # nothing to fold (rows only)
-                    return a
-                return jax.vmap(accumulator.combine)(a, b)
-
-            fold = _Fold(
-                shares, local, shifted, summarise, combine, None, 1,
-                accumulator.rows, accumulator.windows,
-            )  # fmt: skip
+        if self.accumulator is not None:
+            fold = _shares_fold(self.accumulator, shares, local, shifted, entry)
             return self._fold(fold, leaves, plan, report)
         if plan.single:
-            ys = shares(plan.whole(leaves, local), plan.size)
+            ys = jax.tree.leaves(shares(plan.whole(leaves, local), plan.size))
             report(0)
             return ys
 
         @ft.partial(checkpointed, remat=self.remat)
         def evaluate(i):
-            return shares(plan.chunk(leaves, local, i), plan.batch)
+            return jax.tree.leaves(shares(plan.chunk(leaves, local, i), plan.batch))
 
         types = jax.eval_shape(evaluate, jnp.int32(0))
         return _write_chunks(evaluate, shifted, types, plan, report)
@@ -625,12 +612,39 @@ class _Fold(NamedTuple):
     chunk_fn: ChunkFn
     axes: Sequence[int | None]
     out_axes: Sequence[int | None]
-    summarise: Callable[[list[Any]], Any]
+    summarise: Callable[[Any], Any]
     combine: Callable[[Any, Any], Any]
     summary_avals: Any
     row_axis: int
     has_rows: bool
     windows: bool
+
+
+def _shares_fold(
+    accumulator: Accumulator, shares: ChunkFn, local: Sequence[int | None],
+    shifted: Sequence[int | None], entry: Any,
+) -> _Fold:  # fmt: skip
+    """`run_shares`' fold: `shares`' outputs (the shares at each output's axis
+    `shifted`) summarised and folded share by share, each summary and row with
+    the shares' sharding `entry` at its axis 0."""
+    out_axes = [None if o is None else o - 1 for o in shifted]
+
+    def summarise(ys: Any) -> Any:  # one summary per share
+        tree = jax.tree.structure(ys)
+        result = jax.vmap(accumulator.summarise, in_axes=(tree.unflatten(out_axes),))(
+            ys
+        )
+        return jax.tree.map(lambda y: _with_entry(y, 0, entry), result)
+
+    def combine(a: Any, b: Any) -> Any:  # share by share
+        if not jax.tree.leaves(a):  # nothing to fold (rows only)
+            return a
+        return jax.vmap(accumulator.combine)(a, b)
+
+    return _Fold(
+        shares, local, shifted, summarise, combine, None, 1, accumulator.rows,
+        accumulator.windows,
+    )  # fmt: skip
 
 
 def _remainder_summary(fold: _Fold, batch: int, rem: int) -> Callable[..., Any]:
@@ -644,12 +658,13 @@ def _remainder_summary(fold: _Fold, batch: int, rem: int) -> Callable[..., Any]:
         config[row_axis] = (batch - rem, 0, 0)
         return lax.pad(r, jnp.zeros((), r.dtype), config)
 
-    def remainder(ys: list[Any]) -> Any:
+    def remainder(ys: Any) -> Any:
+        leaves, tree = jax.tree.flatten(ys)
         tail = [
             y if a is None else lax.slice_in_dim(y, batch - rem, batch, axis=a)
-            for y, a in zip(ys, fold.out_axes)
+            for y, a in zip(leaves, fold.out_axes)
         ]
-        summary, rows = fold.summarise(tail)
+        summary, rows = fold.summarise(tree.unflatten(tail))
         return summary, jax.tree.map(pad, rows)
 
     return remainder

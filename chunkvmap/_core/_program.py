@@ -193,7 +193,12 @@ def _const_type(c: Any) -> Any:
 class Retraced:
     """A function traced at its first input types (`first`, keyed by `key`), and
     again at others: `jitted(length)` is the function, jitted, for chunks of
-    `length`. A later trace that reads the very arrays the first one reads takes
+    `length`, flat outputs; `tree()` the structure of the outputs of the trace it
+    last made (a new `jitted` runs the function at every trace). Each trace keeps
+    its own structure, so that what the function put in it in one context (ghost
+    clipping's plan of that context) comes back with that trace's outputs.
+
+    A later trace that reads the very arrays the first one reads takes
     them as `params` (the arrays passed for the first's); one that reads others (it
     made arrays of its own while traced, or chose them by the chunk's length) keeps
     its own, and `kept` turns False: a compiled program of it must not be kept for
@@ -202,34 +207,40 @@ class Retraced:
     called as it is, its closure left to JAX (`params` then holds nothing)."""
 
     def __init__(
-        self, first: Trace, at: tuple[int, Sequence[Any]], jitted: Callable[[int], Any]
+        self,
+        first: Trace,
+        at: tuple[int, Sequence[Any]],
+        jitted: Callable[[int], Any],
+        tree: Callable[[], Any],
     ):
         """`at`: the first trace's chunk length and input types."""
         self.first = first
         self.kept = not first.traced
         self.params = () if first.traced else tuple(first.consts)
-        self._jitted = jitted
+        self._jitted, self._tree = jitted, tree
         length, avals = at
         here = jax.sharding.get_abstract_mesh()
-        self._traces = {(length, tuple(map(_type_key, avals))): [(here, first)]}
+        key = (length, tuple(map(_type_key, avals)))
+        self._traces = {key: [(here, first, tree())]}
 
-    def __call__(
-        self, params: Sequence[Any], values: list[Any], length: int
-    ) -> list[Any]:
-        """The function of `values` (chunks of `length`), reading `params`."""
+    def __call__(self, params: Sequence[Any], values: list[Any], length: int) -> Any:
+        """The function of `values` (chunks of `length`), reading `params`: its
+        outputs, in the structure its trace gave them."""
         if self.first.traced:
-            return self._jitted(length)(*values)
+            outs = self._jitted(length)(*values)
+            return self._tree().unflatten(outs)
         key = (length, tuple(_type_key(jax.typeof(v)) for v in values))
         here = jax.sharding.get_abstract_mesh()
         made = self._traces.setdefault(key, [])
-        this = next((t for m, t in made if runs_here(m, here)), None)
-        if this is None:  # (at the values' own types, in this context)
-            this = Trace.of(self._jitted(length).trace(*values).jaxpr)
-            made.append((here, this))
+        found = next(((t, s) for m, t, s in made if runs_here(m, here)), None)
+        if found is None:  # (at the values' own types, in this context)
+            found = Trace.of(self._jitted(length).trace(*values).jaxpr), self._tree()
+            made.append((here, *found))
+        this, tree = found
         if not this.reads(self.first.consts):
             self.kept = False
             params = this.consts
-        return this.apply(params, *values)
+        return tree.unflatten(this.apply(params, *values))
 
 
 def runs_here(made_under: Any, here: Any) -> bool:

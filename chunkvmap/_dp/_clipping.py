@@ -28,7 +28,6 @@ from jax import lax
 
 from .._core import _accumulators, _axes, _cache, _memory
 from .._core._accumulators import Fold, Stack
-from .._core._loop import Accumulator
 from .._core._options import (
     check_bool,
     check_bools,
@@ -46,6 +45,7 @@ from .._transforms._grads import (
     resolve_argnums,
 )
 from . import ghost
+from ._records import Quantity, over_chunks
 
 
 class AuxiliaryOutput(NamedTuple):
@@ -427,7 +427,8 @@ def _formed_sums(
 
 
 class _Parts(NamedTuple):
-    """What one example of ghost clipping leaves for its chunk's sum."""
+    """What one example of ghost clipping leaves for its chunk's sum, beside its
+    record."""
 
     scale: jax.Array  # its clip factor
     keep: jax.Array  # whether its gradient enters the sum (not padding, ...)
@@ -435,9 +436,6 @@ class _Parts(NamedTuple):
     pad: Any  # its padding flag, or None
     safe_sq: jax.Array  # ||G||^2 of the leaves not in `other`, made finite
     raw: jax.Array  # the same, as it is
-    arrays: dict  # the `masked` leaves' form arrays, made finite
-    grads: dict  # the `formed` leaves' gradients (made finite with nan_safe)
-    pe_grads: list  # the per-example leaves' gradients (likewise)
 
     @property
     def to_fix(self) -> jax.Array:
@@ -454,18 +452,20 @@ def _all_finite(tree: Any) -> jax.Array:
     return ok
 
 
-class _GhostSums:
+class _GhostSums(Quantity):
     """`clipped_sums` by ghost clipping (`ghost`): the same results, without
-    per-example gradients of the leaves whose uses have rules.
+    per-example gradients of the leaves whose uses have rules; an accumulator on
+    the ghost record (`_records`).
 
-    Each example's loss is evaluated once with probes (`ghost.Evaluation`). What a
-    chunk keeps of each rule leaf for its sum: the instantiated gradients where they
-    are smaller than the operands they come from (biases, scales) or have to be
-    masked (`formed`); the arrays of the leaves whose non-finite entries can be
-    masked through them (`masked`, with nan_safe); the recorded operands and
-    cotangents of the others (`other`). With nan_safe, each example's non-finite
-    gradient entries are zeroed before its norm, except `other`'s, whose non-finite
-    examples are fixed after the chunk's sum (`_fix_nonfinite`)."""
+    What a chunk keeps of each example's record for its sum: the instantiated
+    gradients where they are smaller than the operands they come from (biases,
+    scales) or have to be masked (`formed`), and the gradients formed per example
+    (`per_example`), as the record's `grads`; the arrays of the leaves whose
+    non-finite entries can be masked through them (`masked`, with nan_safe), as its
+    `forms`; the recorded operands and cotangents of the others (`other`). With
+    nan_safe, each example's non-finite gradient entries are zeroed before its
+    norm, except `other`'s, whose non-finite examples are fixed after the chunk's
+    sum (`_fix_nonfinite`)."""
 
     @classmethod
     def of(cls, transform, fun, config, args, in_axes, kwargs, diff, batch_args):
@@ -488,18 +488,16 @@ class _GhostSums:
                 strip=True, has_aux=config.has_aux,
                 keep_batch_dim=config.keep_batch_dim, expand=batch_args,
             )  # fmt: skip
-        return traced.memo(
-            "sums", lambda: cls(transform, fun, config, traced, len(args))
-        )
+        return traced.memo("sums", lambda: cls(transform, fun, config, traced))
 
-    def __init__(self, transform, fun, config, traced, n_args):
+    def __init__(self, transform, fun, config, traced):
         self.traced = traced
         self.report = ghost.report_of(self.traced.plan, self.traced)
         warn_fallback(transform, fun, self.report)
-        self.transform, self.config, self.n_args = transform, config, n_args
+        self.transform, self.config = transform, config
         plan = self.traced.plan
         leaves = plan.leaves
-        self.pe = plan.with_rule(ghost.PER_EXAMPLE)
+        self.per_example = plan.with_rule(ghost.PER_EXAMPLE)
         self.ruled = plan.with_rule(ghost.GHOST, ghost.INSTANTIATED)
         safe = config.nan_safe
         self.masked = [k for k in self.ruled if safe and plan.maskable(k)]
@@ -511,8 +509,6 @@ class _GhostSums:
             and (safe or leaves[k].size <= plan.operand_size(k))
         ]
         self.other = [k for k in self.ruled if k not in (*self.masked, *self.formed)]
-        self.other_keys = {u.key for k in self.other for u in leaves[k].uses}
-        self.other_paths = {u.path for k in self.other for u in leaves[k].uses}
         self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])  # global_norm's
 
     def _kept_and_squares(self, g: jax.Array) -> tuple[Any, Any, Any]:
@@ -524,43 +520,37 @@ class _GhostSums:
         kept = _nan_to_zero(g)
         return kept, s, _squared(kept, self.acc)
 
-    def _squares(self, plan: ghost.Plan, ev: ghost.Evaluation) -> tuple:
+    def _squares(self, record: ghost.Record) -> tuple:
         """One example's `||G||^2` over the leaves not in `other`, made finite and
-        as it is, what it keeps of them, and each of those leaves' own `||G_k||^2`
-        (by leaf index): `(safe_sq, raw, arrays, grads, pe_grads, squares)`."""
+        as it is, the record the chunk keeps of them (formed gradients and masked
+        forms), and each of those leaves' own `||G_k||^2` (by leaf index):
+        `(safe_sq, raw, kept, squares)`."""
+        plan = record.plan
         safe_sq = raw = jnp.zeros((), self.acc)
-        arrays, grads, pe_grads, squares = {}, {}, [], {}
+        forms, grads, squares = {}, {}, {}
         for k in self.masked:
-            arrays[k] = plan.sanitized(k, ev.records, ev.deltas)
-            s = plan.sq_norm_of(k, arrays[k], self.acc)
+            forms[k] = plan.sanitized(k, record.records, record.deltas)
+            s = plan.sq_norm_of(k, forms[k], self.acc)
             safe_sq = safe_sq + s
             # a non-finite gradient's norm: NaN
-            finite = _all_finite(plan.arrays(k, ev.records, ev.deltas))
-            squares[k] = jnp.where(finite, s, jnp.nan)
+            squares[k] = jnp.where(_all_finite(record.arrays(k)), s, jnp.nan)
             raw = raw + squares[k]
-        for k in self.formed:
-            g = plan.instantiate(k, ev.records, ev.deltas)
+        formed = {k: record.instantiate(k) for k in self.formed}
+        for k, g in {**formed, **record.grads}.items():
             grads[k], squares[k], s_kept = self._kept_and_squares(g)
             raw, safe_sq = raw + squares[k], safe_sq + s_kept
-        for k, g in zip(self.pe, ev.pe_grads):
-            g, squares[k], s_kept = self._kept_and_squares(g)
-            pe_grads.append(g)
-            raw, safe_sq = raw + squares[k], safe_sq + s_kept
-        return safe_sq, raw, arrays, grads, pe_grads, squares
+        kept = record.only(self.other).replace(grads=grads, forms=forms)
+        return safe_sq, raw, kept, squares
 
-    def example(self, *inputs: Any, **kw: Any) -> Any:
-        """One example's parts for its chunk's sum, its extras, and the parameters
-        (unmapped: they tell the chunk which plan made these records)."""
-        config, inputs = self.config, list(inputs)
-        pad = inputs.pop() if len(inputs) > self.n_args else None
-        values = self.traced.arrays(inputs, kw)
-        plan, ev = self.traced.evaluate(values, self.pe)
-        safe_sq, raw, arrays, grads, pe_grads, squares = self._squares(plan, ev)
+    def keep(self, record: ghost.Record, out: Any, pad: Any = None) -> Any:
+        """One example's parts for its chunk's sum, the record the chunk keeps, and
+        its extras."""
+        config = self.config
+        safe_sq, raw, kept, squares = self._squares(record)
         rest = jnp.zeros((), self.acc)
         for k in self.other:
-            squares[k] = plan.sq_norm(k, ev.records, ev.deltas, self.acc)
+            squares[k] = record.sq_norm(k, self.acc)
             rest = rest + squares[k].astype(self.acc)
-        kept = ev.only(self.other_keys, self.other_paths)
         scale = clip_scale(
             _norm_of_square(safe_sq + rest),
             config.l2_clip_norm,
@@ -571,12 +561,12 @@ class _GhostSums:
         if config.nan_safe and self.other:  # fixed in _fix_nonfinite
             finite = jnp.isfinite(rest) & _all_finite((kept.records, kept.deltas))
             keep = keep & finite
-        value, aux = self.traced.out_tree.unflatten(ev.outs)
+        value, aux = out
         if config.keep_batch_dim:
             aux = jax.tree.map(_squeeze_leading_one, aux)
         if config.per_leaf_norms:  # a leaf no use reaches: a zero gradient
             zero = jnp.zeros((), self.acc)
-            each = [squares.get(k, zero) for k in range(len(plan.leaves))]
+            each = [squares.get(k, zero) for k in range(len(record.plan.leaves))]
             norms = [_norm_of_square(s.astype(self.acc)) for s in each]
             norm = self.traced.grads_tree(norms, self.transform.args.single)
         else:
@@ -586,16 +576,14 @@ class _GhostSums:
             norm if config.return_grad_norms else None,
             aux if config.has_aux else None,
         )
-        parts = _Parts(scale, keep, finite, pad, safe_sq, raw, arrays, grads, pe_grads)
-        return (parts, kept.records, kept.deltas), extras, self.traced.params_of(values)
+        return (_Parts(scale, keep, finite, pad, safe_sq, raw), kept), extras
 
-    def summarise(self, chunk: Any) -> Any:
+    def chunk(self, chunk: Any) -> Any:
         """A chunk's clipped sum per leaf, and its extras."""
-        (parts, records, deltas), extras, params = chunk
+        (parts, kept), extras = chunk
         if not self.config.sums:  # only the norms (the records are then left unused)
             return (), extras
-        plan = self.traced.plan_of(params)
-        totals = self._chunk_sums(plan, parts, records, deltas)
+        totals = self._chunk_sums(parts, kept)
         if self.config.nan_safe and self.other:
             chosen = parts.to_fix
 
@@ -603,11 +591,7 @@ class _GhostSums:
                 return list(totals), jnp.zeros(parts.finite.shape, self.acc)
 
             totals, norms = lax.cond(
-                jnp.any(chosen),
-                ft.partial(self._fix_nonfinite, plan),
-                skip,
-                totals,
-                (parts, records, deltas),
+                jnp.any(chosen), self._fix_nonfinite, skip, totals, (parts, kept)
             )
             if extras.grad_norms is not None:
                 extras = extras._replace(
@@ -615,14 +599,14 @@ class _GhostSums:
                 )
         return totals, extras
 
-    def _chunk_sums(self, plan, parts: _Parts, records, deltas) -> list:
+    def _chunk_sums(self, parts: _Parts, kept: ghost.Record) -> list:
         """`sum_i c_i G_i` per leaf over a chunk's examples (padding left out)."""
-        keep, scale = parts.keep, parts.scale
+        keep, scale, plan = parts.keep, parts.scale, kept.plan
 
         def mask(x: jax.Array) -> jax.Array:  # keep[i], shaped to broadcast with x
             return keep.reshape((-1,) + (1,) * (x.ndim - 1))
 
-        def kept(x: jax.Array) -> jax.Array:  # x_i, zero for padding
+        def kept_only(x: jax.Array) -> jax.Array:  # x_i, zero for padding
             return jnp.where(mask(x), x, jnp.zeros((), x.dtype))
 
         def scaled(x: jax.Array) -> jax.Array:  # c_i x_i, zero for padding
@@ -630,15 +614,16 @@ class _GhostSums:
             return jnp.where(mask(x), x * s, jnp.zeros((), x.dtype))
 
         totals: list[Any] = [None] * len(plan.leaves)
-        recs, dels = jax.tree.map(kept, records), jax.tree.map(scaled, deltas)
+        scaled_record = kept.replace(
+            records=jax.tree.map(kept_only, kept.records),
+            deltas=jax.tree.map(scaled, kept.deltas),
+        )
         for k in self.other:
-            totals[k] = plan.chunk_sum(k, recs, dels)
-        for k in self.masked:  # scaled through each use's cotangent (its last array)
-            arrs = [[*a[:-1], scaled(a[-1])] for a in parts.arrays[k]]
+            totals[k] = scaled_record.chunk_sum(k)
+        for k, arrays in kept.forms.items():  # scaled through each use's cotangent
+            arrs = [[*a[:-1], scaled(a[-1])] for a in arrays]
             totals[k] = plan.gradient_of(k, arrs, batched=True)
-        for k in self.formed:
-            totals[k] = scaled(parts.grads[k]).sum(0)
-        for k, g in zip(self.pe, parts.pe_grads):
+        for k, g in kept.grads.items():
             totals[k] = scaled(g).sum(0)
         for k, leaf in enumerate(plan.leaves):
             if totals[k] is None:  # unused: a zero gradient
@@ -647,49 +632,44 @@ class _GhostSums:
             totals = [t.astype(self.config.dtype) for t in totals]
         return totals
 
-    def _fix_nonfinite(self, plan, totals: list, chunk: Any) -> tuple[list, Any]:
+    def _fix_nonfinite(self, totals: list, chunk: Any) -> tuple[list, Any]:
         """`totals` plus the clipped gradients of a chunk's examples whose `other`
         leaves have non-finite values (and are not padding), and those examples'
         norms: `other`'s gradients formed one example and one leaf at a time, their
         non-finite entries zeroed, each leaf's clipped gradient added in place, so
         that no more than one leaf's gradient exists at once."""
-        parts, records, deltas = chunk
+        parts, kept = chunk
         chosen = parts.to_fix
-        raw_norms, scales = self._fixed_norms(plan, parts, records, deltas)
-        pe_index = {k: i for i, k in enumerate(self.pe)}
+        raw_norms, scales = self._fixed_norms(parts, kept)
 
-        def gradient(k: int, xs: Any) -> jax.Array:
-            recs, dels, arrs, grs, pe_g = xs
-            if k in self.masked:
-                return plan.gradient_of(k, arrs[k], batched=False)
-            if k in self.formed:
-                return grs[k]
-            if k in pe_index:
-                return pe_g[pe_index[k]]
-            return _nan_to_zero(plan.instantiate(k, recs, dels))
+        def gradient(k: int, one: ghost.Record) -> jax.Array:
+            if k in one.forms:
+                return one.plan.gradient_of(k, one.forms[k], batched=False)
+            if k in one.grads:
+                return one.grads[k]
+            return _nan_to_zero(one.instantiate(k))
 
         totals = list(totals)
-        rest = (records, deltas, parts.arrays, parts.grads, parts.pe_grads)
-        for k in (*self.ruled, *self.pe):
+        for k in (*self.ruled, *self.per_example):
 
             def add(total: jax.Array, xs: Any, k: int = k) -> Any:
-                sel, scale, rest = xs
-                g = gradient(k, rest)
+                sel, scale, one = xs
+                g = gradient(k, one)
                 g = (g * scale.astype(g.dtype)).astype(total.dtype)
                 return total + jnp.where(sel, g, jnp.zeros((), g.dtype)), None
 
-            totals[k], _ = lax.scan(add, totals[k], (chosen, scales, rest))
+            totals[k], _ = lax.scan(add, totals[k], (chosen, scales, kept))
         return totals, raw_norms
 
-    def _fixed_norms(self, plan, parts: _Parts, records, deltas) -> tuple[Any, Any]:
+    def _fixed_norms(self, parts: _Parts, kept: ghost.Record) -> tuple[Any, Any]:
         """Each example's norm with its `other` leaves' gradients formed, as it is
         and made finite (its clip factor), one example at a time."""
         config = self.config
 
         def norms(_: Any, xs: Any) -> Any:
-            recs, dels, safe_sq, raw_sq = xs
+            one, safe_sq, raw_sq = xs
             for k in self.other:
-                g = plan.instantiate(k, recs, dels)
+                g = one.instantiate(k)
                 raw_sq = raw_sq + _squared(g, self.acc)
                 safe_sq = safe_sq + _squared(_nan_to_zero(g), self.acc)
             scale = clip_scale(
@@ -699,26 +679,15 @@ class _GhostSums:
             )
             return None, (_norm_of_square(raw_sq), scale)
 
-        xs = (records, deltas, parts.safe_sq, parts.raw)
-        _, (raw_norms, scales) = lax.scan(norms, None, xs)
+        _, (raw_norms, scales) = lax.scan(norms, None, (kept, parts.safe_sq, parts.raw))
         return raw_norms, scales
 
     def __call__(self, args, in_axes, kwargs, extra, known) -> tuple:
         """The clipped sum (None without sums) and the stacked extras of a call."""
         # (the sums and the stacked norms are not independent here: an example whose
         # non-finite terms are fixed gets its norm from the fix)
-        totals, extras = self.transform.map(
-            self.example,
-            (*args, *extra),
-            kwargs,
-            (*in_axes, *[0] * len(extra)),
-            (0, 0, None),
-            known=known,
-            check_unmapped=False,  # the parameters: unmapped inputs
-            # (computes from the chunks' outputs by this plan, kept for its loss)
-            accumulator=dataclasses.replace(
-                Accumulator.adding(self.summarise), pure=True
-            ),
+        totals, extras = over_chunks(
+            self.transform, self.traced, self, args, in_axes, kwargs, known, extra
         )
         if not self.config.sums:
             return None, extras

@@ -37,7 +37,6 @@ from .._core._accumulators import (
     moments as moments_of,
     unshifted,
 )
-from .._core._loop import Accumulator
 from .._core._options import check_bool, decorator_form, identity
 from .._transforms._batch_vmap import Transform, batch_vmap
 from .._transforms._grads import (
@@ -46,6 +45,7 @@ from .._transforms._grads import (
     grad_transform,
 )
 from . import _clipping, ghost
+from ._records import Quantity, over_chunks
 
 
 def _stats_dtype(dtype: Any) -> Any:
@@ -344,12 +344,14 @@ def _formed_moments(
     return count, mean, m2, sq_norms, aux
 
 
-class _GhostMoments:
-    """A chunk's gradient moments from each use's activations and cotangents
-    (ghost clipping's evaluation of one example, `ghost.Plan.backward`): the chunk
-    keeps those, and forms one example's gradient at a time from them in a scan,
+class _GhostMoments(Quantity):
+    """A chunk's gradient moments from its examples' ghost records (an accumulator
+    on the record, `_records`): the chunk keeps each use's activations and
+    cotangents, and forms one example's gradient at a time from them in a scan,
     updating the mean and centred sum of squares example by example (Welford); the
     leaves no rule covers come formed per example, as with `method="vmap"`."""
+
+    sums = False
 
     @classmethod
     def of(
@@ -367,8 +369,8 @@ class _GhostMoments:
     def __init__(self, traced: ghost.Traced):
         self.traced = traced
         self.leaves = leaves = traced.plan.leaves
-        self.pe = traced.plan.with_rule(ghost.PER_EXAMPLE)
-        self.ruled = [k for k in range(len(leaves)) if k not in self.pe]
+        self.per_example = traced.plan.with_rule(ghost.PER_EXAMPLE)
+        self.ruled = [k for k in range(len(leaves)) if k not in self.per_example]
         self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])
 
     def run(
@@ -376,11 +378,9 @@ class _GhostMoments:
         in_axes: tuple, known: Any,
     ) -> tuple:  # fmt: skip
         """`(count, mean, m2, sq_norms, aux)` over the examples, chunk by chunk."""
-        state, (sq_norms, aux) = transform.map(
-            self.example, args, kwargs, in_axes, (0, 0, None), known=known,
-            check_unmapped=False,  # the parameters: unmapped inputs
-            accumulator=Accumulator(merge_moments, self.summarise),
-        )  # fmt: skip
+        state, (sq_norms, aux) = over_chunks(
+            transform, self.traced, self, args, in_axes, kwargs, known
+        )
         count, mean, m2 = unshifted(state)
         single = transform.args.single
         mean = self.traced.grads_tree(mean, single)
@@ -391,19 +391,16 @@ class _GhostMoments:
             sq_norms = sum(sq_norms[1:], sq_norms[0])
         return count, mean, m2, sq_norms, aux
 
-    def example(self, *inputs: Any, **kw: Any) -> Any:
-        traced = self.traced
-        values = traced.arrays(list(inputs), kw)
-        plan, ev = traced.evaluate(values, self.pe)
-        _, aux = traced.out_tree.unflatten(ev.outs)
-        pe_grads = [g.astype(_stats_dtype(g.dtype)) for g in ev.pe_grads]
+    def keep(self, record: ghost.Record, out: Any) -> Any:
+        grads = {k: g.astype(_stats_dtype(g.dtype)) for k, g in record.grads.items()}
         one = jnp.ones((), jnp.float32)  # a chunk's count is the sum of these
-        # The parameters, unmapped, tell the chunk which plan made these records.
-        return (ev.records, ev.deltas, pe_grads, one), aux, traced.params_of(values)
+        return (record.replace(grads=grads), one), out[1]
 
-    def summarise(self, chunk: Any) -> Any:
-        (records, deltas, pe_grads, ones), aux, params = chunk
-        plan = self.traced.plan_of(params)
+    def combine(self, a: Any, b: Any) -> Any:
+        return merge_moments(a, b)
+
+    def chunk(self, chunk: Any) -> Any:
+        (record, ones), aux = chunk
         count = ones.sum()
         n = len(self.leaves)
         shifts: list[Any] = [None] * n
@@ -411,31 +408,30 @@ class _GhostMoments:
         m2s: list[Any] = [None] * n
         # each leaf's squared norm per example (zero for a leaf no use reaches)
         sq_norms = [jnp.zeros(ones.shape, self.acc) for _ in range(n)]
-        for k, g in zip(self.pe, pe_grads):  # formed per example: axis 0
+        for k, g in record.grads.items():  # formed per example: axis 0
             shifts[k], means[k], m2s[k] = moments_of(g, 0)
             sq_norms[k] = _sq_norm(g, self.acc, rows=True)
         ruled = [k for k in self.ruled if self.leaves[k].uses]
+        uses = record.replace(grads={})
 
         # The chunk's moments held shifted by its first example's gradient (as
         # `moments`), its examples merged one at a time (Welford's update).
-        first = jax.tree.map(lambda x: x[0], (records, deltas))
+        first = jax.tree.map(lambda x: x[0], uses)
         shift = [
-            plan.instantiate(k, *first).astype(_stats_dtype(self.leaves[k].dtype))
+            first.instantiate(k).astype(_stats_dtype(self.leaves[k].dtype))
             for k in ruled
         ]
 
-        def step(carry: Any, xs: Any) -> Any:
-            gs = [
-                plan.instantiate(k, *xs).astype(s.dtype) for k, s in zip(ruled, shift)
-            ]
+        def step(carry: Any, one: ghost.Record) -> Any:
+            gs = [one.instantiate(k).astype(s.dtype) for k, s in zip(ruled, shift)]
             sq = [_sq_norm(g, self.acc) for g in gs]
             d = [g - s for g, s in zip(gs, shift)]
-            one = (jnp.ones((), jnp.float32), d, [jnp.zeros_like(x) for x in d])
-            return merge_centred(carry, one), sq
+            new = (jnp.ones((), jnp.float32), d, [jnp.zeros_like(x) for x in d])
+            return merge_centred(carry, new), sq
 
         zeros = [jnp.zeros_like(s) for s in shift]
         init = (jnp.zeros((), jnp.float32), zeros, zeros)
-        (_, rule_means, rule_m2s), sq = lax.scan(step, init, (records, deltas))
+        (_, rule_means, rule_m2s), sq = lax.scan(step, init, uses)
         for k, rows in zip(ruled, sq):
             sq_norms[k] = rows
         for k, *parts in zip(ruled, shift, rule_means, rule_m2s):
@@ -551,37 +547,29 @@ class _GhostDots:
         self.pe = plan.with_rule(ghost.PER_EXAMPLE)
         self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])
 
-    def parts(self, *example: Any) -> tuple[Any, Any, Any]:
-        """One example's `(arrays, grads)` (the arrays of its ghost leaves' uses, the
-        gradients of the others), its `aux`, and its parameters (which identify
-        the plan that `dot` reads them by, `ghost.Traced.plan_of`)."""
+    def parts(self, *example: Any) -> tuple[Any, Any]:
+        """One example's record as the dot products read it (the forms' arrays of
+        its ghost leaves, the gradients of the others), and its `aux`."""
         values = self.traced.arrays(list(example), {})
-        plan, ev = self.traced.evaluate(values, self.pe)
-        _, aux = self.traced.out_tree.unflatten(ev.outs)
-        arrays = {k: plan.arrays(k, ev.records, ev.deltas) for k in self.ghost}
-        grads = {k: plan.instantiate(k, ev.records, ev.deltas) for k in self.formed}
-        grads.update(zip(self.pe, ev.pe_grads))
-        return (arrays, grads), aux, self.traced.params_of(values)
+        record, (_, aux) = self.traced.record(values, self.pe)
+        forms = {k: record.arrays(k) for k in self.ghost}
+        grads = {k: record.instantiate(k) for k in self.formed}
+        grads.update(record.grads)
+        return record.only(()).replace(grads=grads, forms=forms), aux
 
-    def dot(self, params: Any, a: tuple, b: tuple) -> jax.Array:
-        """`<g(a), g(b)>` from two examples' `(arrays, grads)`."""
-        plan = self.traced.plan_of(params)
-        (arrays_a, grads_a), (arrays_b, grads_b) = a, b
+    def dot(self, a: ghost.Record, b: ghost.Record) -> jax.Array:
+        """`<g(a), g(b)>` from two examples' records (`parts`)."""
         total = jnp.zeros((), self.acc)
         for k in self.ghost:
-            leaf = plan.leaves[k]
+            leaf = b.plan.leaves[k]
             for (i, j), p in leaf.pairs.items():
                 u, v = leaf.uses[i].form, leaf.uses[j].form
-                ai, aj, bi, bj = (
-                    arrays_a[k][i],
-                    arrays_a[k][j],
-                    arrays_b[k][i],
-                    arrays_b[k][j],
-                )
+                ai, aj = a.forms[k][i], a.forms[k][j]
+                bi, bj = b.forms[k][i], b.forms[k][j]
                 total = total + p.term(u, ai, v, bj, self.acc)
                 if i != j:  # the ordered pair (j, i) too: <G_j(a), G_i(b)>
                     total = total + p.term(u, bi, v, aj, self.acc)
-        formed = _tree_vdot(grads_a, {k: grads_b[k] for k in grads_a})
+        formed = _tree_vdot(a.grads, {k: b.grads[k] for k in a.grads})
         return total + formed.astype(self.acc)
 
 
@@ -615,7 +603,7 @@ class _SymmetricRows(Leaf):
     every pair `(i, j)` is reached from `i`'s chunk or from `j`'s (whichever the
     other follows by at most `N / 2` examples), so each chunk evaluates `N / 2 + B`
     other gradients where a full row takes `N`, and the matrix is made symmetric
-    from what was reached. `columns(mine, key, start)`: the chunk's `mine` dotted
+    from what was reached. `columns(mine, start)`: the chunk's `mine` dotted
     with the `width` examples from `start` on, shape `(width, L)`. (Its own block is
     evaluated again rather than taken from `mine`: `mine` then has no use beside
     the loop over the columns, which would otherwise take a copy of it.)"""
@@ -628,9 +616,9 @@ class _SymmetricRows(Leaf):
     windows: bool = True  # any window's rows are valid (a chunk's start is in them)
 
     def summarise(self, out: Any) -> tuple[Any, Any]:
-        mine, index, key = out
+        mine, index = out
         start = index[0]
-        values = self.columns(mine, key, start).T
+        values = self.columns(mine, start).T
         return (), (values, jnp.broadcast_to(start, index.shape))
 
     def combine(self, a: Any, b: Any) -> Any:
@@ -836,7 +824,7 @@ class _Gram:
         return self.fixed[b, measuring]
 
     def parts(self, rows: Transform, args: tuple, diff: Any, in_axes: tuple) -> tuple:
-        """`(rep, dot)`: an example's representation `(rep, aux, key)` and the dot
+        """`(rep, dot)`: an example's representation `(rep, aux)` and the dot
         product of two representations."""
         if self.method is ghost.Method.GHOST:
             chunk = _chunk_length(rows, args, in_axes)[1]
@@ -849,11 +837,11 @@ class _Gram:
             self.fun, diff, rows.args.single, self.has_aux, self.name
         )
 
-        def rep(*example: Any) -> tuple[Any, Any, Any]:
+        def rep(*example: Any) -> tuple[Any, Any]:
             value, g = grad(*example)
-            return g, value[1] if self.has_aux else None, ()
+            return g, value[1] if self.has_aux else None
 
-        return rep, lambda key, a, b: _tree_vdot(a, b)
+        return rep, _tree_vdot
 
     def evaluate(
         self, rows: Transform, inner_size: Any, args: tuple, other: tuple | None,
@@ -870,11 +858,10 @@ class _Gram:
         other = tuple(_whole_examples(a, ax) for a, ax in zip(other, other_axes))
 
         def row(*example: Any) -> Any:  # one example's dot products with `other`
-            mine, aux, _ = rep(*example)
+            mine, aux = rep(*example)
 
             def entry(mine: Any, *other_example: Any) -> Any:
-                theirs, _, key = rep(*other_example)
-                return dot(key, mine, theirs)
+                return dot(mine, rep(*other_example)[0])
 
             inner = batch_vmap(entry, in_axes=axes, batch_size=inner_size)
             return inner(mine, *other), aux
@@ -893,13 +880,12 @@ class _Gram:
         columns = _columns(rep, dot, args, in_axes, size, width, inner_size)
 
         def row(index: Any, *example: Any) -> Any:
-            mine, aux, key = rep(*example)
-            return (mine, index, key), aux
+            mine, aux = rep(*example)
+            return (mine, index), aux
 
         index = jnp.arange(size, dtype=jnp.int32)
         out = rows.map(
-            row, (index, *args), {}, (0, *in_axes), ((0, 0, None), 0),
-            known=known, check_unmapped=False,  # the parameters: unmapped
+            row, (index, *args), {}, (0, *in_axes), 0, known=known,
             accumulator=compose((_SymmetricRows(size, width, columns), Stack())),
         )  # fmt: skip
         return out if self.has_aux else out[0]
@@ -969,18 +955,18 @@ def _columns(
     rep: Callable[..., Any], dot: Callable[..., Any], args: tuple, in_axes: tuple,
     size: int, width: int, inner_size: Any,
 ) -> Callable[..., Any]:  # fmt: skip
-    """`columns(mine, key, start)`: a chunk's dot products with the `width` examples
+    """`columns(mine, start)`: a chunk's dot products with the `width` examples
     from `start` (cyclically) of the whole batch `args`."""
     whole = tuple(_whole_examples(a, ax) for a, ax in zip(args, in_axes))
 
     def entry(mine: Any, *example: Any) -> Any:
-        theirs, _, key = rep(*example)
-        return jax.vmap(lambda a: dot(key, a, theirs))(mine)
+        theirs, _ = rep(*example)
+        return jax.vmap(lambda a: dot(a, theirs))(mine)
 
     def at(mine: Any, j: Any) -> Any:
         return entry(mine, *_example_at(whole, in_axes, j))
 
-    def columns(mine: Any, key: Any, start: Any) -> jax.Array:
+    def columns(mine: Any, start: Any) -> jax.Array:
         # Over Explicit mesh axes the chunks of all devices' shares may run
         # vmapped together: a per-share start then gathers from a batch they all
         # hold with no output sharding JAX can infer; rolled, not gathered.

@@ -243,10 +243,11 @@ def _trace(fun, leaves, axes, treedef, probe, options) -> _loop.Body:
         _program.Trace.of(first),
         (probe, tuple(first.in_avals)),
         lambda length: fun_flat,
+        lambda: out_tree,  # (`fun`'s structure does not depend on its context)
     )
     k = len(retraced.params)
 
-    def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
+    def chunk_fn(chunk_leaves: list[Any], length: int) -> Any:
         return retraced(chunk_leaves[:k], list(chunk_leaves[k:]), length)
 
     signature = _loop.Signature(out_tree, out_avals, [0] * len(out_avals))

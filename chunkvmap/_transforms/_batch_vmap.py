@@ -554,6 +554,7 @@ def _trace(
         _program.Trace.of(first),
         (length, tuple(first.in_avals)),
         lambda length: mapped_at(length, leading, f_flat),
+        lambda: out_box[0],
     )
     chunk_fn = _chunk_fn(f, retraced, dyn, flat_axes)
     convolutions = _conv.has_convolution(first)
@@ -633,11 +634,12 @@ def _chunk_fn(
     f: Any, retraced: _program.Retraced, dyn: list, flat_axes: list
 ) -> Callable[..., Any]:
     """The loop's chunk function: the chunk's trace evaluated on the chunk's
-    leaves (the trace's arrays first), its outputs moved to their axes."""
+    leaves (the trace's arrays first), its outputs moved to their axes, in the
+    structure that trace gave them."""
     moved = [a not in (0, None) for a in flat_axes]
     k = len(retraced.params)
 
-    def chunk_fn(chunk_leaves: list[Any], length: int) -> list[Any]:
+    def chunk_fn(chunk_leaves: list[Any], length: int) -> Any:
         params, values = chunk_leaves[:k], [chunk_leaves[k + i] for i in dyn]
         if not any(moved):
             return retraced(params, values, length)
@@ -646,10 +648,13 @@ def _chunk_fn(
         # for the moved outputs: on the statistics' gradients, examples last, a
         # quarter more memory on a transformer).
         call = jax.jit(_cache.wraps(f)(lambda p, *v: retraced(p, list(v), length)))
-        outs = call(params, *values)
-        return [
-            jnp.moveaxis(o, 0, a) if m else o for o, a, m in zip(outs, flat_axes, moved)
-        ]
+        outs, tree = jax.tree.flatten(call(params, *values))
+        return tree.unflatten(
+            [
+                jnp.moveaxis(o, 0, a) if m else o
+                for o, a, m in zip(outs, flat_axes, moved)
+            ]
+        )
 
     return chunk_fn
 

@@ -34,10 +34,10 @@ from ._plan import (
     INSTANTIATED as INSTANTIATED,
     PER_EXAMPLE as PER_EXAMPLE,
     UNUSED as UNUSED,
-    Evaluation as Evaluation,
     LeafRule as LeafRule,
     Method as Method,
     Plan as Plan,
+    Record as Record,
     accumulation_dtype as accumulation_dtype,
 )
 from ._report import (

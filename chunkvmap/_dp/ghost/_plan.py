@@ -84,23 +84,66 @@ class Verdict(NamedTuple):
     counts: str = ""  # the predicted costs, in words
 
 
-class Evaluation(NamedTuple):
-    """One example's ghost evaluation (`Plan.backward`), or a chunk's stacked:
-    each use's recorded operands (`records`, by `use.key`) and output cotangent
-    (`deltas`, by `use.path`), the gradients of the per-example leaves
-    (`pe_grads`, formed as they are), and the loss's outputs (`outs`). The
-    clipping, norms, moments and Gram all consume this record."""
+@jax.tree_util.register_pytree_node_class
+class Record:
+    """The record of one example's ghost evaluation (`Plan.backward`), or of a
+    chunk's examples stacked: each use's recorded operands (`records`, by
+    `use.key`: activations, indices) and output cotangent (`deltas`, by
+    `use.path`); formed gradients (`grads`, by leaf index: those of the leaves
+    formed per example, and any a quantity forms from the uses); and the arrays of
+    the forms of leaves' uses (`forms`, by leaf index, where a quantity builds
+    them). The clipped sums, norms, moments and Gram all consume it, each keeping
+    what it needs of it over a chunk (`only`, `replace`).
 
-    records: dict
-    deltas: dict
-    pe_grads: list
-    outs: list
+    A pytree whose structure holds the `plan` that made it (static: the plan of
+    the context it was made in), so that what reads a chunk of records reads them
+    by their own plan."""
 
-    def only(self, keys: set, paths: set) -> Evaluation:
-        """The record with only the uses' `keys` and `paths` (what a chunk keeps)."""
-        records = {k: r for k, r in self.records.items() if k in keys}
-        deltas = {p: d for p, d in self.deltas.items() if p in paths}
-        return self._replace(records=records, deltas=deltas)
+    __slots__ = ("plan", "records", "deltas", "grads", "forms")
+
+    def __init__(
+        self, plan: Plan, records: dict, deltas: dict, grads: dict, forms: dict
+    ) -> None:
+        self.plan, self.records, self.deltas = plan, records, deltas
+        self.grads, self.forms = grads, forms
+
+    def tree_flatten(self) -> tuple[tuple, Plan]:
+        return (self.records, self.deltas, self.grads, self.forms), self.plan
+
+    @classmethod
+    def tree_unflatten(cls, plan: Plan, children: Sequence[Any]) -> Record:
+        return cls(plan, *children)
+
+    def replace(self, **changes: Any) -> Record:
+        parts = (self.records, self.deltas, self.grads, self.forms)
+        fields = dict(zip(("records", "deltas", "grads", "forms"), parts))
+        return Record(self.plan, **{**fields, **changes})
+
+    def only(self, leaves: Sequence[int]) -> Record:
+        """The record of the uses of `leaves` only (what a chunk keeps of them)."""
+        uses = [u for k in leaves for u in self.plan.leaves[k].uses]
+        keys, paths = {u.key for u in uses}, {u.path for u in uses}
+        return self.replace(
+            records={k: r for k, r in self.records.items() if k in keys},
+            deltas={p: d for p, d in self.deltas.items() if p in paths},
+        )
+
+    def arrays(self, k: int) -> list:
+        """One example's arrays of the forms of leaf `k`'s uses."""
+        return self.plan.arrays(k, self.records, self.deltas)
+
+    def instantiate(self, k: int) -> Any:
+        """One example's gradient of rule leaf `k`, from its uses."""
+        return self.plan.instantiate(k, self.records, self.deltas)
+
+    def sq_norm(self, k: int, acc: Any) -> Any:
+        """`||G||^2` of one example's gradient of rule leaf `k`, by its rule."""
+        return self.plan.sq_norm(k, self.records, self.deltas, acc)
+
+    def chunk_sum(self, k: int) -> Any:
+        """`sum_i G_i` of rule leaf `k` over a chunk's records (cotangents scaled
+        as the sum needs)."""
+        return self.plan.chunk_sum(k, self.records, self.deltas)
 
 
 @dataclasses.dataclass
@@ -350,10 +393,13 @@ class Plan:
         """A zero probe for each use's output (with its scans' axes)."""
         return {p: self.uses_at[p][0].probe() for p in self.probe_paths}
 
-    def backward(self, values: Sequence[Any], per_example: Sequence[int]) -> Evaluation:
+    def backward(
+        self, values: Sequence[Any], per_example: Sequence[int]
+    ) -> tuple[Record, list]:
         """One example's ghost evaluation at `values`: its loss evaluated with zero
         probes and differentiated once, giving every use's recorded operands and
-        output cotangent, and the gradients of the leaves `per_example`."""
+        output cotangent, and the gradients of the leaves `per_example` (the
+        `Record`), and the loss's outputs."""
         positions = self.diff_positions
 
         def loss(probes: dict, pe_values: list) -> Any:
@@ -366,7 +412,7 @@ class Plan:
         (deltas, pe_grads), (outs, records) = jax.grad(
             loss, argnums=(0, 1), has_aux=True
         )(self.probes(), [values[positions[k]] for k in per_example])
-        return Evaluation(records, deltas, pe_grads, outs)
+        return Record(self, records, deltas, dict(zip(per_example, pe_grads)), {}), outs
 
     def with_rule(self, *rules: str) -> list[int]:
         """The indices of the leaves whose rule is one of `rules`."""

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._core import _axes, _memory, _program
-from ._plan import GHOST, INSTANTIATED, PER_EXAMPLE, Evaluation, Plan
+from ._plan import GHOST, INSTANTIATED, PER_EXAMPLE, Plan, Record
 
 
 def _one_example_sharding(aval: Any, stripped: bool) -> Any:
@@ -217,14 +217,15 @@ class Traced:
             self._plans[key] = plan
         return plan
 
-    def evaluate(
+    def record(
         self, values: Sequence[Any], per_example: Sequence[int]
-    ) -> tuple[Plan, Evaluation]:
-        """One example's plan (in the current mesh context) and its evaluation
-        (`Plan.backward`) at its array leaves `values` (`arrays`), the gradients of
-        the leaves `per_example` formed as they are."""
-        plan = self.plan_here(values)
-        return plan, plan.backward(values, per_example)
+    ) -> tuple[Record, Any]:
+        """One example's ghost evaluation at its array leaves `values` (`arrays`),
+        by its plan in the current mesh context (`plan_here`): its `Record` (the
+        gradients of the leaves `per_example` formed as they are), and the loss's
+        `(value, aux)`. Every quantity's examples are evaluated here."""
+        record, outs = self.plan_here(values).backward(values, per_example)
+        return record, self.out_tree.unflatten(outs)
 
     def chunk_memory(self, chunk: int) -> tuple[int, int] | None:
         """XLA's compiled temporary memory of clipping a chunk of `chunk` examples
@@ -246,22 +247,27 @@ class Traced:
 
         def ghost(*values: Any) -> Any:
             def one(*vals: Any) -> Any:
-                ev = plan.backward(list(vals), pe)
-                sq = sum(
-                    (plan.sq_norm(k, ev.records, ev.deltas, acc) for k in ruled),
-                    jnp.zeros((), acc),
+                record, _ = plan.backward(list(vals), pe)
+                sq = sum((record.sq_norm(k, acc) for k in ruled), jnp.zeros((), acc))
+                sq = sq + sum(
+                    jnp.sum(jnp.square(g)).astype(acc) for g in record.grads.values()
                 )
-                sq = sq + sum(jnp.sum(jnp.square(g)).astype(acc) for g in ev.pe_grads)
-                return sq, ev.records, ev.deltas, ev.pe_grads
+                return sq, record
 
-            sq, records, deltas, pe_grads = jax.vmap(one, in_axes=axes)(*values)
+            sq, record = jax.vmap(one, in_axes=axes)(*values)
             c = scale(sq)
-            deltas = jax.tree.map(
-                lambda d: d * c.reshape((-1,) + (1,) * (d.ndim - 1)).astype(d.dtype),
-                deltas,
+            record = record.replace(
+                deltas=jax.tree.map(
+                    lambda d: (
+                        d * c.reshape((-1,) + (1,) * (d.ndim - 1)).astype(d.dtype)
+                    ),
+                    record.deltas,
+                )
             )
-            sums = [plan.chunk_sum(k, records, deltas) for k in ruled]
-            sums += [jnp.tensordot(c.astype(g.dtype), g, 1) for g in pe_grads]
+            sums = [record.chunk_sum(k) for k in ruled]
+            sums += [
+                jnp.tensordot(c.astype(g.dtype), g, 1) for g in record.grads.values()
+            ]
             return sums
 
         def vmap(*values: Any) -> Any:
@@ -292,40 +298,6 @@ class Traced:
             )
         except Exception:  # e.g. a loss closing over a traced value: not measured
             return None
-
-    def params_of(self, values: Sequence[Any]) -> list[Any]:
-        """The differentiated leaves among one example's `values`: what identifies
-        its plan (`plan_of`) where the example's other values are not at hand."""
-        return [values[i] for i in self.plan.diff_positions]
-
-    def plan_of(self, params: Sequence[Any]) -> Plan:
-        """The plan that `plan_here` made for an example whose differentiated
-        leaves are `params` (`params_of`), in the current mesh context: how a
-        chunk's sums find the plan of the examples they sum, from those examples'
-        own outputs."""
-        mesh = jax.sharding.get_abstract_mesh()
-        types = tuple(jax.typeof(x) for x in params)
-        if (mesh, types) in self._plans:
-            return self._plans[(mesh, types)]
-        # (inside a `shard_map`, the examples' types and the chunk's outputs' may
-        # name the mesh differently, and a chunk traced outside any mesh may run
-        # under one (`_program.runs_here`): the plan of that context, by shapes)
-        shapes = [(t.shape, t.dtype) for t in types]
-        by_shapes = [
-            (m, plan)
-            for (m, ts), plan in self._plans.items()
-            if [(t.shape, t.dtype) for t in ts] == shapes
-        ]
-        found = [plan for m, plan in by_shapes if m == mesh]
-        if not found:  # (plans of equivalent contexts have one structure: any one)
-            found = [p for m, p in by_shapes if _program.runs_here(m, mesh)]
-            found = found[:1]
-        if len(found) != 1:
-            raise RuntimeError(
-                "ghost clipping: no example was traced with these parameter types "
-                "in this mesh context"
-            )
-        return found[0]
 
     def rebuild(self, args: Sequence[Any], kwargs: dict, values: Sequence[Any]):
         """`(args, kwargs)` with their array leaves replaced by `values`."""
