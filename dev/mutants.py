@@ -401,6 +401,14 @@ MUTANTS = {
         ),
         ["test_sharding", "test_wherever"],
     ),
+    "trace: a retrace's outputs in the latest trace's structure, not its own": (
+        (
+            "chunkvmap/_core/_program.py",
+            "        return tree.unflatten(this.apply(params, *values))",
+            "        return self._tree().unflatten(this.apply(params, *values))",
+        ),
+        ["test_sharding", "test_ghost"],
+    ),
     "mesh: the layout takes the mesh= given, not the one the call resolved": (
         (
             "chunkvmap/_core/_sharding.py",

@@ -386,6 +386,54 @@ def test_f_is_traced_once_per_call_over_the_devices(how, batch_size, call, rng):
     tree_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
+@jax.tree_util.register_pytree_node_class
+class _Tagged:
+    """An output whose structure holds the mesh context it was made in."""
+
+    def __init__(self, value, context):
+        self.value, self.context = value, context
+
+    def tree_flatten(self):
+        return (self.value,), self.context
+
+    @classmethod
+    def tree_unflatten(cls, context, children):
+        return cls(*children, context)
+
+
+def test_each_trace_gives_back_the_structure_it_made():
+    """A chunk traced again in another mesh context gives its outputs in the
+    structure that trace made (what the function put there in its context, as
+    ghost clipping puts its plan), never in the first trace's or the latest's,
+    whichever order the contexts come in."""
+    from chunkvmap._core import _program
+
+    made = []
+
+    def fn(x):
+        out = _Tagged(2 * x, jax.sharding.get_abstract_mesh())
+        leaves, tree = jax.tree.flatten(out)
+        made[:] = [tree]
+        return leaves
+
+    def jitted(length):
+        return jax.jit(lambda x: fn(x))
+
+    x = jnp.arange(4.0)
+    first = _program.Trace.of(jax.make_jaxpr(jitted(4))(x))
+    retraced = _program.Retraced(first, (4, [jax.typeof(x)]), jitted, lambda: made[0])
+    outside = jax.sharding.get_abstract_mesh()
+    explicit = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    for _ in range(2):
+        out = retraced(first.consts, [x], 4)
+        assert out.context == outside
+        np.testing.assert_array_equal(out.value, 2 * x)
+        with jax.set_mesh(explicit):
+            out = retraced(first.consts, [jnp.arange(4.0)], 4)
+            assert out.context == explicit.abstract_mesh
+            np.testing.assert_array_equal(out.value, 2 * x)
+
+
 def test_a_trace_runs_only_where_its_mesh_context_allows():
     """The rule by which a chunk traced in one mesh context is evaluated in another
     (`_program.runs_here`): a trace made outside any mesh, or inside `shard_map`'s
