@@ -27,8 +27,8 @@ def _body(example, x, accumulator, remat=True, out_axes=0, batch=None):
         return jax.vmap(example, out_axes=spec)(leaves[0])
 
     signature = _loop.Signature(tree, flat, axes)
-    if accumulator is not None and accumulator.prepare is not None:
-        accumulator = accumulator.prepare(signature, batch or x.shape[0])
+    if isinstance(accumulator, acc.Composed):
+        accumulator = accumulator.resolve(signature, batch or x.shape[0])
     return _loop.Body("f", chunk_fn, [0], signature, accumulator, remat=remat)
 
 
@@ -67,7 +67,7 @@ def _in_order(a, b):
 @pytest.mark.parametrize("n, batch", [(1, 1), (5, 2), (12, 4), (12, 5), (7, 20)])
 def test_accumulator_folds_in_order_and_stacks_rows(n, batch):
     x = jax.random.normal(jax.random.key(n), (n, 2))
-    body = _body(_example, x, _loop.Accumulator(_in_order, _mixed))
+    body = _body(_example, x, _loop.Accumulator(_mixed, _in_order))
     expected = _mixed_oracle(x)
     tree_allclose(_run(body, x, batch), expected, rtol=1e-5, atol=1e-5)
     tree_allclose(
@@ -89,7 +89,7 @@ def test_accumulator_gradients_count_each_example_once(n, batch, remat):
             + (row_sums**2 * weights).sum()
         )  # fmt: skip
 
-    body = _body(_example, x, _loop.Accumulator(_in_order, _mixed), remat)
+    body = _body(_example, x, _loop.Accumulator(_mixed, _in_order), remat)
     got = jax.grad(lambda x: scalar(_run(body, x, batch)))(x)
     want = jax.jit(jax.grad(lambda x: scalar(_mixed_oracle(x))))(x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -99,7 +99,8 @@ def test_folding_accumulator_has_no_rows_and_returns_the_summary():
     x = jnp.arange(10.0).reshape(5, 2)
     folding = acc.compose(acc.Fold(jnp.add, lambda out: out["sum"].sum(0)))
     body = _body(_example, x, folding)
-    assert not body.accumulator.rows and body.accumulator.sums
+    assert body.accumulator.sums
+    assert body.accumulator.summarise(jax.vmap(_example)(x))[1] == ((),)  # no rows
     np.testing.assert_allclose(_run(body, x, 2), (x**2).sum(0))
 
 
@@ -145,7 +146,7 @@ def test_keep_first_keeps_an_unmapped_output_beside_a_sum(n, batch):
 
     spec = (acc.Fold(jnp.add, lambda s: s.sum(0)), acc.KeepFirst())
     body = _body(example, x, acc.compose(spec), out_axes=[0, None], batch=batch)
-    assert not body.accumulator.sums and not body.accumulator.rows
+    assert not body.accumulator.sums
     total, kept = _run(body, x, batch)
     np.testing.assert_allclose(total, (x**2).sum(0), rtol=1e-6)
     np.testing.assert_array_equal(kept, jnp.arange(3.0))
@@ -184,7 +185,7 @@ def test_stack_keeps_the_output_axes_as_vmap(out_axes):
         example = lambda x: (jnp.zeros((3, 3)), jnp.ones(2))  # noqa: E731
     spec = (acc.Stack(), acc.Stack())
     body = _body(example, x, acc.compose(spec), out_axes=out_axes, batch=4)
-    assert body.accumulator.rows == (out_axes is not None)
+    assert body.accumulator.sums == (out_axes is not None)  # kept: not added
     want = jax.vmap(example, out_axes=out_axes)(x)
     tree_allclose(_run(body, x, 4), want, rtol=1e-6, atol=1e-6)
 
@@ -202,7 +203,7 @@ def test_rows_cost_what_they_hold_not_n_per_chunk():
 
     def temp(n):
         x = jnp.ones((n, 4))
-        body = _body(example, x, _loop.Accumulator.adding(summarise))
+        body = _body(example, x, _loop.Accumulator(summarise))
         return temp_bytes(lambda x: _run(body, x, 16), x)
 
     small, large = temp(1024), temp(16384)
@@ -216,9 +217,7 @@ def test_row_types_follow_the_examples():
     def summarise(out):
         return out["sum"].sum(0), out["rows"]
 
-    _, (rows, row_sums) = _run(
-        _body(_example, x, _loop.Accumulator.adding(summarise)), x, 4
-    )
+    _, (rows, row_sums) = _run(_body(_example, x, _loop.Accumulator(summarise)), x, 4)
     assert rows.shape == (6, 3) and rows.dtype == jnp.bfloat16
     assert row_sums.shape == (6,) and row_sums.dtype == jnp.bfloat16
 

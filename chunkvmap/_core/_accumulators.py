@@ -14,9 +14,9 @@ by a prefix tree whose leaves are these accumulators:
   example (unmapped);
 * `Moments()`: the examples' count, mean and centred sum of squares, leaf by leaf.
 
-`compose(spec)` is the `_loop.Accumulator` of the whole output: resolved against the
-chunk function's traced `Signature` before any loop is built (`Accumulator.prepare`),
-so each leaf knows its subtree's structure and axes and the loop traces nothing for it.
+`compose(spec)` is the accumulator of the whole output: resolved by the core against the
+chunk function's traced `Signature` before any loop is built (`Composed.resolve`),
+into a `_loop.Accumulator`, so each leaf knows its subtree's structure and axes.
 Clipping is `(Fold(add, scaled sum), Stack())`; the Flax adapters' outputs with a
 reduction are `(Fold(reduction, chunk_reduction), Stack())`; the gradient statistics
 `(Moments(), Stack(), Stack())`.
@@ -49,15 +49,12 @@ class Leaf:
     """An accumulator of one subtree of the outputs. `resolve(outs, length)` (a tree
     of `_Out`, the subtree's structure; chunks of `length`) returns the leaf to run;
     `summarise(out)` maps the subtree of one chunk's outputs to `(summary, rows)`
-    (every leaf of `rows` one row per example along axis 0), `combine` folds two
-    summaries, `finish` gives the subtree's result."""
+    (every leaf of `rows` one row per example along axis 0; `()` for none),
+    `combine` folds two summaries, `finish` gives the subtree's result."""
 
     sums: bool = True  # `combine` adds leaf by leaf (or has nothing to combine)
-    rows: bool = False  # `summarise` returns rows
     windows: bool = False  # see `_loop.Accumulator.windows`
     pure: bool = False  # see `_loop.Accumulator.pure` (opted into by each leaf)
-
-    summary: Any = None  # the types of one chunk's summary, when known
 
     def resolve(self, outs: Any, length: int) -> Leaf:
         return self
@@ -76,10 +73,8 @@ class Leaf:
 class Fold(Leaf):
     reduction: Callable[[Any, Any], Any] = jnp.add
     chunk_reduction: Callable[[Any], Any] = identity
-    # A user's reduction, checked when resolved (messages name the transform `name`);
-    # `summary`: then the types of one chunk's summary.
+    # A user's reduction, checked when resolved (messages name the transform `name`).
     name: str | None = None
-    summary: Any = None
 
     @property
     def sums(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
@@ -90,12 +85,11 @@ class Fold(Leaf):
         return self.name is None  # a front end's own fold, not a user's reduction
 
     def resolve(self, outs: Any, length: int) -> Leaf:
-        if self.name is None:
-            return self
-        summary = checked_summary(
-            self.name, self.reduction, self.chunk_reduction, outs, [length or 1]
-        )
-        return dataclasses.replace(self, summary=summary)
+        if self.name is not None:
+            checked_summary(
+                self.name, self.reduction, self.chunk_reduction, outs, [length or 1]
+            )
+        return self
 
     def summarise(self, out: Any) -> tuple[Any, Any]:
         return self.chunk_reduction(out), ()
@@ -137,10 +131,6 @@ class Stack(Leaf):
     @property
     def sums(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
         return all(a is not None for a in self.axes)  # nothing kept to combine
-
-    @property
-    def rows(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
-        return any(a is not None for a in self.axes)
 
     @property
     def windows(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
@@ -255,65 +245,59 @@ def unshifted(summary: Any) -> tuple[Any, Any, Any]:
     return count, jax.tree.map(jnp.add, shift, mean), m2
 
 
-def compose(spec: Any) -> _loop.Accumulator:
+@dataclasses.dataclass(frozen=True, eq=False)
+class Composed:
     """The accumulator of outputs of which `spec` (a tree of `Leaf`s) is a prefix,
-    resolved against the chunk function's signature before the loop is built."""
+    before the outputs are known (`compose`). `pure`: every leaf is."""
 
-    def prepare(signature: _loop.Signature, length: int) -> _loop.Accumulator:
-        return _resolved(spec, signature, length)
+    spec: Any
 
-    pure = all(
-        leaf.pure
-        for leaf in jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, Leaf))
-    )
-    return _loop.Accumulator(_unprepared, _unprepared, prepare=prepare, pure=pure)
+    @property
+    def pure(self) -> bool:
+        return all(leaf.pure for leaf in _spec_leaves(self.spec)[0])
 
+    def resolve(self, signature: _loop.Signature, length: int) -> _loop.Accumulator:
+        """The `_loop.Accumulator` of a chunk function's outputs (`signature`,
+        chunks of `length`): each leaf resolved against its subtree."""
+        leaves, spec_tree = _spec_leaves(self.spec)
+        outs = signature.out_tree.unflatten(
+            [_Out(a, ax) for a, ax in zip(signature.out_avals, signature.out_axes)]
+        )
+        subtrees = spec_tree.flatten_up_to(outs)
+        leaves = [leaf.resolve(sub, length) for leaf, sub in zip(leaves, subtrees)]
 
-def _unprepared(*_: Any) -> Any:
-    raise AssertionError("an accumulator is prepared for its signature first")
-
-
-def _resolved(spec: Any, signature: _loop.Signature, length: int) -> _loop.Accumulator:
-    leaves, spec_tree = jax.tree.flatten(spec, is_leaf=lambda x: isinstance(x, Leaf))
-    outs = signature.out_tree.unflatten(
-        [_Out(a, ax) for a, ax in zip(signature.out_avals, signature.out_axes)]
-    )
-    subtrees = spec_tree.flatten_up_to(outs)
-    leaves = [leaf.resolve(sub, length) for leaf, sub in zip(leaves, subtrees)]
-
-    def summarise(out: Any) -> tuple[Any, Any]:
-        # (rows only of the leaves that have them: none at all is `()`, as the
-        # loop expects of an accumulator without rows)
-        parts = [
-            leaf.summarise(sub)
-            for leaf, sub in zip(leaves, spec_tree.flatten_up_to(out))
-        ]
-        rows = tuple(r for leaf, (_, r) in zip(leaves, parts) if leaf.rows)
-        return tuple(s for s, _ in parts), rows
-
-    def combine(a: Sequence[Any], b: Sequence[Any]) -> Any:
-        return tuple(leaf.combine(x, y) for leaf, x, y in zip(leaves, a, b))
-
-    def finish(summaries: Sequence[Any], rows: Sequence[Any]) -> Any:
-        stacked = iter(rows)
-        return spec_tree.unflatten(
-            [
-                leaf.finish(s, next(stacked) if leaf.rows else ())
-                for leaf, s in zip(leaves, summaries)
+        def summarise(out: Any) -> tuple[Any, Any]:
+            parts = [
+                leaf.summarise(sub)
+                for leaf, sub in zip(leaves, spec_tree.flatten_up_to(out))
             ]
+            return tuple(s for s, _ in parts), tuple(r for _, r in parts)
+
+        def combine(a: Sequence[Any], b: Sequence[Any]) -> Any:
+            return tuple(leaf.combine(x, y) for leaf, x, y in zip(leaves, a, b))
+
+        def finish(summaries: Sequence[Any], rows: Sequence[Any]) -> Any:
+            return spec_tree.unflatten(
+                [leaf.finish(s, r) for leaf, s, r in zip(leaves, summaries, rows)]
+            )
+
+        return _loop.Accumulator(
+            summarise,
+            None if all(leaf.sums for leaf in leaves) else combine,
+            finish,
+            windows=all(leaf.windows for leaf in leaves),
+            pure=all(leaf.pure for leaf in leaves),
         )
 
-    known = all(leaf.summary is not None for leaf in leaves)
-    return _loop.Accumulator(
-        combine,
-        summarise,
-        sums=all(leaf.sums for leaf in leaves),
-        summary=tuple(leaf.summary for leaf in leaves) if known else None,
-        finish=finish,
-        rows=any(leaf.rows for leaf in leaves),
-        windows=all(leaf.windows for leaf in leaves),
-        pure=all(leaf.pure for leaf in leaves),
-    )
+
+def compose(spec: Any) -> Composed:
+    """The accumulator of outputs of which `spec` (a tree of `Leaf`s) is a prefix,
+    resolved against the chunk function's signature before the loop is built."""
+    return Composed(spec)
+
+
+def _spec_leaves(spec: Any) -> tuple[list[Leaf], Any]:
+    return jax.tree.flatten(spec, is_leaf=lambda x: isinstance(x, Leaf))
 
 
 def _same_types(a: Any, b: Any) -> bool:

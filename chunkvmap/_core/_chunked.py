@@ -44,9 +44,9 @@ def body(
 ) -> _loop.Body:
     """The `_loop.Body` of a traced chunk function (traced for chunks of `length`),
     combined as `options` say: stacked, folded by the user's reduction, or
-    accumulated by a front end's own accumulator; an accumulator is prepared here for
-    this signature, once, before any loop is built (a user's reduction is checked
-    then: `_accumulators.Fold`). `convolutions`: whether the traced chunk has a
+    accumulated by a front end's own accumulator; a composed one
+    (`_accumulators.compose`) is resolved here against this signature, once, before
+    any loop is built (a user's reduction is checked then: `_accumulators.Fold`). `convolutions`: whether the traced chunk has a
     convolution (`_conv.has_convolution`). `chunk_fn` takes the arrays the chunk's
     trace reads (`traced.params`) first, then the chunk's leaves mapped along
     `axes`: the body's `params`, unmapped."""
@@ -57,8 +57,8 @@ def body(
                 options.reduction, options.chunk_reduction, name=options.name
             )
         )
-    if accumulator is not None and accumulator.prepare is not None:
-        accumulator = accumulator.prepare(signature, length)
+    if isinstance(accumulator, _accumulators.Composed):
+        accumulator = accumulator.resolve(signature, length)
     post = options.chunk_reduction if accumulator is None else identity
     # Every chunk's convolutions in the layout XLA:CPU runs fast inside a loop (a
     # chunk without one is left as it is: re-evaluating it would cost a trace).

@@ -233,58 +233,56 @@ def fold(reduction: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
 SUMS = (jnp.add, lax.add, operator.add)
 
 
+def _pair(summary: Any, rows: Any) -> Any:
+    return summary, rows
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Accumulator:
-    """How the chunks' outputs combine into one result, leaf by leaf, when they are
-    not simply stacked.
+    """How the chunks' outputs combine into one result when they are not simply
+    stacked: three functions.
 
-    `summarise(out)` maps one chunk's outputs (the chunk function's tree, the chunk's
-    examples along each output's mapped axis) to a pair `(summary, rows)`:
+    * `summarise(out)` maps one chunk's outputs (the chunk function's tree, the
+      chunk's examples along each output's mapped axis) to a pair `(summary, rows)`;
+    * `combine(a, b)` folds the summaries over the chunks, in order and without an
+      identity element (a user's reduction leaf by leaf, or a merge of whole
+      summaries such as running means and variances); None: they are added leaf by
+      leaf (devices' summaries are then combined by one all-reduce);
+    * `finish(summary, rows)` gives the caller's result, where every leaf of
+      `rows` holds one row per example along its axis 0, stacked over the chunks
+      in example order, as `jax.vmap` stacks (each chunk's rows are written in
+      place at its offset, so a call costs O(N) writes, not O(N) per chunk).
 
-    * the summaries are folded over the chunks, in order and without an identity
-      element, by `combine(a, b)` (a sum, a user's reduction leaf by leaf, or a
-      merge of whole summaries such as running means and variances);
-    * every leaf of `rows` holds one row per example of the chunk along its axis 0,
-      and is stacked: the result has one row per example, in example order, as
-      `jax.vmap` stacks (each chunk's rows are written in place at its offset, so
-      a call costs O(N) writes, not O(N) per chunk).
+    The loop takes the types of a chunk's summary and rows from one abstract
+    evaluation of the first chunk. Two properties say what the functions cannot:
+    `windows`, that the rows do not depend on the window of examples that made them
+    (the last chunk of a remainder then summarises its whole window, and its rows
+    of examples an earlier chunk covered are not written again: one `summarise`
+    is traced, not a branch for the remainder); `pure`, that it computes from the
+    chunks' outputs alone, by code that is the same from call to call (none of the
+    user's functions, nothing traced for the call), so that an eager program of it
+    is known by its chunk's trace and its own fields.
 
     Accumulators are composed from small leaves over a prefix tree of the outputs
-    (`_accumulators`: a user's `reduction` / `chunk_reduction` is one `Fold`,
-    clipping a `Fold` of the clipped gradients beside a `Stack` of per-example
-    norms, values and auxiliary outputs). `sums`: `combine` adds leaf by leaf
-    (devices' summaries are then combined by one all-reduce). `summary`: the types
-    of one chunk's summary, when the caller knows them (it checked the user's
-    reduction); else the loop takes them from the summaries themselves.
-    `finish(summary, rows)` gives the caller's result.
+    (`_accumulators.compose`: a user's `reduction` / `chunk_reduction` is one
+    `Fold`, clipping a `Fold` of the clipped gradients beside a `Stack` of
+    per-example norms, values and auxiliary outputs).
     """
 
-    combine: Callable[[Any, Any], Any]
     summarise: Callable[[Any], tuple[Any, Any]]
-    sums: bool = False
-    summary: Any = None
-    finish: Callable[[Any, Any], Any] = lambda summary, rows: (summary, rows)
-    # Whether `summarise` returns any rows (else their types are not traced for).
-    rows: bool = True
-    # `prepare(signature, length)`, when given, is called once with the chunk
-    # function's `Signature` (and the length of its chunks) before any loop is built,
-    # and returns the accumulator to use: for one whose leaves depend on the outputs'
-    # structure and axes, and that checks a user's reduction on the outputs it folds.
-    prepare: Callable[[Any, int], Accumulator] | None = None
-    # Whether the last chunk of a remainder summarises its whole window (the rows of
-    # the examples an earlier chunk covered are then not written again): for an
-    # accumulator with nothing to fold whose rows do not depend on the window that
-    # made them, so that one `summarise` is traced, not a branch for the remainder.
+    combine: Callable[[Any, Any], Any] | None = None
+    finish: Callable[[Any, Any], Any] = _pair
     windows: bool = False
-    # Whether it computes from the chunks' outputs alone, by code that is the same
-    # from call to call (none of the user's functions, nothing traced for the call):
-    # an eager program of it is then known by its chunk's trace and its own fields.
     pure: bool = False
 
-    @classmethod
-    def adding(cls, summarise: Callable[[Any], tuple[Any, Any]]) -> Accumulator:
-        """Summaries added leaf by leaf, rows stacked."""
-        return cls(ft.partial(fold, jnp.add), summarise, sums=True)
+    @property
+    def sums(self) -> bool:
+        """Whether the summaries are added leaf by leaf."""
+        return self.combine is None
+
+    def merge(self, a: Any, b: Any) -> Any:
+        """Two summaries folded (`combine`, or added)."""
+        return fold(jnp.add, a, b) if self.combine is None else self.combine(a, b)
 
 
 class Signature(NamedTuple):
@@ -478,8 +476,7 @@ class Body:
         assert accumulator is not None
         fold = _Fold(
             self.chunk_fn, self.axes, self.out_axes, accumulator.summarise,
-            accumulator.combine,
-            accumulator.summary, 0, accumulator.rows, accumulator.windows,
+            accumulator.merge, 0, accumulator.windows,
         )  # fmt: skip
         return self._fold(fold, leaves, plan, report)
 
@@ -603,20 +600,15 @@ class _Fold(NamedTuple):
     """What `Body._fold` folds: `chunk_fn`'s outputs (its leaves mapped along
     `axes`, its outputs along `out_axes`) summarised by `summarise` into
     `(summary, rows)`; the summaries folded with `combine`, the rows (the chunk's
-    examples along `row_axis`) written at the chunk's offset. The carry has the
-    types `summary_avals`, or those of the summaries themselves when the leaves
-    carry sharding types (or `summary_avals` is None). `has_rows`: the summaries
-    have rows; `windows`: the last chunk's whole window is summarised too
-    (`Accumulator.windows`)."""
+    examples along `row_axis`) written at the chunk's offset. `windows`: the last
+    chunk's whole window is summarised too (`Accumulator.windows`)."""
 
     chunk_fn: ChunkFn
     axes: Sequence[int | None]
     out_axes: Sequence[int | None]
     summarise: Callable[[Any], Any]
     combine: Callable[[Any, Any], Any]
-    summary_avals: Any
     row_axis: int
-    has_rows: bool
     windows: bool
 
 
@@ -639,12 +631,9 @@ def _shares_fold(
     def combine(a: Any, b: Any) -> Any:  # share by share
         if not jax.tree.leaves(a):  # nothing to fold (rows only)
             return a
-        return jax.vmap(accumulator.combine)(a, b)
+        return jax.vmap(accumulator.merge)(a, b)
 
-    return _Fold(
-        shares, local, shifted, summarise, combine, None, 1, accumulator.rows,
-        accumulator.windows,
-    )  # fmt: skip
+    return _Fold(shares, local, shifted, summarise, combine, 1, accumulator.windows)
 
 
 def _remainder_summary(fold: _Fold, batch: int, rem: int) -> Callable[..., Any]:
@@ -690,20 +679,14 @@ def _row_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
 
 
 def _fold_init(fold: _Fold, leaves: Sequence[Any], plan: Chunks) -> tuple:
-    """The fold's initial carry: zero summaries and zero row buffers."""
-    summary_avals, row_avals = fold.summary_avals, ()
-    if summary_avals is None or sharding_in_types(leaves) or fold.has_rows:
-        # The carry takes the summaries' own types: those of the first chunk's
-        # (one abstract evaluation of `summarise`, not one per branch of the last
-        # chunk's `cond`).
-        types = jax.eval_shape(
-            lambda: fold.summarise(
-                fold.chunk_fn(plan.chunk(leaves, fold.axes, jnp.int32(0)), plan.batch)
-            )
+    """The fold's initial carry: zero summaries and zero row buffers, of the types
+    of the first chunk's (one abstract evaluation of `summarise`, not one per
+    branch of the last chunk's `cond`)."""
+    summary_avals, row_avals = jax.eval_shape(
+        lambda: fold.summarise(
+            fold.chunk_fn(plan.chunk(leaves, fold.axes, jnp.int32(0)), plan.batch)
         )
-        if summary_avals is None or sharding_in_types(leaves):
-            summary_avals = types[0]
-        row_avals = types[1]
+    )
 
     def buffer(a: Any) -> jax.Array:
         shape = list(a.shape)

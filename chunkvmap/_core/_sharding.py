@@ -353,7 +353,7 @@ def _split_evaluation(
             head_rows,
             tail_rows,
         )
-        return accumulator.combine(head_summary, tail_summary), rows
+        return accumulator.merge(head_summary, tail_summary), rows
     if "head" not in pieces:
         return pieces["tail"]
     if "tail" not in pieces:
@@ -412,7 +412,7 @@ def _fold_shares(accumulator: Accumulator, summaries: Any, lay: Layout) -> Any:
     acc = jax.tree.map(lambda s: s[0], summaries)
     if lay.size > 1:
         rest = jax.tree.map(lambda s: s[1:], summaries)
-        acc, _ = lax.scan(lambda a, s: (accumulator.combine(a, s), None), acc, rest)
+        acc, _ = lax.scan(lambda a, s: (accumulator.merge(a, s), None), acc, rest)
     return acc
 
 
@@ -518,10 +518,10 @@ def _fold_devices(accumulator: Accumulator, outs: dict[str, Any], axes: tuple) -
         acc = jax.tree.map(lambda s: s[0], summaries)
         if jax.tree.leaves(summaries)[0].shape[0] > 1:
             rest = jax.tree.map(lambda s: s[1:], summaries)
-            acc, _ = lax.scan(lambda a, s: (accumulator.combine(a, s), None), acc, rest)
+            acc, _ = lax.scan(lambda a, s: (accumulator.merge(a, s), None), acc, rest)
     if "rem" in outs:
         tail = jax.tree.map(lambda s: s[0, 0], lax.all_gather(outs["rem"], axes))
-        acc = tail if acc is None else accumulator.combine(acc, tail)
+        acc = tail if acc is None else accumulator.merge(acc, tail)
     return jax.tree.map(
         lambda y, spec: y if spec is None else jax.sharding.reshard(y, spec), acc, specs
     )

@@ -12,7 +12,7 @@ formed per example. A quantity is an accumulator on that record:
   `(value, aux)`, `extra` the per-example inputs the caller added);
 * `chunk(kept)`, per chunk (the chunk's examples stacked along axis 0, records
   with the plan that made them): `(summary, rows)`, as `_loop.Accumulator.summarise`;
-* `combine(a, b)` folds two chunks' summaries (a sum when `sums`).
+* `combine(a, b)` folds two chunks' summaries (None: they are added leaf by leaf).
 
 `over_chunks` runs one over a call's examples. Adding a quantity is writing one
 such class.
@@ -20,12 +20,10 @@ such class.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax.numpy as jnp
-
-from .._core._loop import Accumulator, fold
+from .._core._loop import Accumulator
 from . import ghost
 
 
@@ -34,16 +32,13 @@ class Quantity:
     leaves whose gradients each record forms as they are (those no rule covers)."""
 
     per_example: Sequence[int] = ()
-    sums: bool = True  # `combine` adds leaf by leaf
+    combine: Callable[[Any, Any], Any] | None = None  # None: summaries are added
 
     def keep(self, record: ghost.Record, out: Any, *extra: Any) -> Any:
         raise NotImplementedError
 
     def chunk(self, kept: Any) -> tuple[Any, Any]:
         raise NotImplementedError
-
-    def combine(self, a: Any, b: Any) -> Any:
-        return fold(jnp.add, a, b)
 
 
 def over_chunks(
@@ -62,9 +57,7 @@ def over_chunks(
 
     # (known by its chunk's trace: computes from the chunks' outputs alone, by the
     # plan their structure holds)
-    accumulator = Accumulator(
-        quantity.combine, quantity.chunk, sums=quantity.sums, pure=True
-    )
+    accumulator = Accumulator(quantity.chunk, quantity.combine, pure=True)
     return transform.map(
         example, (*args, *extra), kwargs, (*in_axes, *[0] * len(extra)), 0,
         known=known, accumulator=accumulator,

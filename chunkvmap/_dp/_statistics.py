@@ -351,8 +351,6 @@ class _GhostMoments(Quantity):
     updating the mean and centred sum of squares example by example (Welford); the
     leaves no rule covers come formed per example, as with `method="vmap"`."""
 
-    sums = False
-
     @classmethod
     def of(
         cls, transform: Transform, name: str, fun: Any, args: tuple, kwargs: dict,
@@ -396,7 +394,7 @@ class _GhostMoments(Quantity):
         one = jnp.ones((), jnp.float32)  # a chunk's count is the sum of these
         return (record.replace(grads=grads), one), out[1]
 
-    def combine(self, a: Any, b: Any) -> Any:
+    def combine(self, a: Any, b: Any) -> Any:  # pyright: ignore[reportIncompatibleVariableOverride]
         return merge_moments(a, b)
 
     def chunk(self, chunk: Any) -> Any:
@@ -612,7 +610,6 @@ class _SymmetricRows(Leaf):
     width: int = 0
     columns: Callable[..., Any] = identity
     sums: bool = True  # nothing to combine: the rows are the result
-    rows: bool = True
     windows: bool = True  # any window's rows are valid (a chunk's start is in them)
 
     def summarise(self, out: Any) -> tuple[Any, Any]:
