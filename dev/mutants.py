@@ -409,6 +409,14 @@ MUTANTS = {
         ),
         ["test_sharding", "test_ghost"],
     ),
+    "trace: the global remainder chunked at its own length, not the shares'": (
+        (
+            "chunkvmap/_core/_sharding.py",
+            "        plan = window(n, length, offset)",
+            "        plan = make_plan(n, batch, offset)",
+        ),
+        ["test_sharding"],
+    ),
     "mesh: the layout takes the mesh= given, not the one the call resolved": (
         (
             "chunkvmap/_core/_sharding.py",

@@ -135,11 +135,13 @@ def window_counts(length, b):
     return counts
 
 
-@pytest.mark.parametrize("n, b", [(64, 3), (35, 2), (13, 4), (5, 2)])
+@pytest.mark.parametrize("n, b", [(64, 3), (35, 2), (13, 4), (5, 2), (33, 4)])
 def test_work_is_split_and_the_global_remainder_runs_once(n, b):
     """Each example's evaluation is recorded by a host callback. Every device runs its
     own chunks (local windows recompute at most b-1 of its examples) and the global
-    remainder is evaluated by one device, not once per device."""
+    remainder is evaluated by one device, not once per device, in chunks of the
+    shares' length (fewer examples than that: one window of that length ending
+    with them, which evaluates the last examples before them again)."""
     seen = []
 
     def g(v):
@@ -155,9 +157,15 @@ def test_work_is_split_and_the_global_remainder_runs_once(n, b):
     per_device, rem = divmod(n, 8)
     prefix = n - rem
     # The prefix: each device covers its own slice with its own chunk windows.
-    assert np.array_equal(counts[:prefix], np.tile(window_counts(per_device, b), 8))
-    # The global remainder: on one device only (chunked with the same windows).
-    assert np.array_equal(counts[prefix:], window_counts(rem, b)), counts
+    expected = np.zeros(n, int)
+    expected[:prefix] = np.tile(window_counts(per_device, b), 8)
+    # The global remainder: on one device only, in chunks of the shares' length.
+    length = min(b, per_device or rem)
+    if rem >= length:
+        expected[prefix:] += window_counts(rem, length)
+    elif rem:
+        expected[n - length :] += 1
+    assert np.array_equal(counts, expected), counts
     assert counts.sum() < 2 * n  # nowhere near 8x: the work is split
 
 
@@ -358,14 +366,19 @@ def _held(how: str, x: jax.Array) -> tuple[dict, jax.Array, object]:
     return {}, jax.device_put(x, NamedSharding(MESH, P("d"))), contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("how", ["mesh=", "set_mesh", "placed"])
+@pytest.mark.parametrize(
+    "how, n",
+    [("mesh=", 24), ("set_mesh", 24), ("placed", 24), ("mesh=", 27), ("set_mesh", 29)],
+)
 @pytest.mark.parametrize("batch_size", [2, 3, None])
 @pytest.mark.parametrize("call", ["eager", "jit", "grad"])
-def test_f_is_traced_once_per_call_over_the_devices(how, batch_size, call, rng):
+def test_f_is_traced_once_per_call_over_the_devices(how, n, batch_size, call, rng):
     """The chunk is traced where the loop runs it (each device's share, in the
     context of `shard_map`'s manual axes), so `f` is traced once per call, as
-    without a mesh: 24 examples, 3 per device (chunks of 2 leave a window)."""
-    x = jnp.asarray(rng.normal(size=(24, 3)), jnp.float32)
+    without a mesh: 24 examples, 3 per device (chunks of 2 leave a window); 27 or
+    29, whose global remainder of 3 or 5 runs on one device in chunks of the
+    shares' length (a window of it where fewer: `_loop.window`)."""
+    x = jnp.asarray(rng.normal(size=(n, 3)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
     counted = TraceCounter(lambda x, w: jnp.tanh(x @ w).sum())
     options, x, context = _held(how, x)

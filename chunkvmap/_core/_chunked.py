@@ -46,10 +46,11 @@ def body(
     combined as `options` say: stacked, folded by the user's reduction, or
     accumulated by a front end's own accumulator; a composed one
     (`_accumulators.compose`) is resolved here against this signature, once, before
-    any loop is built (a user's reduction is checked then: `_accumulators.Fold`). `convolutions`: whether the traced chunk has a
-    convolution (`_conv.has_convolution`). `chunk_fn` takes the arrays the chunk's
-    trace reads (`traced.params`) first, then the chunk's leaves mapped along
-    `axes`: the body's `params`, unmapped."""
+    any loop is built (a user's reduction is checked then: `_accumulators.Fold`).
+    `convolutions`: whether the traced chunk has a convolution
+    (`_conv.has_convolution`). `chunk_fn` takes the arrays the chunk's trace reads
+    (`traced.params`) first, then the chunk's leaves mapped along `axes`: the
+    body's `params`, unmapped."""
     accumulator = options.accumulator
     if accumulator is None and options.reduction is not None:
         accumulator = _accumulators.compose(

@@ -40,7 +40,9 @@ from ._options import identity
 @dataclasses.dataclass(frozen=True)
 class Chunks:
     size: int  # N, the mapped length
-    batch: int  # B, 1 <= B <= N (or B = N = 0)
+    # B, 1 <= B <= N (or B = N = 0); or B > N: one window of B examples ending where
+    # the N end, only its last N outputs kept (`window`)
+    batch: int
     # Where the N examples start in the leaves' mapped axes (may be traced): a device
     # of a sharded evaluation reads its examples in place from whole inputs.
     offset: Any = 0
@@ -57,7 +59,12 @@ class Chunks:
     @property
     def single(self) -> bool:
         """Whether everything is one vmap call (no loop)."""
-        return self.batch >= self.size
+        return self.batch == self.size
+
+    @property
+    def wide(self) -> bool:
+        """Whether the one chunk is a window wider than the N examples (`window`)."""
+        return self.batch > self.size
 
     def start(self, i: Any) -> Any:
         """First example of chunk `i`; the last chunk is the window `[N - B, N)`."""
@@ -86,6 +93,17 @@ def make_plan(size: int, batch_size: Any, offset: Any = 0) -> Chunks:
     if batch_size is None or batch_size >= size:
         return Chunks(size, size, offset)
     return Chunks(size, batch_size, offset)
+
+
+def window(size: int, length: int, offset: Any) -> Chunks:
+    """The `size` examples from `offset`, in chunks of `length` (`length` examples
+    must end where they end): where fewer than `length`, one window of `length`
+    examples ending with them, of which only their `size` outputs are kept, so
+    that a chunk traced at `length` serves them (a sharded call's global
+    remainder, after the devices' shares, is not traced at its own length)."""
+    if size >= length:
+        return make_plan(size, length, offset)
+    return Chunks(size, length, offset)
 
 
 def take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length: int):
@@ -183,6 +201,11 @@ def _write_chunks(
         ys = evaluate(i)
         report(i)
         start = plan.start(i)
+        if plan.wide:  # the window's last N outputs, from the buffers' start
+            ys = [
+                y if a is None else _tail(y, plan.size, a) for y, a in zip(ys, out_axes)
+            ]
+            start = 0
         return [
             y
             if axis is None
@@ -659,12 +682,21 @@ def _remainder_summary(fold: _Fold, batch: int, rem: int) -> Callable[..., Any]:
     return remainder
 
 
+def _tail(y: jax.Array, n: int, axis: int) -> jax.Array:
+    """The last `n` entries of `y` along `axis`."""
+    return lax.slice_in_dim(y, y.shape[axis] - n, y.shape[axis], axis=axis)
+
+
 def _row_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
     """`write(buffer, rows, i)`: chunk `i`'s rows written into `buffer` at its
     offset (the last window keeps the rows earlier chunks wrote)."""
     batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
 
     def write(buffer: jax.Array, rows: jax.Array, i: Any) -> jax.Array:
+        if plan.wide:  # the window's last N rows, at the buffer's start
+            return lax.dynamic_update_slice_in_dim(
+                buffer, _tail(rows, plan.size, row_axis), 0, row_axis
+            )
         start = plan.start(i)
         if rem:
             first = lax.select(i == last, np.int32(batch - rem), np.int32(0))

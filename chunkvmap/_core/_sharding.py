@@ -57,7 +57,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from . import _progress
 from ._axes import Inputs, Known
-from ._loop import Accumulator, Body, make_plan, spec_entries, zeros
+from ._loop import Accumulator, Body, make_plan, spec_entries, window, zeros
 from ._options import shard_axes
 
 
@@ -211,11 +211,13 @@ def evaluate(
     reduced = accumulator is not None
     leaves = _prepare(body.name, lay, inputs.paths, inputs.leaves, body.axes, rem)
     in_specs = [P() if rem else lay.spec(body.axes[i]) for i in dyn]
+    # The global remainder in chunks of the shares' length (`window`): one trace.
+    length = make_plan(per_device or rem, batch).batch
 
     def local(full: list[Any], n: int, offset: Any, report: bool) -> Any:
         # Progress: only the first device of the layout reports, and only its own
         # chunks (the global remainder is reported only when nothing else runs).
-        plan = make_plan(n, batch, offset)
+        plan = window(n, length, offset)
         hook = _progress.hook(
             reporter if report else None,
             plan.num_chunks,
