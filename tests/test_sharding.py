@@ -363,12 +363,23 @@ def _held(how: str, x: jax.Array) -> tuple[dict, jax.Array, object]:
         return dict(shard=True, mesh=MESH), x, contextlib.nullcontext()
     if how == "set_mesh":
         return dict(shard=True), x, jax.set_mesh(MESH)
+    if how == "explicit":  # Explicit axes, entered
+        return dict(shard=True), x, jax.set_mesh(EXPLICIT)
+    if how == "explicit placed":
+        placed = jax.device_put(x, NamedSharding(EXPLICIT, P("d")))
+        return {}, placed, jax.set_mesh(EXPLICIT)
     return {}, jax.device_put(x, NamedSharding(MESH, P("d"))), contextlib.nullcontext()
+
+
+EXPLICIT = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
 
 
 @pytest.mark.parametrize(
     "how, n",
-    [("mesh=", 24), ("set_mesh", 24), ("placed", 24), ("mesh=", 27), ("set_mesh", 29)],
+    [
+        *[(how, 24) for how in ("mesh=", "set_mesh", "placed", "explicit placed")],
+        *[("mesh=", 27), ("set_mesh", 29), ("explicit", 24), ("explicit", 29)],
+    ],
 )
 @pytest.mark.parametrize("batch_size", [2, 3, None])
 @pytest.mark.parametrize("call", ["eager", "jit", "grad"])
@@ -377,7 +388,9 @@ def test_f_is_traced_once_per_call_over_the_devices(how, n, batch_size, call, rn
     context of `shard_map`'s manual axes), so `f` is traced once per call, as
     without a mesh: 24 examples, 3 per device (chunks of 2 leave a window); 27 or
     29, whose global remainder of 3 or 5 runs on one device in chunks of the
-    shares' length (a window of it where fewer: `_loop.window`)."""
+    shares' length (a window of it where fewer: `_loop.window`). Over Explicit
+    axes the chunk is traced at the sharding types the loop's chunks have
+    (`_sharding.chunk_type`)."""
     x = jnp.asarray(rng.normal(size=(n, 3)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
     counted = TraceCounter(lambda x, w: jnp.tanh(x @ w).sum())
@@ -389,13 +402,13 @@ def test_f_is_traced_once_per_call_over_the_devices(how, n, batch_size, call, rn
         "grad": jax.grad(lambda w, x: g(x, w).sum()),
     }[call]
     args = (w, x) if call == "grad" else (x, w)
+    reference = jax.vmap(lambda x, w: jnp.tanh(x @ w).sum(), (0, None))
     with context:
         out = run(*args)
+        expected = {
+            "grad": lambda: jax.grad(lambda w: reference(x, w).sum())(w),
+        }.get(call, lambda: reference(x, w))()
     assert counted.count == 1
-    reference = jax.vmap(lambda x, w: jnp.tanh(x @ w).sum(), (0, None))
-    expected = {
-        "grad": lambda: jax.grad(lambda w: reference(x, w).sum())(w),
-    }.get(call, lambda: reference(x, w))()
     tree_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 

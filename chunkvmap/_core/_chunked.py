@@ -109,6 +109,25 @@ def layout(
     )  # fmt: skip
 
 
+def chunk_types(
+    options: ChunkOptions, inputs: Inputs, axes: Sequence[int | None], lay: Any
+) -> tuple[int, list[Any]]:
+    """The length of the loop's chunks (`chunk_length`) and the types of a chunk's
+    `inputs.dyn` leaves as the loop gives them to the chunk function
+    (`_sharding.chunk_type`): what the chunk is first traced at."""
+    length = chunk_length(options, inputs.size, lay)
+    if lay is None:
+        types = [_axes.sized(inputs.leaves[i], axes[i], length) for i in inputs.dyn]
+    else:
+        types = [
+            _sharding.chunk_type(
+                options.name, lay, inputs.paths[i], inputs.leaves[i], axes[i], length
+            )
+            for i in inputs.dyn
+        ]
+    return length, types
+
+
 def chunk_length(options: ChunkOptions, size: int, lay: Any) -> int:
     """The length of the loop's chunks over `size` examples laid out by `lay`
     (each device's share when split; the options' size, or all of them): the
@@ -124,9 +143,13 @@ def tracing(lay: _sharding.Layout | None) -> Any:
     layout `shard_map` runs, its mesh with the layout's axes Manual, so that the
     trace is the one the loop runs (a trace there may depend on the mesh); else the
     caller's."""
-    if lay is None or lay.size <= 1 or lay.explicit:
+    if lay is None or lay.size <= 1:
         return contextlib.nullcontext()
     mesh = getattr(lay.mesh, "abstract_mesh", lay.mesh)
+    if lay.explicit:  # (the loop runs under the layout's mesh: `_sharding._typed`)
+        if not jax.sharding.get_abstract_mesh().empty:
+            return contextlib.nullcontext()
+        return jax.sharding.use_abstract_mesh(mesh)
     manual = dict.fromkeys(lay.axes, jax.sharding.AxisType.Manual)
     return jax.sharding.use_abstract_mesh(mesh.update_axis_types(manual))
 

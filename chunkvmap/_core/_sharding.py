@@ -55,7 +55,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from . import _progress
+from . import _axes, _progress
 from ._axes import Inputs, Known
 from ._loop import Accumulator, Body, make_plan, spec_entries, window, zeros
 from ._options import shard_axes
@@ -312,6 +312,8 @@ def _split_evaluation(
     rem = size % num_devices
     prefix, share = size - rem, size // num_devices
     leaves = list(inputs.leaves)
+    # the remainder in chunks of the shares' length (`window`): one trace
+    length = make_plan(share or rem, batch).batch
     pieces = {}
     if share:
         head = [
@@ -335,12 +337,13 @@ def _split_evaluation(
                 for y, a in zip(split, body.out_axes)
             ]
     if rem:
+        lo = size - max(rem, length)
         tail = [
-            x if a is None else lax.slice_in_dim(x, prefix, size, axis=a)
+            x if a is None else lax.slice_in_dim(x, lo, size, axis=a)
             for x, a in zip(leaves, axes)
         ]
         tail = _prepare(body.name, lay, inputs.paths, tail, axes, rem)
-        plan = make_plan(rem, batch)
+        plan = window(rem, length, prefix - lo)
         report = _progress.hook(reporter if not share else None, plan.num_chunks)
         pieces["tail"] = body.run(tail, plan, report)
     if len(pieces) == 1:
@@ -376,6 +379,29 @@ def _without(y: Any, lay: Layout) -> Any:
     if spec == _normalized(typed, np.ndim(y)):
         return y
     return jax.sharding.reshard(y, NamedSharding(jax.typeof(y).sharding.mesh, spec))
+
+
+def chunk_type(
+    name: str, lay: Layout, path: str, x: Any, axis: int | None, length: int
+) -> jax.ShapeDtypeStruct:
+    """The type of a leaf's chunk of `length` examples as the loop gives it to the
+    chunk function: its plain type, but over Explicit axes, where types carry
+    shardings, a mapped leaf's as each share's chunk has it (`_prepare`d, the
+    shares vmapped away: its other dimensions keep their shardings, the examples'
+    axis has none), so that the chunk is traced at the types the loop runs."""
+    plain = _axes.sized(x, axis, length)
+    if not lay.explicit or axis is None or not isinstance(x, jax.Array):
+        return plain
+    typed = jax.typeof(x).sharding
+    current = typed.spec if isinstance(typed, NamedSharding) else P()
+    spec = list(_respec(name, path, current, np.ndim(x), axis, lay.axes))
+    spec += [None] * (np.ndim(x) - len(spec))
+    spec[axis] = None
+    mesh = getattr(lay.mesh, "abstract_mesh", lay.mesh)
+    return jax.ShapeDtypeStruct(
+        plain.shape, plain.dtype, weak_type=plain.weak_type,
+        sharding=NamedSharding(mesh, P(*spec)),
+    )  # fmt: skip
 
 
 def _split(x: Any, axis: int | None, lay: Layout) -> Any:
@@ -471,7 +497,11 @@ def _prepare(
             typed = jax.typeof(x).sharding
             current = typed.spec if isinstance(typed, NamedSharding) else P()
             spec = _respec(name, path, current, np.ndim(x), want, lay.axes)
-            if spec != _normalized(current, np.ndim(x)):
+            # (a mapped leaf typed without a mesh is typed on it: its chunks then
+            # have the types of the shares' chunks, `chunk_type`)
+            unplaced = axis is not None and getattr(typed, "mesh", None) is not None
+            unplaced = unplaced and typed.mesh.empty
+            if spec != _normalized(current, np.ndim(x)) or unplaced:
                 placed[k] = jax.sharding.reshard(x, NamedSharding(lay.mesh, spec))
         elif mesh_devices is not None and not isinstance(x, jax.core.Tracer):
             if x.sharding.device_set != mesh_devices:

@@ -464,22 +464,22 @@ def vmap_call(
     inputs = _axes.Inputs(leaves, paths, dyn, size, key, known or _axes.NOTHING_KNOWN)
     lay = _chunked.layout(options, inputs, axes)
     with _chunked.tracing(lay):
+        chunk = _chunked.chunk_types(options, inputs, axes, lay)
         body = _trace(
             f, leaves, axes, dyn, treedef, (out_axes, out_names),
-            (axis_name, spmd_axis_name), _chunked.chunk_length(options, size, lay),
-            options,
+            (axis_name, spmd_axis_name), chunk, options,
         )  # fmt: skip
     return _chunked.evaluate(body, inputs, options, auto, lay, axis_name)
 
 
 def _trace(
-    f, leaves, axes, dyn, treedef, outs, axis_names, length, options
+    f, leaves, axes, dyn, treedef, outs, axis_names, chunk, options
 ) -> _loop.Body:
-    """One chunk of `jax.vmap(f)`, traced once (under `jax.jit`, at the length the
-    loop's chunks will have) to learn its outputs, as a `_loop.Body` whose chunk
-    function reuses that trace (`outs` is the pair `(out_axes, out_names)` of
-    `vmap_call`, `axis_names` the pair `(axis_name, spmd_axis_name)` of
-    `jax.vmap`)."""
+    """One chunk of `jax.vmap(f)`, traced once (under `jax.jit`, at the length and
+    types the loop's chunks will have: `chunk`, `_chunked.chunk_types`) to learn
+    its outputs, as a `_loop.Body` whose chunk function reuses that trace (`outs`
+    is the pair `(out_axes, out_names)` of `vmap_call`, `axis_names` the pair
+    `(axis_name, spmd_axis_name)` of `jax.vmap`)."""
     name = options.name
     out_axes, out_names = outs
     axis_name = axis_names[0]
@@ -518,12 +518,12 @@ def _trace(
     def mapped_at(length: int, leading: Any = 0, fn: Any = inner) -> Callable[..., Any]:
         return jax.jit(_cache.wraps(f)(vmap_flat(fn, leading, length)), inline=True)
 
-    # At the length the loop's chunks will have (`_chunked.chunk_length`), in plain
-    # shapes, without sharding types: those say nothing about the output structure,
-    # and jax.vmap rejects some that chunkvmap lays out itself (unmapped inputs
-    # sharded over the mesh axes of the mapped ones); the loop takes the sharding
-    # types of the values themselves.
-    chunk_avals = [_axes.sized(leaves[i], a, length) for i, a in zip(dyn, dyn_axes)]
+    # At the length the loop's chunks will have, in plain shapes but where the
+    # loop's chunks carry sharding types (Explicit axes: the mapped leaves' own,
+    # their examples' axis unsharded); unmapped leaves plain (jax.vmap rejects some
+    # that chunkvmap lays out itself: sharded over the mesh axes of the mapped
+    # ones), so that a committed, sharded one is traced again at its own type.
+    length, chunk_avals = chunk
     direct = not (all_zero or axis_name is not None or callable(out_axes))
     direct = direct and not (_has_none(out_axes) and options.check_unmapped)
     if all_zero or axis_name is not None:
