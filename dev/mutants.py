@@ -387,8 +387,16 @@ MUTANTS = {
     "trace: the chunk traced outside the context its loop runs in": (
         (
             "chunkvmap/_core/_chunked.py",
-            "    if lay is None or lay.size <= 1 or lay.explicit:\n",
+            "    if lay is None or lay.size <= 1:\n",
             "    if True:\n",
+        ),
+        ["test_sharding"],
+    ),
+    "trace: over Explicit axes, the chunk traced at plain types": (
+        (
+            "chunkvmap/_core/_sharding.py",
+            "    if not lay.explicit or axis is None or not isinstance(x, jax.Array):",
+            "    if True:",
         ),
         ["test_sharding"],
     ),

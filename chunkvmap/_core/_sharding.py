@@ -337,15 +337,8 @@ def _split_evaluation(
                 for y, a in zip(split, body.out_axes)
             ]
     if rem:
-        lo = size - max(rem, length)
-        tail = [
-            x if a is None else lax.slice_in_dim(x, lo, size, axis=a)
-            for x, a in zip(leaves, axes)
-        ]
-        tail = _prepare(body.name, lay, inputs.paths, tail, axes, rem)
-        plan = window(rem, length, prefix - lo)
-        report = _progress.hook(reporter if not share else None, plan.num_chunks)
-        pieces["tail"] = body.run(tail, plan, report)
+        reporting = reporter if not share else None
+        pieces["tail"] = _typed_remainder(body, inputs, lay, length, reporting)
     if len(pieces) == 1:
         return next(iter(pieces.values()))
     if accumulator is not None:
@@ -428,6 +421,23 @@ def _merge(y: Any, axis: int, lay: Layout) -> Any:
 
 def _entry(axes: tuple[str, ...]) -> Any:
     return axes[0] if len(axes) == 1 else axes
+
+
+def _typed_remainder(
+    body: Body, inputs: Inputs, lay: Layout, length: int, reporter: Any
+) -> Any:
+    """`_split_evaluation`'s last N % D examples, on every device, in chunks of
+    `length` (a window of it where fewer: `window`)."""
+    size, axes = inputs.size, body.axes
+    rem = size % lay.size
+    lo = size - max(rem, length)
+    tail = [
+        x if a is None else lax.slice_in_dim(x, lo, size, axis=a)
+        for x, a in zip(inputs.leaves, axes)
+    ]
+    tail = _prepare(body.name, lay, inputs.paths, tail, axes, rem)
+    plan = window(rem, length, size - rem - lo)
+    return body.run(tail, plan, _progress.hook(reporter, plan.num_chunks))
 
 
 def _fold_shares(accumulator: Accumulator, summaries: Any, lay: Layout) -> Any:
