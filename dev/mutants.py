@@ -425,6 +425,14 @@ MUTANTS = {
         ),
         ["test_sharding"],
     ),
+    "window: a remainder window keeps its first outputs, not its last": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "    return lax.slice_in_dim(y, y.shape[axis] - n, y.shape[axis], axis=axis)",
+            "    return lax.slice_in_dim(y, 0, n, axis=axis)",
+        ),
+        ["test_sharding"],
+    ),
     "mesh: the layout takes the mesh= given, not the one the call resolved": (
         (
             "chunkvmap/_core/_sharding.py",

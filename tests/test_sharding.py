@@ -479,3 +479,23 @@ def test_a_trace_runs_only_where_its_mesh_context_allows():
     assert not _program.runs_here(auto, manual)
     assert not _program.runs_here(explicit, manual)
     assert _program.runs_here(explicit, explicit)
+
+
+@pytest.mark.parametrize("how", ["mesh=", "explicit"])
+@pytest.mark.parametrize("n, b", [(33, 4), (35, 3), (5, 2)])
+def test_a_remainder_window_counts_each_example_once(how, n, b):
+    """A global remainder shorter than the shares' chunks runs as one window of
+    that length (`_loop.window`): its earlier examples are evaluated again but
+    neither folded nor written twice, by an ordered fold (a reduction that is not
+    a known sum) or by stacking, Auto axes or Explicit."""
+    x = jnp.arange(2 * n, dtype=jnp.float32).reshape(n, 2) + 1.0
+    options, x, context = _held(how, x)
+    folded = batch_vmap(
+        lambda v: v * v, batch_size=b, reduction=lambda a, c: a + c,
+        chunk_reduction=lambda y: y.sum(0), **options,
+    )  # fmt: skip
+    stacked = batch_vmap(lambda v: (3.0 * v, v.sum()), batch_size=b, **options)
+    with context:
+        total, (rows, sums) = folded(x), stacked(x)
+    tree_allclose(total, (x * x).sum(0))
+    tree_allclose((rows, sums), (3.0 * x, x.sum(1)))
