@@ -428,7 +428,8 @@ MUTANTS = {
     "window: a remainder window keeps its first outputs, not its last": (
         (
             "chunkvmap/_core/_loop.py",
-            "    return lax.slice_in_dim(y, y.shape[axis] - n, y.shape[axis], axis=axis)",
+            "    return lax.slice_in_dim(y, y.shape[axis] - n, y.shape[axis], "
+            "axis=axis)",
             "    return lax.slice_in_dim(y, 0, n, axis=axis)",
         ),
         ["test_sharding"],
