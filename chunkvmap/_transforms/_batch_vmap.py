@@ -147,9 +147,11 @@ def batch_vmap(
         remainder (N % D examples for D devices) is evaluated once, by one device,
         and the output then comes back replicated. Reductions fold the per-device
         results in device order. Runs multi-host under `jax.distributed` unchanged.
-        `f` is traced once per call there too, at each device's chunk length;
-        once more for a global remainder, and under `Explicit` mesh axes (once at
-        plain types, once at the shares' sharding types).
+        `f` is traced once per call there too, at each device's chunk length and
+        types (the global remainder runs in chunks of that length, or one window
+        of it ending with the remainder: its earlier examples are evaluated again
+        but counted once); once more only for an unmapped input committed and
+        sharded over the mesh's `Explicit` axes.
       mesh: the `jax.sharding.Mesh` that `shard` names axes of (any shape, any axis
         types). None means the ambient mesh of `jax.set_mesh` (inside or outside
         `jax.jit`), else, for `shard=True`, one 1-D mesh over all devices (built
