@@ -523,6 +523,8 @@ class Body:
             ys = chunk_fn(plan.chunk(leaves, axes, i), batch)
             if rem == 0 or fold.windows:
                 return fold.summarise(ys)
+            if plan.wide:  # its one chunk is the window: no branch to trace
+                return remainder(ys)
             return lax.cond(
                 i == last, lambda: remainder(ys), lambda: fold.summarise(ys)
             )
