@@ -116,15 +116,12 @@ def chunk_types(
     `inputs.dyn` leaves as the loop gives them to the chunk function
     (`_sharding.chunk_type`): what the chunk is first traced at."""
     length = chunk_length(options, inputs.size, lay)
-    if lay is None:
-        types = [_axes.sized(inputs.leaves[i], axes[i], length) for i in inputs.dyn]
-    else:
-        types = [
-            _sharding.chunk_type(
-                options.name, lay, inputs.paths[i], inputs.leaves[i], axes[i], length
-            )
-            for i in inputs.dyn
-        ]
+    types = [
+        _sharding.chunk_type(
+            options.name, lay, inputs.paths[i], inputs.leaves[i], axes[i], length
+        )
+        for i in inputs.dyn
+    ]
     return length, types
 
 
@@ -132,10 +129,9 @@ def chunk_length(options: ChunkOptions, size: int, lay: Any) -> int:
     """The length of the loop's chunks over `size` examples laid out by `lay`
     (each device's share when split; the options' size, or all of them): the
     length a chunk is traced at (a size "auto" chooses is not known yet)."""
-    devices = 1 if lay is None else lay.size
-    size = size // devices or size
     batch = options.batch_size
-    return batch if isinstance(batch, int) and 0 < batch < size else size
+    batch = batch if isinstance(batch, int) and batch > 0 else None
+    return _loop.share_length(size, 1 if lay is None else lay.size, batch)
 
 
 def tracing(lay: _sharding.Layout | None) -> Any:

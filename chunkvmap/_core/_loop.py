@@ -95,6 +95,14 @@ def make_plan(size: int, batch_size: Any, offset: Any = 0) -> Chunks:
     return Chunks(size, batch_size, offset)
 
 
+def share_length(size: int, devices: int, batch_size: Any) -> int:
+    """The length of the chunks of `size` examples split over `devices` shares (all
+    of them on one device when fewer than the devices), at most `batch_size`: what
+    each device's chunks and a global remainder's have (`window`), and what the
+    chunk is first traced at."""
+    return make_plan(size // devices or size, batch_size).batch
+
+
 def window(size: int, length: int, offset: Any) -> Chunks:
     """The `size` examples from `offset`, in chunks of `length` (`length` examples
     must end where they end): where fewer than `length`, one window of `length`

@@ -57,7 +57,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from . import _axes, _progress
 from ._axes import Inputs, Known
-from ._loop import Accumulator, Body, make_plan, spec_entries, window, zeros
+from ._loop import (
+    Accumulator,
+    Body,
+    make_plan,
+    share_length,
+    spec_entries,
+    window,
+    zeros,
+)
 from ._options import shard_axes
 
 
@@ -212,7 +220,7 @@ def evaluate(
     leaves = _prepare(body.name, lay, inputs.paths, inputs.leaves, body.axes, rem)
     in_specs = [P() if rem else lay.spec(body.axes[i]) for i in dyn]
     # The global remainder in chunks of the shares' length (`window`): one trace.
-    length = make_plan(per_device or rem, batch).batch
+    length = share_length(size, num_devices, batch)
 
     def local(full: list[Any], n: int, offset: Any, report: bool) -> Any:
         # Progress: only the first device of the layout reports, and only its own
@@ -313,7 +321,7 @@ def _split_evaluation(
     prefix, share = size - rem, size // num_devices
     leaves = list(inputs.leaves)
     # the remainder in chunks of the shares' length (`window`): one trace
-    length = make_plan(share or rem, batch).batch
+    length = share_length(size, num_devices, batch)
     pieces = {}
     if share:
         head = [
@@ -375,7 +383,7 @@ def _without(y: Any, lay: Layout) -> Any:
 
 
 def chunk_type(
-    name: str, lay: Layout, path: str, x: Any, axis: int | None, length: int
+    name: str, lay: Layout | None, path: str, x: Any, axis: int | None, length: int
 ) -> jax.ShapeDtypeStruct:
     """The type of a leaf's chunk of `length` examples as the loop gives it to the
     chunk function: its plain type, but over Explicit axes, where types carry
@@ -383,7 +391,7 @@ def chunk_type(
     shares vmapped away: its other dimensions keep their shardings, the examples'
     axis has none), so that the chunk is traced at the types the loop runs."""
     plain = _axes.sized(x, axis, length)
-    if not lay.explicit or axis is None or not isinstance(x, jax.Array):
+    if lay is None or not lay.explicit or axis is None or not isinstance(x, jax.Array):
         return plain
     typed = jax.typeof(x).sharding
     current = typed.spec if isinstance(typed, NamedSharding) else P()

@@ -553,7 +553,7 @@ class _GhostDots:
         forms = {k: record.arrays(k) for k in self.ghost}
         grads = {k: record.instantiate(k) for k in self.formed}
         grads.update(record.grads)
-        return record.only(()).replace(grads=grads, forms=forms), aux
+        return ghost.Record(record.plan, {}, {}, grads, forms), aux
 
     def dot(self, a: ghost.Record, b: ghost.Record) -> jax.Array:
         """`<g(a), g(b)>` from two examples' records (`parts`)."""

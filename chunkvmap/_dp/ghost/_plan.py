@@ -115,8 +115,7 @@ class Record:
         return cls(plan, *children)
 
     def replace(self, **changes: Any) -> Record:
-        parts = (self.records, self.deltas, self.grads, self.forms)
-        fields = dict(zip(("records", "deltas", "grads", "forms"), parts))
+        fields = {name: getattr(self, name) for name in Record.__slots__[1:]}
         return Record(self.plan, **{**fields, **changes})
 
     def only(self, leaves: Sequence[int]) -> Record:
