@@ -4,9 +4,11 @@ apart, and one function of everything that varies between calls.
 `Program.of(closed)` reads a program traced by `jax.make_jaxpr`:
 
 * **Its key** tells apart any two programs that could compute different things:
-  the jaxpr's text (equations, shapes, literal constants), every Python object an
-  equation holds besides jaxprs and printed values (host callbacks, say) as
-  `Held`, and where the constants of its nested jaxprs sit.
+  the jaxpr's structure (each equation's primitive, operands, output types and
+  parameters; literal constants by their bits), every Python object a parameter
+  holds besides jaxprs and JAX's own values (host callbacks, say) as `Held`, and
+  where the constants of its nested jaxprs sit. It is built in one pass over the
+  equations, several times cheaper than the program's text.
 * **Its arguments** are everything else that varies: the arrays the trace closed
   over (`closed.consts`) and the arrays that nested jaxprs hold as constants (a
   `jax.jit` inside the user's function closing over a NumPy or JAX array). Nested
@@ -88,8 +90,7 @@ class Program:
     @classmethod
     def of(cls, jaxpr: Any) -> Program:
         walk = _Walk()
-        walk.jaxpr(jaxpr, hoisting=True)
-        key = (str(jaxpr), tuple(walk.parts))
+        key, _ = walk.key(jaxpr, hoisting=True)
         return cls(jaxpr, key, walk.hoisted, walk.slots, frozenset(walk.inlined))
 
     def compiled(self) -> Callable[..., Any]:
@@ -272,40 +273,66 @@ def _type_key(aval: Any) -> Hashable:
 
 
 class _Walk:
-    """One pass over a program: the key's parts beyond its text (`parts`), the
-    nested constants that become arguments (`hoisted`, each nested ClosedJaxpr's
-    from `slots[id(closed)]` on) and the equations evaluated here (`inlined`)."""
+    """One pass over a program: its key (`key(jaxpr)`: every equation's primitive,
+    operands, output types, context and parameters, the Python objects a parameter
+    holds as `Held`, and where nested constants sit), the nested constants that
+    become arguments (`hoisted`, each nested ClosedJaxpr's from `slots[id(closed)]`
+    on) and the equations evaluated here (`inlined`)."""
 
     def __init__(self) -> None:
-        self.parts: list[Any] = []
         self.hoisted: list[Any] = []
         self.slots: dict[int, int] = {}
         self.inlined: set[int] = set()
 
-    def jaxpr(self, jaxpr: Any, hoisting: bool) -> bool:
-        """Reads `jaxpr`'s equations (their nested constants hoisted where
-        `hoisting`: the caller evaluates `jaxpr` itself); whether any hoisted."""
+    def key(self, jaxpr: Any, hoisting: bool) -> tuple[tuple, bool]:
+        """`jaxpr`'s key, its nested constants hoisted where `hoisting` (the caller
+        evaluates `jaxpr` itself); whether any were."""
+        names: dict[Any, int] = {}  # each variable by its order of definition
+
+        def define(v: Any) -> Any:
+            if isinstance(v, jcore.DropVar):
+                return ("_", v.aval)
+            return names.setdefault(v, len(names)), v.aval
+
+        def read(v: Any) -> Any:
+            return _literal(v) if isinstance(v, jcore.Literal) else names[v]
+
+        parts: list[Any] = [tuple(map(define, (*jaxpr.constvars, *jaxpr.invars)))]
         holds = False
         for eqn in jaxpr.eqns:
             evaluable = hoisting and _evaluable(eqn)
-            inner = False
-            for name, value in eqn.params.items():
-                if name in _RULES:
-                    continue
-                for v in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(v, jcore.ClosedJaxpr):
-                        inner |= self.closed(v, evaluable)
-                    elif isinstance(v, jcore.Jaxpr):
-                        inner |= self.jaxpr(v, evaluable)
-                    elif _held(v):
-                        self.parts.append(Held(v))
+            params, inner = self.params(eqn.params, evaluable)
             if inner:
                 self.inlined.add(id(eqn))
             holds |= inner
-        return holds
+            ins = tuple(map(read, eqn.invars))
+            outs = tuple(map(define, eqn.outvars))
+            parts.append((eqn.primitive, ins, outs, eqn.ctx, params))
+        parts.append(tuple(map(read, jaxpr.outvars)))
+        return tuple(parts), holds
 
-    def closed(self, closed: Any, hoisting: bool) -> bool:
-        """Reads a nested ClosedJaxpr: its constants hoisted where `hoisting` (the
+    def params(self, params: dict, hoisting: bool) -> tuple[tuple, bool]:
+        """An equation's parameters' key (differentiation rules left out); whether
+        a nested jaxpr's constants were hoisted."""
+        holds = False
+
+        def value(v: Any) -> Any:
+            nonlocal holds
+            if isinstance(v, jcore.ClosedJaxpr):
+                part, inner = self.closed(v, hoisting)
+            elif isinstance(v, jcore.Jaxpr):
+                part, inner = self.key(v, hoisting)
+            elif isinstance(v, (tuple, list)):
+                return type(v), tuple(map(value, v))
+            else:
+                return Held(v) if _held(v) else _value(v)
+            holds |= inner
+            return part
+
+        return tuple((k, value(v)) for k, v in params.items() if k not in _RULES), holds
+
+    def closed(self, closed: Any, hoisting: bool) -> tuple[tuple, bool]:
+        """A nested ClosedJaxpr's key: its constants hoisted where `hoisting` (the
         same object twice: the same arguments), compiled in otherwise."""
         consts = closed.consts
         if hoisting and consts and all(_is_array(c) for c in consts):
@@ -313,11 +340,30 @@ class _Walk:
             if base is None:
                 base = self.slots[id(closed)] = len(self.hoisted)
                 self.hoisted.extend(consts)
-            self.parts.append(("hoisted", base, len(consts)))
-            self.jaxpr(closed.jaxpr, hoisting)
-            return True
-        self.parts.extend(_compiled_in(c) for c in consts)
-        return self.jaxpr(closed.jaxpr, hoisting)
+            part, _ = self.key(closed.jaxpr, hoisting)
+            return (("hoisted", base, len(consts)), part), True
+        part, holds = self.key(closed.jaxpr, hoisting)
+        return (tuple(map(_compiled_in, consts)), part), holds
+
+
+def _literal(v: Any) -> tuple:
+    """A literal operand's key: its type and its value's bits."""
+    value = np.asarray(v.val)
+    return ("literal", v.aval, value.dtype.str, value.shape, value.tobytes())
+
+
+def _value(v: Any) -> Any:
+    """A parameter's key: immutable values and JAX's own by value (floats by their
+    bits), a NumPy array by its contents, anything unhashable by its text."""
+    if isinstance(v, (float, complex, np.generic)):
+        return type(v), _bits(v)
+    if isinstance(v, np.ndarray):
+        return _compiled_in(v)
+    try:
+        hash(v)
+    except TypeError:
+        return type(v), str(v)
+    return type(v), v
 
 
 def _is_array(c: Any) -> bool:

@@ -518,7 +518,7 @@ def _trace(
     inner = f_flat if all_zero else jax.jit(f_flat, inline=True)
 
     def mapped_at(length: int, leading: Any = 0, fn: Any = inner) -> Callable[..., Any]:
-        return jax.jit(_cache.wraps(f)(vmap_flat(fn, leading, length)), inline=True)
+        return _cache.wraps(f)(vmap_flat(fn, leading, length))
 
     # At the length the loop's chunks will have, in plain shapes but where the
     # loop's chunks carry sharding types (Explicit axes: the mapped leaves' own,
@@ -555,7 +555,7 @@ def _trace(
     retraced = _program.Retraced(
         _program.Trace.of(first),
         (length, tuple(first.in_avals)),
-        lambda length: mapped_at(length, leading, f_flat),
+        lambda length: jax.jit(mapped_at(length, leading, f_flat), inline=True),
         lambda: out_box[0],
     )
     chunk_fn = _chunk_fn(f, retraced, dyn, flat_axes)
@@ -586,8 +586,9 @@ def _direct(
         return out
 
     mapped = vmap_flat(checked, spec, length)
-    flat = jax.jit(lambda *xs: jax.tree.leaves(mapped(*xs)), inline=True)
-    first, avals = _program.traced(flat, chunk_avals)
+    first, avals = _program.traced(
+        lambda *xs: jax.tree.leaves(mapped(*xs)), chunk_avals
+    )
     return first, [
         a if s is None else _axes.per_example(a) for a, s in zip(avals, axes)
     ]
