@@ -526,19 +526,19 @@ class _GhostSums(Quantity):
         forms), and each of those leaves' own `||G_k||^2` (by leaf index):
         `(safe_sq, raw, kept, squares)`."""
         plan = record.plan
-        safe_sq = raw = jnp.zeros((), self.acc)
-        forms, grads, squares = {}, {}, {}
+        forms, grads, squares, safe = {}, {}, {}, []
         for k in self.masked:
             forms[k] = plan.sanitized(k, record.records, record.deltas)
-            s = plan.sq_norm_of(k, forms[k], self.acc)
-            safe_sq = safe_sq + s
+            safe.append(plan.sq_norm_of(k, forms[k], self.acc))
             # a non-finite gradient's norm: NaN
-            squares[k] = jnp.where(_all_finite(record.arrays(k)), s, jnp.nan)
-            raw = raw + squares[k]
+            squares[k] = jnp.where(_all_finite(record.arrays(k)), safe[-1], jnp.nan)
         formed = {k: record.instantiate(k) for k in self.formed}
         for k, g in {**formed, **record.grads}.items():
             grads[k], squares[k], s_kept = self._kept_and_squares(g)
-            raw, safe_sq = raw + squares[k], safe_sq + s_kept
+            safe.append(s_kept)
+        raw = ghost.total(list(squares.values()), self.acc)
+        unchanged = not self.masked and not self.config.nan_safe  # (safe is squares)
+        safe_sq = raw if unchanged else ghost.total(safe, self.acc)
         kept = record.only(self.other).replace(grads=grads, forms=forms)
         return safe_sq, raw, kept, squares
 
@@ -547,10 +547,9 @@ class _GhostSums(Quantity):
         its extras."""
         config = self.config
         safe_sq, raw, kept, squares = self._squares(record)
-        rest = jnp.zeros((), self.acc)
         for k in self.other:
             squares[k] = record.sq_norm(k, self.acc)
-            rest = rest + squares[k].astype(self.acc)
+        rest = ghost.total([squares[k] for k in self.other], self.acc)
         scale = clip_scale(
             _norm_of_square(safe_sq + rest),
             config.l2_clip_norm,

@@ -39,6 +39,7 @@ from ._plan import (
     Plan as Plan,
     Record as Record,
     accumulation_dtype as accumulation_dtype,
+    total as total,
 )
 from ._report import (
     GhostReport as GhostReport,

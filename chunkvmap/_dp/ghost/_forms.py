@@ -316,18 +316,20 @@ def _einsum_term(u: EinsumForm, au: list, v: EinsumForm, av: list, acc: Any) -> 
     part at the positions' mean (`_centred`), so that a large component common to
     every position (an activation's mean, which a softmax's cotangent, summing to
     zero, cancels) does not cancel inside the sum: four exact einsums."""
-    total = jnp.zeros((), acc)
+    terms = []
     for us, ua in _centred(u.specs, au, acc):
         for vs, va in _centred(v.specs, av, acc):
             vs = _rename(vs, _all_symbols(us))
-            total = total + jnp.einsum(
-                _equation([*us, *vs]),
-                *ua,
-                *va,
-                optimize="optimal",
-                out_sharding=explicit_spec(),
+            terms.append(
+                jnp.einsum(
+                    _equation([*us, *vs]),
+                    *ua,
+                    *va,
+                    optimize="optimal",
+                    out_sharding=explicit_spec(),
+                )
             )
-    return total
+    return terms[0] if len(terms) == 1 else jnp.sum(jnp.stack(terms))
 
 
 def _centred(specs: list, arrays: list, acc: Any) -> list[tuple[list, list]]:

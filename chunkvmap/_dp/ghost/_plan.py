@@ -472,12 +472,13 @@ class Plan:
         return self._ghost_sq(leaf, self.arrays(k, records, deltas), acc)
 
     def _ghost_sq(self, leaf: Param, arrays: list, acc: Any) -> Any:
-        total = jnp.zeros((), acc)
+        terms = {}
         for (i, j), p in leaf.pairs.items():
             u, v = leaf.uses[i], leaf.uses[j]
-            term = p.term(u.form, arrays[i], v.form, arrays[j], acc)
-            total = total + (term if i == j else 2 * term)
-        return total
+            terms[i, j] = p.term(u.form, arrays[i], v.form, arrays[j], acc)
+        same = total([t for (i, j), t in terms.items() if i == j], acc)
+        cross = [t for (i, j), t in terms.items() if i != j]
+        return same + 2 * total(cross, acc) if cross else same
 
     # -- through the forms' arrays (non-finite entries masked) -----------------------
 
@@ -568,6 +569,14 @@ def _count(x: float) -> str:
 
 # --------------------------------------------------------------------------------------
 # Norms accumulate in at least float32.
+
+
+def total(terms: Sequence[Any], acc: Any) -> Any:
+    """The sum of scalar `terms` in `acc`, as one reduction of them stacked (a chain
+    of additions costs a trace an equation per term)."""
+    if not terms:
+        return jnp.zeros((), acc)
+    return jnp.sum(jnp.stack([t.astype(acc) for t in terms]))
 
 
 def accumulation_dtype(dtypes: Sequence[Any]) -> Any:
