@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Hashable
-from typing import Any, overload
+from typing import Any, Unpack, overload
 
 
 try:
@@ -27,7 +27,13 @@ import jax.numpy as jnp
 
 from ._core import _axes, _cache
 from ._core._axes import is_none
-from ._core._options import check_callable, decorator_form, identity
+from ._core._options import (
+    VmapChunking,
+    check_callable,
+    decorator_form,
+    identity,
+    takes,
+)
 from ._transforms._batch_vmap import Transform, function_name, out_paths
 
 
@@ -124,15 +130,7 @@ def filter_batch_vmap(
     out_axes: Any = ...,
     axis_name: Hashable = None,
     axis_size: int | None = None,
-    batch_size: int | str | None = None,
-    reduction: Callable[[Any, Any], Any] | None = None,
-    chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[VmapChunking],
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -144,19 +142,12 @@ def filter_batch_vmap(
     out_axes: Any = ...,
     axis_name: Hashable = None,
     axis_size: int | None = None,
-    batch_size: int | str | None = None,
-    reduction: Callable[[Any, Any], Any] | None = None,
-    chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[VmapChunking],
 ) -> Callable[..., Any]: ...
 
 
 @decorator_form("fun")
+@takes(VmapChunking)
 def filter_batch_vmap(
     fun: Callable[..., Any],
     *,
@@ -164,16 +155,7 @@ def filter_batch_vmap(
     out_axes: Any = eqx.if_array(0),
     axis_name: Hashable = None,
     axis_size: int | None = None,
-    # chunkvmap specific
-    batch_size: int | str | None = None,
-    reduction: Callable[[Any, Any], Any] | None = None,
-    chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[VmapChunking],
 ) -> Any:
     """`eqx.filter_vmap`, evaluated `batch_size` examples at a time.
 
@@ -226,15 +208,7 @@ def filter_batch_vmap(
         _NAME,
         axis_name=axis_name,
         axis_size=axis_size,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        reduction=reduction,
-        chunk_reduction=chunk_reduction,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
+        **options,
     )
     wrapper = eqx.module_update_wrapper(
         _BatchVmapWrapper(fun, in_axes, out_axes, transform, function_name(fun))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools as ft
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 
 try:
@@ -39,7 +39,7 @@ import numpy as np
 from ._adapters._flax import lift_transform, pack
 from ._adapters._stateful import stateful_map
 from ._core import _axes, _memory
-from ._core._options import identity
+from ._core._options import VmapChunking, takes
 from ._transforms._batch_vmap import Transform, check_outputs
 
 
@@ -271,6 +271,7 @@ def _counters_restorer(scope_tree: Any) -> Callable[[], None]:
 _lifted.__name__ = "vmap"
 
 
+@takes(VmapChunking)
 def batch_vmap(
     target: Any,
     variable_axes: Mapping[Any, Any] = FrozenDict(),
@@ -281,16 +282,7 @@ def batch_vmap(
     axis_name: Any = None,
     methods: Any = None,
     metadata_params: Mapping[Any, Any] = FrozenDict(),
-    *,
-    batch_size: int | str | None = None,
-    reduction: Callable[[Any, Any], Any] | None = None,
-    chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[VmapChunking],
 ) -> Any:
     """`nn.vmap`, evaluated `batch_size` examples at a time.
 
@@ -421,11 +413,8 @@ def batch_vmap(
         "metadata_params", metadata_params, "(e.g. {nn.PARTITION_NAME: 'batch'})"
     )
     transform = Transform.make(
-        _NAME, chunk_size=chunk_size, reduction=reduction,
-        chunk_reduction=chunk_reduction, axis_name=axis_name, axis_size=axis_size,
-        batch_size=batch_size, shard=shard, mesh=mesh, remat=remat,
-        memory_limit=memory_limit, progress=progress,
-    )  # fmt: skip
+        _NAME, axis_name=axis_name, axis_size=axis_size, **options
+    )
     if not callable(target):
         raise TypeError(
             f"{_NAME} target must be a linen Module class or a method, but got "

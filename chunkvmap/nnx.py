@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools as ft
 import inspect
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, Unpack, overload
 
 
 try:
@@ -38,7 +38,7 @@ import jax
 from ._adapters._flax import clear_non_graph_nodes, is_graph_node
 from ._adapters._stateful import stateful_map
 from ._core import _axes, _cache, _memory
-from ._core._options import check_callable, decorator_form, identity
+from ._core._options import VmapChunking, check_callable, decorator_form, takes
 from ._transforms._batch_vmap import Transform, check_outputs
 
 
@@ -209,15 +209,7 @@ def batch_vmap(
     out_axes: Any = 0,
     axis_size: int | None = None,
     axis_name: Hashable | None = None,
-    batch_size: int | str | None = None,
-    reduction: Callable[[Any, Any], Any] | None = None,
-    chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[VmapChunking],
 ) -> Callable[[F], F]: ...
 
 
@@ -229,19 +221,12 @@ def batch_vmap(
     out_axes: Any = 0,
     axis_size: int | None = None,
     axis_name: Hashable | None = None,
-    batch_size: int | str | None = None,
-    reduction: Callable[[Any, Any], Any] | None = None,
-    chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[VmapChunking],
 ) -> F: ...
 
 
 @decorator_form("f")
+@takes(VmapChunking)
 def batch_vmap(
     f: Callable[..., Any],
     *,
@@ -249,16 +234,7 @@ def batch_vmap(
     out_axes: Any = 0,
     axis_size: int | None = None,
     axis_name: Hashable | None = None,
-    # chunkvmap specific
-    batch_size: int | str | None = None,
-    reduction: Callable[[Any, Any], Any] | None = None,
-    chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[VmapChunking],
 ) -> Any:
     """`nnx.vmap`, evaluated `batch_size` examples at a time.
 
@@ -360,18 +336,7 @@ def batch_vmap(
     in_axes = _check_spec("in_axes", in_axes)
     out_axes = _check_spec("out_axes", out_axes)
     transform = Transform.make(
-        _NAME,
-        chunk_size=chunk_size,
-        reduction=reduction,
-        chunk_reduction=chunk_reduction,
-        axis_name=axis_name,
-        axis_size=axis_size,
-        batch_size=batch_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
+        _NAME, axis_name=axis_name, axis_size=axis_size, **options
     )
     return _transform(f, in_axes, out_axes, transform)
 

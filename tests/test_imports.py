@@ -162,27 +162,47 @@ def _entry_points():
 
 
 def test_every_entry_point_takes_the_chunking_options_as_declared_once():
-    """The chunking options are declared once (`ChunkOptions.make`, `Chunking`);
-    each entry point repeats the shared ones in its own signature for its users
-    and their tools, so they are checked against that declaration: the same names,
-    keyword arguments with the same defaults, and each documented."""
-    from chunkvmap._core._options import Chunking, ChunkOptions
+    """The chunking keywords are declared once (`_options`: each one's type in
+    one TypedDict, its default in `DEFAULTS`); an entry point takes its set as
+    `**options` and `takes` lists them in its signature: every one of its set, as
+    a keyword with that default, documented, and no other chunking keyword."""
+    from chunkvmap._core import _options
 
-    made = inspect.signature(ChunkOptions.make).parameters
-    assert set(made) - {"name"} == set(Chunking.__annotations__)
-    shared = ["batch_size", "chunk_size", "shard", "mesh", "remat", "memory_limit"]
-    shared.append("progress")
+    assert set(_options.DEFAULTS) == set(_options.AllChunking.__annotations__)
+    common = set(_options.Chunking.__annotations__) - {"batch_size"}
     entries = _entry_points()
     assert len(entries) >= 14, sorted(entries)
     for name, fn in entries.items():
+        code = inspect.unwrap(fn).__code__
+        assert code.co_flags & inspect.CO_VARKEYWORDS, name  # (**options)
         params = inspect.signature(fn).parameters
+        declared = [a for a in _options.DEFAULTS if a in params]
+        assert common <= set(declared), (name, common - set(declared))
+        kinds = [_options.MapChunking] if name == "batch_map" else []
+        kinds += [_options.Chunking, _options.VmapChunking, _options.ClipChunking]
+        assert any(set(declared) == set(k.__annotations__) for k in kinds), name
         doc = inspect.getdoc(fn) or ""
-        for arg in [
-            *shared,
-            *(a for a in ("reduction", "chunk_reduction") if a in params),
-        ]:
-            assert arg in params, (name, arg)
+        for arg in declared:
             p = params[arg]
             assert p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD), (name, arg)
-            assert p.default is made[arg].default, (name, arg, p.default)
+            assert p.default is _options.DEFAULTS[arg], (name, arg, p.default)
             assert re.search(rf"^\s*{arg}:", doc, re.M), (name, arg, "not documented")
+
+
+def test_an_entry_point_names_itself_for_a_keyword_it_does_not_take():
+    """A misspelt or inapplicable keyword is a TypeError naming the function and
+    the keyword (and the closest valid name), as Python's own would."""
+    import jax.numpy as jnp
+
+    import chunkvmap.eqx
+
+    with pytest.raises(TypeError, match=r"batch_vmap\(\) .*'batch_sz'.*'batch_size'"):
+        chunkvmap.batch_vmap(jnp.sin, batch_sz=2)
+    with pytest.raises(TypeError, match=r"batch_jacfwd\(\) .*'reduction'"):
+        chunkvmap.batch_jacfwd(jnp.sin, reduction=jnp.add)
+    with pytest.raises(TypeError, match=r"filter_batch_vmap\(\) .*'in_axis'"):
+        chunkvmap.eqx.filter_batch_vmap(in_axis=0)(jnp.sin)
+    with pytest.raises(TypeError, match=r"clipped_grad\(\) .*'microbatch'"):
+        chunkvmap.clipped_grad(jnp.sum, l2_clip_norm=1.0, microbatch=2)
+    f = chunkvmap.batch_map(jnp.sin, jnp.ones(3), 2, progress=False)
+    assert f.shape == (3,)

@@ -10,9 +10,11 @@ every later message names them. Nothing here traces or evaluates anything.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools as ft
+import inspect
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 from jax.sharding import Mesh
@@ -175,23 +177,105 @@ def shard_axes(name: str, shard: Any, mesh: Any) -> tuple[str, ...]:
     return tuple(shard)
 
 
-class Chunking(TypedDict, total=False):
-    """The chunking keyword arguments, declared once: what `ChunkOptions.make`
-    takes (with its defaults) and what the internal builders of a transform forward
-    as `**options: Unpack[Chunking]`. Each public entry point names the ones it
-    takes in its own signature, for its users and their tools; a test checks those
-    against `ChunkOptions.make`'s names and defaults."""
+# The chunking keyword arguments, each declared once (its type here, its default in
+# `DEFAULTS`). A public entry point takes the set that applies to it as
+# `**options: Unpack[...]` and is decorated with `takes(...)`, which lists them in its
+# signature (for `help`, `inspect` and editors) and rejects any other keyword.
 
-    batch_size: int | str | None
+
+class Evaluating(TypedDict, total=False):
+    """What every entry point takes: where and how its examples are evaluated."""
+
     chunk_size: int | str | None
-    microbatch_size: int | str | None
-    reduction: Callable[[Any, Any], Any] | None
-    chunk_reduction: Callable[[Any], Any]
-    remat: bool | Callable[..., Any]
     shard: bool | str | tuple[str, ...]
     mesh: Mesh | None
+    remat: bool | Callable[..., Any]
     memory_limit: int | str | None
     progress: Any
+
+
+class Chunking(Evaluating, total=False):
+    """The transforms of a function (gradients, Jacobians, statistics)."""
+
+    batch_size: int | str | None
+
+
+class Folding(TypedDict, total=False):
+    """A user's reduction of the chunks' outputs."""
+
+    reduction: Callable[[Any, Any], Any] | None
+    chunk_reduction: Callable[[Any], Any]
+
+
+class VmapChunking(Chunking, Folding, total=False):
+    """`batch_vmap` and the adapters' transforms."""
+
+
+class MapChunking(Evaluating, Folding, total=False):
+    """`batch_map` (its `batch_size` is positional, as `lax.map`'s)."""
+
+
+class ClipChunking(Chunking, total=False):
+    """`clipped_grad` (`microbatch_size`: jax-privacy's name of the chunk size)."""
+
+    microbatch_size: int | str | None
+
+
+class AllChunking(VmapChunking, ClipChunking, total=False):
+    """Every chunking keyword: what `ChunkOptions.make` takes."""
+
+
+# Each keyword's default, in the order signatures list them.
+DEFAULTS: dict[str, Any] = dict(
+    batch_size=None, microbatch_size=None, reduction=None, chunk_reduction=identity,
+    shard=False, mesh=None, remat=True, memory_limit=None, progress=False,
+    chunk_size=None,
+)  # fmt: skip
+
+
+def _written(annotation: Any) -> Any:
+    """An annotation as its source writes it (a TypedDict's are forward references)."""
+    return getattr(annotation, "__forward_arg__", annotation)
+
+
+def takes(kind: type) -> Callable[[Any], Any]:
+    """Declares that an entry point `fn(..., **options: Unpack[kind])` takes the
+    chunking keywords of `kind`: its signature lists them (keyword-only, with
+    their defaults), and a call with any other keyword its own parameters do not
+    name is a TypeError naming `fn` (with the closest valid name)."""
+    names = [k for k in DEFAULTS if k in kind.__annotations__]
+
+    def decorate(fn: Any) -> Any:
+        sig = inspect.signature(fn)
+        own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        named = {p.name for p in own}  # (batch_map names batch_size itself)
+        valid = named | set(names)
+        extra = [
+            inspect.Parameter(
+                k, inspect.Parameter.KEYWORD_ONLY, default=DEFAULTS[k],
+                annotation=_written(kind.__annotations__[k]),
+            )
+            for k in names
+            if k not in named
+        ]  # fmt: skip
+
+        @ft.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            for k in kwargs:
+                if k not in valid:
+                    close = difflib.get_close_matches(k, sorted(valid), n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else "."
+                    raise TypeError(
+                        f"{fn.__name__}() got an unexpected keyword argument "
+                        f"{k!r}{hint}"
+                    )
+            return fn(*args, **kwargs)
+
+        checked.__signature__ = sig.replace(parameters=own + extra)  # pyright: ignore
+        del checked.__wrapped__  # (tools that unwrap see this signature)
+        return checked
+
+    return decorate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,22 +312,16 @@ class ChunkOptions:
     check_unmapped: bool = True
 
     @classmethod
-    def make(
-        cls,
-        name: str,
-        *,
-        batch_size: Any = None,
-        chunk_size: Any = None,
-        microbatch_size: Any = None,
-        reduction: Any = None,
-        chunk_reduction: Any = identity,
-        remat: Any = True,
-        shard: Any = False,
-        mesh: Any = None,
-        memory_limit: Any = None,
-        progress: Any = False,
-    ) -> ChunkOptions:
+    def make(cls, name: str, **options: Unpack[AllChunking]) -> ChunkOptions:
         """The validated options of the transform `name` (errors name `name`)."""
+        unknown = set(options) - set(DEFAULTS)
+        if unknown:
+            raise TypeError(f"{name} got unknown chunking options {sorted(unknown)}.")
+        o: dict[str, Any] = {**DEFAULTS, **options}
+        batch_size, chunk_size = o["batch_size"], o["chunk_size"]
+        microbatch_size, reduction = o["microbatch_size"], o["reduction"]
+        chunk_reduction, remat, shard = o["chunk_reduction"], o["remat"], o["shard"]
+        mesh, memory_limit, progress = o["mesh"], o["memory_limit"], o["progress"]
         given = {
             arg: value
             for arg, value in (

@@ -19,7 +19,7 @@ import dataclasses
 import functools as ft
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +29,14 @@ from jax import lax
 from .._core import _accumulators, _axes, _cache, _memory
 from .._core._accumulators import Fold, Stack
 from .._core._options import (
+    Chunking,
+    ClipChunking,
     check_bool,
     check_bools,
     check_callable,
     decorator_form,
     identity,
+    takes,
 )
 from .._transforms._batch_vmap import Transform, function_name
 from .._transforms._grads import (
@@ -856,6 +859,7 @@ def _check_prng_argnum(name: str, prng_argnum: Any) -> None:
 
 
 @decorator_form("fun")
+@takes(ClipChunking)
 def clipped_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -869,19 +873,12 @@ def clipped_grad(
     return_values: bool = False,
     return_grad_norms: bool = False,
     pre_clipping_transform: Callable[[Any], Any] = identity,
-    microbatch_size: int | str | None = None,
     nan_safe: bool = True,
     dtype: Any = None,
     prng_argnum: int | None = None,
     spmd_axis_name: Any = None,
-    batch_size: int | str | None = None,
-    chunk_size: int | str | None = None,
-    memory_limit: int | str | None = None,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    progress: Any = False,
     method: str = "vmap",
+    **options: Unpack[ClipChunking],
 ) -> ClippedGrad:
     """The sum of per-example clipped gradients: jax-privacy's `clipped_grad`, for any
     batch size.
@@ -989,9 +986,7 @@ def clipped_grad(
     _check_prng_argnum(name, prng_argnum)
     transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True,
-        spmd_axis_name=spmd_axis_name, batch_size=batch_size, chunk_size=chunk_size,
-        microbatch_size=microbatch_size, shard=shard, mesh=mesh, remat=remat,
-        memory_limit=memory_limit, progress=progress,
+        spmd_axis_name=spmd_axis_name, **options,
     )  # fmt: skip
     config = Clipping(
         l2_clip_norm, dtype=dtype, pre_clipping_transform=pre_clipping_transform,
@@ -1064,21 +1059,16 @@ def _check_dtype(name: str, dtype: Any) -> Any:
 
 
 @decorator_form("fun")
+@takes(Chunking)
 def clipped_grad_sum(
     fun: Callable[..., Any],
     l2_clip_norm: Any,
     *,
     argnums: int | Sequence[int] = 0,
     batch_argnums: int | Sequence[int] | None = None,
-    batch_size: int | str | None = None,
     return_norms: bool = False,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
     method: str = "vmap",
+    **options: Unpack[Chunking],
 ) -> Callable[..., Any]:
     """The sum of per-example gradients, each clipped to L2 norm `l2_clip_norm`.
 
@@ -1161,13 +1151,7 @@ def clipped_grad_sum(
         argnums,
         batch_argnums,
         exclusive=True,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
+        **options,
     )
     config = Clipping(
         l2_clip_norm, nan_safe=False, return_grad_norms=return_norms, method=method

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from .._core._accumulators import (
     moments as moments_of,
     unshifted,
 )
-from .._core._options import check_bool, decorator_form, identity
+from .._core._options import Chunking, check_bool, decorator_form, identity, takes
 from .._transforms._batch_vmap import Transform, batch_vmap
 from .._transforms._grads import (
     differentiable_floats,
@@ -57,21 +57,16 @@ def _stats_dtype(dtype: Any) -> Any:
 
 
 @decorator_form("fun")
+@takes(Chunking)
 def per_example_grad_norms(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
     batch_argnums: int | Sequence[int] | None = None,
-    batch_size: int | str | None = None,
     method: str = "vmap",
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
     per_leaf: bool = False,
+    **options: Unpack[Chunking],
 ) -> Callable[..., Any]:
     """The L2 norm of every example's gradient, `batch_size` examples at a time.
 
@@ -136,10 +131,8 @@ def per_example_grad_norms(
     check_bool(name, "per_leaf", per_leaf)
     method = _clipping.check_method(name, method)
     transform = grad_transform(
-        name, fun, argnums, batch_argnums, exclusive=True, batch_size=batch_size,
-        chunk_size=chunk_size, shard=shard, mesh=mesh, remat=remat,
-        memory_limit=memory_limit, progress=progress,
-    )  # fmt: skip
+        name, fun, argnums, batch_argnums, exclusive=True, **options
+    )
     config = _clipping.Clipping(
         math.inf,
         nan_safe=False,
@@ -190,21 +183,16 @@ class GradStats(NamedTuple):
 
 
 @decorator_form("fun")
+@takes(Chunking)
 def per_example_grad_stats(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
     batch_argnums: int | Sequence[int] | None = None,
-    batch_size: int | str | None = None,
     method: str = "vmap",
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
     per_leaf: bool = False,
+    **options: Unpack[Chunking],
 ) -> Callable[..., Any]:
     """The mean, variance and sum of squares of the per-example gradients, and their
     squared norms, `batch_size` examples at a time.
@@ -276,10 +264,8 @@ def per_example_grad_stats(
     check_bool(name, "per_leaf", per_leaf)
     method = _clipping.check_method(name, method)
     transform = grad_transform(
-        name, fun, argnums, batch_argnums, exclusive=True, batch_size=batch_size,
-        chunk_size=chunk_size, shard=shard, mesh=mesh, remat=remat,
-        memory_limit=memory_limit, progress=progress,
-    )  # fmt: skip
+        name, fun, argnums, batch_argnums, exclusive=True, **options
+    )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         diff, in_axes = transform.resolve(args)
@@ -675,21 +661,16 @@ def _rotated(args: tuple, in_axes: tuple, shift: Any, size: int, count: int) -> 
 
 
 @decorator_form("fun")
+@takes(Chunking)
 def per_example_grad_gram(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
     batch_argnums: int | Sequence[int] | None = None,
-    batch_size: int | str | None = None,
     other_batch_size: int | None = None,
     method: str = "vmap",
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[Chunking],
 ) -> Callable[..., Any]:
     """Dot products between per-example gradients: a Gram matrix, chunked over both
     batches.
@@ -770,13 +751,14 @@ def per_example_grad_gram(
     other_batch_size = _axes.check_positive_int(
         "other_batch_size", other_batch_size, transform=name
     )
-    options = dict(shard=shard, mesh=mesh, remat=remat, progress=progress)
     transform = grad_transform(
-        name, fun, argnums, batch_argnums, exclusive=True, batch_size=batch_size,
-        chunk_size=chunk_size, memory_limit=memory_limit, **options,
-    )  # fmt: skip
+        name, fun, argnums, batch_argnums, exclusive=True, **options
+    )
+    # (the rows' transforms choose their own chunk sizes)
+    placed = {k: v for k, v in options.items() if k in ("shard", "mesh", "remat")}
+    placed["progress"] = options.get("progress", False)
     gram = _Gram(
-        name, fun, argnums, batch_argnums, has_aux, method, options, transform,
+        name, fun, argnums, batch_argnums, has_aux, method, placed, transform,
         other_batch_size,
     )  # fmt: skip
     return transform.public(gram.call, fun)

@@ -9,32 +9,33 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._core import _axes, _cache, _chunked, _conv, _loop, _memory, _program
-from .._core._options import ChunkOptions, check_bool, check_callable, identity
+from .._core._options import (
+    ChunkOptions,
+    MapChunking,
+    check_bool,
+    check_callable,
+    identity,
+    takes,
+)
 from ._batch_vmap import check_outputs
 
 
+@takes(MapChunking)
 def batch_map(
     fun: Callable[[Any], Any],
     xs: Any,
     /,
     batch_size: int | str | None = None,
     *,
-    reduction: Callable[[Any, Any], Any] | None = None,
-    chunk_reduction: Callable[[Any], Any] = identity,
     strip_dim0: bool = False,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[MapChunking],
 ) -> Any:
     """Apply an already-vectorised `fun` to `xs` in chunks of `batch_size`.
 
@@ -98,18 +99,7 @@ def batch_map(
     """
     name = "batch_map"
     check_callable(name, "fun", fun)
-    options = ChunkOptions.make(
-        name,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        reduction=reduction,
-        chunk_reduction=chunk_reduction,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
-    )
+    options = ChunkOptions.make(name, batch_size=batch_size, **options)
     check_bool(name, "strip_dim0", strip_dim0)
     if strip_dim0 and options.batch_size != 1:
         raise ValueError(

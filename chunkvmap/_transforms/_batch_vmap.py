@@ -20,11 +20,13 @@ import jax.numpy as jnp
 from .._core import _axes, _cache, _chunked, _conv, _loop, _memory, _program
 from .._core._cache import function_name
 from .._core._options import (
-    Chunking,
+    AllChunking,
     ChunkOptions,
+    VmapChunking,
     check_callable,
     decorator_form,
     identity,
+    takes,
 )
 
 
@@ -32,6 +34,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 @decorator_form("f")
+@takes(VmapChunking)
 def batch_vmap(
     f: F,
     /,
@@ -39,16 +42,7 @@ def batch_vmap(
     out_axes: Any = 0,
     axis_name: Any = None,
     axis_size: int | None = None,
-    *,
-    batch_size: int | str | None = None,
-    reduction: Callable[[Any, Any], Any] | None = None,
-    chunk_reduction: Callable[[Any], Any] = identity,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[VmapChunking],
 ) -> F:
     """Vectorise `f` like `jax.vmap`, evaluating the examples `batch_size` at a time.
 
@@ -204,19 +198,8 @@ def batch_vmap(
       ...            chunk_reduction=lambda y: y.max(0))(x)
       Array(17., dtype=float32)
     """
-    options = ChunkOptions.make(
-        "batch_vmap",
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        reduction=reduction,
-        chunk_reduction=chunk_reduction,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
-    )
-    return vmap_transform(f, in_axes, out_axes, axis_name, axis_size, options)
+    checked = ChunkOptions.make("batch_vmap", **options)
+    return vmap_transform(f, in_axes, out_axes, axis_name, axis_size, checked)
 
 
 def vmap_transform(
@@ -280,7 +263,7 @@ class Transform:
         spmd_axis_name: Any = None,
         axes_arg: str = "in_axes",
         args: Any = None,
-        **options: Unpack[Chunking],
+        **options: Unpack[AllChunking],
     ) -> Transform:
         """The transform of the public function `name`, its chunking `options`
         validated (`ChunkOptions.make`); `axes_arg` names the argument that maps

@@ -25,10 +25,12 @@ import numpy as np
 
 from .._core import _axes, _cache
 from .._core._options import (
+    AllChunking,
     Chunking,
     check_bool,
     check_callable,
     decorator_form,
+    takes,
 )
 from ._batch_vmap import Transform, function_name
 
@@ -250,7 +252,7 @@ def grad_transform(
     batch_argnums: Any,
     spmd_axis_name: Any = None,
     exclusive: bool = False,
-    **options: Unpack[Chunking],
+    **options: Unpack[AllChunking],
 ) -> Transform:
     """The transform of a gradient entry point (`per_example_grads`, the clipped
     sums, the statistics): its arguments resolved by `GradArgs`."""
@@ -420,19 +422,14 @@ class GradArgs:
 
 
 @decorator_form("fun")
+@takes(Chunking)
 def per_example_grads(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
     batch_argnums: int | Sequence[int] | None = None,
-    batch_size: int | str | None = None,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[Chunking],
 ) -> Callable[..., Any]:
     """Per-example gradients, `batch_size` examples at a time.
 
@@ -499,13 +496,7 @@ def per_example_grads(
         fun,
         argnums,
         batch_argnums,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
+        **options,
     )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:

@@ -18,10 +18,12 @@ import numpy as np
 
 from .._core import _axes, _cache
 from .._core._options import (
+    AllChunking,
     Chunking,
     check_bool,
     check_callable,
     decorator_form,
+    takes,
 )
 from ._batch_vmap import Transform, check_outputs, function_name
 from ._grads import check_argnums, describe, resolve_argnums
@@ -34,7 +36,7 @@ def _jac_transform(
     has_aux: Any,
     holomorphic: Any,
     unwrap_numpy_int: bool,
-    **options: Unpack[Chunking],
+    **options: Unpack[AllChunking],
 ) -> Transform:
     """The transform of `batch_jacfwd` and `batch_jacrev` (its arguments checked
     now, so errors name it when it is built)."""
@@ -191,19 +193,13 @@ def _check_dtypes(name: str, what: str, leaves: Sequence[Any], holomorphic: bool
 
 
 @decorator_form("fun")
+@takes(Chunking)
 def batch_jacfwd(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     holomorphic: bool = False,
-    *,
-    batch_size: int | str | None = None,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[Chunking],
 ) -> Callable[..., Any]:
     """`jax.jacfwd`, pushing `batch_size` basis vectors at a time.
 
@@ -249,8 +245,7 @@ def batch_jacfwd(
     name = "batch_jacfwd"
     transform = _jac_transform(
         name, fun, argnums, has_aux, holomorphic, unwrap_numpy_int=True,
-        batch_size=batch_size, chunk_size=chunk_size, shard=shard, mesh=mesh,
-        remat=remat, memory_limit=memory_limit, progress=progress,
+        **options,
     )  # fmt: skip
     checked = _checked(name, fun, has_aux, aux_is_mapped=True)
 
@@ -286,20 +281,14 @@ def batch_jacfwd(
 
 
 @decorator_form("fun")
+@takes(Chunking)
 def batch_jacrev(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     holomorphic: bool = False,
     allow_int: bool = False,
-    *,
-    batch_size: int | str | None = None,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[Chunking],
 ) -> Callable[..., Any]:
     """`jax.jacrev`, pulling back `batch_size` basis vectors at a time.
 
@@ -343,8 +332,7 @@ def batch_jacrev(
     name = "batch_jacrev"
     transform = _jac_transform(
         name, fun, argnums, has_aux, holomorphic, unwrap_numpy_int=False,
-        batch_size=batch_size, chunk_size=chunk_size, shard=shard, mesh=mesh,
-        remat=remat, memory_limit=memory_limit, progress=progress,
+        **options,
     )  # fmt: skip
     check_bool(name, "allow_int", allow_int)
     checked = _checked(name, fun, has_aux, aux_is_mapped=False)

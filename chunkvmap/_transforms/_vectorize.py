@@ -36,14 +36,20 @@ import math
 import re
 import warnings
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from .._core import _cache
-from .._core._options import ChunkOptions, check_callable, decorator_form
+from .._core._options import (
+    Chunking,
+    ChunkOptions,
+    check_callable,
+    decorator_form,
+    takes,
+)
 from ._batch_vmap import Transform, check_outputs
 
 
@@ -547,18 +553,13 @@ def _strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 @decorator_form("pyfunc")
+@takes(Chunking)
 def batch_vectorize(
     pyfunc: F,
     *,
     excluded: Collection[int | str] = frozenset(),
     signature: str | None = None,
-    batch_size: int | str | None = None,
-    shard: bool | str | tuple[str, ...] = False,
-    mesh: jax.sharding.Mesh | None = None,
-    remat: bool | Callable[..., Any] = True,
-    memory_limit: int | str | None = None,
-    progress: Any = False,
-    chunk_size: int | str | None = None,
+    **options: Unpack[Chunking],
 ) -> F:
     """`jnp.vectorize` whose loop is evaluated `batch_size` examples at a time.
 
@@ -654,16 +655,7 @@ def batch_vectorize(
     check_callable(_NAME, "pyfunc", pyfunc)
     shown, excluded = excluded, _check_excluded(excluded)
     sig = _parse_signature(signature)
-    options = ChunkOptions.make(
-        _NAME,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        shard=shard,
-        mesh=mesh,
-        remat=remat,
-        memory_limit=memory_limit,
-        progress=progress,
-    )
+    options = ChunkOptions.make(_NAME, **options)
     transform = Transform(options)
 
     def vectorized(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
