@@ -460,6 +460,30 @@ MUTANTS = {
         ),
         ["test_statistics", "test_wherever"],
     ),
+    "eager cache: equations' parameters left out of the key": (
+        (
+            "chunkvmap/_core/_program.py",
+            "            parts.append((eqn.primitive, ins, outs, eqn.ctx, params))\n",
+            "            parts.append((eqn.primitive, ins, outs, eqn.ctx, ()))\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "options: a keyword the entry point does not take accepted": (
+        (
+            "chunkvmap/_core/_options.py",
+            "                if k not in valid:\n",
+            "                if False:\n",
+        ),
+        ["test_imports", "test_errors"],
+    ),
+    "ghost: a cross term between two uses of a leaf counted once": (
+        (
+            "chunkvmap/_dp/ghost/_plan.py",
+            "        return same + 2 * total(cross, acc) if cross else same\n",
+            "        return same + total(cross, acc) if cross else same\n",
+        ),
+        GHOST_TESTS,
+    ),
     "eager cache: held objects (host callbacks) left out of the key": (
         (
             "chunkvmap/_core/_program.py",

@@ -345,6 +345,21 @@ def test_a_callback_default_of_minus_zero_is_a_new_program():
         np.testing.assert_array_equal(np.signbit(f(x)), np.signbit(jax.vmap(sign)(x)))
 
 
+def test_a_python_int_held_as_a_parameter_is_a_new_program():
+    """A closed-over Python int that only an equation's parameters show (a flip's
+    and a cumulative sum's axis, the shapes unchanged) tells programs apart."""
+    axis = {"k": 0}
+
+    def f(v):
+        return jnp.flip(v, axis=axis["k"]) * jnp.cumsum(v, axis=axis["k"])
+
+    x = jnp.arange(5 * 3 * 3.0).reshape(5, 3, 3)
+    g = batch_vmap(f, batch_size=2)
+    for k in (0, 1, 0):
+        axis["k"] = k
+        np.testing.assert_allclose(g(x), jax.vmap(f)(x))
+
+
 def test_a_custom_vjp_compiles_once():
     """The derivative rules an eagerly evaluated program holds (a custom_vjp's
     output trees, made anew at every trace) do not tell programs apart."""
