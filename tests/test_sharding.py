@@ -374,15 +374,23 @@ def _held(how: str, x: jax.Array) -> tuple[dict, jax.Array, object]:
 EXPLICIT = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
 
 
+HELD = [
+    *[(how, 24) for how in ("mesh=", "set_mesh", "placed", "explicit placed")],
+    *[("mesh=", 27), ("set_mesh", 29), ("explicit", 24), ("explicit", 29)],
+]
+CALLS = ["eager", "jit", "grad"]
+
+
 @pytest.mark.parametrize(
-    "how, n",
+    "how, n, batch_size, call",
     [
-        *[(how, 24) for how in ("mesh=", "set_mesh", "placed", "explicit placed")],
-        *[("mesh=", 27), ("set_mesh", 29), ("explicit", 24), ("explicit", 29)],
+        # every way the mesh is held with every batch size and every call (rotated:
+        # each batch size meets each call across the ways)
+        (how, n, batch_size, CALLS[(i + j) % 3])
+        for j, (how, n) in enumerate(HELD)
+        for i, batch_size in enumerate([2, 3, None])
     ],
 )
-@pytest.mark.parametrize("batch_size", [2, 3, None])
-@pytest.mark.parametrize("call", ["eager", "jit", "grad"])
 def test_f_is_traced_once_per_call_over_the_devices(how, n, batch_size, call, rng):
     """The chunk is traced where the loop runs it (each device's share, in the
     context of `shard_map`'s manual axes), so `f` is traced once per call, as
