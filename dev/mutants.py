@@ -596,7 +596,7 @@ MUTANTS = {
     "eager programs: a body with any accumulator known by its chunk's trace": (
         (
             "chunkvmap/_core/_chunked.py",
-            "        and (options.accumulator is None or options.accumulator.pure)\n",
+            "        and (own is None or own.pure)\n",
             "",
         ),
         ["test_cache", "test_closures"],

@@ -73,8 +73,7 @@ def _evaluate(
     )
     return transform.map(
         fn, args, {}, in_axes, (out_axes, state_axes),
-        options=options.replace(accumulator=accumulator), out_names=both_paths,
-        known=known,
+        accumulator=accumulator, out_names=both_paths, known=known,
     )  # fmt: skip
 
 

@@ -35,6 +35,7 @@ from ._options import ChunkOptions, identity
 
 def body(
     options: ChunkOptions,
+    accumulator: Any,
     chunk_fn: _loop.ChunkFn,
     axes: Sequence[int | None],
     signature: _loop.Signature,
@@ -43,15 +44,15 @@ def body(
     traced: _program.Retraced,
 ) -> _loop.Body:
     """The `_loop.Body` of a traced chunk function (traced for chunks of `length`),
-    combined as `options` say: stacked, folded by the user's reduction, or
-    accumulated by a front end's own accumulator; a composed one
+    combined as `options` say (stacked, or folded by the user's reduction), or by a
+    front end's own `accumulator` (None: the options'); a composed one
     (`_accumulators.compose`) is resolved here against this signature, once, before
     any loop is built (a user's reduction is checked then: `_accumulators.Fold`).
     `convolutions`: whether the traced chunk has a convolution
     (`_conv.has_convolution`). `chunk_fn` takes the arrays the chunk's trace reads
     (`traced.params`) first, then the chunk's leaves mapped along `axes`: the
     body's `params`, unmapped."""
-    accumulator = options.accumulator
+    own = accumulator
     if accumulator is None and options.reduction is not None:
         accumulator = _accumulators.compose(
             _accumulators.Fold(
@@ -74,13 +75,14 @@ def body(
         traced.kept
         and options.reduction is None
         and options.chunk_reduction is identity
-        and (options.accumulator is None or options.accumulator.pure)
+        and (own is None or own.pure)
     )
     key = None
     if known:
         key = (
             traced.first.key, length, convolutions, tuple(axes), out_tree,
             tuple(out_avals), tuple(out_axes), _program.Held(options),
+            _program.Held(own),
         )  # fmt: skip
     return _loop.Body(
         options.name, chunk_fn, (*[None] * len(params), *axes), signature,

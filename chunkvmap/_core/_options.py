@@ -302,14 +302,6 @@ class ChunkOptions:
     # The argument that maps the inputs, in messages (`batch_argnums` for the
     # gradient functions).
     axes_arg: str = "in_axes"
-    # A front end's own `_loop.Accumulator` (clipping's sums and per-example rows),
-    # used instead of `reduction` / `chunk_reduction`; unlike a user's reduction, it
-    # is not checked.
-    accumulator: Any = None
-    # Whether outputs given out_axes None are checked not to vary across examples
-    # (a shape-only trace of their batching): False only for a front end's own
-    # outputs that are unmapped by construction (ghost's parameters).
-    check_unmapped: bool = True
 
     @classmethod
     def make(cls, name: str, **options: Unpack[AllChunking]) -> ChunkOptions:
@@ -383,7 +375,6 @@ class ChunkOptions:
         return (
             self.batch_size is None
             and self.reduction is None
-            and self.accumulator is None
             and self.shard is False
             and self.reporter is None
         )

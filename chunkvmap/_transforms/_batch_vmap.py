@@ -333,14 +333,10 @@ class Transform:
         be). `arg_names` names the arguments in messages, and `out_names(out)` the
         leaves of `f`'s output `out` (default `out_paths`); `known`: what the call
         knows (`_cache.Known`)."""
-        options = options or self.options
-        if accumulator is not None:
-            options = options.replace(accumulator=accumulator)
-        if not check_unmapped:
-            options = options.replace(check_unmapped=False)
         return vmap_call(
             f, args, kwargs, in_axes, out_axes, self.axis_name, self.axis_size,
-            options, self.auto, arg_names, self.spmd_axis_name, out_names, known,
+            options or self.options, self.auto, arg_names, self.spmd_axis_name,
+            out_names, known, accumulator, check_unmapped,
         )  # fmt: skip
 
     def cache(self, call: _cache.Call, whole: bool = False) -> _cache.EagerCache:
@@ -399,6 +395,8 @@ def vmap_call(
     spmd_axis_name: Any = None,
     out_names: Callable[[Any], list[str]] | None = None,
     known: _cache.Known | None = None,
+    accumulator: Any = None,
+    check_unmapped: bool = True,
 ) -> Any:
     """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by `options`.
 
@@ -410,6 +408,11 @@ def vmap_call(
     adapters whose `f` wraps the user's function name the user's outputs);
     `spmd_axis_name` is `jax.vmap`'s (each chunk's mapped axis is sharded over it);
     `known`: the concrete shardings of an eager call's arguments (`_cache.Call`).
+    A front end's own `accumulator` (`_loop.Accumulator`, or `_accumulators.compose`d:
+    clipping's sums, the statistics' rows) combines the chunks' outputs instead of
+    the user's reduction, unchecked; `check_unmapped=False` skips the check that
+    outputs given out_axes None do not vary across examples (a front end's own,
+    unmapped by construction).
     """
     name = options.name
     out_names = out_names or out_paths
@@ -417,7 +420,7 @@ def vmap_call(
         name, in_axes, args, kwargs, arg_names, options.axes_arg
     )
     size = _axes.mapped_size(paths, leaves, axes, axis_size, transform=name)
-    if options.plain and not callable(out_axes):
+    if options.plain and accumulator is None and not callable(out_axes):
         # One jax.vmap, with the chunked path's checks of f's output (made while
         # jax.vmap traces f, so they cost no extra trace; an output left unmapped
         # is checked first, by a trace of its own).
@@ -451,22 +454,23 @@ def vmap_call(
     with _chunked.tracing(lay):
         chunk = _chunked.chunk_types(options, inputs, axes, lay)
         body = _trace(
-            f, leaves, axes, dyn, treedef, (out_axes, out_names),
-            (axis_name, spmd_axis_name), chunk, options,
+            f, leaves, axes, dyn, treedef, (out_axes, out_names, check_unmapped),
+            (axis_name, spmd_axis_name), chunk, options, accumulator,
         )  # fmt: skip
     return _chunked.evaluate(body, inputs, options, auto, lay, axis_name)
 
 
 def _trace(
-    f, leaves, axes, dyn, treedef, outs, axis_names, chunk, options
+    f, leaves, axes, dyn, treedef, outs, axis_names, chunk, options, accumulator
 ) -> _loop.Body:
     """One chunk of `jax.vmap(f)`, traced once (under `jax.jit`, at the length and
     types the loop's chunks will have: `chunk`, `_chunked.chunk_types`) to learn
     its outputs, as a `_loop.Body` whose chunk function reuses that trace (`outs`
-    is the pair `(out_axes, out_names)` of `vmap_call`, `axis_names` the pair
-    `(axis_name, spmd_axis_name)` of `jax.vmap`)."""
+    is `(out_axes, out_names, check_unmapped)` and `accumulator` the front end's,
+    of `vmap_call`; `axis_names` the pair `(axis_name, spmd_axis_name)` of
+    `jax.vmap`)."""
     name = options.name
-    out_axes, out_names = outs
+    out_axes, out_names, check_unmapped = outs
     axis_name = axis_names[0]
     out_box: list[Any] = []
 
@@ -510,7 +514,7 @@ def _trace(
     # ones), so that a committed, sharded one is traced again at its own type.
     length, chunk_avals = chunk
     direct = not (all_zero or axis_name is not None or callable(out_axes))
-    direct = direct and not (_has_none(out_axes) and options.check_unmapped)
+    direct = direct and not (_has_none(out_axes) and check_unmapped)
     if all_zero or axis_name is not None:
         first, mapped_avals = _program.traced(mapped_at(length), chunk_avals)
         out_avals = [_axes.per_example(a) for a in mapped_avals]
@@ -523,7 +527,7 @@ def _trace(
         example = [_axes.unmapped(x, a) for x, a in zip(example, dyn_axes)]
         out_avals = _program.traced(inner, example)[1]
     flat_axes = _flat_out_axes(name, out_axes, out_box[0], out_avals)
-    if None in flat_axes and options.check_unmapped:  # before jax.vmap is asked
+    if None in flat_axes and check_unmapped:  # before jax.vmap is asked
         probe, batched = _batched_probe()
         probed = vmap_flat(lambda *xs: probe(inner(*xs)), 0, length)
         jax.eval_shape(probed, *chunk_avals)
@@ -544,8 +548,9 @@ def _trace(
     chunk_fn = _chunk_fn(f, retraced, dyn, flat_axes)
     convolutions = _conv.has_convolution(first)
     return _chunked.body(
-        options, chunk_fn, axes, signature, length, convolutions, retraced
-    )
+        options, accumulator, chunk_fn, axes, signature, length, convolutions,
+        retraced,
+    )  # fmt: skip
 
 
 def _direct(
