@@ -463,16 +463,14 @@ def vmap_call(
 def _trace(
     f, leaves, axes, dyn, treedef, outs, axis_names, chunk, options, accumulator
 ) -> _loop.Body:
-    """One chunk of `jax.vmap(f)`, traced once (under `jax.jit`, at the length and
+    """One chunk of `jax.vmap(f)`, traced once (at the length and
     types the loop's chunks will have: `chunk`, `_chunked.chunk_types`) to learn
     its outputs, as a `_loop.Body` whose chunk function reuses that trace (`outs`
     is `(out_axes, out_names, check_unmapped)` and `accumulator` the front end's,
     of `vmap_call`; `axis_names` the pair `(axis_name, spmd_axis_name)` of
     `jax.vmap`)."""
-    name = options.name
+    name, axis_name, out_box = options.name, axis_names[0], []
     out_axes, out_names, check_unmapped = outs
-    axis_name = axis_names[0]
-    out_box: list[Any] = []
 
     @_cache.wraps(f)  # named after it, so that JAX's own messages point at it
     def f_tree(*dyn_leaves):
