@@ -894,9 +894,14 @@ def clipped_grad(
     once, so memory does not grow with the batch. `microbatch_size="auto"` picks the
     fewest chunks that fit `memory_limit`, each as short as they allow.
 
-    Padding is never needed, but `is_padding_example=` (a boolean vector, one entry
-    per example) is accepted at call time with jax-privacy's meaning: padded examples
-    contribute nothing to the sum (their values, norms and aux are still computed).
+    `is_padding_example=` (a boolean vector, one entry per example) is accepted at
+    call time with jax-privacy's meaning: padded examples contribute nothing to the
+    sum. A Poisson-sampled lot padded to a fixed capacity thus runs one compiled
+    program whatever its size, and costs about what its real examples cost: the real
+    examples are evaluated first (the padding may sit anywhere), and chunks holding
+    only padding are skipped at run time (on one device; split over a mesh, every
+    example is evaluated). The padding's per-example outputs (values, norms, aux) are
+    zeros.
 
     Floating-point arrays and Python floats in plain containers (dicts, lists,
     tuples) are differentiated, as by `jax.grad`; other leaves get None (integer
