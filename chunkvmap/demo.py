@@ -8,7 +8,7 @@ The main job of chunkvmap, end to end on a laptop-sized problem:
    `jax_privacy.clipping.clipped_grad`) sums the per-example gradients, each clipped
    to L2 norm `--clip`, in chunks of `--batch-size`. Lots are **Poisson-sampled**:
    each training example joins a step's lot independently with probability
-   q = `--lot-size` / N, so the lot's size changes every step, and nothing is padded.
+   q = `--lot-size` / N, so the lot's size changes every step.
    Gaussian noise of standard deviation `--noise x --clip` is added to the sum, which
    is divided by the *expected* lot size q N, and an optax optimizer takes the step.
    Training uses ghost clipping (`method="ghost"`: the clipped sum without forming
@@ -26,12 +26,14 @@ The main job of chunkvmap, end to end on a laptop-sized problem:
 Variable lot sizes and compilation: `jax.jit` compiles one program per input shape,
 and a Poisson lot has a new size nearly every step (about 45 distinct sizes in the
 default 100 steps); compiling the ghost step takes seconds here, so one program per
-size would cost more than the training. The clipped sum is a sum over examples, so each
-lot is cut into sub-lots whose sizes are powers of 8 (the base-8 digits of its size:
-259 = 4 x 64 + 0 x 8 + 3 x 1): `clipped_grad` runs on each sub-lot as it is (any size
-works with chunkvmap, no divisibility, no padding) and the sums are added. Every example
-of the lot is counted exactly once, nothing is padded or dropped, and only a handful of
-programs (sizes 1, 8, 64, 512, ...) are ever compiled, whatever the lot sizes.
+size would cost more than the training. Each lot is instead padded to one capacity
+(`lot_capacity`: the expected lot plus four standard deviations, in whole chunks) and
+its padding marked with `is_padding_example=`: one compiled program serves every lot,
+and chunks of padding alone are skipped at run time, so a lot costs about what its
+real examples cost (the run prints the step time against programs compiled for the
+exact sizes). A lot larger than the capacity (its probability is printed) is never
+truncated: it runs as several padded buffers of that capacity, whose clipped sums
+are added.
 
 It needs the demo extras (`pip install chunkvmap[demo]`: optax, scikit-learn, tqdm,
 matplotlib, dp-accounting); `make demo` installs them. Importing `chunkvmap` never
@@ -41,6 +43,7 @@ imports this module.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -198,21 +201,44 @@ def poisson_lot(rng: np.random.Generator, n: int, q: float) -> np.ndarray:
     return np.flatnonzero(rng.random(n) < q)
 
 
-def sub_lots(size: int, base: int = 8) -> list[int]:
-    """Sizes of sub-lots that add up to `size`: powers of `base`, its digits in `base`.
+def lot_capacity(n: int, q: float, batch_size: int, sigmas: float = 4.0) -> int:
+    """The padded buffer for Poisson lots of `n` examples sampled with probability
+    `q`: the expected lot `q n` plus `sigmas` standard deviations, rounded up to whole
+    chunks of `batch_size` (at most `n`, in whole chunks)."""
+    wanted = q * n + sigmas * math.sqrt(n * q * (1 - q))
+    chunks = math.ceil(min(wanted, n) / batch_size)
+    return max(1, chunks) * batch_size
 
-    E.g. `sub_lots(259) == [64, 64, 64, 64, 1, 1, 1]`. Only the powers of `base` occur,
-    so a jitted function of a sub-lot compiles a handful of programs, whatever the
-    lot sizes.
-    """
-    sizes, power = [], 1
-    while power * base <= size:
-        power *= base
-    while size:
-        sizes += [power] * (size // power)
-        size %= power
-        power //= base
-    return sizes
+
+def overflow_probability(n: int, q: float, capacity: int) -> float:
+    """The probability that a Poisson lot (Binomial(n, q)) exceeds `capacity`."""
+    if capacity >= n or q <= 0:
+        return 0.0
+    if q >= 1:
+        return 1.0
+
+    def log_pmf(k: int) -> float:
+        return (
+            math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+            + k * math.log(q) + (n - k) * math.log1p(-q)
+        )  # fmt: skip
+
+    return min(1.0, sum(math.exp(log_pmf(k)) for k in range(capacity + 1, n + 1)))
+
+
+def padded_buffers(
+    idx: np.ndarray, capacity: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A lot's example indices as buffers of `capacity` (the last ones repeated as
+    padding) and their padding flags: one buffer, or several for a lot larger than
+    the capacity (never truncated; every example in exactly one buffer, unpadded)."""
+    buffers = []
+    for start in range(0, max(len(idx), 1), capacity):
+        part = idx[start : start + capacity]
+        pad = np.arange(capacity) >= len(part)
+        filler = part[-1:] if len(part) else np.zeros(1, idx.dtype)
+        buffers.append((np.concatenate([part, np.resize(filler, pad.sum())]), pad))
+    return buffers
 
 
 def privacy_spent(q: float, noise: float, steps: int, delta: float) -> float:
@@ -261,14 +287,11 @@ def _noised_update(optimizer: Any, std: float) -> Any:
     return update
 
 
-def _lot_sum(add_sub_lot: Any, params: Any, x: Any, y: Any) -> Any:
-    """A lot's clipped sum, added up over its sub-lots (`sub_lots`)."""
+def _lot_sum(add_buffer: Any, params: Any, x: Any, y: Any, idx: Any, capacity: int):
+    """A lot's clipped sum, over its padded buffers (`padded_buffers`)."""
     total = jax.tree.map(jnp.zeros_like, params)
-    offset = 0
-    for size in sub_lots(len(x)):
-        part = slice(offset, offset + size)
-        offset += size
-        total = add_sub_lot(total, params, x[part], y[part])
+    for rows, pad in padded_buffers(idx, capacity):
+        total = add_buffer(total, params, x[rows], y[rows], pad)
     return total
 
 
@@ -296,9 +319,13 @@ def train(args: argparse.Namespace) -> float:
     # Noise std: noise multiplier x the sum's sensitivity (clip / lot).
     std = args.noise * clipped.sensitivity("ADD_OR_REMOVE_ONE")
 
+    # Every lot padded to one capacity: one compiled program for all of them.
+    capacity = lot_capacity(n_train, q, args.batch_size)
+
     @jax.jit
-    def add_sub_lot(total, params, x, y):
-        return jax.tree.map(jnp.add, total, clipped(params, (x, y)))
+    def add_buffer(total, params, x, y, pad):
+        step = clipped(params, (x, y), is_padding_example=pad)
+        return jax.tree.map(jnp.add, total, step)
 
     update = _noised_update(optimizer, std)
 
@@ -311,22 +338,27 @@ def train(args: argparse.Namespace) -> float:
         f"{x_train.shape[1]}-{'-'.join(map(str, HIDDEN))}-10, {steps_per_epoch} steps "
         f"per epoch on Poisson-sampled lots (q = {q:.3f}, {lot} examples expected), "
         f"clip {args.clip}, noise multiplier {args.noise}, clipped_grad("
-        f"method={args.method!r}) in chunks of {args.batch_size}"
+        f"method={args.method!r}) in chunks of {args.batch_size}; every lot padded "
+        f"to {capacity} examples (P(a lot exceeds it) = "
+        f"{overflow_probability(n_train, q, capacity):.1e}: it would run as several "
+        f"buffers)"
     )
     rng = np.random.default_rng(args.seed)
-    lot_sizes, compiled = [], set()
+    lot_sizes, shapes = [], set()
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         lots = [poisson_lot(rng, n_train, q) for _ in range(steps_per_epoch)]
-        chunks = sum(
-            -(-s // args.batch_size) for idx in lots for s in sub_lots(len(idx))
+        chunks = sum(  # the chunks evaluated: those of padding alone are skipped
+            -(-int((~pad).sum()) // args.batch_size)
+            for idx in lots
+            for _, pad in padded_buffers(idx, capacity)
         )
         with tqdm(total=chunks, desc=f"epoch {epoch:>2}", unit="chunk") as bar:
             epoch_bar.bar = bar
             for idx in lots:
                 lot_sizes.append(len(idx))
-                compiled.update(sub_lots(len(idx)))
-                total = _lot_sum(add_sub_lot, params, x_train[idx], y_train[idx])
+                shapes.update(len(r) for r, _ in padded_buffers(idx, capacity))
+                total = _lot_sum(add_buffer, params, x_train, y_train, idx, capacity)
                 key, noise_key = jax.random.split(key)
                 params, opt_state = update(params, opt_state, total, noise_key)
             jax.effects_barrier()
@@ -335,26 +367,59 @@ def train(args: argparse.Namespace) -> float:
         epoch_bar.bar = None
     seconds = time.perf_counter() - start
     acc = float(accuracy(params, x_test, y_test))
-    _report_training(args, q, lot_sizes, compiled, seconds, acc)
+    _report_training(args, q, lot_sizes, shapes, seconds, acc)
+    _padded_against_exact(
+        add_buffer, clipped, params, (x_train, y_train), lot_sizes, capacity, args
+    )
     return acc
 
 
 def _report_training(
-    args: argparse.Namespace, q: float, lot_sizes: list, compiled: set,
+    args: argparse.Namespace, q: float, lot_sizes: list, shapes: set,
     seconds: float, acc: float,
 ) -> None:  # fmt: skip
     steps = len(lot_sizes)
     epsilon = privacy_spent(q, args.noise, steps, DELTA)
     print(
         f"{steps} steps in {seconds:.1f} s: lot sizes {min(lot_sizes)}-"
-        f"{max(lot_sizes)} ({len(set(lot_sizes))} distinct, none padded), run as "
-        f"sub-lots of {sorted(compiled)} examples ({len(compiled)} compiled programs)"
+        f"{max(lot_sizes)} ({len(set(lot_sizes))} distinct), each padded to "
+        f"{sorted(shapes)} examples: {len(shapes)} compiled program"
+        f"{'s' if len(shapes) > 1 else ''}"
     )
     print(f"test accuracy after {args.epochs} epochs: {acc:.3f}")
     print(
         f"privacy: epsilon = {epsilon:.2f} at delta = {DELTA:g} (dp-accounting RDP, "
         f"{steps} x Poisson(q = {q:.3f}) Gaussian(noise multiplier {args.noise}))"
     )
+
+
+def _padded_against_exact(
+    add_buffer: Any, clipped: Any, params: Any, data: tuple, lot_sizes: list,
+    capacity: int, args: argparse.Namespace,
+) -> None:  # fmt: skip
+    """The step time of the padded program against programs compiled for exactly
+    the smallest and the largest lot trained on (their compile time too)."""
+    x, y = data
+    zero = jax.tree.map(jnp.zeros_like, params)
+
+    @jax.jit
+    def exact(params, x, y):
+        return clipped(params, (x, y))
+
+    print("| lot size | padded ms | exact-size ms | padded / exact | exact compile s |")
+    print("|---|---|---|---|---|")
+    for n in sorted({min(lot_sizes), max(lot_sizes)}):
+        rows, pad = padded_buffers(np.arange(n), capacity)[0]
+        padded_args = (zero, params, x[rows], y[rows], pad)
+        t_pad, _ = _time(add_buffer, padded_args, args.repeats)
+        start = time.perf_counter()
+        compiled = exact.lower(params, x[:n], y[:n]).compile()
+        compile_s = time.perf_counter() - start
+        t_exact, _ = _time(compiled, (params, x[:n], y[:n]), args.repeats)
+        print(
+            f"| {n} | {t_pad * 1e3:.2f} | {t_exact * 1e3:.2f} | "
+            f"{t_pad / t_exact:.2f}x | {compile_s:.2f} |"
+        )
 
 
 # --------------------------------------------------------------------------------------

@@ -460,6 +460,32 @@ MUTANTS = {
         ),
         ["test_statistics", "test_wherever"],
     ),
+    "padding: chunks of padding alone evaluated": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "            return lax.cond(plan.active(i), step, lambda c, i: c, carry, "
+            "i), None\n",
+            "            return step(carry, i), None\n",
+        ),
+        ["test_padding", "test_clipping"],
+    ),
+    "padding: the padding's rows written as evaluated": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "        rows = jnp.where(keep.reshape(shape), rows, jnp.zeros((), "
+            "rows.dtype))\n",
+            "",
+        ),
+        ["test_padding", "test_clipping"],
+    ),
+    "padding: the real examples not evaluated first": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "        order = jnp.argsort(padding, stable=True).astype(np.int32)\n",
+            "        order = jnp.arange(self.size, dtype=np.int32)\n",
+        ),
+        ["test_padding", "test_clipping"],
+    ),
     "eager cache: equations' parameters left out of the key": (
         (
             "chunkvmap/_core/_program.py",

@@ -2,7 +2,7 @@
 
 Two ways to take the same DP-SGD step on a Poisson-sampled lot (each training example
 joins it independently with probability q = lot-size / N, so its size varies from step
-to step; nothing is padded): clip each per-example gradient to L2 norm C, sum, add
+to step): clip each per-example gradient to L2 norm C, sum, add
 Gaussian noise of standard deviation sigma * C, divide by the lot's size, optax update:
 
 * optax only: `jax.vmap(jax.grad(loss))` builds all the lot's per-example gradients,
@@ -17,9 +17,9 @@ puts XLA's compiled temporary memory of the two steps side by side.
 
 Lot sizes vary, and `jax.jit` compiles one program per shape. optax's transform needs
 all the lot's per-example gradients in one array, so its step is compiled once per lot
-size. The clipped sum adds up over examples, so chunkvmap's step runs `clipped_grad` on
-sub-lots whose sizes are powers of 8 (`chunkvmap.demo.sub_lots`: every example once,
-none padded) and compiles a handful of programs whatever the lot sizes.
+size. chunkvmap's step pads every lot to one capacity (`chunkvmap.demo.lot_capacity`,
+`padded_buffers`) and marks the padding with `is_padding_example=`: it compiles one
+program whatever the lot sizes, and skips the chunks of padding alone at run time.
 
     python examples/dp_sgd.py [--epochs 8] [--lot-size 512] [--batch-size 64]
         [--learning-rate 1e-2]
@@ -43,15 +43,16 @@ from chunkvmap.demo import (
     init_mlp,
     load_digits,
     logits,
+    lot_capacity,
+    padded_buffers,
     poisson_lot,
-    sub_lots,
 )
 
 
 CLIP, NOISE = 1.0, 1.0
 
 
-def make_steps(optimizer, batch_size: int):
+def make_steps(optimizer, batch_size: int, capacity: int):
     # optax only: every per-example gradient of the lot in memory at once.
     dp = optax.contrib.differentially_private_aggregate(CLIP, NOISE, key=0)
 
@@ -69,8 +70,9 @@ def make_steps(optimizer, batch_size: int):
     clipped = clipped_grad(batch_loss, l2_clip_norm=CLIP, batch_size=batch_size)
 
     @jax.jit
-    def add_sub_lot(total, params, x, y):
-        return jax.tree.map(jnp.add, total, clipped(params, (x, y)))
+    def add_buffer(total, params, x, y, pad):
+        step = clipped(params, (x, y), is_padding_example=pad)
+        return jax.tree.map(jnp.add, total, step)
 
     @jax.jit
     def update(params, opt_state, dp_state, total, lot_size):
@@ -90,11 +92,9 @@ def make_steps(optimizer, batch_size: int):
         )
 
     def chunkvmap_step(params, opt_state, dp_state, x, y):
-        total, offset = jax.tree.map(jnp.zeros_like, params), 0
-        for size in sub_lots(len(x)):
-            part = slice(offset, offset + size)
-            total = add_sub_lot(total, params, x[part], y[part])
-            offset += size
+        total = jax.tree.map(jnp.zeros_like, params)
+        for rows, pad in padded_buffers(np.arange(len(x)), capacity):
+            total = add_buffer(total, params, x[rows], y[rows], pad)
         return update(params, opt_state, dp_state, total, jnp.float32(len(x)))
 
     def chunkvmap_whole_lot(params, opt_state, dp_state, x, y):
@@ -117,7 +117,10 @@ def main(argv=None) -> dict[str, float]:
     lot = min(args.lot_size, len(x_train))
     q = lot / len(x_train)
     optimizer = optax.adam(args.learning_rate)
-    dp, optax_step, chunkvmap_step, whole_lot = make_steps(optimizer, args.batch_size)
+    capacity = lot_capacity(len(x_train), q, args.batch_size)
+    dp, optax_step, chunkvmap_step, whole_lot = make_steps(
+        optimizer, args.batch_size, capacity
+    )
     params = init_mlp(jax.random.key(0), (64, 256, 256, 10))
     x0, y0 = jnp.asarray(x_train[:lot]), jnp.asarray(y_train[:lot])
     state0 = (params, optimizer.init(params), dp.init(params))
@@ -144,7 +147,8 @@ def main(argv=None) -> dict[str, float]:
     print(
         f"DP-SGD on digits, clip {CLIP}, noise multiplier {NOISE}, {len(lots)} steps "
         f"on Poisson-sampled lots of {min(sizes)}-{max(sizes)} examples ({lot} "
-        f"expected; no padding), chunkvmap batch_size={args.batch_size}"
+        f"expected; chunkvmap's padded to {capacity}: one program), chunkvmap "
+        f"batch_size={args.batch_size}"
     )
     print(f"{'':>11} | {'test accuracy':>13} | {'step temp memory (MiB)':>22}")
     for name in memory:

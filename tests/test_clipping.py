@@ -200,7 +200,9 @@ def test_zero_examples():
 @pytest.mark.parametrize("size", [None, 3])
 def test_padding_examples(size):
     """`is_padding_example` zeroes those examples' contributions, as in jax-privacy
-    (whose microbatches must divide N; chunkvmap's need not)."""
+    (whose microbatches must divide N; chunkvmap's need not). Their per-example
+    outputs (here the norms) are zeros: chunks of padding alone are never
+    evaluated."""
     args = call_args(loss, 12)
     pad = jnp.array([False] * 9 + [True] * 3).at[4].set(True)
     opts = {"l2_clip_norm": 0.5, "return_grad_norms": True}
@@ -208,7 +210,10 @@ def test_padding_examples(size):
     actual = clipped_grad(loss, **opts, microbatch_size=size)(
         *args, is_padding_example=pad
     )
-    tree_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    tree_allclose(actual[0], expected[0], rtol=1e-4, atol=1e-5)
+    norms = np.asarray(actual[1].grad_norms)
+    np.testing.assert_allclose(norms[~pad], expected[1].grad_norms[~pad], rtol=1e-4)
+    np.testing.assert_array_equal(norms[pad], 0.0)
     # the same as leaving the padded examples out
     real = ~np.asarray(pad)
     short = (args[0], jax.tree.map(lambda a: a[real], args[1]))

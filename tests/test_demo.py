@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from chunkvmap import demo
@@ -33,13 +34,17 @@ def test_demo_trains_compares_and_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     accuracy = float(out.split("test accuracy after 2 epochs: ")[1].split()[0])
     assert accuracy > 0.3  # 2 noisy epochs: far above chance (0.1)
-    assert "none padded" in out
+    assert "each padded to [" in out and ": 1 compiled program" in out
+    assert "P(a lot exceeds it) = " in out
+    padded = [line.split("|") for line in out.splitlines() if line.count("|") == 6]
+    padded = [r for r in padded if r[1].strip().isdigit()]  # the padded/exact table
+    assert padded and all(float(r[4].strip().rstrip("x")) > 0 for r in padded)
     epsilon = float(out.split("privacy: epsilon = ")[1].split()[0])
     assert 0 < epsilon < 100
     rows = {
         line.split("|")[0].strip(): line.split("|")
         for line in out.splitlines()
-        if line.count("|") == 6
+        if line.count("|") == 6 and not line.startswith("|")
     }
     assert len(rows) == 7  # the header and six methods
     # Against jax.vmap: chunkvmap needs less memory, ghost less still.
@@ -50,12 +55,21 @@ def test_demo_trains_compares_and_plots(tmp_path, capsys):
     assert plot.stat().st_size > 10_000
 
 
-def test_sub_lots_cover_every_size_with_powers_of_eight():
-    for size in range(600):
-        parts = demo.sub_lots(size)
-        assert sum(parts) == size
-        assert set(parts) <= {1, 8, 64, 512}
-    assert demo.sub_lots(259) == [64, 64, 64, 64, 1, 1, 1]
+def test_padded_buffers_hold_every_example_of_a_lot_once():
+    """A lot padded to the capacity (several buffers when larger, never truncated):
+    every example in exactly one buffer, unpadded; the capacity is the expected lot
+    plus four standard deviations in whole chunks, rarely exceeded."""
+    rng = np.random.default_rng(0)
+    for size in [0, 1, 63, 64, 65, 200, 300]:
+        idx = rng.permutation(1000)[:size]
+        buffers = demo.padded_buffers(idx, 64)
+        assert all(len(rows) == len(pad) == 64 for rows, pad in buffers)
+        real = np.concatenate([rows[~pad] for rows, pad in buffers])
+        np.testing.assert_array_equal(real, idx)
+    capacity = demo.lot_capacity(1437, 256 / 1437, 64)
+    assert capacity % 64 == 0 and 256 + 4 * (256 * (1 - 256 / 1437)) ** 0.5 <= capacity
+    assert demo.overflow_probability(1437, 256 / 1437, capacity) < 1e-4
+    assert demo.overflow_probability(1437, 256 / 1437, 256) > 0.4
 
 
 @pytest.mark.parametrize(
@@ -96,7 +110,7 @@ def test_dp_sgd_example_matches_optax_with_less_memory(capsys):
     # Two steps: optax's step compiles once per lot size.
     argv = ["--epochs", "1", "--lot-size", "512", "--batch-size", "64"]
     result = module.main([*argv, "--learning-rate", "3e-2"])
-    assert "no padding" in capsys.readouterr().out
+    assert "padded to" in capsys.readouterr().out
     assert result["memory_ratio"] > 3
     # Same initialisation, same batches, same noise: the two trainings agree.
     assert abs(result["acc_optax only"] - result["acc_chunkvmap"]) < 0.02

@@ -341,7 +341,8 @@ class Inputs:
     their key paths as the user wrote them (`paths`), which leaves are arrays to trace
     (`dyn`, every mapped leaf among them), the mapped length `size`, and a hashable
     `key` of the call's types (for the `"auto"` choice); `known`: the concrete
-    shardings of an eager call's arguments (`Known`)."""
+    shardings of an eager call's arguments (`Known`); `padding`: the leaf marking
+    padding examples, if any."""
 
     leaves: list[Any]
     paths: Sequence[str]
@@ -349,3 +350,7 @@ class Inputs:
     size: int
     key: Any
     known: Known = NOTHING_KNOWN
+    # The leaf (an index into `leaves`) that marks each example as padding (a
+    # boolean vector along axis 0), where the examples are a padded buffer; None:
+    # every example is real.
+    padding: int | None = None

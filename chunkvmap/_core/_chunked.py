@@ -207,11 +207,14 @@ def evaluate(
 
         def run(leaves: list[Any]) -> Any:
             report = _progress.hook(options.reporter, plan.num_chunks)
-            result = body.run(leaves, plan, report)
+            here = plan
+            if inputs.padding is not None and body.accumulator is not None:
+                here = plan.padded(leaves[inputs.padding])  # (skips its padding)
+            result = body.run(leaves, here, report)
             return _sharding.laid_result(lay, body, result) if one_device else result
 
     programs = None if auto is None else auto.programs
-    key = (lay, batch, axis_name)
+    key = (lay, batch, axis_name, inputs.padding)
     return _compiled(body, inputs, programs, key, lambda xs: body.finish(run(xs)))
 
 
@@ -226,6 +229,7 @@ def _with_params(inputs: Inputs, params: Sequence[Any]) -> Inputs:
         paths=[*["the function's closure"] * k, *inputs.paths],
         dyn=[*range(k), *(i + k for i in inputs.dyn)],
         key=(inputs.key, tuple(jax.typeof(p) for p in params)),
+        padding=None if inputs.padding is None else inputs.padding + k,
     )
 
 

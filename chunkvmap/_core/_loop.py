@@ -46,6 +46,11 @@ class Chunks:
     # Where the N examples start in the leaves' mapped axes (may be traced): a device
     # of a sharded evaluation reads its examples in place from whole inputs.
     offset: Any = 0
+    # A padded buffer (`padded`): the N examples in the order they are evaluated
+    # (real ones first; traced indices, None: as they are), and how many are real
+    # (traced): chunks of padding alone are skipped at run time.
+    order: Any = None
+    count: Any = None
 
     @property
     def num_chunks(self) -> int:
@@ -76,11 +81,43 @@ class Chunks:
         return lax.min(first, np.array(self.size - self.batch, i.dtype))
 
     def chunk(self, leaves: Sequence[Any], axes: Sequence[int | None], i: Any):
-        """The inputs of chunk `i` (read at `offset + start(i)`)."""
+        """The inputs of chunk `i` (read at `offset + start(i)`; of a padded
+        buffer, the examples `order` puts there, gathered)."""
         start = self.start(i)
+        if self.order is not None:
+            return gather(leaves, axes, self.indices(i))
         if not (isinstance(self.offset, int) and self.offset == 0):
             start = self.offset + start
         return take(leaves, axes, start, self.batch)
+
+    def padded(self, padding: jax.Array) -> Chunks:
+        """This plan over a padded buffer: `padding[j]` marks example `j` as
+        padding. The real examples are evaluated first, in their order (a stable
+        sort), and the chunks after the last real one are skipped (`active`)."""
+        order = jnp.argsort(padding, stable=True).astype(np.int32)
+        count = self.size - jnp.sum(padding, dtype=np.int32)
+        return dataclasses.replace(self, order=order, count=count)
+
+    def indices(self, i: Any) -> jax.Array:
+        """The examples chunk `i` of a padded buffer evaluates (`offset` added)."""
+        idx = lax.dynamic_slice_in_dim(self.order, self.start(i), self.batch)
+        if isinstance(self.offset, int) and self.offset == 0:
+            return idx
+        return idx + self.offset
+
+    def active(self, i: Any) -> Any:
+        """Whether chunk `i` holds a real example (always, without padding)."""
+        if self.count is None:
+            return True
+        return lax.lt(lax.mul(i, np.array(self.batch, i.dtype)), self.count)
+
+    def real_rows(self, i: Any) -> Any:
+        """Chunk `i`'s rows that are real examples (a boolean vector), or None
+        without padding."""
+        if self.count is None:
+            return None
+        positions = self.start(i) + lax.iota(np.int32, self.batch)
+        return positions < self.count
 
     def whole(self, leaves: Sequence[Any], axes: Sequence[int | None]) -> list[Any]:
         """The leaves restricted to the plan's N examples (one chunk, no loop)."""
@@ -112,6 +149,16 @@ def window(size: int, length: int, offset: Any) -> Chunks:
     if size >= length:
         return make_plan(size, length, offset)
     return Chunks(size, length, offset)
+
+
+def gather(leaves: Sequence[Any], axes: Sequence[int | None], indices: jax.Array):
+    """The examples `indices` of each mapped leaf (a chunk of a padded buffer)."""
+    return [
+        x
+        if a is None
+        else jnp.take(x, indices, axis=a, mode="clip", unique_indices=True)
+        for x, a in zip(leaves, axes)
+    ]
 
 
 def take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length: int):
@@ -520,9 +567,13 @@ class Body:
         written at the chunk's offset (`_Fold`)."""
         chunk_fn, axes = fold.chunk_fn, fold.axes
         if plan.single:
-            result = fold.summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
+            summary, rows = fold.summarise(
+                chunk_fn(plan.whole(leaves, axes), plan.size)
+            )
             report(0)
-            return result
+            if plan.count is not None:  # padding's rows: zeros
+                rows = jax.tree.map(lambda r: _zero_padding(plan, r, fold), rows)
+            return summary, rows
         batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
         remainder = _remainder_summary(fold, batch, rem)
 
@@ -539,13 +590,19 @@ class Body:
 
         write = _row_writer(plan, fold.row_axis)
 
-        def body(carry, i):
+        def step(carry, i):
             acc, buffers = carry
             s, rows = evaluate(i)
             report(i)
             acc = lax.cond(i == 0, lambda: s, lambda: fold.combine(acc, s))
             buffers = jax.tree.map(lambda b, r: write(b, r, i), buffers, rows)
-            return (acc, buffers), None
+            return acc, buffers
+
+        def body(carry, i):
+            if plan.count is None:
+                return step(carry, i), None
+            # a chunk of padding alone: not evaluated (nothing to fold or write)
+            return lax.cond(plan.active(i), step, lambda c, i: c, carry, i), None
 
         init = _fold_init(fold, leaves, plan)
         with jax.named_scope("chunkvmap"):
@@ -701,6 +758,8 @@ def _row_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
     """`write(buffer, rows, i)`: chunk `i`'s rows written into `buffer` at its
     offset (the last window keeps the rows earlier chunks wrote)."""
     batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
+    if plan.order is not None:
+        return _scattering_writer(plan, row_axis)
 
     def write(buffer: jax.Array, rows: jax.Array, i: Any) -> jax.Array:
         if plan.wide:  # the window's last N rows, at the buffer's start
@@ -718,6 +777,41 @@ def _row_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
         return lax.dynamic_update_slice_in_dim(buffer, rows, start, row_axis)
 
     return write
+
+
+def _scattering_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
+    """`_row_writer` of a padded buffer: chunk `i`'s rows written at the examples
+    it evaluated (`plan.order`), the rows of padding as zeros."""
+    batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
+
+    def write(buffer: jax.Array, rows: jax.Array, i: Any) -> jax.Array:
+        idx = lax.dynamic_slice_in_dim(plan.order, plan.start(i), batch)
+        shape = [1] * rows.ndim
+        shape[row_axis] = batch
+        keep = plan.real_rows(i)
+        at = lambda x: jnp.moveaxis(x, row_axis, 0)  # noqa: E731
+        old = jnp.take(at(buffer), idx, axis=0, mode="clip")
+        if rem:  # the last window: the rows earlier chunks wrote stay
+            first = lax.select(i == last, np.int32(batch - rem), np.int32(0))
+            rows = jnp.where((lax.iota(np.int32, batch) >= first).reshape(shape),
+                             rows, jnp.moveaxis(old, 0, row_axis))  # fmt: skip
+        rows = jnp.where(keep.reshape(shape), rows, jnp.zeros((), rows.dtype))
+        new = at(buffer).at[idx].set(at(rows), unique_indices=True)
+        return jnp.moveaxis(new, 0, row_axis)
+
+    return write
+
+
+def _zero_padding(plan: Chunks, rows: jax.Array, fold: _Fold) -> jax.Array:
+    """One chunk's rows of a whole padded buffer, the padding's zeroed."""
+    shape = [1] * rows.ndim
+    shape[fold.row_axis] = plan.size
+    real = (
+        jnp.zeros(plan.size, bool)
+        .at[plan.order]
+        .set(lax.iota(np.int32, plan.size) < plan.count)
+    )
+    return jnp.where(real.reshape(shape), rows, jnp.zeros((), rows.dtype))
 
 
 def _fold_init(fold: _Fold, leaves: Sequence[Any], plan: Chunks) -> tuple:

@@ -324,9 +324,8 @@ def clipped_sums(
             call.batch_args,
         )  # fmt: skip
         if sums.report.runs is ghost.Method.GHOST:  # (else: the per-example path)
-            extra = [] if call.padding is None else [call.padding]
             return (
-                *sums(call.args, call.in_axes, call.kwargs, extra, known),
+                *sums(call.args, call.in_axes, call.kwargs, call.padding, known),
                 call.size,
             )
     return _formed_sums(transform, fun, config, call, known)
@@ -425,6 +424,7 @@ def _formed_sums(
     total, extras = transform.map(
         example, all_args, call.kwargs, all_axes, 0, known=known,
         accumulator=_accumulators.compose((Fold(jnp.add, chunk_sum), Stack())),
+        padding=len(call.args) if padded else None,
     )  # fmt: skip
     return total, extras, call.size
 
@@ -684,12 +684,12 @@ class _GhostSums(Quantity):
         _, (raw_norms, scales) = lax.scan(norms, None, (kept, parts.safe_sq, parts.raw))
         return raw_norms, scales
 
-    def __call__(self, args, in_axes, kwargs, extra, known) -> tuple:
+    def __call__(self, args, in_axes, kwargs, padding, known) -> tuple:
         """The clipped sum (None without sums) and the stacked extras of a call."""
         # (the sums and the stacked norms are not independent here: an example whose
         # non-finite terms are fixed gets its norm from the fix)
         totals, extras = over_chunks(
-            self.transform, self.traced, self, args, in_axes, kwargs, known, extra
+            self.transform, self.traced, self, args, in_axes, kwargs, known, padding
         )
         if not self.config.sums:
             return None, extras
@@ -894,9 +894,14 @@ def clipped_grad(
     once, so memory does not grow with the batch. `microbatch_size="auto"` picks the
     fewest chunks that fit `memory_limit`, each as short as they allow.
 
-    Padding is never needed, but `is_padding_example=` (a boolean vector, one entry
-    per example) is accepted at call time with jax-privacy's meaning: padded examples
-    contribute nothing to the sum (their values, norms and aux are still computed).
+    `is_padding_example=` (a boolean vector, one entry per example) is accepted at
+    call time with jax-privacy's meaning: padded examples contribute nothing to the
+    sum. A Poisson-sampled lot padded to a fixed capacity thus runs one compiled
+    program whatever its size, and costs about what its real examples cost: the real
+    examples are evaluated first (the padding may sit anywhere), and chunks holding
+    only padding are skipped at run time (on one device; split over a mesh, every
+    example is evaluated). The padding's per-example outputs (values, norms, aux) are
+    zeros.
 
     Floating-point arrays and Python floats in plain containers (dicts, lists,
     tuples) are differentiated, as by `jax.grad`; other leaves get None (integer

@@ -43,12 +43,14 @@ class Quantity:
 
 def over_chunks(
     transform: Any, traced: ghost.Traced, quantity: Quantity, args: tuple,
-    in_axes: tuple, kwargs: dict, known: Any, extra: Sequence[Any] = (),
+    in_axes: tuple, kwargs: dict, known: Any, padding: Any = None,
 ) -> Any:  # fmt: skip
     """`quantity`'s `(summary, rows)` over a call's examples (`args` mapped along
-    `in_axes`, and `extra`: more per-example inputs, along axis 0, for `keep`),
-    chunked by `transform`."""
+    `in_axes`), chunked by `transform`; `padding` (a boolean vector, or None)
+    marks examples of a padded buffer as padding: `keep` then takes each
+    example's flag, and chunks of padding alone are skipped."""
     n = len(args)
+    extra = [] if padding is None else [padding]
 
     def example(*inputs: Any, **kw: Any) -> Any:
         values = traced.arrays(list(inputs[:n]), kw)
@@ -60,5 +62,5 @@ def over_chunks(
     accumulator = Accumulator(quantity.chunk, quantity.combine, pure=True)
     return transform.map(
         example, (*args, *extra), kwargs, (*in_axes, *[0] * len(extra)), 0,
-        known=known, accumulator=accumulator,
+        known=known, accumulator=accumulator, padding=None if padding is None else n,
     )  # fmt: skip

@@ -325,6 +325,7 @@ class Transform:
         options: ChunkOptions | None = None,
         accumulator: Any = None,
         check_unmapped: bool = True,
+        padding: int | None = None,
     ) -> Any:
         """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by this
         transform's options (or `options`, a variant of them); a front end's own
@@ -336,7 +337,7 @@ class Transform:
         return vmap_call(
             f, args, kwargs, in_axes, out_axes, self.axis_name, self.axis_size,
             options or self.options, self.auto, arg_names, self.spmd_axis_name,
-            out_names, known, accumulator, check_unmapped,
+            out_names, known, accumulator, check_unmapped, padding,
         )  # fmt: skip
 
     def cache(self, call: _cache.Call, whole: bool = False) -> _cache.EagerCache:
@@ -397,6 +398,7 @@ def vmap_call(
     known: _cache.Known | None = None,
     accumulator: Any = None,
     check_unmapped: bool = True,
+    padding: int | None = None,
 ) -> Any:
     """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by `options`.
 
@@ -412,7 +414,9 @@ def vmap_call(
     clipping's sums, the statistics' rows) combines the chunks' outputs instead of
     the user's reduction, unchecked; `check_unmapped=False` skips the check that
     outputs given out_axes None do not vary across examples (a front end's own,
-    unmapped by construction).
+    unmapped by construction). `padding`: the positional argument (a boolean
+    vector, mapped along axis 0) that marks examples of a padded buffer as padding:
+    with an accumulator, chunks of padding alone are then skipped at run time.
     """
     name = options.name
     out_names = out_names or out_paths
@@ -449,7 +453,10 @@ def vmap_call(
         raise _chunked.zero_examples(name)
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
     key += (_static_key(leaves, dyn),)
-    inputs = _axes.Inputs(leaves, paths, dyn, size, key, known or _axes.NOTHING_KNOWN)
+    padded = None if padding is None else len(jax.tree.leaves(args[:padding]))
+    inputs = _axes.Inputs(
+        leaves, paths, dyn, size, key, known or _axes.NOTHING_KNOWN, padded
+    )
     lay = _chunked.layout(options, inputs, axes)
     with _chunked.tracing(lay):
         chunk = _chunked.chunk_types(options, inputs, axes, lay)

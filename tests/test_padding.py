@@ -1,0 +1,93 @@
+"""Poisson lots in one program: a padded buffer (`is_padding_example=`) costs what its
+real examples cost, with values equal to the program for exactly those examples.
+
+Chunks that hold only padding are skipped at run time (the real examples are
+evaluated first, wherever the padding sits), so one compiled program serves every lot
+size up to the buffer's capacity; the padding's per-example outputs are zeros.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from chunkvmap import clipped_grad
+
+from .helpers import tree_allclose
+
+
+C, B = 40, 8
+
+
+def loss(p, x, y):
+    h = jnp.tanh(x @ p["w"] + p["b"])
+    return jnp.mean((h @ p["v"] - y) ** 2)
+
+
+def _data(rng):
+    p = {
+        "w": jnp.asarray(rng.normal(size=(5, 7)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=7), jnp.float32),
+        "v": jnp.asarray(rng.normal(size=(7, 2)), jnp.float32),
+    }
+    x = jnp.asarray(rng.normal(size=(C, 5)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(C, 2)), jnp.float32)
+    return p, x, y
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_one_program_serves_twenty_lot_sizes(method, rng, always_ghost):
+    """20 lot sizes from 0 to the capacity (some with the padding shuffled through
+    the buffer), one jitted program: the clipped sum equals the program compiled
+    for exactly the real examples, the real examples' norms too, the padding's
+    norms are zeros (and an empty lot's sum is zero)."""
+    p, x, y = _data(rng)
+    grad = clipped_grad(
+        loss, l2_clip_norm=0.5, batch_argnums=(1, 2), batch_size=B, method=method,
+        return_grad_norms=True, keep_batch_dim=False,
+    )  # fmt: skip
+    padded = jax.jit(lambda p, x, y, m: grad(p, x, y, is_padding_example=m))
+    sizes = [0, 1, 2, 5, 7, 8, 9, 11, 15, 16, 17, 20, 23, 24, 25, 31, 32, 33, 39, 40]
+    for k, n in enumerate(sizes):
+        pad = np.arange(C) >= n
+        if k % 2:
+            pad = rng.permutation(pad)
+        total, aux = padded(p, x, y, jnp.asarray(pad))
+        norms = np.asarray(aux.grad_norms)
+        np.testing.assert_array_equal(norms[pad], 0.0)
+        if n == 0:
+            assert all(np.all(np.asarray(t) == 0) for t in jax.tree.leaves(total))
+            continue
+        real = np.nonzero(~pad)[0]
+        exact_total, exact_aux = grad(p, x[real], y[real])
+        tree_allclose(total, exact_total, rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(norms[real], exact_aux.grad_norms, rtol=2e-5)
+    assert padded._cache_size() == 1
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+@pytest.mark.parametrize("where", ["end", "shuffled"])
+def test_chunks_of_padding_alone_are_not_evaluated(method, where, rng, always_ghost):
+    """9 real examples of 40 in chunks of 8: two chunks are evaluated (16 examples,
+    the last partly padding), not five, wherever the padding sits."""
+    p, x, y = _data(rng)
+    evaluated = []
+
+    def counted(p, x, y):
+        jax.debug.callback(lambda v: evaluated.append(1), x)
+        return loss(p, x, y)
+
+    grad = clipped_grad(
+        counted,
+        l2_clip_norm=0.5,
+        batch_argnums=(1, 2),
+        batch_size=B,
+        method=method,
+        keep_batch_dim=False,
+    )
+    pad = np.arange(C) >= 9
+    if where == "shuffled":
+        pad = rng.permutation(pad)
+    jax.block_until_ready(grad(p, x, y, is_padding_example=jnp.asarray(pad)))
+    jax.effects_barrier()
+    assert len(evaluated) == 16
