@@ -333,16 +333,7 @@ def train(args: argparse.Namespace) -> float:
     def accuracy(params, x, y):
         return jnp.mean(jnp.argmax(jax.vmap(logits, (None, 0))(params, x), -1) == y)
 
-    print(
-        f"DP-SGD on digits: {n_train} train / {len(x_test)} test examples, MLP "
-        f"{x_train.shape[1]}-{'-'.join(map(str, HIDDEN))}-10, {steps_per_epoch} steps "
-        f"per epoch on Poisson-sampled lots (q = {q:.3f}, {lot} examples expected), "
-        f"clip {args.clip}, noise multiplier {args.noise}, clipped_grad("
-        f"method={args.method!r}) in chunks of {args.batch_size}; every lot padded "
-        f"to {capacity} examples (P(a lot exceeds it) = "
-        f"{overflow_probability(n_train, q, capacity):.1e}: it would run as several "
-        f"buffers)"
-    )
+    _announce(args, (x_train, x_test), steps_per_epoch, q, lot, capacity)
     rng = np.random.default_rng(args.seed)
     lot_sizes, shapes = [], set()
     start = time.perf_counter()
@@ -372,6 +363,25 @@ def train(args: argparse.Namespace) -> float:
         add_buffer, clipped, params, (x_train, y_train), lot_sizes, capacity, args
     )
     return acc
+
+
+def _announce(
+    args: argparse.Namespace, data: tuple, steps: int, q: float, lot: int,
+    capacity: int,
+) -> None:  # fmt: skip
+    """The training's first line: data, model, lots and their padding."""
+    x_train, x_test = data
+    n_train = len(x_train)
+    print(
+        f"DP-SGD on digits: {n_train} train / {len(x_test)} test examples, MLP "
+        f"{x_train.shape[1]}-{'-'.join(map(str, HIDDEN))}-10, {steps} steps "
+        f"per epoch on Poisson-sampled lots (q = {q:.3f}, {lot} examples expected), "
+        f"clip {args.clip}, noise multiplier {args.noise}, clipped_grad("
+        f"method={args.method!r}) in chunks of {args.batch_size}; every lot padded "
+        f"to {capacity} examples (P(a lot exceeds it) = "
+        f"{overflow_probability(n_train, q, capacity):.1e}: it would run as several "
+        f"buffers)"
+    )
 
 
 def _report_training(
