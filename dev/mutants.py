@@ -469,11 +469,11 @@ MUTANTS = {
         ),
         ["test_padding", "test_clipping"],
     ),
-    "padding: the padding's rows written as evaluated": (
+    "padding: the padding's per-example outputs left as evaluated": (
         (
-            "chunkvmap/_core/_loop.py",
-            "        rows = jnp.where(keep.reshape(shape), rows, jnp.zeros((), "
-            "rows.dtype))\n",
+            "chunkvmap/_dp/_clipping.py",
+            "        extras = jax.tree.map(lambda r: _zero_where(call.padding, r), "
+            "extras)\n",
             "",
         ),
         ["test_padding", "test_clipping"],

@@ -91,3 +91,22 @@ def test_chunks_of_padding_alone_are_not_evaluated(method, where, rng, always_gh
     jax.block_until_ready(grad(p, x, y, is_padding_example=jnp.asarray(pad)))
     jax.effects_barrier()
     assert len(evaluated) == 16
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_a_padded_buffer_split_over_a_mesh(method, rng, always_ghost):
+    """Split over the devices (`shard=True`, 8 CPU devices), a padded buffer gives
+    the exact-size values too, and its padding's per-example outputs are zeros."""
+    p, x, y = _data(rng)
+    grad = clipped_grad(
+        loss, l2_clip_norm=0.5, batch_argnums=(1, 2), batch_size=2, method=method,
+        return_grad_norms=True, keep_batch_dim=False, shard=True,
+    )  # fmt: skip
+    pad = rng.permutation(np.arange(C) >= 13)
+    real = np.nonzero(~pad)[0]
+    total, aux = grad(p, x, y, is_padding_example=jnp.asarray(pad))
+    exact_total, exact_aux = grad(p, x[real], y[real])
+    tree_allclose(total, exact_total, rtol=2e-5, atol=1e-6)
+    norms = np.asarray(aux.grad_norms)
+    np.testing.assert_allclose(norms[real], exact_aux.grad_norms, rtol=2e-5)
+    np.testing.assert_array_equal(norms[pad], 0.0)

@@ -111,14 +111,6 @@ class Chunks:
             return True
         return lax.lt(lax.mul(i, np.array(self.batch, i.dtype)), self.count)
 
-    def real_rows(self, i: Any) -> Any:
-        """Chunk `i`'s rows that are real examples (a boolean vector), or None
-        without padding."""
-        if self.count is None:
-            return None
-        positions = self.start(i) + lax.iota(np.int32, self.batch)
-        return positions < self.count
-
     def whole(self, leaves: Sequence[Any], axes: Sequence[int | None]) -> list[Any]:
         """The leaves restricted to the plan's N examples (one chunk, no loop)."""
         if isinstance(self.offset, int) and self.offset == 0:
@@ -567,13 +559,9 @@ class Body:
         written at the chunk's offset (`_Fold`)."""
         chunk_fn, axes = fold.chunk_fn, fold.axes
         if plan.single:
-            summary, rows = fold.summarise(
-                chunk_fn(plan.whole(leaves, axes), plan.size)
-            )
+            result = fold.summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
             report(0)
-            if plan.count is not None:  # padding's rows: zeros
-                rows = jax.tree.map(lambda r: _zero_padding(plan, r, fold), rows)
-            return summary, rows
+            return result
         batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
         remainder = _remainder_summary(fold, batch, rem)
 
@@ -781,37 +769,23 @@ def _row_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
 
 def _scattering_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
     """`_row_writer` of a padded buffer: chunk `i`'s rows written at the examples
-    it evaluated (`plan.order`), the rows of padding as zeros."""
+    it evaluated (`plan.order`; the rows of skipped chunks stay zeros)."""
     batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
 
     def write(buffer: jax.Array, rows: jax.Array, i: Any) -> jax.Array:
         idx = lax.dynamic_slice_in_dim(plan.order, plan.start(i), batch)
         shape = [1] * rows.ndim
         shape[row_axis] = batch
-        keep = plan.real_rows(i)
         at = lambda x: jnp.moveaxis(x, row_axis, 0)  # noqa: E731
-        old = jnp.take(at(buffer), idx, axis=0, mode="clip")
         if rem:  # the last window: the rows earlier chunks wrote stay
+            old = jnp.take(at(buffer), idx, axis=0, mode="clip")
             first = lax.select(i == last, np.int32(batch - rem), np.int32(0))
             rows = jnp.where((lax.iota(np.int32, batch) >= first).reshape(shape),
                              rows, jnp.moveaxis(old, 0, row_axis))  # fmt: skip
-        rows = jnp.where(keep.reshape(shape), rows, jnp.zeros((), rows.dtype))
         new = at(buffer).at[idx].set(at(rows), unique_indices=True)
         return jnp.moveaxis(new, 0, row_axis)
 
     return write
-
-
-def _zero_padding(plan: Chunks, rows: jax.Array, fold: _Fold) -> jax.Array:
-    """One chunk's rows of a whole padded buffer, the padding's zeroed."""
-    shape = [1] * rows.ndim
-    shape[fold.row_axis] = plan.size
-    real = (
-        jnp.zeros(plan.size, bool)
-        .at[plan.order]
-        .set(lax.iota(np.int32, plan.size) < plan.count)
-    )
-    return jnp.where(real.reshape(shape), rows, jnp.zeros((), rows.dtype))
 
 
 def _fold_init(fold: _Fold, leaves: Sequence[Any], plan: Chunks) -> tuple:

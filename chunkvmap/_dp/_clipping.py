@@ -318,6 +318,14 @@ def clipped_sums(
     """The clipped gradient sum of a call, its per-example extras, and `N` (`known`:
     the concrete shardings of an eager call's arguments)."""
     call = _ClippedCall.of(transform, config, args, kwargs)
+    total, extras, size = _sums(transform, fun, config, call, known)
+    if call.padding is not None:  # the padding's per-example outputs: zeros
+        extras = jax.tree.map(lambda r: _zero_where(call.padding, r), extras)
+    return total, extras, size
+
+
+def _sums(transform, fun, config, call, known) -> tuple:
+    """`clipped_sums` of a checked call, by the method that runs."""
     if config.method is ghost.Method.GHOST and call.size > 0:
         sums = _GhostSums.of(
             transform, fun, config, call.args, call.in_axes, call.kwargs, call.diff,
@@ -329,6 +337,12 @@ def clipped_sums(
                 call.size,
             )
     return _formed_sums(transform, fun, config, call, known)
+
+
+def _zero_where(flags: jax.Array, rows: jax.Array) -> jax.Array:
+    """`rows` (one per example along axis 0) with zeros where `flags`."""
+    shape = (-1,) + (1,) * (np.ndim(rows) - 1)
+    return jnp.where(flags.reshape(shape), jnp.zeros((), rows.dtype), rows)
 
 
 class _ClippedCall(NamedTuple):
