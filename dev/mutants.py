@@ -474,7 +474,7 @@ MUTANTS = {
             "chunkvmap/_dp/_clipping.py",
             "        extras = jax.tree.map(lambda r: _zero_where(call.padding, r), "
             "extras)\n",
-            "",
+            "        pass\n",
         ),
         ["test_padding", "test_clipping"],
     ),
