@@ -11,6 +11,9 @@
 * the remainder: when `B` does not divide `N`, the last chunk is the window of the last
   `B` real examples, overlapping the previous chunk, so the chunk function has one
   shape and appears once in the program (no padding, no second trace);
+* a padded buffer (`Chunks.padded`): its real examples are evaluated first, gathered
+  chunk by chunk, and the folding scan skips the chunks of padding alone at run time
+  (a `cond` around the step), so one program serves every count of real examples;
 * output assembly: stacked outputs are written with `dynamic_update_slice` into one
   preallocated buffer per output leaf, at the requested output axis (no concatenation,
   no transpose, no second output-sized buffer); an `Accumulator` folds summaries in a
@@ -98,9 +101,14 @@ class Chunks:
         count = self.size - jnp.sum(padding, dtype=np.int32)
         return dataclasses.replace(self, order=order, count=count)
 
+    def positions(self, i: Any) -> jax.Array:
+        """The examples chunk `i` of a padded buffer evaluates (their places among
+        the plan's N)."""
+        return lax.dynamic_slice_in_dim(self.order, self.start(i), self.batch)
+
     def indices(self, i: Any) -> jax.Array:
-        """The examples chunk `i` of a padded buffer evaluates (`offset` added)."""
-        idx = lax.dynamic_slice_in_dim(self.order, self.start(i), self.batch)
+        """`positions(i)` in the leaves' mapped axes (`offset` added)."""
+        idx = self.positions(i)
         if isinstance(self.offset, int) and self.offset == 0:
             return idx
         return idx + self.offset
@@ -773,7 +781,7 @@ def _scattering_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
     batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
 
     def write(buffer: jax.Array, rows: jax.Array, i: Any) -> jax.Array:
-        idx = lax.dynamic_slice_in_dim(plan.order, plan.start(i), batch)
+        idx = plan.positions(i)
         shape = [1] * rows.ndim
         shape[row_axis] = batch
         at = lambda x: jnp.moveaxis(x, row_axis, 0)  # noqa: E731
