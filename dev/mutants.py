@@ -478,6 +478,15 @@ MUTANTS = {
         ),
         ["test_padding", "test_clipping"],
     ),
+    "padding: batch_vmap's padding outputs not zeroed": (
+        (
+            "chunkvmap/_transforms/_batch_vmap.py",
+            "        return jax.tree.map(lambda o: jnp.where(pad, jnp.zeros((), "
+            "o.dtype), o), out)\n",
+            "        return out\n",
+        ),
+        ["test_padding"],
+    ),
     "padding: the real examples not evaluated first": (
         (
             "chunkvmap/_core/_loop.py",

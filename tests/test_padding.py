@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from chunkvmap import clipped_grad
+from chunkvmap import batch_vmap, clipped_grad
 
 from .helpers import clipped_sum, tree_allclose
 
@@ -111,3 +111,63 @@ def test_a_padded_buffer_split_over_a_mesh(method, rng, always_ghost):
     norms = np.asarray(aux.grad_norms)
     np.testing.assert_allclose(norms[real], exact_aux.grad_norms, rtol=2e-5)
     np.testing.assert_array_equal(norms[pad], 0.0)
+
+
+def _net(w, v):
+    return jnp.tanh(v @ w)
+
+
+def test_batch_vmap_folds_a_padded_buffer_in_one_program(rng):
+    """`batch_vmap(padded=True)` with a reduction: one jitted program for lots of
+    every size (padding at the end or shuffled), equal to `jax.vmap` over the real
+    examples alone, under `jax.grad` too; chunks of padding alone are skipped."""
+    w = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(C, 5)), jnp.float32)
+    folded = batch_vmap(
+        _net, (None, 0), batch_size=B, reduction=jnp.add,
+        chunk_reduction=lambda y: y.sum(0), padded=True,
+    )  # fmt: skip
+    run = jax.jit(lambda w, x, m: folded(w, x, is_padding_example=m))
+    grad = jax.jit(jax.grad(lambda w, x, m: run(w, x, m).sum()))
+    for k, n in enumerate([1, 8, 13, 29, 40]):
+        pad = np.arange(C) >= n
+        if k % 2:
+            pad = rng.permutation(pad)
+        real = x[np.nonzero(~pad)[0]]
+        np.testing.assert_allclose(
+            run(w, x, pad), jax.vmap(_net, (None, 0))(w, real).sum(0), rtol=1e-5
+        )
+        expected = jax.grad(lambda w: jax.vmap(_net, (None, 0))(w, real).sum())(w)
+        np.testing.assert_allclose(grad(w, x, pad), expected, rtol=1e-5, atol=1e-6)
+    assert run._cache_size() == 1 and grad._cache_size() == 1
+    evaluated = []
+
+    def counted(w, v):
+        jax.debug.callback(lambda _: evaluated.append(1), v)
+        return _net(w, v)
+
+    sums = batch_vmap(
+        counted, (None, 0), batch_size=B, reduction=jnp.add,
+        chunk_reduction=lambda y: y.sum(0), padded=True,
+    )  # fmt: skip
+    jax.block_until_ready(
+        sums(w, x, is_padding_example=rng.permutation(np.arange(C) >= 9))
+    )
+    jax.effects_barrier()
+    assert len(evaluated) == 16
+
+
+def test_batch_vmap_padded_needs_a_reduction_and_flags():
+    with pytest.raises(ValueError, match="padded=True without a reduction"):
+        batch_vmap(_net, (None, 0), batch_size=2, padded=True)
+    f = batch_vmap(
+        _net, (None, 0), batch_size=2, reduction=jnp.add,
+        chunk_reduction=lambda y: y.sum(0), padded=True,
+    )  # fmt: skip
+    w, x = jnp.ones((5, 3)), jnp.ones((6, 5))
+    with pytest.raises(TypeError, match="is_padding_example=, a boolean vector"):
+        f(w, x)
+    with pytest.raises(TypeError, match="is_padding_example: an array of shape"):
+        f(w, x, is_padding_example=jnp.zeros(6))
+    with pytest.raises(ValueError, match="is_padding_example"):
+        f(w, x, is_padding_example=jnp.zeros(4, bool))

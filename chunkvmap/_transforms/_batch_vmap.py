@@ -23,9 +23,11 @@ from .._core._options import (
     AllChunking,
     ChunkOptions,
     VmapChunking,
+    check_bool,
     check_callable,
     decorator_form,
     identity,
+    shown,
     takes,
 )
 
@@ -42,6 +44,8 @@ def batch_vmap(
     out_axes: Any = 0,
     axis_name: Any = None,
     axis_size: int | None = None,
+    *,
+    padded: bool = False,
     **options: Unpack[VmapChunking],
 ) -> F:
     """Vectorise `f` like `jax.vmap`, evaluating the examples `batch_size` at a time.
@@ -128,6 +132,13 @@ def batch_vmap(
         summaries (`jax.tree.map(reduction, a, b)`).
       chunk_reduction: summarises one chunk's output along the mapped axis (with
         `reduction`), or post-processes the whole output (without it).
+      padded: whether the examples are a padded buffer (with `reduction`): the
+        returned function then takes `is_padding_example=` at call time (a boolean
+        vector, one entry per example, not passed to `f`). The padding's outputs
+        are zeros when `chunk_reduction` sees them (exact for sums), the real
+        examples are evaluated first wherever the padding sits, and chunks of
+        padding alone are skipped at run time, so one compiled program serves every
+        number of real examples at about their cost (on one device).
       shard: which mesh axes the examples are split over, when the inputs do not
         show it: False (the default: follow the inputs' sharding, if visible), True
         (the one axis of a 1-D mesh), a mesh axis name such as `"data"`, or a tuple
@@ -199,7 +210,15 @@ def batch_vmap(
       Array(17., dtype=float32)
     """
     checked = ChunkOptions.make("batch_vmap", **options)
-    return vmap_transform(f, in_axes, out_axes, axis_name, axis_size, checked)
+    check_bool("batch_vmap", "padded", padded)
+    if padded and checked.reduction is None:
+        raise ValueError(
+            "batch_vmap got padded=True without a reduction: a padded buffer's "
+            "outputs are folded (pass reduction= and chunk_reduction=)."
+        )
+    return vmap_transform(
+        f, in_axes, out_axes, axis_name, axis_size, checked, padded=padded
+    )
 
 
 def vmap_transform(
@@ -209,9 +228,10 @@ def vmap_transform(
     axis_name: Any,
     axis_size: Any,
     options: ChunkOptions,
+    padded: bool = False,
 ) -> Any:
     """The function `batch_vmap` returns, for validated `options` (errors name
-    `options.name`)."""
+    `options.name`); `padded`: its calls take `is_padding_example=`."""
     name = options.name
     check_callable(name, "f", f)
     in_axes = _axes.check_axes_spec(
@@ -223,10 +243,40 @@ def vmap_transform(
     transform = Transform(options, axis_name, axis_size)
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        if padded:
+            return _padded_call(transform, f, args, kwargs, in_axes, out_axes, known)
         return transform.map(f, args, kwargs, in_axes, out_axes, known=known)
 
     # A plain vmap (nothing to chunk, fold or report) runs eagerly, as jax.vmap does.
     return transform.public(call, f)
+
+
+def _padded_call(transform, f, args, kwargs, in_axes, out_axes, known) -> Any:
+    """A `padded` call: the flags `is_padding_example=` become one more mapped
+    argument, which marks the padding for the loop (`Transform.map(padding=)`), and
+    each flagged example's outputs are zeros."""
+    name = transform.options.name
+    kwargs = dict(kwargs)
+    flags = kwargs.pop("is_padding_example", None)
+    if flags is None or jnp.ndim(flags) != 1 or jnp.result_type(flags) != jnp.bool_:
+        raise TypeError(
+            f"{name} was built with padded=True: call it with is_padding_example=, "
+            f"a boolean vector with one entry per example, but got "
+            f"{'nothing' if flags is None else shown('is_padding_example', flags)}."
+        )
+    axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
+
+    @_cache.wraps(f)
+    def zeroed(*inputs: Any, **kw: Any) -> Any:
+        *xs, pad = inputs
+        out = f(*xs, **kw)
+        return jax.tree.map(lambda o: jnp.where(pad, jnp.zeros((), o.dtype), o), out)
+
+    return transform.map(
+        zeroed, (*args, jnp.asarray(flags)), kwargs, (*axes, 0), out_axes,
+        known=known, padding=len(args),
+        arg_names=[*(f"args[{i}]" for i in range(len(args))), "is_padding_example"],
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
