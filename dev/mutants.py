@@ -419,6 +419,15 @@ MUTANTS = {
         ),
         ["test_sharding", "test_ghost"],
     ),
+    "trace: an unmapped leaf over Explicit axes traced at its plain type": (
+        (
+            "chunkvmap/_core/_sharding.py",
+            "    if axis is None:  # as `_prepare` lays it out: off the layout's axes\n",
+            "    if axis is None:  # as `_prepare` lays it out: off the layout's axes\n"
+            "        return plain\n",
+        ),
+        ["test_sharding"],
+    ),
     "trace: the global remainder chunked at its own length, not the shares'": (
         (
             "chunkvmap/_core/_sharding.py",

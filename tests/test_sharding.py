@@ -420,6 +420,37 @@ def test_f_is_traced_once_per_call_over_the_devices(how, n, batch_size, call, rn
     tree_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("spec", [P(None, "d"), P("d", None)])
+@pytest.mark.parametrize("batch_size, call", [(2, "eager"), (3, "jit"), (2, "grad")])
+def test_an_unmapped_input_sharded_over_the_examples_axis_is_traced_once(
+    spec, batch_size, call, rng
+):
+    """Over an Explicit mesh, a committed unmapped input sharded over the axis the
+    examples are split over (the loop gathers it off that axis) is traced once,
+    at the type the loop gives it; the values are `jax.vmap`'s with it replicated
+    (`jax.vmap` itself refuses such an unmapped input)."""
+    x = jnp.asarray(rng.normal(size=(24, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+    counted = TraceCounter(lambda x, w: jnp.tanh(x @ w).sum())
+    with jax.set_mesh(EXPLICIT):
+        x = jax.device_put(x, NamedSharding(EXPLICIT, P("d")))
+        w = jax.device_put(w, NamedSharding(EXPLICIT, spec))
+        g = batch_vmap(counted, (0, None), batch_size=batch_size)
+        if call == "grad":
+            out = jax.grad(lambda w: g(x, w).sum())(w)
+        else:
+            out = (g if call == "eager" else jax.jit(g))(x, w)
+        whole = jax.sharding.reshard(w, P())
+        reference = jax.vmap(lambda x, w: jnp.tanh(x @ w).sum(), (0, None))
+        expected = (
+            jax.grad(lambda w: reference(x, w).sum())(whole)
+            if call == "grad"
+            else reference(x, whole)
+        )
+    assert counted.count == 1
+    tree_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
 @jax.tree_util.register_pytree_node_class
 class _Tagged:
     """An output whose structure holds the mesh context it was made in."""

@@ -389,12 +389,23 @@ def chunk_type(
     chunk function: its plain type, but over Explicit axes, where types carry
     shardings, a mapped leaf's as each share's chunk has it (`_prepare`d, the
     shares vmapped away: its other dimensions keep their shardings, the examples'
-    axis has none), so that the chunk is traced at the types the loop runs."""
+    axis has none), and an unmapped leaf sharded over the mesh as `_prepare` lays
+    it out (off the layout's axes), so that the chunk is traced at the types the
+    loop runs."""
     plain = _axes.sized(x, axis, length)
-    if lay is None or not lay.explicit or axis is None or not isinstance(x, jax.Array):
+    if lay is None or not lay.explicit or not isinstance(x, jax.Array):
         return plain
     typed = jax.typeof(x).sharding
     current = typed.spec if isinstance(typed, NamedSharding) else P()
+    if axis is None:  # as `_prepare` lays it out: off the layout's axes
+        if not isinstance(typed, NamedSharding) or not any(current):
+            return plain
+        spec = _respec(name, path, current, np.ndim(x), None, lay.axes)
+        mesh = getattr(lay.mesh, "abstract_mesh", lay.mesh)
+        return jax.ShapeDtypeStruct(
+            plain.shape, plain.dtype, weak_type=plain.weak_type,
+            sharding=NamedSharding(mesh, spec),
+        )  # fmt: skip
     spec = list(_respec(name, path, current, np.ndim(x), axis, lay.axes))
     spec += [None] * (np.ndim(x) - len(spec))
     spec[axis] = None

@@ -564,9 +564,8 @@ def _trace(
 
     # At the length the loop's chunks will have, in plain shapes but where the
     # loop's chunks carry sharding types (Explicit axes: the mapped leaves' own,
-    # their examples' axis unsharded); unmapped leaves plain (jax.vmap rejects some
-    # that chunkvmap lays out itself: sharded over the mesh axes of the mapped
-    # ones), so that a committed, sharded one is traced again at its own type.
+    # their examples' axis unsharded; an unmapped leaf's with the examples' mesh
+    # axes removed, as the loop lays it out: `_sharding.chunk_type`).
     length, chunk_avals = chunk
     direct = not (all_zero or axis_name is not None or callable(out_axes))
     direct = direct and not (_has_none(out_axes) and check_unmapped)
