@@ -422,9 +422,10 @@ MUTANTS = {
     "trace: an unmapped leaf over Explicit axes traced at its plain type": (
         (
             "chunkvmap/_core/_sharding.py",
-            "    if axis is None:  # as `_prepare` lays it out: off the layout's axes\n",
-            "    if axis is None:  # as `_prepare` lays it out: off the layout's axes\n"
-            "        return plain\n",
+            "    if axis is None:  # as `_prepare` lays it out: off the layout's "
+            "axes\n",
+            "    if axis is None:  # as `_prepare` lays it out: off the layout's "
+            "axes\n        return plain\n",
         ),
         ["test_sharding"],
     ),
