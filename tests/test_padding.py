@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from chunkvmap import batch_vmap, clipped_grad
+from chunkvmap import batch_vmap, clipped_grad, clipped_grad_sum
 
 from .helpers import clipped_sum, tree_allclose
 
@@ -171,3 +171,18 @@ def test_batch_vmap_padded_needs_a_reduction_and_flags():
         f(w, x, is_padding_example=jnp.zeros(6))
     with pytest.raises(ValueError, match="is_padding_example"):
         f(w, x, is_padding_example=jnp.zeros(4, bool))
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_clipped_grad_sum_counts_the_real_examples(method, rng, always_ghost):
+    """`clipped_grad_sum` takes `is_padding_example=` too: one program for every
+    lot, the sum over the real examples, and their count."""
+    p, x, y = _data(rng)
+    sums = clipped_grad_sum(loss, 0.5, batch_size=B, method=method)
+    run = jax.jit(lambda p, x, y, m: sums(p, x, y, is_padding_example=m))
+    for n in (0, 9, 31):
+        pad = rng.permutation(np.arange(C) >= n)
+        total, count = run(p, x, y, pad)
+        assert int(count) == n
+        tree_allclose(total, clipped_sum(loss, 0.5, (p, x, y), pad=pad)[0], atol=1e-6)
+    assert run._cache_size() == 1

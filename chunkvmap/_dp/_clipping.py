@@ -228,8 +228,7 @@ class Clipping:
     return_grad_norms: bool = False
     has_aux: bool = False
     prng_argnum: int | None = None
-    # jax-privacy's call rules: `is_padding_example=` is accepted, and the
-    # differentiated arguments may not hold examples.
+    # jax-privacy's call rules: the differentiated arguments may not hold examples.
     jax_privacy: bool = False
     method: ghost.Method = ghost.Method.VMAP
     # Whether the clipped sum is wanted (else only the per-example extras: norms).
@@ -315,13 +314,16 @@ def clipped_sums(
     kwargs: dict,
     known: _cache.Known,
 ) -> tuple[Any, AuxiliaryOutput, int]:
-    """The clipped gradient sum of a call, its per-example extras, and `N` (`known`:
-    the concrete shardings of an eager call's arguments)."""
+    """The clipped gradient sum of a call, its per-example extras, and the count of
+    its real examples (`N`, less the padding: traced then; `known`: the concrete
+    shardings of an eager call's arguments)."""
     call = _ClippedCall.of(transform, config, args, kwargs)
     total, extras, size = _sums(transform, fun, config, call, known)
-    if call.padding is not None:  # the padding's per-example outputs: zeros
-        extras = jax.tree.map(lambda r: _zero_where(call.padding, r), extras)
-    return total, extras, size
+    if call.padding is None:
+        return total, extras, size
+    # the padding's per-example outputs: zeros
+    extras = jax.tree.map(lambda r: _zero_where(call.padding, r), extras)
+    return total, extras, size - jnp.sum(call.padding, dtype=jnp.int32)
 
 
 def _sums(transform, fun, config, call, known) -> tuple:
@@ -363,7 +365,8 @@ class _ClippedCall(NamedTuple):
         cls, transform: Transform, config: Clipping, args: tuple, kwargs: dict
     ) -> _ClippedCall:
         name, kwargs = transform.name, dict(kwargs)
-        padding = kwargs.pop("is_padding_example", None) if config.jax_privacy else None
+        # (the clipped sums' keyword: the norms' functions map every keyword)
+        padding = kwargs.pop("is_padding_example", None) if config.sums else None
         diff, in_axes = transform.resolve(args)
         batch_args = [i for i, a in enumerate(in_axes) if a is not None]
         args = differentiable_floats(args, diff, in_axes)  # as jax.grad differentiates
@@ -1110,6 +1113,11 @@ def clipped_grad_sum(
     are differentiated (other leaves get None), so Equinox modules and Flax variables
     work as parameters. Zero examples
     give zero sums and a count of 0 (a Poisson-sampled lot may be empty).
+
+    `is_padding_example=` (a boolean vector, one entry per example) is accepted at
+    call time, as by `clipped_grad`: padded examples add nothing to the sum and are
+    not counted, their norms are zeros, and a lot padded to a fixed capacity runs
+    one compiled program whatever its size, skipping the chunks of padding alone.
 
     Usable as a decorator too, with its options as keywords and without `fun`:
     `@clipped_grad_sum(l2_clip_norm=1.0, batch_size=8)` over a `def`.
