@@ -496,6 +496,14 @@ MUTANTS = {
         ),
         ["test_padding"],
     ),
+    "padding: clipped_grad_sum counts the padding": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "    return total, extras, size - jnp.sum(call.padding, dtype=jnp.int32)\n",
+            "    return total, extras, size\n",
+        ),
+        ["test_padding", "test_clipping"],
+    ),
     "padding: the real examples not evaluated first": (
         (
             "chunkvmap/_core/_loop.py",
