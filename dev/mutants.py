@@ -481,9 +481,9 @@ MUTANTS = {
     "padding: the padding's per-example outputs left as evaluated": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "        extras = jax.tree.map(lambda r: _zero_where(call.padding, r), "
+            "    extras = jax.tree.map(lambda r: _zero_where(call.padding, r), "
             "extras)\n",
-            "        pass\n",
+            "    pass\n",
         ),
         ["test_padding", "test_clipping"],
     ),
