@@ -11,7 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from chunkvmap import batch_vmap, clipped_grad, clipped_grad_sum
+from chunkvmap import (
+    batch_map,
+    batch_vmap,
+    clipped_grad,
+    clipped_grad_sum,
+    per_example_grad_norms,
+    per_example_grad_stats,
+)
 
 from .helpers import clipped_sum, tree_allclose
 
@@ -157,20 +164,114 @@ def test_batch_vmap_folds_a_padded_buffer_in_one_program(rng):
     assert len(evaluated) == 16
 
 
-def test_batch_vmap_padded_needs_a_reduction_and_flags():
-    with pytest.raises(ValueError, match="padded=True without a reduction"):
-        batch_vmap(_net, (None, 0), batch_size=2, padded=True)
+@pytest.mark.parametrize("out_axes", [0, 1])
+def test_batch_vmap_stacks_a_padded_buffer_with_zeros_for_the_padding(out_axes, rng):
+    """`batch_vmap(padded=True)` without a reduction: the outputs are `jax.vmap`'s
+    with the padding's rows zeros, at either output axis and with N uneven in the
+    chunks, from one program under `jit` and under `grad` (the padding gets no
+    gradient); chunks of padding alone are not evaluated."""
+    w = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(C - 3, 5)), jnp.float32)  # 37: 5 chunks of 8
+    evaluated = []
+
+    def counted(w, v):
+        jax.debug.callback(lambda _: evaluated.append(1), v)
+        return _net(w, v)
+
+    stacked = batch_vmap(counted, (None, 0), out_axes, batch_size=B, padded=True)
+    run = jax.jit(lambda w, x, m: stacked(w, x, is_padding_example=m))
+    grad = jax.jit(jax.grad(lambda w, x, m: (run(w, x, m) ** 2).sum(), (0, 1)))
+    for k, n in enumerate([0, 1, 9, 30, 37]):
+        pad = np.arange(C - 3) >= n
+        if k % 2:
+            pad = rng.permutation(pad)
+        keep = jnp.asarray(~pad)[:, None]
+        expected = jnp.where(keep, jax.vmap(_net, (None, 0))(w, x), 0.0)
+        got = run(w, x, pad)
+        np.testing.assert_allclose(got, jnp.moveaxis(expected, 0, out_axes), rtol=1e-6)
+        oracle = jax.grad(
+            lambda w, x: (jnp.where(keep, jax.vmap(_net, (None, 0))(w, x), 0.0) ** 2)
+            .sum(), (0, 1)
+        )(w, x)  # fmt: skip
+        tree_allclose(grad(w, x, pad), oracle, rtol=1e-5, atol=1e-6)
+    assert run._cache_size() == 1 and grad._cache_size() == 1
+    evaluated.clear()
+    jax.block_until_ready(run(w, x, rng.permutation(np.arange(C - 3) >= 9)))
+    jax.effects_barrier()
+    assert len(evaluated) == 16
+
+
+@pytest.mark.parametrize("strip_dim0", [False, True])
+def test_batch_map_takes_a_padded_buffer(strip_dim0, rng):
+    """`batch_map(is_padding_example=)`: stacked, the padding's rows are zeros;
+    with a reduction, the sum over the real examples; one program for every lot
+    under `jit`, exact under `grad`, and chunks of padding alone not evaluated
+    (`strip_dim0=True`: chunks of one example)."""
+    w = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(C - 3, 5)), jnp.float32)
+    evaluated = []
+
+    def fun(w, v):
+        jax.debug.callback(lambda _: evaluated.append(1), v)
+        return jnp.tanh(v @ w)
+
+    batch = 1 if strip_dim0 else B
+
+    def run(w, x, m, **reduce):
+        return batch_map(
+            lambda v: fun(w, v), x, batch, strip_dim0=strip_dim0,
+            is_padding_example=m, **reduce,
+        )  # fmt: skip
+
+    def total(w, x, m):
+        return run(w, x, m, reduction=jnp.add, chunk_reduction=lambda y: y.sum(0))
+
+    stacked, summed = jax.jit(run), jax.jit(total)
+    grad = jax.jit(jax.grad(lambda w, x, m: total(w, x, m).sum()))
+    for k, n in enumerate([0, 3, 9, 37]):
+        pad = np.arange(C - 3) >= n
+        if k % 2:
+            pad = rng.permutation(pad)
+        keep = jnp.asarray(~pad)[:, None]
+        rows = jnp.tanh(x @ w)
+        np.testing.assert_allclose(
+            stacked(w, x, pad), jnp.where(keep, rows, 0.0), rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            summed(w, x, pad), jnp.where(keep, rows, 0.0).sum(0), rtol=1e-5, atol=1e-6
+        )
+        expected = jax.grad(lambda w: jnp.where(keep, jnp.tanh(x @ w), 0.0).sum())(w)
+        np.testing.assert_allclose(grad(w, x, pad), expected, rtol=1e-5, atol=1e-6)
+    assert stacked._cache_size() == summed._cache_size() == grad._cache_size() == 1
+    evaluated.clear()
+    jax.block_until_ready(stacked(w, x, rng.permutation(np.arange(C - 3) >= 9)))
+    jax.effects_barrier()
+    assert len(evaluated) == (9 if strip_dim0 else 2)
+
+
+def test_padded_calls_check_their_flags():
     f = batch_vmap(
         _net, (None, 0), batch_size=2, reduction=jnp.add,
         chunk_reduction=lambda y: y.sum(0), padded=True,
     )  # fmt: skip
     w, x = jnp.ones((5, 3)), jnp.ones((6, 5))
-    with pytest.raises(TypeError, match="is_padding_example=, a boolean vector"):
+    with pytest.raises(TypeError, match="is_padding_example=, a boolean .* but got "
+                       "nothing"):  # fmt: skip
         f(w, x)
     with pytest.raises(TypeError, match="is_padding_example: an array of shape"):
         f(w, x, is_padding_example=jnp.zeros(6))
     with pytest.raises(ValueError, match="is_padding_example"):
         f(w, x, is_padding_example=jnp.zeros(4, bool))
+    ints = f(w, x, is_padding_example=jnp.array([0, 0, 1, 0, 1, 1]))  # as jax-privacy
+    np.testing.assert_allclose(ints, 3 * _net(w, x[0]), rtol=1e-6)
+    with pytest.raises(
+        ValueError,
+        match=r"batch_map is_padding_example must be a "
+        r"boolean vector .* shape \(6,\), but got shape \(5,\)",
+    ):
+        batch_map(jnp.tanh, x, 2, is_padding_example=np.zeros(5, bool))
+    with pytest.raises(ValueError, match="dtype float32"):
+        batch_map(jnp.tanh, x, 2, is_padding_example=np.zeros(6, np.float32))
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
@@ -186,3 +287,78 @@ def test_clipped_grad_sum_counts_the_real_examples(method, rng, always_ghost):
         assert int(count) == n
         tree_allclose(total, clipped_sum(loss, 0.5, (p, x, y), pad=pad)[0], atol=1e-6)
     assert run._cache_size() == 1
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+@pytest.mark.parametrize("per_leaf", [False, True])
+def test_per_example_grad_norms_of_a_padded_buffer(method, per_leaf, rng, always_ghost):
+    """`per_example_grad_norms` takes `is_padding_example=`: the real examples'
+    norms equal the exact-size program's (`jax.vmap(jax.grad)`), the padding's are
+    zeros, one program serves every lot, and chunks of padding alone are skipped."""
+    p, x, y = _data(rng)
+    evaluated = []
+
+    def counted(p, x, y):
+        jax.debug.callback(lambda v: evaluated.append(1), x)
+        return loss(p, x, y)
+
+    norms = per_example_grad_norms(
+        counted, batch_size=B, method=method, per_leaf=per_leaf
+    )
+    run = jax.jit(lambda p, x, y, m: norms(p, x, y, is_padding_example=m))
+    for n in (0, 9, 31):
+        pad = rng.permutation(np.arange(C) >= n)
+        real = np.nonzero(~pad)[0]
+        grads = jax.vmap(jax.grad(loss), (None, 0, 0))(p, x[real], y[real])
+        leaf = lambda g: jnp.sqrt((g**2).sum(range(1, g.ndim)))  # noqa: E731
+        each = jax.tree.map(leaf, grads)
+        if not per_leaf:
+            each = jnp.sqrt(sum(v**2 for v in jax.tree.leaves(each)))
+        got = run(p, x, y, pad)
+        tree_allclose(jax.tree.map(lambda g: g[real], got), each, rtol=2e-5)
+        for g in jax.tree.leaves(got):
+            np.testing.assert_array_equal(np.asarray(g)[pad], 0.0)
+    assert run._cache_size() == 1
+    evaluated.clear()
+    jax.block_until_ready(run(p, x, y, rng.permutation(np.arange(C) >= 9)))
+    jax.effects_barrier()
+    assert len(evaluated) == 16
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_gradient_statistics_of_a_padded_buffer(method, rng, always_ghost):
+    """`per_example_grad_stats` takes `is_padding_example=`: the mean, variance and
+    sum of squares of the real examples' gradients (the oracle: `jax.vmap(jax.grad)`
+    of them alone), even with NaN inputs in the padding; their squared norms, the
+    padding's zeros; one program for every lot, N uneven in the chunks, and chunks
+    of padding alone skipped. A lot with no real example has a NaN mean."""
+    p, x, y = _data(rng)
+    x = x[:37].at[-1].set(jnp.nan)  # 37 in chunks of 8, the last example NaN
+    y = y[:37]
+    evaluated = []
+
+    def counted(p, x, y):
+        jax.debug.callback(lambda v: evaluated.append(1), x)
+        return loss(p, x, y)
+
+    stats = per_example_grad_stats(counted, batch_size=B, method=method)
+    run = jax.jit(lambda p, x, y, m: stats(p, x, y, is_padding_example=m))
+    for n in (1, 9, 30, 36):
+        pad = np.concatenate([rng.permutation(np.arange(36) >= n), [True]])
+        real = np.nonzero(~pad)[0]
+        grads = jax.vmap(jax.grad(loss), (None, 0, 0))(p, x[real], y[real])
+        got = run(p, x, y, pad)
+        tol = dict(rtol=2e-4, atol=1e-6)
+        tree_allclose(got.mean, jax.tree.map(lambda g: g.mean(0), grads), **tol)
+        tree_allclose(got.variance, jax.tree.map(lambda g: g.var(0), grads), **tol)
+        tree_allclose(got.sum_sq, jax.tree.map(lambda g: (g**2).sum(0), grads), **tol)
+        sq = sum((g.reshape(len(real), -1) ** 2).sum(1) for g in jax.tree.leaves(grads))
+        np.testing.assert_allclose(np.asarray(got.sq_norms)[real], sq, rtol=2e-5)
+        np.testing.assert_array_equal(np.asarray(got.sq_norms)[pad], 0.0)
+    empty = run(p, x, y, np.ones(37, bool))
+    assert all(np.isnan(m).all() for m in jax.tree.leaves(empty.mean))
+    assert run._cache_size() == 1
+    evaluated.clear()
+    jax.block_until_ready(run(p, x, y, np.arange(37) >= 9))
+    jax.effects_barrier()
+    assert len(evaluated) == 16

@@ -169,17 +169,25 @@ class Moments(Leaf):
     axes: tuple[int, ...] = ()  # set by `resolve`: each leaf's examples axis
     sums: bool = False
     pure: bool = True
+    # The outputs are `(real, tree)`: `real` flags each example that counts (a
+    # padded buffer's real examples), and the moments are those of `tree`'s.
+    weighted: bool = False
 
     def resolve(self, outs: Any, length: int) -> Leaf:
         leaves = jax.tree.leaves(outs)
         if any(o.axis is None for o in leaves):
             raise AssertionError("Moments takes mapped outputs only")
-        return Moments(tuple(o.axis for o in leaves))
+        return Moments(tuple(o.axis for o in leaves), weighted=self.weighted)
 
     def summarise(self, out: Any) -> tuple[Any, Any]:
+        real, axes = None, self.axes
+        if self.weighted:
+            (real, out), axes = out, axes[1:]
         leaves, tree = jax.tree.flatten(out)
-        n = leaves[0].shape[self.axes[0]] if leaves else 0
-        parts = [moments(g, a) for g, a in zip(leaves, self.axes)]
+        n = leaves[0].shape[axes[0]] if leaves else 0
+        if real is not None:
+            n = jnp.sum(real, dtype=jnp.float32)
+        parts = [moments(g, a, real) for g, a in zip(leaves, axes)]
         shift, mean, m2 = (tree.unflatten(list(p)) for p in zip(*parts, strict=True))
         return (jnp.asarray(n, jnp.float32), shift, mean, m2), ()
 
@@ -190,16 +198,30 @@ class Moments(Leaf):
         return unshifted(summary)
 
 
-def moments(g: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def moments(
+    g: jax.Array, axis: int, real: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The moments of `g`'s examples along `axis`, as `(shift, mean, m2)`: a shift
     (the first example), the mean of the examples less the shift, and their centred
     sum of squares. Held shifted, means stay as precise as the examples' spread,
     not their size: merging two chunks subtracts their means, which a large common
-    part (a mean of 1e6 beside a spread of 1, in float32) would cancel away."""
-    shift = lax.index_in_dim(g, 0, axis, keepdims=False)
-    d = g - jnp.expand_dims(shift, axis)
-    mean = d.mean(axis)
-    d = d - jnp.expand_dims(mean, axis)
+    part (a mean of 1e6 beside a spread of 1, in float32) would cancel away.
+    `real` (a boolean per example): only those examples count (the shift is the
+    first of them; the others' values, NaN included, never enter; with none, the
+    moments are zeros, which merging leaves out)."""
+    if real is None:
+        shift = lax.index_in_dim(g, 0, axis, keepdims=False)
+        d = g - jnp.expand_dims(shift, axis)
+        mean = d.mean(axis)
+        d = d - jnp.expand_dims(mean, axis)
+        return shift, mean, jnp.sum(jnp.real(d * jnp.conj(d)), axis).astype(g.dtype)
+    shape = [1] * g.ndim
+    shape[axis] = -1
+    keep = real.reshape(shape)
+    shift = jnp.take(g, jnp.argmax(real), axis=axis)
+    d = jnp.where(keep, g - jnp.expand_dims(shift, axis), 0)
+    mean = d.sum(axis) / jnp.maximum(jnp.sum(real, dtype=g.real.dtype), 1)
+    d = jnp.where(keep, d - jnp.expand_dims(mean, axis), 0)
     return shift, mean, jnp.sum(jnp.real(d * jnp.conj(d)), axis).astype(g.dtype)
 
 
@@ -222,7 +244,7 @@ def merge_centred(a: Any, b: Any) -> Any:
     count_a, mean_a, m2_a = a
     count_b, mean_b, m2_b = b
     count = count_a + count_b
-    share = count_b / count
+    share = count_b / jnp.where(count == 0, 1, count)  # (nothing merged: no change)
 
     def mean(ma: jax.Array, mb: jax.Array) -> jax.Array:
         return ma + (mb - ma) * share.astype(ma.dtype)

@@ -208,7 +208,7 @@ def evaluate(
         def run(leaves: list[Any]) -> Any:
             report = _progress.hook(options.reporter, plan.num_chunks)
             here = plan
-            if inputs.padding is not None and body.accumulator is not None:
+            if inputs.padding is not None:
                 here = plan.padded(leaves[inputs.padding])  # (skips its padding)
             result = body.run(leaves, here, report)
             return _sharding.laid_result(lay, body, result) if one_device else result

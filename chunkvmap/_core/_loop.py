@@ -250,9 +250,24 @@ def _write_chunks(
     """A scan over `plan`'s chunks writing each chunk's outputs (`evaluate(i)`, of
     types `chunk_avals`, mapped along `out_axes`) in place into one buffer per output
     leaf, preallocated with the plan's N examples along its mapped axis (an unmapped
-    output keeps the last chunk's value)."""
+    output keeps the last chunk's value). Over a padded buffer, each chunk is
+    written at the examples it evaluated, and the outputs of the chunks of padding
+    alone, which are skipped, stay zeros."""
+
+    if plan.order is not None:
+        writers = [None if a is None else _scattering_writer(plan, a) for a in out_axes]
+
+        def write(buffers, i):  # a padded buffer's chunk, at the examples it holds
+            ys = evaluate(i)
+            report(i)
+            return [
+                typed_as(y, b) if w is None else w(b, typed_as(y, b), i)
+                for b, y, w in zip(buffers, ys, writers)
+            ]
 
     def body(buffers, i):
+        if plan.order is not None:  # a chunk of padding alone is not evaluated
+            return lax.cond(plan.active(i), write, lambda b, i: b, buffers, i), None
         ys = evaluate(i)
         report(i)
         start = plan.start(i)
@@ -454,7 +469,8 @@ class Body:
         size, batch = plan.size, plan.batch
         chunk_fn, out_axes, out_avals = self.chunk_fn, self.out_axes, self.out_avals
         if (
-            plan.rem == 0
+            plan.order is None
+            and plan.rem == 0
             and all(a == 0 for a in out_axes)
             and not sharding_in_types(leaves)
         ):
@@ -476,7 +492,11 @@ class Body:
         mapped = [k for k, a in enumerate(out_axes) if a is not None]
         unmapped = [k for k, a in enumerate(out_axes) if a is None]
 
-        if plan.rem == 0 and all(out_axes[k] == 0 for k in mapped):
+        if (
+            plan.order is None
+            and plan.rem == 0
+            and all(out_axes[k] == 0 for k in mapped)
+        ):
 
             def body(carry, i):
                 ys = evaluate(i)

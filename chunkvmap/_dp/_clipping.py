@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core import _accumulators, _axes, _cache, _memory
+from .._core import _accumulators, _axes, _cache, _memory, _padding
 from .._core._accumulators import Fold, Stack
 from .._core._options import (
     Chunking,
@@ -322,7 +322,7 @@ def clipped_sums(
     if call.padding is None:
         return total, extras, size
     # the padding's per-example outputs: zeros
-    extras = jax.tree.map(lambda r: _zero_where(call.padding, r), extras)
+    extras = _padding.zeroed(call.padding, extras)
     return total, extras, size - jnp.sum(call.padding, dtype=jnp.int32)
 
 
@@ -339,12 +339,6 @@ def _sums(transform, fun, config, call, known) -> tuple:
                 call.size,
             )
     return _formed_sums(transform, fun, config, call, known)
-
-
-def _zero_where(flags: jax.Array, rows: jax.Array) -> jax.Array:
-    """`rows` (one per example along axis 0) with zeros where `flags`."""
-    shape = (-1,) + (1,) * (np.ndim(rows) - 1)
-    return jnp.where(flags.reshape(shape), jnp.zeros((), rows.dtype), rows)
 
 
 class _ClippedCall(NamedTuple):
@@ -365,8 +359,7 @@ class _ClippedCall(NamedTuple):
         cls, transform: Transform, config: Clipping, args: tuple, kwargs: dict
     ) -> _ClippedCall:
         name, kwargs = transform.name, dict(kwargs)
-        # (the clipped sums' keyword: the norms' functions map every keyword)
-        padding = kwargs.pop("is_padding_example", None) if config.sums else None
+        padding = kwargs.pop("is_padding_example", None)  # (jax-privacy's keyword)
         diff, in_axes = transform.resolve(args)
         batch_args = [i for i, a in enumerate(in_axes) if a is not None]
         args = differentiable_floats(args, diff, in_axes)  # as jax.grad differentiates
@@ -390,7 +383,7 @@ class _ClippedCall(NamedTuple):
             args[k] = jax.tree.map(lambda key: jax.random.split(key, size), args[k])
             in_axes[k] = 0
         if padding is not None:
-            padding = _check_padding(name, padding, size)
+            padding = _padding.check(name, padding, size)
         return cls(tuple(args), tuple(in_axes), kwargs, diff, batch_args, size, padding)
 
 
@@ -779,18 +772,6 @@ def warn_fallback(transform: Transform, fun: Any, report: ghost.GhostReport) -> 
         GhostFallbackWarning,
         stacklevel=4,
     )
-
-
-def _check_padding(name: str, padding: Any, size: int) -> jax.Array:
-    shape, dtype = np.shape(padding), jnp.result_type(padding)
-    if shape != (size,) or not (
-        jnp.issubdtype(dtype, jnp.bool_) or jnp.issubdtype(dtype, jnp.integer)
-    ):
-        raise ValueError(
-            f"{name} is_padding_example must be a boolean vector with one entry per "
-            f"example, shape ({size},), but got shape {shape} and dtype {dtype}."
-        )
-    return jnp.asarray(padding).astype(bool)
 
 
 def _one_example_avals(

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._core import _axes, _cache, _memory
+from .._core import _axes, _cache, _memory, _padding
 from .._core._accumulators import (
     Leaf,
     Moments,
@@ -91,6 +91,13 @@ def per_example_grad_norms(
     sampling and monitoring clipping rates.
 
     Usable as a decorator too, with its options as keywords and without `fun`.
+
+    A padded buffer (a Poisson-sampled lot padded to a fixed capacity) is passed
+    with `is_padding_example=` at call time, as in `clipped_grad`: a boolean (or
+    0/1 integer) vector with one entry per example. The padding's norms (and aux)
+    are zeros, the real examples are evaluated first wherever the padding sits, and
+    chunks of padding alone are skipped at run time, so one compiled program serves
+    every lot size.
 
     Args:
       fun: the loss of one example; it must return a real scalar (or `(scalar, aux)`
@@ -222,6 +229,12 @@ def per_example_grad_stats(
 
     The arguments are mapped as in `per_example_grads`. Usable as a decorator too.
 
+    A padded buffer is passed with `is_padding_example=` at call time (as in
+    `clipped_grad`): the statistics are then those of the real examples alone,
+    their padding's `sq_norms` (and aux) zeros, and chunks of padding alone are
+    skipped, so one compiled program serves every lot size. A lot with no real
+    example has a NaN mean and variance.
+
     Args:
       fun: the loss of one example; a real scalar (or `(scalar, aux)` with
         `has_aux`).
@@ -268,13 +281,18 @@ def per_example_grad_stats(
     )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        kwargs = dict(kwargs)
+        padding = kwargs.pop("is_padding_example", None)
         diff, in_axes = transform.resolve(args)
         args = differentiable_floats(args, diff, in_axes)
-        if _axes_size(transform, args, in_axes, kwargs) == 0:
+        size = _axes_size(transform, args, in_axes, kwargs)
+        if size == 0:
             raise ValueError(
                 f"{name} needs at least one example (the mean over zero examples is "
                 f"undefined), but the examples' axis has size 0."
             )
+        if padding is not None:
+            padding = _padding.check(name, padding, size)
         moments = None
         if method is ghost.Method.GHOST:
             moments = _GhostMoments.of(
@@ -284,13 +302,16 @@ def per_example_grad_stats(
             _clipping.warn_fallback(transform, fun, report)
             if report.runs is ghost.Method.VMAP:  # the per-example path (the same)
                 moments = None
-        mapped = (args, kwargs, in_axes, known)
+        mapped = (args, kwargs, in_axes, known, padding)
         if moments is not None:
             count, mean, m2, sq_norms, aux = moments.run(transform, per_leaf, *mapped)
         else:
             count, mean, m2, sq_norms, aux = _formed_moments(
                 transform, fun, diff, has_aux, per_leaf, name, *mapped
             )
+        if padding is not None:  # the padding's rows: zeros; no real example: NaN
+            sq_norms, aux = _padding.zeroed(padding, (sq_norms, aux))
+            mean = jax.tree.map(lambda m: jnp.where(count > 0, m, jnp.nan), mean)
         variance = jax.tree.map(lambda s: s / count.astype(s.dtype), m2)
         sum_sq = jax.tree.map(
             lambda s, m: s + count.astype(s.dtype) * jnp.real(m * jnp.conj(m)),
@@ -305,27 +326,37 @@ def per_example_grad_stats(
 def _formed_moments(
     transform: Transform, fun: Callable[..., Any], diff: Any, has_aux: bool,
     per_leaf: bool, name: str, args: tuple, kwargs: dict, in_axes: tuple, known: Any,
+    padding: Any,
 ) -> tuple:  # fmt: skip
-    """`(count, mean, m2, sq_norms, aux)` from each chunk's formed gradients."""
+    """`(count, mean, m2, sq_norms, aux)` from each chunk's formed gradients (of the
+    real examples, where `padding` flags the others)."""
     value_and_grad = filtered_value_and_grad(
         fun, diff, transform.args.single, has_aux, name
     )
+    n, padded = len(args), padding is not None
 
     def example(*inputs: Any, **kw: Any) -> Any:
-        value, grads = value_and_grad(*inputs, **kw)
+        value, grads = value_and_grad(*inputs[:n], **kw)
         aux = value[1] if has_aux else None
         grads = jax.tree.map(lambda g: g.astype(_stats_dtype(g.dtype)), grads)
         if per_leaf:
-            return grads, jax.tree.map(_clipping.global_sq_norm, grads), aux
-        return grads, _clipping.global_sq_norm(grads), aux
+            sq_norms = jax.tree.map(_clipping.global_sq_norm, grads)
+        else:
+            sq_norms = _clipping.global_sq_norm(grads)
+        if padded:  # the moments count the real examples
+            grads = (~inputs[n], grads)
+        return grads, sq_norms, aux
 
     # The gradients' examples along their last axis: the moments' reductions are
     # contiguous, fused with the subtraction and the square (over a leading axis
     # they are strided, several times slower on CPU, and a contraction would
     # materialise the squares).
+    extra = [padding] if padded else []
     (count, mean, m2), sq_norms, aux = transform.map(
-        example, args, kwargs, in_axes, (-1, 0, 0), known=known,
-        accumulator=compose((Moments(), Stack(), Stack())),
+        example, (*args, *extra), kwargs, (*in_axes, *[0] * len(extra)),
+        ((0, -1) if padded else -1, 0, 0), known=known,
+        accumulator=compose((Moments(weighted=padded), Stack(), Stack())),
+        padding=n if padded else None,
     )  # fmt: skip
     return count, mean, m2, sq_norms, aux
 
@@ -359,11 +390,12 @@ class _GhostMoments(Quantity):
 
     def run(
         self, transform: Transform, per_leaf: bool, args: tuple, kwargs: dict,
-        in_axes: tuple, known: Any,
+        in_axes: tuple, known: Any, padding: Any,
     ) -> tuple:  # fmt: skip
-        """`(count, mean, m2, sq_norms, aux)` over the examples, chunk by chunk."""
+        """`(count, mean, m2, sq_norms, aux)` over the (real) examples, chunk by
+        chunk."""
         state, (sq_norms, aux) = over_chunks(
-            transform, self.traced, self, args, in_axes, kwargs, known
+            transform, self.traced, self, args, in_axes, kwargs, known, padding
         )
         count, mean, m2 = unshifted(state)
         single = transform.args.single
@@ -375,17 +407,19 @@ class _GhostMoments(Quantity):
             sq_norms = sum(sq_norms[1:], sq_norms[0])
         return count, mean, m2, sq_norms, aux
 
-    def keep(self, record: ghost.Record, out: Any) -> Any:
+    def keep(self, record: ghost.Record, out: Any, pad: Any = None) -> Any:
         grads = {k: g.astype(_stats_dtype(g.dtype)) for k, g in record.grads.items()}
-        one = jnp.ones((), jnp.float32)  # a chunk's count is the sum of these
-        return (record.replace(grads=grads), one), out[1]
+        # a chunk's count is the sum of these (a padded buffer's: of `real`)
+        one = jnp.ones((), jnp.float32)
+        real = None if pad is None else ~pad
+        return (record.replace(grads=grads), one, real), out[1]
 
     def combine(self, a: Any, b: Any) -> Any:  # pyright: ignore[reportIncompatibleVariableOverride]
         return merge_moments(a, b)
 
     def chunk(self, chunk: Any) -> Any:
-        (record, ones), aux = chunk
-        count = ones.sum()
+        (record, ones, real), aux = chunk
+        count = ones.sum() if real is None else jnp.sum(real, dtype=jnp.float32)
         n = len(self.leaves)
         shifts: list[Any] = [None] * n
         means: list[Any] = [None] * n
@@ -393,29 +427,36 @@ class _GhostMoments(Quantity):
         # each leaf's squared norm per example (zero for a leaf no use reaches)
         sq_norms = [jnp.zeros(ones.shape, self.acc) for _ in range(n)]
         for k, g in record.grads.items():  # formed per example: axis 0
-            shifts[k], means[k], m2s[k] = moments_of(g, 0)
+            shifts[k], means[k], m2s[k] = moments_of(g, 0, real)
             sq_norms[k] = _sq_norm(g, self.acc, rows=True)
         ruled = [k for k in self.ruled if self.leaves[k].uses]
         uses = record.replace(grads={})
 
-        # The chunk's moments held shifted by its first example's gradient (as
-        # `moments`), its examples merged one at a time (Welford's update).
-        first = jax.tree.map(lambda x: x[0], uses)
+        # The chunk's moments held shifted by its first (real) example's gradient
+        # (as `moments`), its examples merged one at a time (Welford's update; the
+        # padding of a padded buffer with weight 0).
+        at = 0 if real is None else jnp.argmax(real)
+        first = jax.tree.map(lambda x: x[at], uses)
         shift = [
             first.instantiate(k).astype(_stats_dtype(self.leaves[k].dtype))
             for k in ruled
         ]
 
-        def step(carry: Any, one: ghost.Record) -> Any:
+        def step(carry: Any, example: Any) -> Any:
+            one, counts = example if real is not None else (example, True)
             gs = [one.instantiate(k).astype(s.dtype) for k, s in zip(ruled, shift)]
             sq = [_sq_norm(g, self.acc) for g in gs]
             d = [g - s for g, s in zip(gs, shift)]
-            new = (jnp.ones((), jnp.float32), d, [jnp.zeros_like(x) for x in d])
+            if real is not None:  # a padded buffer's padding: weight 0
+                d = [jnp.where(counts, x, 0) for x in d]
+            weight = jnp.asarray(counts, jnp.float32)
+            new = (weight, d, [jnp.zeros_like(x) for x in d])
             return merge_centred(carry, new), sq
 
         zeros = [jnp.zeros_like(s) for s in shift]
         init = (jnp.zeros((), jnp.float32), zeros, zeros)
-        (_, rule_means, rule_m2s), sq = lax.scan(step, init, uses)
+        examples = uses if real is None else (uses, real)
+        (_, rule_means, rule_m2s), sq = lax.scan(step, init, examples)
         for k, rows in zip(ruled, sq):
             sq_norms[k] = rows
         for k, *parts in zip(ruled, shift, rule_means, rule_m2s):

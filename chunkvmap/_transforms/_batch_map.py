@@ -15,7 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import _axes, _cache, _chunked, _conv, _loop, _memory, _program
+from .._core import (
+    _axes,
+    _cache,
+    _chunked,
+    _conv,
+    _loop,
+    _memory,
+    _padding,
+    _program,
+)
 from .._core._options import (
     ChunkOptions,
     MapChunking,
@@ -35,6 +44,7 @@ def batch_map(
     batch_size: int | str | None = None,
     *,
     strip_dim0: bool = False,
+    is_padding_example: Any = None,
     **options: Unpack[MapChunking],
 ) -> Any:
     """Apply an already-vectorised `fun` to `xs` in chunks of `batch_size`.
@@ -61,6 +71,12 @@ def batch_map(
     summarises one chunk's output along axis 0, `reduction` folds the summaries in
     order.
 
+    `is_padding_example` marks `xs` as a padded buffer, as `batch_vmap`'s
+    `padded=True` does: the rows of padding in `fun`'s outputs are zeros (stacked,
+    and as `chunk_reduction` sees them), the real examples are evaluated first
+    wherever the padding sits, and chunks of padding alone are skipped at run time,
+    so one compiled program serves every number of real examples.
+
     Args:
       fun: a vectorised function of one pytree argument.
       xs: a pytree of arrays sharing their leading length `N`.
@@ -70,6 +86,8 @@ def batch_map(
       chunk_reduction: summarises a chunk's output (with `reduction`), or
         post-processes the whole output (without it).
       strip_dim0: hand `fun` single examples; requires `batch_size=1`.
+      is_padding_example: None, or a boolean (or 0/1 integer) vector with one entry
+        per example, true for the padding of a padded buffer.
       shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
       mesh: the mesh for `shard` (see `batch_vmap`).
       remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
@@ -114,7 +132,7 @@ def batch_map(
         fun_ref = lambda: fun  # noqa: E731
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        return _map_call(fun_ref(), args[0], options, strip_dim0, auto, known)
+        return _map_call(fun_ref(), *args, options, strip_dim0, auto, known)
 
     placement = _cache.Placement(options.shard, options.mesh)
     run = _cache.memo(
@@ -122,12 +140,13 @@ def batch_map(
         (options, strip_dim0),
         lambda: _cache.EagerCache(call, placement=placement),
     )
-    return run((xs,), {})
+    return run((xs, is_padding_example), {})
 
 
 def _map_call(
     fun: Callable[[Any], Any],
     xs: Any,
+    flags: Any,
     options: ChunkOptions,
     strip_dim0: bool,
     auto: _memory.AutoBatch | None,
@@ -146,8 +165,22 @@ def _map_call(
         if size == 0 and options.reduction is None:
             return _empty(fun, leaves, treedef, options)
         fun = _strip_dim0(name, fun)
+    padding = None
+    if flags is not None:  # one more leaf, mapped: the padding's rows are zeros
+        padding = len(leaves)
+        leaves, paths = (
+            [*leaves, _padding.check(name, flags, size)],
+            [*paths, "is_padding_example"],
+        )
+        axes, fun, treedef = (
+            [*axes, 0],
+            _zeroing(fun),
+            jax.tree.structure((treedef.unflatten([0] * padding), 0)),
+        )
     key = (treedef, tuple(jax.typeof(x) for x in leaves))
-    inputs = _axes.Inputs(leaves, paths, range(len(leaves)), size, key, known)
+    inputs = _axes.Inputs(
+        leaves, paths, range(len(leaves)), size, key, known, padding=padding
+    )
     lay = _chunked.layout(options, inputs, axes)
     # The first size an "auto" search measures, else the loop's chunk length.
     probe = min(size, 1) if options.auto else _chunked.chunk_length(options, size, lay)
@@ -183,6 +216,18 @@ def _strip_dim0(name: str, fun: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return jax.tree.map(lambda y: jnp.expand_dims(y, 0), out)
 
     return chunk_fun
+
+
+def _zeroing(fun: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`fun` of `(xs, flags)`: its outputs' rows zeros where `flags` (a chunk of a
+    padded buffer)."""
+
+    @_cache.wraps(fun)
+    def zeroed(chunk: Any) -> Any:
+        xs, flags = chunk
+        return _padding.zeroed(flags, fun(xs))
+
+    return zeroed
 
 
 def _empty(fun, leaves, treedef, options) -> Any:

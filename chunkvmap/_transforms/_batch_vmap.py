@@ -17,7 +17,16 @@ from typing import Any, TypeVar, Unpack
 import jax
 import jax.numpy as jnp
 
-from .._core import _axes, _cache, _chunked, _conv, _loop, _memory, _program
+from .._core import (
+    _axes,
+    _cache,
+    _chunked,
+    _conv,
+    _loop,
+    _memory,
+    _padding,
+    _program,
+)
 from .._core._cache import function_name
 from .._core._options import (
     AllChunking,
@@ -132,13 +141,13 @@ def batch_vmap(
         summaries (`jax.tree.map(reduction, a, b)`).
       chunk_reduction: summarises one chunk's output along the mapped axis (with
         `reduction`), or post-processes the whole output (without it).
-      padded: whether the examples are a padded buffer (with `reduction`): the
-        returned function then takes `is_padding_example=` at call time (a boolean
-        vector, one entry per example, not passed to `f`). The padding's outputs
-        are zeros when `chunk_reduction` sees them (exact for sums), the real
-        examples are evaluated first wherever the padding sits, and chunks of
-        padding alone are skipped at run time, so one compiled program serves every
-        number of real examples at about their cost (on one device).
+      padded: whether the examples are a padded buffer: the returned function then
+        takes `is_padding_example=` at call time (a boolean vector, one entry per
+        example, not passed to `f`). The padding's outputs are zeros: its rows of
+        stacked outputs, and what `chunk_reduction` sees of it (exact for sums).
+        The real examples are evaluated first wherever the padding sits, and
+        chunks of padding alone are skipped at run time, so one compiled program
+        serves every number of real examples at about their cost (on one device).
       shard: which mesh axes the examples are split over, when the inputs do not
         show it: False (the default: follow the inputs' sharding, if visible), True
         (the one axis of a 1-D mesh), a mesh axis name such as `"data"`, or a tuple
@@ -211,11 +220,6 @@ def batch_vmap(
     """
     checked = ChunkOptions.make("batch_vmap", **options)
     check_bool("batch_vmap", "padded", padded)
-    if padded and checked.reduction is None:
-        raise ValueError(
-            "batch_vmap got padded=True without a reduction: a padded buffer's "
-            "outputs are folded (pass reduction= and chunk_reduction=)."
-        )
     return vmap_transform(
         f, in_axes, out_axes, axis_name, axis_size, checked, padded=padded
     )
@@ -258,10 +262,10 @@ def _padded_call(transform, f, args, kwargs, in_axes, out_axes, known) -> Any:
     name = transform.options.name
     kwargs = dict(kwargs)
     flags = kwargs.pop("is_padding_example", None)
-    if flags is None or jnp.ndim(flags) != 1 or jnp.result_type(flags) != jnp.bool_:
+    if flags is None or not _padding.flag_type(flags):
         raise TypeError(
             f"{name} was built with padded=True: call it with is_padding_example=, "
-            f"a boolean vector with one entry per example, but got "
+            f"a boolean (or 0/1 integer) vector with one entry per example, but got "
             f"{'nothing' if flags is None else shown('is_padding_example', flags)}."
         )
     axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
@@ -269,11 +273,11 @@ def _padded_call(transform, f, args, kwargs, in_axes, out_axes, known) -> Any:
     @_cache.wraps(f)
     def zeroed(*inputs: Any, **kw: Any) -> Any:
         *xs, pad = inputs
-        out = f(*xs, **kw)
+        out = f(*xs, **kw)  # of one example: `pad` is its flag
         return jax.tree.map(lambda o: jnp.where(pad, jnp.zeros((), o.dtype), o), out)
 
     return transform.map(
-        zeroed, (*args, jnp.asarray(flags)), kwargs, (*axes, 0), out_axes,
+        zeroed, (*args, jnp.asarray(flags).astype(bool)), kwargs, (*axes, 0), out_axes,
         known=known, padding=len(args),
         arg_names=[*(f"args[{i}]" for i in range(len(args))), "is_padding_example"],
     )  # fmt: skip
