@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from chunkvmap import (
     batch_map,
@@ -101,23 +102,130 @@ def test_chunks_of_padding_alone_are_not_evaluated(method, where, rng, always_gh
     assert len(evaluated) == 16
 
 
-@pytest.mark.parametrize("method", ["vmap", "ghost"])
-def test_a_padded_buffer_split_over_a_mesh(method, rng, always_ghost):
-    """Split over the devices (`shard=True`, 8 CPU devices), a padded buffer gives
-    the exact-size values too, and its padding's per-example outputs are zeros."""
+MESH = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+
+
+def _on_mesh(hold, fn):
+    """`fn` called as a user holding the mesh `hold` would call it: "shard=True"
+    (an `Auto` mesh over the 8 devices, under `jit`: one `shard_map`), "placed"
+    (the examples placed on an `Explicit` mesh, eagerly), "set_mesh" (that mesh
+    entered, the examples placed, under `jit`)."""
+
+    def call(*args):
+        *args, pad = args
+        if hold == "shard=True":
+            return jax.jit(fn)(*args, pad)
+        spec = P("d") if len(pad) % 8 == 0 else P()  # (else replicated: even only)
+        place = lambda x: jax.device_put(x, NamedSharding(MESH, spec))  # noqa: E731
+        examples = [args[0], *map(place, args[1:]), place(jnp.asarray(pad))]
+        if hold == "placed":
+            return fn(*examples)
+        with jax.set_mesh(MESH):
+            return jax.jit(fn)(*examples)
+
+    return call
+
+
+def _mesh_entries():
+    """Each entry point that takes a padded buffer: `(build(**options), oracle)`,
+    `build` a function of `(params, *examples, flags)`, the oracle of the real
+    examples' `(params, x, y, flags)`."""
+    clip = dict(l2_clip_norm=0.5, batch_argnums=(1, 2), keep_batch_dim=False)
+
+    def clipped(method):
+        def build(**o):
+            g = clipped_grad(loss, **clip, method=method, return_grad_norms=True, **o)
+
+            def run(p, x, y, m):
+                total, aux = g(p, x, y, is_padding_example=m)
+                return total, aux.grad_norms
+
+            return run
+
+        def oracle(p, x, y, pad):
+            total, norms = clipped_sum(loss, 0.5, (p, x, y), pad=pad)
+            return total, np.where(pad, 0.0, norms)
+
+        return build, oracle
+
+    def stacked(**o):
+        f = batch_vmap(
+            _net, (None, 0), batch_size=o.pop("batch_size"), padded=True, **o
+        )
+        return lambda p, x, y, m: f(p["w"], x, is_padding_example=m)
+
+    def mapped(**o):
+        return lambda p, x, y, m: batch_map(
+            lambda v: jnp.tanh(v @ p["w"]), x, o.pop("batch_size"),
+            is_padding_example=m, **o,
+        )  # fmt: skip
+
+    def net_rows(p, x, y, pad):
+        return jnp.where(jnp.asarray(~pad)[:, None], jnp.tanh(x @ p["w"]), 0.0)
+
+    def stats(**o):
+        f = per_example_grad_stats(loss, **o)
+        return lambda p, x, y, m: f(p, x, y, is_padding_example=m)[:3]
+
+    def stats_oracle(p, x, y, pad):
+        real = np.nonzero(~pad)[0]
+        g = jax.vmap(jax.grad(loss), (None, 0, 0))(p, x[real], y[real])
+        return tuple(
+            jax.tree.map(r, g)
+            for r in (lambda g: g.mean(0), lambda g: g.var(0), lambda g: (g**2).sum(0))
+        )
+
+    return {
+        "clipped_grad(vmap)": clipped("vmap"),
+        "clipped_grad(ghost)": clipped("ghost"),
+        "batch_vmap(padded=True)": (stacked, net_rows),
+        "batch_map(is_padding_example=)": (mapped, net_rows),
+        "per_example_grad_stats": (stats, stats_oracle),
+    }
+
+
+MESH_ENTRIES = list(_mesh_entries())
+HOLDS = ("shard=True", "placed", "set_mesh")
+# Every entry point with one way of holding the mesh, every way with several, and
+# the two layouts (Auto's shard_map, Explicit's shares) with the padding at the end
+# and shuffled.
+MESH_CASES = [
+    (e, HOLDS[k % 3], ("end", "shuffled")[k % 2]) for k, e in enumerate(MESH_ENTRIES)
+] + [
+    ("clipped_grad(ghost)", "placed", "end"),
+    ("batch_vmap(padded=True)", "shard=True", "shuffled"),
+]
+
+
+@pytest.mark.parametrize("entry, hold, where", MESH_CASES)
+def test_a_padded_buffer_split_over_a_mesh(entry, hold, where, rng, always_ghost):
+    """Split over 8 devices, with N uneven (37: a global remainder of 5), a padded
+    buffer gives the values of the real examples alone (the padding's per-example
+    outputs zeros). With 64 examples, every device skips its own chunks of padding
+    alone (the progress reporter counts the chunks run: under `shard=True`, the
+    first device's; over Explicit axes, the chunks of the shares together, skipped
+    where every share's is padding alone)."""
+    build, oracle = _mesh_entries()[entry]
     p, x, y = _data(rng)
-    grad = clipped_grad(
-        loss, l2_clip_norm=0.5, batch_argnums=(1, 2), batch_size=2, method=method,
-        return_grad_norms=True, keep_batch_dim=False, shard=True,
-    )  # fmt: skip
-    pad = rng.permutation(np.arange(C) >= 13)
-    real = np.nonzero(~pad)[0]
-    total, aux = grad(p, x, y, is_padding_example=jnp.asarray(pad))
-    exact_total, exact_aux = grad(p, x[real], y[real])
-    tree_allclose(total, exact_total, rtol=2e-5, atol=1e-6)
-    norms = np.asarray(aux.grad_norms)
-    np.testing.assert_allclose(norms[real], exact_aux.grad_norms, rtol=2e-5)
-    np.testing.assert_array_equal(norms[pad], 0.0)
+    x, y = jnp.concatenate([x, x[:24]]), jnp.concatenate([y, y[:24]])  # 64
+    # (the examples' axis named: replicated examples do not show it)
+    shard = {"shard": True} if hold == "shard=True" else {"shard": "d", "mesh": MESH}
+    for n, size in ((20, 37), (3, 64)):
+        pad = np.arange(size) >= n
+        if where == "shuffled":
+            pad = rng.permutation(pad)
+        chunks = []
+        fn = build(batch_size=2, progress=lambda i, t: chunks.append(i), **shard)
+        got = _on_mesh(hold, fn)(p, x[:size], y[:size], pad)
+        tree_allclose(got, oracle(p, x[:size], y[:size], pad), rtol=2e-5, atol=1e-6)
+    # 64 over 8 devices: 8 each, in 4 chunks of 2. The first device holds 3 real
+    # examples at the end (2 chunks); shuffled, no device holds more than
+    # `most` real ones.
+    jax.effects_barrier()
+    most = max(np.sum(~pad[k * 8 : (k + 1) * 8]) for k in range(8))
+    first = np.sum(~pad[:8])
+    expected = -(-(first if hold == "shard=True" else most) // 2)
+    assert len(chunks) == expected < 4, (chunks, pad)
 
 
 def _net(w, v):

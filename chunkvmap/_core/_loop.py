@@ -88,7 +88,7 @@ class Chunks:
         buffer, the examples `order` puts there, gathered)."""
         start = self.start(i)
         if self.order is not None:
-            return gather(leaves, axes, self.indices(i))
+            return gather(leaves, axes, self.indices(i), self.shared)
         if not (isinstance(self.offset, int) and self.offset == 0):
             start = self.offset + start
         return take(leaves, axes, start, self.batch)
@@ -96,15 +96,22 @@ class Chunks:
     def padded(self, padding: jax.Array) -> Chunks:
         """This plan over a padded buffer: `padding[j]` marks example `j` as
         padding. The real examples are evaluated first, in their order (a stable
-        sort), and the chunks after the last real one are skipped (`active`)."""
-        order = jnp.argsort(padding, stable=True).astype(np.int32)
-        count = self.size - jnp.sum(padding, dtype=np.int32)
+        sort), and the chunks after the last real one are skipped (`active`).
+        `padding` of shape `(D, N)`: D shares' (`Body.run_shares`), each in its
+        own order, and a chunk is skipped where every share's is padding alone."""
+        order = jnp.argsort(padding, axis=-1, stable=True).astype(np.int32)
+        count = self.size - jnp.sum(padding, axis=-1, dtype=np.int32)
         return dataclasses.replace(self, order=order, count=count)
+
+    @property
+    def shared(self) -> bool:
+        """Whether the plan is over D shares' padded buffers (`padded`)."""
+        return self.order is not None and self.order.ndim == 2
 
     def positions(self, i: Any) -> jax.Array:
         """The examples chunk `i` of a padded buffer evaluates (their places among
-        the plan's N)."""
-        return lax.dynamic_slice_in_dim(self.order, self.start(i), self.batch)
+        the plan's N; of each share's, `(D, B)`, for shares)."""
+        return lax.dynamic_slice_in_dim(self.order, self.start(i), self.batch, -1)
 
     def indices(self, i: Any) -> jax.Array:
         """`positions(i)` in the leaves' mapped axes (`offset` added)."""
@@ -117,7 +124,8 @@ class Chunks:
         """Whether chunk `i` holds a real example (always, without padding)."""
         if self.count is None:
             return True
-        return lax.lt(lax.mul(i, np.array(self.batch, i.dtype)), self.count)
+        real = jnp.max(self.count) if self.shared else self.count
+        return lax.lt(lax.mul(i, np.array(self.batch, i.dtype)), real)
 
     def whole(self, leaves: Sequence[Any], axes: Sequence[int | None]) -> list[Any]:
         """The leaves restricted to the plan's N examples (one chunk, no loop)."""
@@ -151,14 +159,24 @@ def window(size: int, length: int, offset: Any) -> Chunks:
     return Chunks(size, length, offset)
 
 
-def gather(leaves: Sequence[Any], axes: Sequence[int | None], indices: jax.Array):
-    """The examples `indices` of each mapped leaf (a chunk of a padded buffer)."""
-    return [
-        x
-        if a is None
-        else jnp.take(x, indices, axis=a, mode="clip", unique_indices=True)
-        for x, a in zip(leaves, axes)
-    ]
+def gather(
+    leaves: Sequence[Any], axes: Sequence[int | None], indices: jax.Array,
+    shared: bool = False,
+) -> list[Any]:  # fmt: skip
+    """The examples `indices` of each mapped leaf (a chunk of a padded buffer).
+    `shared`: `indices` is `(D, B)`, each share's examples (the shares before each
+    mapped axis)."""
+
+    def take(x: jax.Array, idx: jax.Array, a: int) -> jax.Array:
+        return jnp.take(x, idx, axis=a, mode="clip", unique_indices=True)
+
+    def take_at(x: jax.Array, a: int) -> jax.Array:
+        if shared:  # share by share (the shares at a - 1)
+            one = ft.partial(take, a=a - 1)
+            return jax.vmap(one, in_axes=(a - 1, 0), out_axes=a - 1)(x, indices)
+        return take(x, indices, a)
+
+    return [x if a is None else take_at(x, a) for x, a in zip(leaves, axes)]
 
 
 def take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length: int):
@@ -797,21 +815,29 @@ def _row_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
 
 def _scattering_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
     """`_row_writer` of a padded buffer: chunk `i`'s rows written at the examples
-    it evaluated (`plan.order`; the rows of skipped chunks stay zeros)."""
+    it evaluated (`plan.order`; the rows of skipped chunks stay zeros). Of shares'
+    (`Chunks.shared`): share by share, the shares at `row_axis - 1`."""
     batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
 
-    def write(buffer: jax.Array, rows: jax.Array, i: Any) -> jax.Array:
-        idx = plan.positions(i)
+    def put(buffer: jax.Array, rows: jax.Array, idx: jax.Array, i: Any, axis: int):
         shape = [1] * rows.ndim
-        shape[row_axis] = batch
-        at = lambda x: jnp.moveaxis(x, row_axis, 0)  # noqa: E731
+        shape[axis] = batch
+        at = lambda x: jnp.moveaxis(x, axis, 0)  # noqa: E731
         if rem:  # the last window: the rows earlier chunks wrote stay
             old = jnp.take(at(buffer), idx, axis=0, mode="clip")
             first = lax.select(i == last, np.int32(batch - rem), np.int32(0))
             rows = jnp.where((lax.iota(np.int32, batch) >= first).reshape(shape),
-                             rows, jnp.moveaxis(old, 0, row_axis))  # fmt: skip
+                             rows, jnp.moveaxis(old, 0, axis))  # fmt: skip
         new = at(buffer).at[idx].set(at(rows), unique_indices=True)
-        return jnp.moveaxis(new, 0, row_axis)
+        return jnp.moveaxis(new, 0, axis)
+
+    def write(buffer: jax.Array, rows: jax.Array, i: Any) -> jax.Array:
+        idx = plan.positions(i)
+        if not plan.shared:
+            return put(buffer, rows, idx, i, row_axis)
+        s = row_axis - 1
+        one = lambda b, r, k: put(b, r, k, i, s)  # noqa: E731
+        return jax.vmap(one, in_axes=(s, s, 0), out_axes=s)(buffer, rows, idx)
 
     return write
 

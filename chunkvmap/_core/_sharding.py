@@ -226,6 +226,9 @@ def evaluate(
         # Progress: only the first device of the layout reports, and only its own
         # chunks (the global remainder is reported only when nothing else runs).
         plan = window(n, length, offset)
+        if inputs.padding is not None and not plan.wide:  # this device's padding
+            flags = full[inputs.padding]
+            plan = plan.padded(lax.dynamic_slice_in_dim(flags, offset, n))
         hook = _progress.hook(
             reporter if report else None,
             plan.num_chunks,
@@ -331,6 +334,8 @@ def _split_evaluation(
         head = _prepare(body.name, lay, inputs.paths, head, axes, 0)
         head = [_split(x, a, lay) for x, a in zip(head, axes)]
         plan = make_plan(share, batch)
+        if inputs.padding is not None:  # each share's padding, skipped where all are
+            plan = plan.padded(head[inputs.padding])
         report = _progress.hook(reporter, plan.num_chunks)
         split = body.run_shares(head, plan, report)
         if accumulator is not None:

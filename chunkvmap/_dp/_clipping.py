@@ -897,9 +897,8 @@ def clipped_grad(
     sum. A Poisson-sampled lot padded to a fixed capacity thus runs one compiled
     program whatever its size, and costs about what its real examples cost: the real
     examples are evaluated first (the padding may sit anywhere), and chunks holding
-    only padding are skipped at run time (on one device; split over a mesh, every
-    example is evaluated). The padding's per-example outputs (values, norms, aux) are
-    zeros.
+    only padding are skipped at run time (split over a mesh, by every device in its
+    own examples). The padding's per-example outputs (values, norms, aux) are zeros.
 
     Floating-point arrays and Python floats in plain containers (dicts, lists,
     tuples) are differentiated, as by `jax.grad`; other leaves get None (integer

@@ -147,7 +147,8 @@ def batch_vmap(
         stacked outputs, and what `chunk_reduction` sees of it (exact for sums).
         The real examples are evaluated first wherever the padding sits, and
         chunks of padding alone are skipped at run time, so one compiled program
-        serves every number of real examples at about their cost (on one device).
+        serves every number of real examples at about their cost (split over a
+        mesh, every device skips its own).
       shard: which mesh axes the examples are split over, when the inputs do not
         show it: False (the default: follow the inputs' sharding, if visible), True
         (the one axis of a 1-D mesh), a mesh axis name such as `"data"`, or a tuple
