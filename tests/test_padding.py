@@ -470,3 +470,26 @@ def test_gradient_statistics_of_a_padded_buffer(method, rng, always_ghost):
     jax.block_until_ready(run(p, x, y, np.arange(37) >= 9))
     jax.effects_barrier()
     assert len(evaluated) == 16
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_the_padded_clipped_sum_under_grad(method, rng, always_ghost):
+    """Differentiated (a function of the clipped sum, as a meta-learning step
+    would), the padded program is one program for every lot, equal to the
+    exact-size program's derivative."""
+    p, x, y = _data(rng)
+    sums = clipped_grad_sum(loss, 0.5, batch_size=B, method=method)
+
+    def objective(p, x, y, **flags):
+        total, _ = sums(p, x, y, **flags)
+        return sum(jnp.sum(jnp.tanh(g)) for g in jax.tree.leaves(total))
+
+    padded = jax.jit(
+        jax.grad(lambda p, x, y, m: objective(p, x, y, is_padding_example=m))
+    )
+    for n in (9, 31):
+        pad = rng.permutation(np.arange(C) >= n)
+        real = np.nonzero(~pad)[0]
+        expected = jax.grad(objective)(p, x[real], y[real])
+        tree_allclose(padded(p, x, y, pad), expected, rtol=1e-4, atol=1e-6)
+    assert padded._cache_size() == 1
