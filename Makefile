@@ -26,7 +26,7 @@ demo: $(VENV)/.demo
 # Two workers (pytest-xdist), each test file on one of them: the suite is compile-bound
 # and single-threaded per test, so two cores run it in about half the time.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # NetKet's vmap_chunked is one of the comparators; the benchmarks skip it (and say
 # so in their output) when it cannot be installed.

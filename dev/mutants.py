@@ -481,8 +481,7 @@ MUTANTS = {
     "padding: the padding's per-example outputs left as evaluated": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "    extras = jax.tree.map(lambda r: _zero_where(call.padding, r), "
-            "extras)\n",
+            "    extras = _padding.zeroed(call.padding, extras)\n",
             "    pass\n",
         ),
         ["test_padding", "test_clipping"],
@@ -507,10 +506,85 @@ MUTANTS = {
     "padding: the real examples not evaluated first": (
         (
             "chunkvmap/_core/_loop.py",
-            "        order = jnp.argsort(padding, stable=True).astype(np.int32)\n",
-            "        order = jnp.arange(self.size, dtype=np.int32)\n",
+            "        order = jnp.argsort(padding, axis=-1, stable=True)"
+            ".astype(np.int32)\n",
+            "        order = jnp.broadcast_to(jnp.arange(self.size, dtype=np.int32), "
+            "padding.shape)\n",
         ),
         ["test_padding", "test_clipping"],
+    ),
+    "padding: stacked chunks of padding alone evaluated": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "            return lax.cond(plan.active(i), write, lambda b, i: b, "
+            "buffers, i), None\n",
+            "            return write(buffers, i), None\n",
+        ),
+        ["test_padding"],
+    ),
+    "padding: batch_map's padding rows not zeroed": (
+        (
+            "chunkvmap/_transforms/_batch_map.py",
+            "        return _padding.zeroed(flags, fun(xs))\n",
+            "        return fun(xs)\n",
+        ),
+        ["test_padding", "test_batch_map"],
+    ),
+    "padding: moments count the padding": (
+        (
+            "chunkvmap/_core/_accumulators.py",
+            "            n = jnp.sum(real, dtype=jnp.float32)\n",
+            "            n = jnp.asarray(n, jnp.float32)\n",
+        ),
+        ["test_padding", "test_statistics"],
+    ),
+    "padding: the moments' shift from the padding": (
+        (
+            "chunkvmap/_core/_accumulators.py",
+            "    shift = jnp.take(g, jnp.argmax(real), axis=axis)\n",
+            "    shift = lax.index_in_dim(g, 0, axis, keepdims=False)\n",
+        ),
+        ["test_padding", "test_statistics"],
+    ),
+    "padding: ghost moments merge the padding": (
+        (
+            "chunkvmap/_dp/_statistics.py",
+            "                d = [jnp.where(counts, x, 0) for x in d]\n",
+            "                pass\n",
+        ),
+        ["test_padding", "test_statistics"],
+    ),
+    "padding: merging nothing into nothing divides by zero": (
+        (
+            "chunkvmap/_core/_accumulators.py",
+            "    share = count_b / jnp.where(count == 0, 1, count)",
+            "    share = count_b / count",
+        ),
+        ["test_padding", "test_statistics"],
+    ),
+    "padding: devices of a shard_map evaluate their padding": (
+        (
+            "chunkvmap/_core/_sharding.py",
+            "        if inputs.padding is not None and not plan.wide:",
+            "        if False:",
+        ),
+        ["test_padding", "test_sharding"],
+    ),
+    "padding: Explicit shares evaluate their padding": (
+        (
+            "chunkvmap/_core/_sharding.py",
+            "        if inputs.padding is not None:  # each share's padding",
+            "        if False:  # each share's padding",
+        ),
+        ["test_padding", "test_sharding"],
+    ),
+    "padding: shares skip a chunk where one share is padding alone": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "        real = jnp.max(self.count) if self.shared else self.count\n",
+            "        real = jnp.min(self.count) if self.shared else self.count\n",
+        ),
+        ["test_padding", "test_sharding"],
     ),
     "eager cache: equations' parameters left out of the key": (
         (

@@ -465,6 +465,13 @@ def test_gradient_statistics_of_a_padded_buffer(method, rng, always_ghost):
         np.testing.assert_array_equal(np.asarray(got.sq_norms)[pad], 0.0)
     empty = run(p, x, y, np.ones(37, bool))
     assert all(np.isnan(m).all() for m in jax.tree.leaves(empty.mean))
+    # one chunk of all the examples (nothing reordered), the first one padding
+    whole = per_example_grad_stats(loss, batch_size=None, method=method)
+    pad = np.arange(37) % 3 == 0
+    real = np.nonzero(~pad)[0]
+    grads = jax.vmap(jax.grad(loss), (None, 0, 0))(p, x[real], y[real])
+    got = whole(p, x[::-1], y[::-1], is_padding_example=pad)  # the NaN first
+    tree_allclose(got.mean, jax.tree.map(lambda g: g.mean(0), grads), rtol=2e-4)
     assert run._cache_size() == 1
     evaluated.clear()
     jax.block_until_ready(run(p, x, y, np.arange(37) >= 9))
