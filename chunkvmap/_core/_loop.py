@@ -99,8 +99,10 @@ class Chunks:
         sort), and the chunks after the last real one are skipped (`active`).
         `padding` of shape `(D, N)`: D shares' (`Body.run_shares`), each in its
         own order, and a chunk is skipped where every share's is padding alone."""
-        order = jnp.argsort(padding, axis=-1, stable=True).astype(np.int32)
-        count = self.size - jnp.sum(padding, axis=-1, dtype=np.int32)
+        if padding.ndim == 2:  # each share's, by the same rule
+            order, count = jax.vmap(lambda p: _real_first(p, self.size))(padding)
+        else:
+            order, count = _real_first(padding, self.size)
         return dataclasses.replace(self, order=order, count=count)
 
     @property
@@ -132,6 +134,22 @@ class Chunks:
         if isinstance(self.offset, int) and self.offset == 0:
             return list(leaves)
         return take(leaves, axes, self.offset, self.size)
+
+
+def _real_first(padding: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """The `size` examples with the real ones first, each group in its order (a
+    stable partition: a running count places each example, cheaper than a sort),
+    and how many are real."""
+    real = ~padding
+    count = jnp.sum(real, dtype=np.int32)
+    place = jnp.where(
+        real,
+        jnp.cumsum(real, dtype=np.int32) - 1,
+        count + jnp.cumsum(padding, dtype=np.int32) - 1,
+    )
+    examples = jnp.arange(size, dtype=np.int32)
+    order = jnp.zeros(size, np.int32).at[place].set(examples, unique_indices=True)
+    return order, count
 
 
 def make_plan(size: int, batch_size: Any, offset: Any = 0) -> Chunks:
