@@ -16,6 +16,9 @@ from ._dp._clipping import (
     clipped_grad as clipped_grad,
     clipped_grad_sum as clipped_grad_sum,
 )
+from ._dp._projections import (
+    per_example_grad_projections as per_example_grad_projections,
+)
 from ._dp._statistics import (
     GradStats as GradStats,
     per_example_grad_gram as per_example_grad_gram,
@@ -56,6 +59,7 @@ __all__ = [
     "last_batch_size",
     "per_example_grad_gram",
     "per_example_grad_norms",
+    "per_example_grad_projections",
     "per_example_grad_stats",
     "per_example_grads",
 ]

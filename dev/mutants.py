@@ -506,12 +506,29 @@ MUTANTS = {
     "padding: the real examples not evaluated first": (
         (
             "chunkvmap/_core/_loop.py",
-            "        order = jnp.argsort(padding, axis=-1, stable=True)"
-            ".astype(np.int32)\n",
-            "        order = jnp.broadcast_to(jnp.arange(self.size, dtype=np.int32), "
-            "padding.shape)\n",
+            "    order = jnp.zeros(size, np.int32).at[place].set(examples, "
+            "unique_indices=True)\n",
+            "    order = examples\n",
         ),
         ["test_padding", "test_clipping"],
+    ),
+    "projections: a part of a leaf projected by the wrong rows": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            "        m = m[start : start + (size - 1) * stride + 1 : stride]\n",
+            "        m = m[:size]\n",
+        ),
+        ["test_projections"],
+    ),
+    "projections: a projected axis moved to the front": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            "            g = jnp.moveaxis(jnp.tensordot(g, p.astype(g.dtype), "
+            "([j], [0])), -1, j)\n",
+            "            g = jnp.moveaxis(jnp.tensordot(g, p.astype(g.dtype), "
+            "([j], [0])), -1, 0)\n",
+        ),
+        ["test_projections"],
     ),
     "padding: stacked chunks of padding alone evaluated": (
         (

@@ -276,3 +276,25 @@ def clip_and_sum(grads, clip, *, finite_only=False, pad=None):
         return jnp.sum(factor * g, 0)
 
     return jax.tree.map(scaled_sum, grads), norms
+
+
+def projected_grads(loss, params, batch, dim, seed=0):
+    """The oracle of `per_example_grad_projections`: `jax.vmap(jax.grad(loss))` over
+    `batch` (`params` unmapped), each leaf of each gradient contracted axis by axis
+    with its Gaussian matrix (as the projection is defined: axis `j` of the `k`-th
+    differentiated leaf, of size `d > dim`, by `normal(fold_in(fold_in(key(seed), k),
+    j), (d, dim)) / sqrt(dim)`), flattened and concatenated: an `(N, K)` array."""
+    grads = jax.jit(jax.vmap(jax.grad(loss), (None, *[0] * len(batch))))(params, *batch)
+    base = jax.random.key(seed)
+    columns = []
+    for k, g in enumerate(jax.tree.leaves(grads)):
+        key = jax.random.fold_in(base, k)
+        x = np.asarray(g, np.float64)
+        for j, d in enumerate(g.shape[1:]):
+            if d > dim:
+                p = jax.random.normal(jax.random.fold_in(key, j), (d, dim)) / dim**0.5
+                x = np.moveaxis(
+                    np.tensordot(x, np.asarray(p, np.float64), (j + 1, 0)), -1, j + 1
+                )
+        columns.append(x.reshape(x.shape[0], -1))
+    return np.concatenate(columns, 1)

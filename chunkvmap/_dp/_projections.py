@@ -1,0 +1,294 @@
+"""Per-example gradients projected to a few dimensions, chunked: the features of data
+attribution (TRAK, TracIn with random projections, LoGra).
+
+The projection is Kronecker-structured, leaf by leaf: axis `j` of a differentiated
+leaf, of size `d_j > dim`, is projected by a Gaussian matrix `P_j` of shape
+`(d_j, dim)` (entries of variance `1 / dim`); an axis of at most `dim` entries is
+kept whole. A leaf's projected gradient is `G x_0 P_0 x_1 P_1 ...` (each axis
+contracted with its matrix), flattened; the leaves' are concatenated in the order of
+`jax.tree.leaves` of the differentiated arguments. `P_j` is
+`jax.random.normal(fold_in(fold_in(key(seed), k), j), (d_j, dim)) / sqrt(dim)` for
+the `k`-th differentiated leaf (`projection_matrices`).
+
+`method="ghost"` projects each use's ghost form (`ghost._forms`): a dense use's
+`sum_t a_t g_t^T` becomes `sum_t (P_in^T a_t)(P_out^T g_t)^T` (LoGra's identity, in
+one contraction of the form's arrays with the matrices, whose order the einsum
+chooses), an embedding lookup's rows are the gathered rows of the row axis' matrix,
+so no per-example gradient of those leaves is formed. Other leaves are formed per
+example and projected, as `method="vmap"` does for every leaf.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Unpack
+
+import jax
+import jax.numpy as jnp
+
+from .._core import _cache
+from .._core._options import Chunking, check_bool, decorator_form, takes
+from .._transforms._batch_vmap import Transform
+from .._transforms._grads import (
+    differentiable_floats,
+    filtered_value_and_grad,
+    grad_transform,
+)
+from . import _clipping, ghost
+from ._records import Quantity, over_chunks
+from .ghost._forms import EinsumForm, Mark, RowsForm, _equation
+
+
+def projection_matrices(
+    shape: Sequence[int], dim: int, key: jax.Array
+) -> list[jax.Array | None]:
+    """A leaf's matrices: for each axis, `(d, dim)` Gaussian entries of variance
+    `1 / dim` from `fold_in(key, axis)` where `d > dim`, else None (kept whole).
+    Concrete arrays, also while tracing (constants of the program)."""
+    with jax.ensure_compile_time_eval():
+        return [
+            jax.random.normal(jax.random.fold_in(key, j), (d, dim), jnp.float32)
+            / math.sqrt(dim)
+            if d > dim
+            else None
+            for j, d in enumerate(shape)
+        ]
+
+
+def projected_size(shape: Sequence[int], dim: int) -> int:
+    return math.prod(min(d, dim) for d in shape)
+
+
+def project(g: jax.Array, matrices: Sequence[jax.Array | None]) -> jax.Array:
+    """`g` (one leaf's gradient) contracted axis by axis with `matrices`, flattened."""
+    g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+    for j, p in enumerate(matrices):
+        if p is not None:  # (the projected axis takes the contracted one's place)
+            g = jnp.moveaxis(jnp.tensordot(g, p.astype(g.dtype), ([j], [0])), -1, j)
+    return g.reshape(-1)
+
+
+def _keys(seed: int, count: int) -> list[jax.Array]:
+    with jax.ensure_compile_time_eval():
+        base = jax.random.key(seed)
+        return [jax.random.fold_in(base, k) for k in range(count)]
+
+
+def _out_symbol(j: int) -> Mark:
+    return Mark(f"projected {j}")
+
+
+def _form_projection(
+    form: Any, arrays: list, shape: Sequence[int], mats: Sequence[Any]
+) -> jax.Array | None:
+    """One use's projected gradient from its form's arrays (one example), or None
+    where the form cannot give it without forming the gradient. A use of part of
+    the leaf (a slice, a split: the form's `box`) is projected by the matrices'
+    rows of that part (of the identity's, on an axis kept whole)."""
+    if isinstance(form, RowsForm):
+        rows, valid, delta = arrays
+        row = form.row
+        p = mats[row] if mats[row] is not None else jnp.eye(shape[row])
+        picked = jnp.where(valid[:, None], jnp.take(p, rows, axis=0), 0)
+        operands = [picked, delta]
+        specs = [(form.specs[2][0], _out_symbol(row)), form.specs[2]]
+    elif isinstance(form, EinsumForm):
+        operands, specs = list(arrays), list(form.specs)
+    else:
+        return None
+    sizes = form.leaf_sizes()
+    out: list[Any] = []
+    for j, d in enumerate(shape):
+        if isinstance(form, RowsForm) and j == form.row:
+            out.append(_out_symbol(j))
+            continue
+        parts = sorted(s for s in form.leaf_symbols if s.axis == j)
+        start, size, stride = form.box[j]
+        whole = (start, size, stride) == (0, d, 1)
+        if mats[j] is None and whole:  # kept as it is
+            out += parts
+            continue
+        m = mats[j] if mats[j] is not None else jnp.eye(d, dtype=jnp.float32)
+        m = m[start : start + (size - 1) * stride + 1 : stride]
+        if parts:
+            operands.append(m.reshape(*(sizes[x] for x in parts), m.shape[-1]))
+            specs.append((*parts, _out_symbol(j)))
+        else:  # one entry of the axis: its row, an outer factor
+            operands.append(m.reshape(-1, m.shape[-1])[0])
+            specs.append((_out_symbol(j),))
+        out.append(_out_symbol(j))
+    operands = [a.astype(jnp.promote_types(a.dtype, jnp.float32)) for a in operands]
+    return jnp.einsum(_equation(specs, out), *operands, optimize="optimal").reshape(-1)
+
+
+class _GhostProjections(Quantity):
+    """Each example's projected gradient from its ghost record (an accumulator on
+    the record, `_records`): the uses' forms contracted with the matrices."""
+
+    def __init__(self, traced: ghost.Traced, dim: int, seed: int):
+        self.traced = traced
+        plan = traced.plan
+        self.leaves = plan.leaves
+        keys = _keys(seed, len(self.leaves))
+        self.mats = [
+            projection_matrices(x.shape, dim, key) for x, key in zip(self.leaves, keys)
+        ]
+        self.dim = dim
+        self.per_example = plan.with_rule(ghost.PER_EXAMPLE)
+
+    def keep(self, record: ghost.Record, out: Any, *extra: Any) -> Any:
+        parts = []
+        for k, leaf in enumerate(self.leaves):
+            mats = self.mats[k]
+            if k in record.grads:
+                parts.append(project(record.grads[k], mats))
+                continue
+            if not leaf.uses:  # not used: a zero gradient
+                size = projected_size(leaf.shape, self.dim)
+                parts.append(jnp.zeros(size, jnp.float32))
+                continue
+            each = [None]
+            if all(u.form is not None for u in leaf.uses):
+                each = [
+                    _form_projection(u.form, a, leaf.shape, mats)
+                    for u, a in zip(leaf.uses, record.arrays(k))
+                ]
+            if any(p is None for p in each):  # formed, then projected
+                parts.append(project(record.instantiate(k), mats))
+            else:
+                parts.append(sum(each[1:], each[0]))
+        return jnp.concatenate(parts), out[1]
+
+    def chunk(self, kept: Any) -> tuple[Any, Any]:
+        return (), kept
+
+
+@decorator_form("fun")
+@takes(Chunking)
+def per_example_grad_projections(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    batch_argnums: int | Sequence[int] | None = None,
+    dim: int = 16,
+    seed: int = 0,
+    method: str = "vmap",
+    **options: Unpack[Chunking],
+) -> Callable[..., Any]:
+    """Every example's gradient, projected to a few dimensions by a seeded random
+    projection: an `(N, K)` matrix, `batch_size` examples at a time.
+
+    Row `i` is example `i`'s gradient `jax.grad(fun, argnums)` projected leaf by
+    leaf with a Kronecker-structured Gaussian projection: each axis of more than
+    `dim` entries is contracted with its own `(d, dim)` matrix (entries of variance
+    `1 / dim`), smaller axes are kept, and the leaves' results are flattened and
+    concatenated in the order of `jax.tree.leaves` of the differentiated
+    arguments (a dense `(d_in, d_out)` weight gives `dim * dim` columns, a bias of
+    `d > dim` entries `dim`). Inner products of rows approximate those of the
+    gradients (TRAK, TracIn with random projections); the same `seed` gives the
+    same projection for every call, so a train set's and a test set's rows can be
+    compared. The matrices are `jax.random.normal(fold_in(fold_in(key(seed), k),
+    j), (d, dim)) / sqrt(dim)` for axis `j` of the `k`-th differentiated leaf.
+
+    With `method="ghost"`, a dense use's projection is made from its activations
+    and output cotangents (`sum_t (P_in^T a_t)(P_out^T g_t)^T`, LoGra's identity),
+    convolutions and attention likewise through their ghost forms, and an
+    embedding lookup's from the gathered rows of its matrix: no per-example
+    gradient of those leaves is formed. Other leaves are formed and projected, as
+    `method="vmap"` does for all of them.
+
+    Args:
+      fun: the loss of one example (a real scalar, or `(scalar, aux)` with
+        `has_aux`).
+      argnums: which positional argument(s) to differentiate.
+      has_aux: whether `fun` returns `(loss, aux)`; aux is stacked per example.
+      batch_argnums: the arguments holding the examples (default: every argument
+        not in `argnums`).
+      dim: the size each projected axis is reduced to.
+      seed: the projection's seed.
+      method: "vmap" (each chunk's gradients formed, then projected) or "ghost".
+      batch_size: examples per chunk (None: all at once; "auto": the largest that
+        fits `memory_limit`).
+      shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
+      mesh: the mesh for `shard`.
+      remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
+      memory_limit: the budget for `batch_size="auto"`.
+      progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size`.
+
+    Returns:
+      A function with `fun`'s arguments returning the `(N, K)` float32 matrix (or
+      `(matrix, aux)`).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import per_example_grad_projections
+      >>> def loss(w, x):
+      ...     return jnp.dot(w, x)  # the gradient of example x is x itself
+      >>> x = jnp.array([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0]])
+      >>> per_example_grad_projections(loss, dim=2, batch_size=2)(jnp.ones(2), x)
+      Array([[3. , 4. ],
+             [0.3, 0.4],
+             [0. , 0. ]], dtype=float32)
+    """
+    name = "per_example_grad_projections"
+    check_bool(name, "has_aux", has_aux)
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise TypeError(f"{name} dim must be a positive int, but got dim={dim!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{name} seed must be an int, but got seed={seed!r}.")
+    method = _clipping.check_method(name, method)
+    transform = grad_transform(
+        name, fun, argnums, batch_argnums, exclusive=True, **options
+    )
+
+    def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
+        diff, in_axes = transform.resolve(args)
+        args = differentiable_floats(args, diff, in_axes)
+        rows = None
+        if method is ghost.Method.GHOST:
+            traced = ghost.traced_loss(
+                transform.memo, name, fun, args, kwargs, diff,
+                [i for i, a in enumerate(in_axes) if a is not None],
+                strip=True, has_aux=has_aux, keep_batch_dim=False,
+            )  # fmt: skip
+            if any(x.rule == ghost.GHOST for x in traced.plan.leaves):
+                quantity = traced.memo(
+                    ("projections", dim, seed),
+                    lambda: _GhostProjections(traced, dim, seed),
+                )
+                _, (rows, aux) = over_chunks(
+                    transform, traced, quantity, args, in_axes, kwargs, known
+                )
+        if rows is None:
+            rows, aux = _formed(
+                transform, fun, diff, has_aux, name, dim, seed, args, kwargs, in_axes,
+                known,
+            )  # fmt: skip
+        return (rows, aux) if has_aux else rows
+
+    return transform.public(call, fun)
+
+
+def _formed(
+    transform: Transform, fun: Any, diff: Any, has_aux: bool, name: str, dim: int,
+    seed: int, args: tuple, kwargs: dict, in_axes: tuple, known: Any,
+) -> tuple[Any, Any]:  # fmt: skip
+    """The projections of each chunk's formed gradients."""
+    value_and_grad = filtered_value_and_grad(
+        fun, diff, transform.args.single, has_aux, name
+    )
+
+    def example(*inputs: Any, **kw: Any) -> Any:
+        value, grads = value_and_grad(*inputs, **kw)
+        leaves = jax.tree.leaves(grads)
+        keys = _keys(seed, len(leaves))
+        parts = [
+            project(g, projection_matrices(g.shape, dim, key))
+            for g, key in zip(leaves, keys)
+        ]
+        return jnp.concatenate(parts), (value[1] if has_aux else None)
+
+    return transform.map(example, args, kwargs, in_axes, 0, known=known)
