@@ -43,6 +43,24 @@ def _data(rng):
     return p, x, y
 
 
+class Counted:
+    """`fn`, counting the examples it evaluates (a host callback per example, on
+    its second argument): `count(call)` runs `call` and returns how many."""
+
+    def __init__(self, fn):
+        self.fn, self.evaluated = fn, []
+
+    def __call__(self, *args):
+        jax.debug.callback(lambda _: self.evaluated.append(1), args[1])
+        return self.fn(*args)
+
+    def count(self, call):
+        self.evaluated.clear()
+        jax.block_until_ready(call())
+        jax.effects_barrier()
+        return len(self.evaluated)
+
+
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
 def test_one_program_serves_twenty_lot_sizes(method, rng, always_ghost):
     """20 lot sizes from 0 to the capacity (half with the padding shuffled through
@@ -80,11 +98,7 @@ def test_chunks_of_padding_alone_are_not_evaluated(method, where, rng, always_gh
     """9 real examples of 40 in chunks of 8: two chunks are evaluated (16 examples,
     the last partly padding), not five, wherever the padding sits."""
     p, x, y = _data(rng)
-    evaluated = []
-
-    def counted(p, x, y):
-        jax.debug.callback(lambda v: evaluated.append(1), x)
-        return loss(p, x, y)
+    counted = Counted(loss)
 
     grad = clipped_grad(
         counted,
@@ -97,9 +111,9 @@ def test_chunks_of_padding_alone_are_not_evaluated(method, where, rng, always_gh
     pad = np.arange(C) >= 9
     if where == "shuffled":
         pad = rng.permutation(pad)
-    jax.block_until_ready(grad(p, x, y, is_padding_example=jnp.asarray(pad)))
-    jax.effects_barrier()
-    assert len(evaluated) == 16
+    assert (
+        counted.count(lambda: grad(p, x, y, is_padding_example=jnp.asarray(pad))) == 16
+    )
 
 
 MESH = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
@@ -255,21 +269,13 @@ def test_batch_vmap_folds_a_padded_buffer_in_one_program(rng):
         expected = jax.grad(lambda w: jax.vmap(_net, (None, 0))(w, real).sum())(w)
         np.testing.assert_allclose(grad(w, x, pad), expected, rtol=1e-5, atol=1e-6)
     assert run._cache_size() == 1 and grad._cache_size() == 1
-    evaluated = []
-
-    def counted(w, v):
-        jax.debug.callback(lambda _: evaluated.append(1), v)
-        return _net(w, v)
-
+    counted = Counted(_net)
     sums = batch_vmap(
         counted, (None, 0), batch_size=B, reduction=jnp.add,
         chunk_reduction=lambda y: y.sum(0), padded=True,
     )  # fmt: skip
-    jax.block_until_ready(
-        sums(w, x, is_padding_example=rng.permutation(np.arange(C) >= 9))
-    )
-    jax.effects_barrier()
-    assert len(evaluated) == 16
+    flags = rng.permutation(np.arange(C) >= 9)
+    assert counted.count(lambda: sums(w, x, is_padding_example=flags)) == 16
 
 
 @pytest.mark.parametrize("out_axes", [0, 1])
@@ -280,11 +286,7 @@ def test_batch_vmap_stacks_a_padded_buffer_with_zeros_for_the_padding(out_axes, 
     gradient); chunks of padding alone are not evaluated."""
     w = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
     x = jnp.asarray(rng.normal(size=(C - 3, 5)), jnp.float32)  # 37: 5 chunks of 8
-    evaluated = []
-
-    def counted(w, v):
-        jax.debug.callback(lambda _: evaluated.append(1), v)
-        return _net(w, v)
+    counted = Counted(_net)
 
     stacked = batch_vmap(counted, (None, 0), out_axes, batch_size=B, padded=True)
     run = jax.jit(lambda w, x, m: stacked(w, x, is_padding_example=m))
@@ -303,10 +305,9 @@ def test_batch_vmap_stacks_a_padded_buffer_with_zeros_for_the_padding(out_axes, 
         )(w, x)  # fmt: skip
         tree_allclose(grad(w, x, pad), oracle, rtol=1e-5, atol=1e-6)
     assert run._cache_size() == 1 and grad._cache_size() == 1
-    evaluated.clear()
-    jax.block_until_ready(run(w, x, rng.permutation(np.arange(C - 3) >= 9)))
-    jax.effects_barrier()
-    assert len(evaluated) == 16
+    assert (
+        counted.count(lambda: run(w, x, rng.permutation(np.arange(C - 3) >= 9))) == 16
+    )
 
 
 @pytest.mark.parametrize("strip_dim0", [False, True])
@@ -317,11 +318,7 @@ def test_batch_map_takes_a_padded_buffer(strip_dim0, rng):
     (`strip_dim0=True`: chunks of one example)."""
     w = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
     x = jnp.asarray(rng.normal(size=(C - 3, 5)), jnp.float32)
-    evaluated = []
-
-    def fun(w, v):
-        jax.debug.callback(lambda _: evaluated.append(1), v)
-        return jnp.tanh(v @ w)
+    fun = Counted(lambda w, v: jnp.tanh(v @ w))
 
     batch = 1 if strip_dim0 else B
 
@@ -351,10 +348,8 @@ def test_batch_map_takes_a_padded_buffer(strip_dim0, rng):
         expected = jax.grad(lambda w: jnp.where(keep, jnp.tanh(x @ w), 0.0).sum())(w)
         np.testing.assert_allclose(grad(w, x, pad), expected, rtol=1e-5, atol=1e-6)
     assert stacked._cache_size() == summed._cache_size() == grad._cache_size() == 1
-    evaluated.clear()
-    jax.block_until_ready(stacked(w, x, rng.permutation(np.arange(C - 3) >= 9)))
-    jax.effects_barrier()
-    assert len(evaluated) == (9 if strip_dim0 else 2)
+    flags = rng.permutation(np.arange(C - 3) >= 9)
+    assert fun.count(lambda: stacked(w, x, flags)) == (9 if strip_dim0 else 2)
 
 
 def test_padded_calls_check_their_flags():
@@ -404,11 +399,7 @@ def test_per_example_grad_norms_of_a_padded_buffer(method, per_leaf, rng, always
     norms equal the exact-size program's (`jax.vmap(jax.grad)`), the padding's are
     zeros, one program serves every lot, and chunks of padding alone are skipped."""
     p, x, y = _data(rng)
-    evaluated = []
-
-    def counted(p, x, y):
-        jax.debug.callback(lambda v: evaluated.append(1), x)
-        return loss(p, x, y)
+    counted = Counted(loss)
 
     norms = per_example_grad_norms(
         counted, batch_size=B, method=method, per_leaf=per_leaf
@@ -427,10 +418,7 @@ def test_per_example_grad_norms_of_a_padded_buffer(method, per_leaf, rng, always
         for g in jax.tree.leaves(got):
             np.testing.assert_array_equal(np.asarray(g)[pad], 0.0)
     assert run._cache_size() == 1
-    evaluated.clear()
-    jax.block_until_ready(run(p, x, y, rng.permutation(np.arange(C) >= 9)))
-    jax.effects_barrier()
-    assert len(evaluated) == 16
+    assert counted.count(lambda: run(p, x, y, rng.permutation(np.arange(C) >= 9))) == 16
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
@@ -443,11 +431,7 @@ def test_gradient_statistics_of_a_padded_buffer(method, rng, always_ghost):
     p, x, y = _data(rng)
     x = x[:37].at[-1].set(jnp.nan)  # 37 in chunks of 8, the last example NaN
     y = y[:37]
-    evaluated = []
-
-    def counted(p, x, y):
-        jax.debug.callback(lambda v: evaluated.append(1), x)
-        return loss(p, x, y)
+    counted = Counted(loss)
 
     stats = per_example_grad_stats(counted, batch_size=B, method=method)
     run = jax.jit(lambda p, x, y, m: stats(p, x, y, is_padding_example=m))
@@ -473,10 +457,7 @@ def test_gradient_statistics_of_a_padded_buffer(method, rng, always_ghost):
     got = whole(p, x[::-1], y[::-1], is_padding_example=pad)  # the NaN first
     tree_allclose(got.mean, jax.tree.map(lambda g: g.mean(0), grads), rtol=2e-4)
     assert run._cache_size() == 1
-    evaluated.clear()
-    jax.block_until_ready(run(p, x, y, np.arange(37) >= 9))
-    jax.effects_barrier()
-    assert len(evaluated) == 16
+    assert counted.count(lambda: run(p, x, y, np.arange(37) >= 9)) == 16
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
