@@ -166,3 +166,28 @@ def test_aux_seeds_and_errors(rng):
         per_example_grad_projections(loss, dim=0)
     with pytest.raises(TypeError, match="seed must be an int"):
         per_example_grad_projections(loss, seed=1.5)
+    with pytest.raises(ValueError, match="similarity must be one of"):
+        per_example_grad_projections(loss, similarity="l2")
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+@pytest.mark.parametrize("similarity", ["dot", "cosine"])
+def test_scores_against_another_batch(method, similarity, rng):
+    """`other=`: the `N x M` scores of the projected gradients against another
+    batch's (TracIn / TRAK-style), equal to the rows' inner products (or cosines)
+    from the oracle, eagerly and under `jit`, N uneven in the chunks."""
+    loss, params, batch = CASES["LMs and CNN"](rng)
+    other = models.dp_batch(3, seed=50)
+    rows = projected_grads(loss, params, batch, dim=4)
+    against = projected_grads(loss, params, other, dim=4)
+    if similarity == "cosine":
+        rows = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+        against = against / np.linalg.norm(against, axis=1, keepdims=True)
+    scores = per_example_grad_projections(
+        loss, dim=4, batch_size=3, method=method, similarity=similarity
+    )
+    _close(scores(params, *batch, other=(params, *other)), rows @ against.T)
+    jitted = jax.jit(lambda p, b, o: scores(p, *b, other=(p, *o)))
+    _close(jitted(params, batch, other), rows @ against.T)
+    with pytest.raises(TypeError, match="other must be a tuple"):
+        scores(params, *batch, other=list(other))

@@ -27,7 +27,7 @@ from typing import Any, Unpack
 import jax
 import jax.numpy as jnp
 
-from .._core import _cache
+from .._core import _axes, _cache
 from .._core._options import Chunking, check_bool, decorator_form, takes
 from .._transforms._batch_vmap import Transform
 from .._transforms._grads import (
@@ -164,6 +164,38 @@ class _GhostProjections(Quantity):
         return (), kept
 
 
+class _Scored(Quantity):
+    """A quantity's per-example rows turned by `post` (one example's row to its
+    scores against another batch), as they are made: the rows are never stacked."""
+
+    def __init__(self, inner: _GhostProjections, post: Callable[[Any], Any]):
+        self.inner, self.post = inner, post
+        self.per_example = inner.per_example
+
+    def keep(self, record: ghost.Record, out: Any, *extra: Any) -> Any:
+        row, aux = self.inner.keep(record, out, *extra)
+        return self.post(row), aux
+
+    def chunk(self, kept: Any) -> tuple[Any, Any]:
+        return (), kept
+
+
+SIMILARITIES = ("dot", "cosine")
+
+
+def _scorer(other: jax.Array, similarity: str) -> Callable[[Any], Any]:
+    """One example's row to its `similarity` with each row of `other`."""
+    if similarity == "cosine":
+        other = other / jnp.linalg.norm(other, axis=1, keepdims=True)
+
+    def post(row: jax.Array) -> jax.Array:
+        if similarity == "cosine":
+            row = row / jnp.linalg.norm(row)
+        return other @ row
+
+    return post
+
+
 @decorator_form("fun")
 @takes(Chunking)
 def per_example_grad_projections(
@@ -175,6 +207,7 @@ def per_example_grad_projections(
     dim: int = 16,
     seed: int = 0,
     method: str = "vmap",
+    similarity: str = "dot",
     **options: Unpack[Chunking],
 ) -> Callable[..., Any]:
     """Every example's gradient, projected to a few dimensions by a seeded random
@@ -191,6 +224,13 @@ def per_example_grad_projections(
     same projection for every call, so a train set's and a test set's rows can be
     compared. The matrices are `jax.random.normal(fold_in(fold_in(key(seed), k),
     j), (d, dim)) / sqrt(dim)` for axis `j` of the `k`-th differentiated leaf.
+
+    With a second batch, `project(*args, other=other_args)` is the `N x M` matrix
+    of scores between the two batches' projected gradients (TracIn or TRAK-style
+    attribution: `similarity="dot"`, their inner products, or `"cosine"`):
+    `other_args` is a tuple of `fun`'s positional arguments for the `M` other
+    examples, whose rows are projected first; the `N` rows are then scored chunk
+    by chunk as they are made, never held together.
 
     With `method="ghost"`, a dense use's projection is made from its activations
     and output cotangents (`sum_t (P_in^T a_t)(P_out^T g_t)^T`, LoGra's identity),
@@ -209,6 +249,7 @@ def per_example_grad_projections(
       dim: the size each projected axis is reduced to.
       seed: the projection's seed.
       method: "vmap" (each chunk's gradients formed, then projected) or "ghost".
+      similarity: with `other=`, "dot" (inner products) or "cosine".
       batch_size: examples per chunk (None: all at once; "auto": the largest that
         fits `memory_limit`).
       shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
@@ -219,7 +260,8 @@ def per_example_grad_projections(
       chunk_size: an alias of `batch_size`.
 
     Returns:
-      A function with `fun`'s arguments returning the `(N, K)` float32 matrix (or
+      A function with `fun`'s arguments (and `other=`) returning the `(N, K)`
+      float32 matrix, or with `other=` the `(N, M)` scores (with `has_aux`:
       `(matrix, aux)`).
 
     Examples:
@@ -240,43 +282,76 @@ def per_example_grad_projections(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{name} seed must be an int, but got seed={seed!r}.")
     method = _clipping.check_method(name, method)
+    if similarity not in SIMILARITIES:
+        raise ValueError(
+            f"{name} similarity must be one of {SIMILARITIES}, but got "
+            f"similarity={similarity!r}."
+        )
     transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True, **options
     )
 
+    def rows_of(args: tuple, kwargs: dict, known: Any, post: Any) -> tuple:
+        return _rows(
+            transform, fun, name, has_aux, dim, seed, method, args, kwargs, known, post
+        )
+
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        diff, in_axes = transform.resolve(args)
-        args = differentiable_floats(args, diff, in_axes)
-        rows = None
-        if method is ghost.Method.GHOST:
-            traced = ghost.traced_loss(
-                transform.memo, name, fun, args, kwargs, diff,
-                [i for i, a in enumerate(in_axes) if a is not None],
-                strip=True, has_aux=has_aux, keep_batch_dim=False,
-            )  # fmt: skip
-            if any(x.rule == ghost.GHOST for x in traced.plan.leaves):
-                quantity = traced.memo(
-                    ("projections", dim, seed),
-                    lambda: _GhostProjections(traced, dim, seed),
+        kwargs = dict(kwargs)
+        other = kwargs.pop("other", None)
+        post = None
+        if other is not None:
+            if not isinstance(other, tuple):
+                raise TypeError(
+                    f"{name} other must be a tuple of fun's positional arguments "
+                    f"for the other examples, but got {type(other).__name__}."
                 )
-                _, (rows, aux) = over_chunks(
-                    transform, traced, quantity, args, in_axes, kwargs, known
-                )
-        if rows is None:
-            rows, aux = _formed(
-                transform, fun, diff, has_aux, name, dim, seed, args, kwargs, in_axes,
-                known,
-            )  # fmt: skip
-        return (rows, aux) if has_aux else rows
+            rows = rows_of(other, kwargs, _axes.NOTHING_KNOWN, None)[0]
+            post = _scorer(rows, similarity)
+        result, aux = rows_of(args, kwargs, known, post)
+        return (result, aux) if has_aux else result
 
     return transform.public(call, fun)
 
 
+def _rows(
+    transform: Transform, fun: Any, name: str, has_aux: bool, dim: int, seed: int,
+    method: Any, args: tuple, kwargs: dict, known: Any, post: Any,
+) -> tuple:  # fmt: skip
+    """Each example's row (`post` of it, where given) and aux, by `method`."""
+    diff, in_axes = transform.resolve(args)
+    args = differentiable_floats(args, diff, in_axes)
+    rows = None
+    if method is ghost.Method.GHOST:
+        traced = ghost.traced_loss(
+            transform.memo, name, fun, args, kwargs, diff,
+            [i for i, a in enumerate(in_axes) if a is not None],
+            strip=True, has_aux=has_aux, keep_batch_dim=False,
+        )  # fmt: skip
+        if any(x.rule == ghost.GHOST for x in traced.plan.leaves):
+            quantity = traced.memo(
+                ("projections", dim, seed),
+                lambda: _GhostProjections(traced, dim, seed),
+            )
+            if post is not None:
+                quantity = _Scored(quantity, post)
+            _, (rows, aux) = over_chunks(
+                transform, traced, quantity, args, in_axes, kwargs, known
+            )
+    if rows is None:
+        rows, aux = _formed(
+            transform, fun, diff, has_aux, name, dim, seed, post, args, kwargs,
+            in_axes, known,
+        )  # fmt: skip
+    return rows, aux
+
+
 def _formed(
     transform: Transform, fun: Any, diff: Any, has_aux: bool, name: str, dim: int,
-    seed: int, args: tuple, kwargs: dict, in_axes: tuple, known: Any,
+    seed: int, post: Any, args: tuple, kwargs: dict, in_axes: tuple, known: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
-    """The projections of each chunk's formed gradients."""
+    """The projections of each chunk's formed gradients (`post` of each, where
+    given)."""
     value_and_grad = filtered_value_and_grad(
         fun, diff, transform.args.single, has_aux, name
     )
@@ -289,6 +364,7 @@ def _formed(
             project(g, projection_matrices(g.shape, dim, key))
             for g, key in zip(leaves, keys)
         ]
-        return jnp.concatenate(parts), (value[1] if has_aux else None)
+        row = jnp.concatenate(parts)
+        return row if post is None else post(row), (value[1] if has_aux else None)
 
     return transform.map(example, args, kwargs, in_axes, 0, known=known)
