@@ -530,6 +530,23 @@ MUTANTS = {
         ),
         ["test_projections"],
     ),
+    "projections: cosine scores without normalising the other batch": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            "        other = other / jnp.linalg.norm(other, axis=1, keepdims=True)\n",
+            "        pass\n",
+        ),
+        ["test_projections"],
+    ),
+    "projections: a lookup's padding positions projected": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            "        picked = jnp.where(valid[:, None], jnp.take(p, rows, axis=0), 0)"
+            "\n",
+            "        picked = jnp.take(p, rows, axis=0)\n",
+        ),
+        ["test_projections"],
+    ),
     "padding: stacked chunks of padding alone evaluated": (
         (
             "chunkvmap/_core/_loop.py",

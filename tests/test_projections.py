@@ -49,6 +49,22 @@ def _nchw(rng):
     return loss, {"w": w, "v": v}, (x,)
 
 
+def _lookup(rng):
+    """An embedding read with `mode="fill"`: tokens past the table read zeros (and
+    get no gradient)."""
+    p = {
+        "emb": jnp.asarray(rng.normal(size=(300, 32)), jnp.float32),
+        "w": jnp.asarray(rng.normal(size=(32, 2)), jnp.float32) * 0.2,
+    }
+    tokens = jnp.asarray(rng.integers(0, 330, (7, 5)), jnp.int32)  # some past 300
+
+    def loss(p, tokens):
+        h = jnp.take(p["emb"], tokens, axis=0, mode="fill", fill_value=0.0)
+        return jnp.sum(jnp.tanh(h @ p["w"] + 0.5) ** 2)  # (not flat at the fill)
+
+    return loss, p, (tokens,)
+
+
 def _dp(n):
     params, loss = models.dp_models()  # the LMs (gathered, tied and scanned), a CNN
     return loss, params, models.dp_batch(n)
@@ -58,6 +74,7 @@ CASES = {
     "mlp": lambda rng: _mlp(rng),
     "conv NCHW": _nchw,
     "LMs and CNN": lambda rng: _dp(7),
+    "lookup past the table": _lookup,
 }
 
 
