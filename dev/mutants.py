@@ -515,8 +515,8 @@ MUTANTS = {
     "projections: a part of a leaf projected by the wrong rows": (
         (
             "chunkvmap/_dp/_projections.py",
-            "        m = m[start : start + (size - 1) * stride + 1 : stride]\n",
-            "        m = m[:size]\n",
+            "    return m[start : start + (size - 1) * stride + 1 : stride]\n",
+            "    return m[:size]\n",
         ),
         ["test_projections"],
     ),

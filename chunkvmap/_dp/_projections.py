@@ -79,6 +79,14 @@ def _out_symbol(j: int) -> Mark:
     return Mark(f"projected {j}")
 
 
+def _part(m: jax.Array | None, d: int, box: tuple) -> jax.Array:
+    """The rows of axis matrix `m` (the identity's for an axis kept whole, of `d`
+    entries) for the entries `box = (start, size, stride)` a use reads."""
+    start, size, stride = box
+    m = m if m is not None else jnp.eye(d, dtype=jnp.float32)
+    return m[start : start + (size - 1) * stride + 1 : stride]
+
+
 def _form_projection(
     form: Any, arrays: list, shape: Sequence[int], mats: Sequence[Any]
 ) -> jax.Array | None:
@@ -89,7 +97,8 @@ def _form_projection(
     if isinstance(form, RowsForm):
         rows, valid, delta = arrays
         row = form.row
-        p = mats[row] if mats[row] is not None else jnp.eye(shape[row])
+        # (`rows` index the whole leaf axis, as `RowsForm.gradient` reads them)
+        p = _part(mats[row], shape[row], (0, shape[row], 1))
         picked = jnp.where(valid[:, None], jnp.take(p, rows, axis=0), 0)
         operands = [picked, delta]
         specs = [(form.specs[2][0], _out_symbol(row)), form.specs[2]]
@@ -104,13 +113,10 @@ def _form_projection(
             out.append(_out_symbol(j))
             continue
         parts = sorted(s for s in form.leaf_symbols if s.axis == j)
-        start, size, stride = form.box[j]
-        whole = (start, size, stride) == (0, d, 1)
-        if mats[j] is None and whole:  # kept as it is
+        if mats[j] is None and form.box[j] == (0, d, 1):  # kept as it is
             out += parts
             continue
-        m = mats[j] if mats[j] is not None else jnp.eye(d, dtype=jnp.float32)
-        m = m[start : start + (size - 1) * stride + 1 : stride]
+        m = _part(mats[j], d, form.box[j])
         if parts:
             operands.append(m.reshape(*(sizes[x] for x in parts), m.shape[-1]))
             specs.append((*parts, _out_symbol(j)))
