@@ -208,3 +208,31 @@ def test_scores_against_another_batch(method, similarity, rng):
     _close(jitted(params, batch, other), rows @ against.T)
     with pytest.raises(TypeError, match="other must be a tuple"):
         scores(params, *batch, other=list(other))
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+@pytest.mark.parametrize(
+    "case, hold", [("mlp", "placed"), ("LMs and CNN", "shard=True")]
+)
+def test_projections_over_a_mesh(case, hold, method, rng):
+    """16 examples over 8 devices: placed on an Explicit mesh (eagerly; the rows
+    stay split over it), or `shard=True` under `jit` (the LMs' lookups need an
+    Auto mesh: over Explicit axes `jax.vmap` itself asks for the gather's
+    sharding)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    loss, params, batch = CASES[case](rng)
+    batch = tuple(jnp.concatenate([b, b, b])[:16] for b in batch)
+    expected = projected_grads(loss, params, batch, dim=4)
+    if hold == "placed":
+        mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+        placed = [jax.device_put(b, NamedSharding(mesh, P("d"))) for b in batch]
+        project = per_example_grad_projections(loss, dim=4, batch_size=1, method=method)
+        got = project(params, *placed)
+        assert got.sharding.spec[0] == "d"
+    else:
+        project = per_example_grad_projections(
+            loss, dim=4, batch_size=1, method=method, shard=True
+        )
+        got = jax.jit(project)(params, *batch)
+    _close(got, expected)
