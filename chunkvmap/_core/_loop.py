@@ -96,7 +96,8 @@ class Chunks:
     def padded(self, padding: jax.Array) -> Chunks:
         """This plan over a padded buffer: `padding[j]` marks example `j` as
         padding. The real examples are evaluated first, in their order (a stable
-        sort), and the chunks after the last real one are skipped (`active`).
+        partition, `_real_first`), and the chunks after the last real one are
+        skipped (`active`).
         `padding` of shape `(D, N)`: D shares' (`Body.run_shares`), each in its
         own order, and a chunk is skipped where every share's is padding alone."""
         if padding.ndim == 2:  # each share's, by the same rule
@@ -185,14 +186,14 @@ def gather(
     `shared`: `indices` is `(D, B)`, each share's examples (the shares before each
     mapped axis)."""
 
-    def take(x: jax.Array, idx: jax.Array, a: int) -> jax.Array:
+    def pick(x: jax.Array, idx: jax.Array, a: int) -> jax.Array:
         return jnp.take(x, idx, axis=a, mode="clip", unique_indices=True)
 
     def take_at(x: jax.Array, a: int) -> jax.Array:
         if shared:  # share by share (the shares at a - 1)
-            one = ft.partial(take, a=a - 1)
+            one = ft.partial(pick, a=a - 1)
             return jax.vmap(one, in_axes=(a - 1, 0), out_axes=a - 1)(x, indices)
-        return take(x, indices, a)
+        return pick(x, indices, a)
 
     return [x if a is None else take_at(x, a) for x, a in zip(leaves, axes)]
 
