@@ -35,7 +35,7 @@ from _common import init_mlp, machine, mlp  # noqa: E402
 from _dp_models import models  # noqa: E402
 
 from chunkvmap import per_example_grad_projections  # noqa: E402
-from chunkvmap._dp._projections import project, projection_matrices  # noqa: E402
+from chunkvmap._dp._projections import leaf_matrices, project  # noqa: E402
 
 
 DIM, CHUNK = 16, 32
@@ -61,12 +61,11 @@ def _formed_and_projected(loss):
 
     def run(params, *batch):
         grads = jax.vmap(jax.grad(loss), (None, *[0] * len(batch)))(params, *batch)
-        base = jax.random.key(0)
-        parts = []
-        for k, g in enumerate(jax.tree.leaves(grads)):
-            key = jax.random.fold_in(base, k)
-            mats = projection_matrices(g.shape[1:], DIM, key)
-            parts.append(jax.vmap(lambda x, mats=mats: project(x, mats))(g))
+        leaves = jax.tree.leaves(grads)
+        mats = leaf_matrices([g.shape[1:] for g in leaves], DIM, seed=0)
+        parts = [
+            jax.vmap(lambda x, m=m: project(x, m))(g) for g, m in zip(leaves, mats)
+        ]
         return jnp.concatenate(parts, 1)
 
     return run

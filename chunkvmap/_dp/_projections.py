@@ -69,10 +69,13 @@ def project(g: jax.Array, matrices: Sequence[jax.Array | None]) -> jax.Array:
     return g.reshape(-1)
 
 
-def _keys(seed: int, count: int) -> list[jax.Array]:
+def leaf_matrices(shapes: Sequence[Sequence[int]], dim: int, seed: int) -> list:
+    """`projection_matrices` of each differentiated leaf (of `shapes`, in order),
+    the `k`-th from `fold_in(key(seed), k)`."""
     with jax.ensure_compile_time_eval():
         base = jax.random.key(seed)
-        return [jax.random.fold_in(base, k) for k in range(count)]
+        keys = [jax.random.fold_in(base, k) for k in range(len(shapes))]
+    return [projection_matrices(s, dim, key) for s, key in zip(shapes, keys)]
 
 
 def _out_symbol(j: int) -> Mark:
@@ -136,10 +139,7 @@ class _GhostProjections(Quantity):
         self.traced = traced
         plan = traced.plan
         self.leaves = plan.leaves
-        keys = _keys(seed, len(self.leaves))
-        self.mats = [
-            projection_matrices(x.shape, dim, key) for x, key in zip(self.leaves, keys)
-        ]
+        self.mats = leaf_matrices([x.shape for x in self.leaves], dim, seed)
         self.dim = dim
         self.per_example = plan.with_rule(ghost.PER_EXAMPLE)
 
@@ -189,13 +189,14 @@ class _Scored(Quantity):
 SIMILARITIES = ("dot", "cosine")
 
 
-def _scorer(other: jax.Array, similarity: str) -> Callable[[Any], Any]:
-    """One example's row to its `similarity` with each row of `other`."""
-    if similarity == "cosine":
+def _scorer(other: jax.Array, cosine: bool) -> Callable[[Any], Any]:
+    """One example's row to its inner product (or `cosine`) with each row of
+    `other`."""
+    if cosine:
         other = other / jnp.linalg.norm(other, axis=1, keepdims=True)
 
     def post(row: jax.Array) -> jax.Array:
-        if similarity == "cosine":
+        if cosine:
             row = row / jnp.linalg.norm(row)
         return other @ row
 
@@ -313,7 +314,7 @@ def per_example_grad_projections(
                     f"for the other examples, but got {type(other).__name__}."
                 )
             rows = rows_of(other, kwargs, _axes.NOTHING_KNOWN, None)[0]
-            post = _scorer(rows, similarity)
+            post = _scorer(rows, cosine=similarity == "cosine")
         result, aux = rows_of(args, kwargs, known, post)
         return (result, aux) if has_aux else result
 
@@ -365,11 +366,8 @@ def _formed(
     def example(*inputs: Any, **kw: Any) -> Any:
         value, grads = value_and_grad(*inputs, **kw)
         leaves = jax.tree.leaves(grads)
-        keys = _keys(seed, len(leaves))
-        parts = [
-            project(g, projection_matrices(g.shape, dim, key))
-            for g, key in zip(leaves, keys)
-        ]
+        mats = leaf_matrices([g.shape for g in leaves], dim, seed)
+        parts = [project(g, m) for g, m in zip(leaves, mats)]
         row = jnp.concatenate(parts)
         return row if post is None else post(row), (value[1] if has_aux else None)
 
