@@ -9,6 +9,15 @@ fused loops are emitted and float rounding in the last bits, never the HLO: resu
 tests marked `optimized` and the doctests in `BITWISE_DOCTESTS` (a bitwise claim such
 as the same random initialisation as a reference) compile with LLVM's optimisations;
 XLA reads its flags once per process, so they keep the older emitters.
+
+Compiled programs are kept between runs in JAX's persistent compilation cache,
+`.jax-cache/` at the root (ignored by git, emptied at the start of a run once past
+1 GiB; delete it to start cold; a run that sets `JAX_COMPILATION_CACHE_DIR` chooses
+its own): a second run of an unchanged test loads its programs instead of
+compiling them. JAX keys each entry by the program's
+HLO, the compile options and the versions of JAX and XLA, so a changed program is
+compiled afresh. JAX times a program loaded from the cache as a compilation, so
+`tests.helpers.CompileCounter` counts it as one.
 """
 
 import os
@@ -47,6 +56,24 @@ def _fast_compiles() -> None:
     )
     if probe.returncode == 0:
         os.environ["XLA_FLAGS"] = flags.strip()
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        cache = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".jax-cache")
+        _bound(cache, 2**30)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def _bound(cache: str, limit: int) -> None:
+    # JAX's own bound (`jax_compilation_cache_max_size`) scans the whole cache at
+    # every write; the suite empties it once, at the start of a run, when it has
+    # grown past `limit` bytes (each change of a program adds entries).
+    if not os.path.isdir(cache):
+        return
+    entries = list(os.scandir(cache))
+    if sum(e.stat().st_size for e in entries if e.is_file()) > limit:
+        for e in entries:
+            if e.is_file():
+                os.remove(e.path)
 
 
 _fast_compiles()

@@ -16,6 +16,11 @@ from ._dp._clipping import (
     clipped_grad as clipped_grad,
     clipped_grad_sum as clipped_grad_sum,
 )
+from ._dp._curvature import (
+    Kronecker as Kronecker,
+    ggn_diagonal as ggn_diagonal,
+    kfac_factors as kfac_factors,
+)
 from ._dp._projections import (
     per_example_grad_projections as per_example_grad_projections,
 )
@@ -47,6 +52,7 @@ __all__ = [
     "GhostFallbackWarning",
     "GhostReport",
     "GradStats",
+    "Kronecker",
     "batch_jacfwd",
     "batch_jacrev",
     "batch_map",
@@ -54,8 +60,10 @@ __all__ = [
     "batch_vmap",
     "clipped_grad",
     "clipped_grad_sum",
+    "ggn_diagonal",
     "ghost_report",
     "identity",
+    "kfac_factors",
     "last_batch_size",
     "per_example_grad_gram",
     "per_example_grad_norms",

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 import jax
+from jax.flatten_util import ravel_pytree
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
@@ -138,7 +139,9 @@ class TraceCounter:
 
 class CompileCounter:
     """Counts the XLA compilations made while it is entered (JAX's monitoring
-    events), as `with CompileCounter() as compiles: ...; compiles.count`."""
+    events), as `with CompileCounter() as compiles: ...; compiles.count`. A
+    program loaded from the persistent compilation cache (the suite keeps one:
+    the root conftest) counts too: JAX times the load as a compilation."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -298,3 +301,99 @@ def projected_grads(loss, params, batch, dim, seed=0):
                 )
         columns.append(x.reshape(x.shape[0], -1))
     return np.concatenate(columns, 1)
+
+
+# -- curvature -------------------------------------------------------------------------
+
+
+def nll(likelihood, f, y):
+    """The negative log-likelihood of output `f` at label `y`: softmax
+    cross-entropy over the last axis (summed over positions) or the halved
+    squared error."""
+    if likelihood == "categorical":
+        logp = jax.nn.log_softmax(f, axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, y[..., None], axis=-1))
+    return 0.5 * jnp.sum((f - y) ** 2)
+
+
+def output_cotangents(likelihood, fisher, f, label=None, key=None, samples=1):
+    """The oracle's cotangents `(M, *f.shape)` of one example's output `f`, made
+    without the library: `"exact"`, the columns of a square root of the loss's
+    Hessian in `f` (`jax.hessian`, eigendecomposed); `"empirical"`, `jax.grad` of
+    the loss at `label`; `"mc"`, `jax.grad` at labels drawn as documented
+    (`jax.random.categorical(key, f, shape=(samples, ...))`, or `f` plus
+    `jax.random.normal(key, (samples, *f.shape))`), over `sqrt(samples)`."""
+    f = np.asarray(f, np.float64)
+    if fisher == "exact":
+        y0 = np.zeros(f.shape[:-1], np.int32) if likelihood == "categorical" else f
+        flat = lambda v: nll(likelihood, v.reshape(f.shape), y0)  # noqa: E731
+        with jax.enable_x64():
+            h = np.asarray(jax.hessian(flat)(jnp.asarray(f.reshape(-1))))
+        vals, vecs = np.linalg.eigh(h)
+        root = vecs * np.sqrt(np.clip(vals, 0, None))
+        return root.T.reshape(-1, *f.shape)
+    grad = jax.grad(lambda v, y: nll(likelihood, v, y))
+    fj = jnp.asarray(f, jnp.float32)
+    if fisher == "empirical":
+        return np.asarray(grad(fj, label), np.float64)[None]
+    if likelihood == "categorical":
+        drawn = jax.random.categorical(key, fj, axis=-1, shape=(samples, *f.shape[:-1]))
+    else:
+        drawn = fj[None] + jax.random.normal(key, (samples, *f.shape))
+    cots = [np.asarray(grad(fj, y), np.float64) for y in drawn]
+    return np.stack(cots) / np.sqrt(samples)
+
+
+def example_cotangents(likelihood, fisher, outputs, labels=None, key=None, samples=1):
+    """`output_cotangents` of every example's output (`outputs` stacked), with
+    example `i`'s key `jax.random.split(key, N)[i]`."""
+    n = len(outputs)
+    keys = jax.random.split(key, n) if key is not None else [None] * n
+    labels = [None] * n if labels is None else labels
+    return [
+        output_cotangents(likelihood, fisher, f, y, k, samples)
+        for f, y, k in zip(outputs, labels, keys)
+    ]
+
+
+def ggn_diagonal_dense(model, params, xs, cotangents):
+    """The oracle of `ggn_diagonal`: each example's dense Jacobian of the output
+    in the flattened parameters (`jax.jacfwd`), `sum_m (J^T c_m)^2` over its
+    cotangents `c_m`: an `(N, P)` float64 array (and the unravel function)."""
+    flat, unravel = ravel_pytree(params)
+    rows = []
+    for x, cots in zip(xs, cotangents):
+        jac = np.asarray(jax.jacfwd(lambda p: model(unravel(p), x))(flat), np.float64)
+        jac = jac.reshape(-1, flat.size)
+        rows.append(np.sum((cots.reshape(len(cots), -1) @ jac) ** 2, 0))
+    return np.stack(rows), unravel
+
+
+def kfac_by_hand(tapped, params, xs, cotangents, variant="expand"):
+    """The oracle of `kfac_factors`, from activations and output gradients
+    captured by hand. `tapped(params, x, probes)` is the model written with each
+    tapped product's output `y` returned as `y + probes[name]` (as is, when
+    `probes` is None); it returns `(output, acts, ys)`, `acts[name]` the
+    activation the product read (positions first, its input features flattened
+    last, as the leaf's input axes are) and `ys[name]` the product's output
+    (positions first, output features last). The output gradients are `jax.vjp`
+    of the output in the probes, at each cotangent. Returns `{name: (A, G)}` in
+    float64."""
+    factors = {}
+    for x, cots in zip(xs, cotangents):
+        _, acts, ys = tapped(params, x, None)
+        zero = {k: jnp.zeros_like(y) for k, y in ys.items()}
+        _, pull = jax.vjp(lambda p: tapped(params, x, p)[0], zero)
+        grads = [pull(jnp.asarray(c, jnp.float32))[0] for c in cots]
+        for k in acts:
+            a = np.asarray(acts[k], np.float64).reshape(-1, acts[k].shape[-1])
+            gs = [np.asarray(g[k], np.float64) for g in grads]
+            gs = [g.reshape(-1, g.shape[-1]) for g in gs]
+            if variant == "expand":
+                pair = (a.T @ a, sum(g.T @ g for g in gs))
+            else:
+                am = a.mean(0)
+                pair = (np.outer(am, am), sum(np.outer(g.sum(0), g.sum(0)) for g in gs))
+            old = factors.get(k, (0.0, 0.0))
+            factors[k] = (old[0] + pair[0], old[1] + pair[1])
+    return factors

@@ -14,6 +14,11 @@ formed per example. A quantity is an accumulator on that record:
   with the plan that made them): `(summary, rows)`, as `_loop.Accumulator.summarise`;
 * `combine(a, b)` folds two chunks' summaries (None: they are added leaf by leaf).
 
+`evaluate(traced, values, *extra)` makes one example's record and keeps it: by
+default one backward pass (`Traced.record`); a quantity of several cotangents per
+example (the curvature's) pulls them back through one linearised evaluation
+(`Traced.pullback`).
+
 `over_chunks` runs one over a call's examples. Adding a quantity is writing one
 such class.
 """
@@ -37,6 +42,11 @@ class Quantity:
     def keep(self, record: ghost.Record, out: Any, *extra: Any) -> Any:
         raise NotImplementedError
 
+    def evaluate(self, traced: ghost.Traced, values: list, *extra: Any) -> Any:
+        """What the chunk keeps of one example at its array leaves `values`."""
+        record, out = traced.record(values, self.per_example)
+        return self.keep(record, out, *extra)
+
     def chunk(self, kept: Any) -> tuple[Any, Any]:
         raise NotImplementedError
 
@@ -44,23 +54,25 @@ class Quantity:
 def over_chunks(
     transform: Any, traced: ghost.Traced, quantity: Quantity, args: tuple,
     in_axes: tuple, kwargs: dict, known: Any, padding: Any = None,
+    extra: Sequence[Any] = (),
 ) -> Any:  # fmt: skip
     """`quantity`'s `(summary, rows)` over a call's examples (`args` mapped along
-    `in_axes`), chunked by `transform`; `padding` (a boolean vector, or None)
-    marks examples of a padded buffer as padding: `keep` then takes each
-    example's flag, and chunks of padding alone are skipped."""
+    `in_axes`), chunked by `transform`; `extra` are more per-example inputs (each
+    mapped along axis 0) that `keep` takes after the record; `padding` (a boolean
+    vector, or None) marks examples of a padded buffer as padding: `keep` then
+    takes each example's flag last, and chunks of padding alone are skipped."""
     n = len(args)
-    extra = [] if padding is None else [padding]
+    extra = [*extra, *([] if padding is None else [padding])]
 
     def example(*inputs: Any, **kw: Any) -> Any:
         values = traced.arrays(list(inputs[:n]), kw)
-        record, out = traced.record(values, quantity.per_example)
-        return quantity.keep(record, out, *inputs[n:])
+        return quantity.evaluate(traced, values, *inputs[n:])
 
     # (known by its chunk's trace: computes from the chunks' outputs alone, by the
     # plan their structure holds)
     accumulator = Accumulator(quantity.chunk, quantity.combine, pure=True)
     return transform.map(
         example, (*args, *extra), kwargs, (*in_axes, *[0] * len(extra)), 0,
-        known=known, accumulator=accumulator, padding=None if padding is None else n,
+        known=known, accumulator=accumulator,
+        padding=None if padding is None else n + len(extra) - 1,
     )  # fmt: skip

@@ -193,36 +193,54 @@ def filtered_value_and_grad(
     """
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
-        parts = []
-        for i in argnums:
-            leaves, treedef = jax.tree.flatten(args[i])
-            mask = [_axes.is_inexact_array(x) for x in leaves]
-            if isinstance(args[i], (float, complex)):  # a bare Python number, as
-                mask = [True]  # jax.grad differentiates it (in a pytree: a constant)
-            parts.append((leaves, treedef, mask))
-        diff = [[x for x, m in zip(lv, mask) if m] for lv, _, mask in parts]
+        floats = FloatLeaves(args, argnums)
 
         def inner(diff: list[list[Any]]) -> Any:
-            new_args = list(args)
-            for i, (leaves, treedef, mask), values in zip(argnums, parts, diff):
-                it = iter(values)
-                full = [next(it) if m else x for x, m in zip(leaves, mask)]
-                new_args[i] = jax.tree.unflatten(treedef, full)
             with noting_errors(note):
-                out = fun(*new_args, **kwargs)
+                out = fun(*floats.args_with(diff), **kwargs)
             check_loss(name, fun, out, has_aux)
             return out
 
-        value, grads = jax.value_and_grad(inner, has_aux=has_aux)(diff)
+        value, grads = jax.value_and_grad(inner, has_aux=has_aux)(floats.diff)
+        return value, floats.trees(grads, single)
+
+    return value_and_grad_fn
+
+
+class FloatLeaves:
+    """The floating-point leaves of the arguments `argnums` of a call (`diff`,
+    a list per argument), which `jax.grad` differentiates, as Equinox's filtered
+    transforms do; a bare Python number is differentiated, as `jax.grad` does."""
+
+    def __init__(self, args: Sequence[Any], argnums: Sequence[int]):
+        self.args, self.argnums, self.parts = list(args), tuple(argnums), []
+        for i in argnums:
+            leaves, treedef = jax.tree.flatten(args[i])
+            mask = [_axes.is_inexact_array(x) for x in leaves]
+            if isinstance(args[i], (float, complex)):  # in a pytree: a constant
+                mask = [True]
+            self.parts.append((leaves, treedef, mask))
+        self.diff = [[x for x, m in zip(lv, mask) if m] for lv, _, mask in self.parts]
+
+    def args_with(self, diff: Sequence[Sequence[Any]]) -> list[Any]:
+        """The arguments with `diff` in place of the floating-point leaves."""
+        new_args = list(self.args)
+        for i, (leaves, treedef, mask), values in zip(self.argnums, self.parts, diff):
+            it = iter(values)
+            full = [next(it) if m else x for x, m in zip(leaves, mask)]
+            new_args[i] = jax.tree.unflatten(treedef, full)
+        return new_args
+
+    def trees(self, diff: Sequence[Sequence[Any]], single: bool) -> Any:
+        """`diff` (as `self.diff`) in the arguments' structures, None at every
+        other leaf: one tree when `single`, else a tuple of them."""
         trees = []
-        for (leaves, treedef, mask), g in zip(parts, grads):
+        for (leaves, treedef, mask), g in zip(self.parts, diff):
             it = iter(g)
             trees.append(
                 jax.tree.unflatten(treedef, [next(it) if m else None for m in mask])
             )
-        return value, trees[0] if single else tuple(trees)
-
-    return value_and_grad_fn
+        return trees[0] if single else tuple(trees)
 
 
 def _filtered_grad(

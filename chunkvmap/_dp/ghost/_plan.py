@@ -413,6 +413,31 @@ class Plan:
         )(self.probes(), [values[positions[k]] for k in per_example])
         return Record(self, records, deltas, dict(zip(per_example, pe_grads)), {}), outs
 
+    def pullback(self, values: Sequence[Any], per_example: Sequence[int]) -> tuple:
+        """One example's evaluation at `values` with zero probes, linearised: the
+        outputs, the operands each use records, and `pull(cotangent)` of the
+        outputs' first leaf giving `(deltas, grads)`: every use's output cotangent
+        (by `use.path`) and the gradients of the leaves `per_example` (by leaf
+        index). A quantity of several cotangents per example (the curvature's)
+        maps `pull` over them: the forward pass is made once."""
+        positions = self.diff_positions
+
+        def first(probes: dict, pe_values: list) -> Any:
+            vals = list(values)
+            for k, v in zip(per_example, pe_values):
+                vals[positions[k]] = v
+            outs, records = self.run(vals, probes)
+            return outs[0], (outs, records)
+
+        pe = [values[positions[k]] for k in per_example]
+        _, vjp, (outs, records) = jax.vjp(first, self.probes(), pe, has_aux=True)
+
+        def pull(cotangent: Any) -> tuple[dict, dict]:
+            deltas, pe_grads = vjp(cotangent)
+            return deltas, dict(zip(per_example, pe_grads))
+
+        return outs, records, pull
+
     def with_rule(self, *rules: str) -> list[int]:
         """The indices of the leaves whose rule is one of `rules`."""
         return [k for k, x in enumerate(self.leaves) if x.rule in rules]

@@ -227,6 +227,12 @@ class Traced:
         record, outs = self.plan_here(values).backward(values, per_example)
         return record, self.out_tree.unflatten(outs)
 
+    def pullback(self, values: Sequence[Any], per_example: Sequence[int]) -> tuple:
+        """`Plan.pullback` of one example at `values` in the current mesh context,
+        with the outputs as `fun` returns them (`(value, aux)`)."""
+        outs, records, pull = self.plan_here(values).pullback(values, per_example)
+        return self.out_tree.unflatten(outs), records, pull
+
     def chunk_memory(self, chunk: int) -> tuple[int, int] | None:
         """XLA's compiled temporary memory of clipping a chunk of `chunk` examples
         by the ghost program (its norms, then the chunk's sum from the uses'
@@ -343,6 +349,7 @@ def traced_loss(
     kwargs: dict,
     diff: Sequence[int],
     mapped: Sequence[int],
+    check: Callable[[str, Traced], None] = check_scalar_loss,
     **options: Any,
 ) -> Traced:
     """The ghost evaluation's set-up, for every quantity made from it (clipped
@@ -350,9 +357,10 @@ def traced_loss(
     `options`), checked to be a real scalar, and the plan of an earlier call with
     the same loss program (`Traced.key`) kept by `memo(key, build)` (a transform's)
     and made to evaluate this call's loss, so that an eager call plans once.
-    A quantity built from it is kept with it (`Traced.memo`)."""
+    A quantity built from it is kept with it (`Traced.memo`). `check` checks what
+    `fun` returns (a real scalar loss, by default)."""
     traced = Traced(fun, list(args), kwargs, diff, mapped, **options)
-    check_scalar_loss(name, traced)
+    check(name, traced)
     key = traced.key()
     kept = memo(("ghost loss", key), lambda: traced)
     if kept is not traced:

@@ -1,0 +1,639 @@
+"""Curvature of a model's loss, chunked: the diagonal of the generalised
+Gauss-Newton matrix (GGN) or Fisher, and KFAC's Kronecker factors, for any JAX
+model, in memory that does not grow with the number of examples.
+
+Both take the model's output of one example, `fun(params, *example)`, and a
+`likelihood` (the loss as a negative log-likelihood of that output). With the
+loss's Hessian in the output `H = S S^T` and the output's Jacobian `J`, the GGN
+of one example is `J^T H J = sum_m (J^T s_m)(J^T s_m)^T` over the columns `s_m` of
+`S`: each `J^T s_m` is one backward pass of the model from the output cotangent
+`s_m`. The cotangents (`backward_vectors`) are chosen by `fisher`:
+
+* `"exact"`: the columns of the square root of the loss's Hessian (type-2 Fisher,
+  equal to the GGN for these likelihoods);
+* `"mc"`: `samples` labels drawn from the model's predictive distribution, each
+  giving the loss's gradient in the output (scaled by `1 / sqrt(samples)`);
+* `"empirical"`: the loss's gradient at the given labels.
+
+`ggn_diagonal` squares each example's backward passes (`jax.vmap` over the
+cotangents of one `jax.vjp`). `kfac_factors` reads the model's dense,
+convolution and embedding uses from its ghost record (`ghost.Plan.pullback`:
+activations once, the cotangents' output gradients per pass) and folds them into
+the factors chunk by chunk (`_KFAC`, one accumulator on the record).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Unpack
+
+import jax
+import jax.numpy as jnp
+
+from .._core._accumulators import Fold, compose
+from .._core._options import Chunking, decorator_form, takes
+from .._transforms._grads import FloatLeaves, differentiable_floats, grad_transform
+from . import ghost
+from ._records import Quantity, over_chunks
+from .ghost._forms import EinsumForm, LeafAxis, Mark, RowsForm, _equation
+from .ghost._rules import UseKind
+
+
+class Likelihood(enum.StrEnum):
+    """The loss as a negative log-likelihood of the model's output `f`:
+
+    * `CATEGORICAL`: softmax cross-entropy, `f` the logits along the last axis
+      (leading axes are positions, each with its own integer label), summed over
+      positions;
+    * `GAUSSIAN`: `sum (f - y)^2 / 2`, unit variance (the squared error halved).
+    """
+
+    CATEGORICAL = "categorical"
+    GAUSSIAN = "gaussian"
+
+
+class Fisher(enum.StrEnum):
+    """Which cotangents stand for the loss's curvature (see the module)."""
+
+    EXACT = "exact"
+    MC = "mc"
+    EMPIRICAL = "empirical"
+
+
+def backward_vectors(
+    likelihood: Likelihood,
+    fisher: Fisher,
+    f: jax.Array,
+    labels: Any,
+    key: Any,
+    samples: int,
+) -> jax.Array:
+    """The output cotangents `(M, *f.shape)` of one example whose outer products
+    sum to its curvature in the output (for `"mc"`, in expectation): `f` the
+    output, `labels` its labels (`"empirical"`), `key` its PRNG key (`"mc"`)."""
+    f = jax.lax.stop_gradient(f.astype(jnp.promote_types(f.dtype, jnp.float32)))
+    if likelihood is Likelihood.GAUSSIAN:
+        if fisher is Fisher.EMPIRICAL:
+            return (f - labels)[None]
+        if fisher is Fisher.MC:
+            noise = jax.random.normal(key, (samples, *f.shape), f.dtype)
+            return noise / math.sqrt(samples)
+        return jnp.eye(f.size, dtype=f.dtype).reshape(f.size, *f.shape)
+    p = jax.nn.softmax(f, axis=-1)
+    classes = f.shape[-1]
+    if fisher is Fisher.EMPIRICAL:
+        return (p - jax.nn.one_hot(labels, classes, dtype=f.dtype))[None]
+    if fisher is Fisher.MC:
+        drawn = jax.random.categorical(key, f, axis=-1, shape=(samples, *f.shape[:-1]))
+        drawn = jax.nn.one_hot(drawn, classes, dtype=f.dtype)
+        return (p[None] - drawn) / math.sqrt(samples)
+    # S[..., j, c] = sqrt(p_c) (delta_jc - p_j): S S^T = diag(p) - p p^T per
+    # position; one cotangent per (position, class), zero at the other positions
+    eye = jnp.broadcast_to(jnp.eye(classes, dtype=f.dtype), (*p.shape, classes))
+    root = (eye - p[..., :, None]) * jnp.sqrt(p)[..., None, :]
+    positions = math.prod(f.shape[:-1])
+    root = root.reshape(positions, classes, classes)
+    one = jnp.eye(positions, dtype=f.dtype)
+    vectors = jnp.einsum("pq,qjc->pcqj", one, root)
+    return vectors.reshape(positions * classes, *f.shape)
+
+
+class _Curvature(NamedTuple):
+    """A curvature call's settings, checked."""
+
+    likelihood: Likelihood
+    fisher: Fisher
+    samples: int
+
+    @classmethod
+    def make(cls, name: str, likelihood: Any, fisher: Any, samples: Any) -> Any:
+        for arg, value, kind in (
+            ("likelihood", likelihood, Likelihood),
+            ("fisher", fisher, Fisher),
+        ):
+            if value not in [m.value for m in kind]:
+                raise ValueError(
+                    f"{name} {arg} must be one of "
+                    f"{', '.join(repr(m.value) for m in kind)}, but got {arg}={value!r}."
+                )
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise TypeError(
+                f"{name} samples must be a positive int, but got samples={samples!r}."
+            )
+        return cls(Likelihood(likelihood), Fisher(fisher), samples)
+
+    def extra(self, name: str, n: int, labels: Any, key: Any) -> list:
+        """The per-example inputs a call adds after `fun`'s: the labels
+        (`"empirical"`) and a key per example (`"mc"`: `jax.random.split(key, n)`,
+        as raw key data)."""
+        if self.fisher is Fisher.EMPIRICAL:
+            if labels is None:
+                raise TypeError(
+                    f"{name} with fisher='empirical' needs labels=: the labels of "
+                    f"the {n} examples."
+                )
+            return [labels]
+        if self.fisher is Fisher.MC:
+            if key is None:
+                raise TypeError(
+                    f"{name} with fisher='mc' needs key=: a PRNG key, split into "
+                    f"one key per example to draw its labels."
+                )
+            keys = jax.random.split(key, n)
+            return [jax.random.key_data(keys) if _typed(keys) else keys]
+        return []
+
+    def vectors(self, f: jax.Array, extra: Sequence[Any]) -> jax.Array:
+        labels = extra[0] if self.fisher is Fisher.EMPIRICAL else None
+        key = None
+        if self.fisher is Fisher.MC:
+            key = extra[0]
+            key = jax.random.wrap_key_data(key) if key.ndim else key
+        return backward_vectors(
+            self.likelihood, self.fisher, f, labels, key, self.samples
+        )
+
+
+def _typed(keys: Any) -> bool:
+    return jnp.issubdtype(keys.dtype, jax.dtypes.prng_key)
+
+
+def _check_output(name: str, traced: Any) -> None:
+    value = traced.value_aval
+    if value is None or not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(
+            f"{name} fun must return the model's output of one example as a real "
+            f"array, but it returns {value}."
+        )
+
+
+def _examples(name: str, args: tuple, in_axes: tuple) -> int:
+    sizes = [
+        x.shape[0]
+        for a, axis in zip(args, in_axes)
+        if axis is not None
+        for x in jax.tree.leaves(a)
+    ]
+    if not sizes:
+        raise ValueError(f"{name} needs at least one argument holding the examples.")
+    return sizes[0]
+
+
+@decorator_form("fun")
+@takes(Chunking)
+def ggn_diagonal(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    *,
+    likelihood: str,
+    fisher: str = "exact",
+    samples: int = 1,
+    per_example: bool = False,
+    batch_argnums: int | Sequence[int] | None = None,
+    **options: Unpack[Chunking],
+) -> Callable[..., Any]:
+    """The diagonal of the generalised Gauss-Newton matrix (or of a Fisher) of a
+    model's loss, summed over the examples, `batch_size` examples at a time.
+
+    Example `i`'s share is `sum_m (J_i^T s_m)^2` (elementwise), `J_i` the
+    Jacobian of `fun`'s output in the parameters and `s_m` the cotangents
+    `fisher` chooses: with `fisher="exact"` the columns of the square root of the
+    loss's Hessian in the output (for both likelihoods the GGN equals the
+    type-2 Fisher), with `"mc"` the loss's gradients at `samples` labels drawn
+    from the model's predictive distribution (over `sqrt(samples)`), with
+    `"empirical"` the loss's gradient at the given labels. Memory is that of one
+    chunk's backward passes, flat in the number of examples.
+
+    The result has the structure of the differentiated arguments (None at leaves
+    that are not floating-point). With `per_example=True` it is each example's
+    diagonal, stacked along axis 0.
+
+    The returned function takes `fun`'s arguments, and `labels=` (the examples'
+    labels, stacked along axis 0: integer classes for "categorical", targets for
+    "gaussian") with `fisher="empirical"`, or `key=` (a PRNG key, split into one
+    per example by `jax.random.split(key, N)`; example `i` draws
+    `jax.random.categorical(keys[i], logits, shape=(samples, *logits.shape[:-1]))`,
+    or `jax.random.normal(keys[i], (samples, *f.shape))` noise for "gaussian")
+    with `fisher="mc"`.
+
+    Args:
+      fun: the model's output of one example, `fun(params, *example)` (a real
+        array: logits for `likelihood="categorical"`).
+      argnums: which positional argument(s) of `fun` the curvature is of.
+      likelihood: "categorical" (softmax cross-entropy over the last axis) or
+        "gaussian" (the squared error halved).
+      fisher: "exact", "mc" (labels sampled from the model) or "empirical".
+      samples: the labels drawn per example with `fisher="mc"`.
+      batch_argnums: the arguments holding the examples (default: every argument
+        not in `argnums`).
+      batch_size: examples per chunk (None: all at once; "auto": the largest that
+        fits `memory_limit`).
+      shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
+      mesh: the mesh for `shard`.
+      remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
+      memory_limit: the budget for `batch_size="auto"`.
+      progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size`.
+      per_example: each example's diagonal (stacked) rather than their sum.
+
+    Returns:
+      A function with `fun`'s arguments (and `labels=`, `key=`) returning the
+      diagonal, a tree like the differentiated arguments.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import ggn_diagonal
+      >>> def model(w, x):
+      ...     return w * x  # a Gaussian output: the GGN's diagonal is sum x^2
+      >>> ggn_diagonal(model, likelihood="gaussian", batch_size=2)(
+      ...     jnp.ones(2), jnp.array([[1.0, 2.0], [3.0, 0.0], [1.0, 1.0]]))
+      Array([11.,  5.], dtype=float32)
+    """
+    name = "ggn_diagonal"
+    settings = _Curvature.make(name, likelihood, fisher, samples)
+    transform = grad_transform(
+        name, fun, argnums, batch_argnums, exclusive=True, **options
+    )
+
+    def call(args: tuple, kwargs: dict, known: Any) -> Any:
+        kwargs = dict(kwargs)
+        labels, key = kwargs.pop("labels", None), kwargs.pop("key", None)
+        diff, in_axes = transform.resolve(args)
+        args = differentiable_floats(args, diff, in_axes)
+        extra = settings.extra(name, _examples(name, args, in_axes), labels, key)
+        n = len(args)
+
+        def example(*inputs: Any, **kw: Any) -> Any:
+            floats = FloatLeaves(inputs[:n], diff)
+            model = lambda d: fun(*floats.args_with(d), **kw)  # noqa: E731
+            f, pull = jax.vjp(model, floats.diff)
+            _check_model_output(name, f)
+            grads = jax.vmap(pull)(settings.vectors(f, inputs[n:]))[0]
+            squares = [[jnp.sum(jnp.square(g), 0) for g in part] for part in grads]
+            return floats.trees(squares, transform.args.single)
+
+        axes = (*in_axes, *[0] * len(extra))
+        if per_example:
+            return transform.map(example, (*args, *extra), kwargs, axes, 0, known=known)
+        total = Fold(jnp.add, lambda out: jax.tree.map(lambda x: jnp.sum(x, 0), out))
+        return transform.map(
+            example, (*args, *extra), kwargs, axes, 0, known=known,
+            accumulator=compose(total),
+        )  # fmt: skip
+
+    return transform.public(call, fun)
+
+
+def _check_model_output(name: str, f: Any) -> None:
+    if not isinstance(f, jax.Array) or not jnp.issubdtype(f.dtype, jnp.floating):
+        raise TypeError(
+            f"{name} fun must return the model's output of one example as one real "
+            f"array, but it returns {jax.tree.map(jax.typeof, f)}."
+        )
+
+
+# -- KFAC ------------------------------------------------------------------------------
+
+
+class Kronecker(NamedTuple):
+    """A leaf's KFAC factors (`kfac_factors`): its block of the curvature is
+    approximated by `kron(inputs, outputs)` in the leaf's layout flattened as
+    `(input axes, output axes)`, for each block.
+
+    Attributes:
+      inputs: `sum a a^T` over the examples and positions of the activations `a`
+        a dense or convolution use reads (a convolution's patches, in the kernel's
+        input axes' order); for an embedding table, the diagonal: how often each
+        row is looked up, a vector.
+      outputs: `sum g g^T` over the examples, positions and cotangents of the
+        use's output gradients `g`.
+
+    Axes the leaf shares with both (a scanned stack's layer axis, a batched
+    product's heads) lead as blocks: `inputs[b]` and `outputs[b]` are block `b`'s.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import kfac_factors
+      >>> x = jnp.array([[1.0, 0.0], [1.0, 1.0]])
+      >>> f = kfac_factors(lambda w, x: x @ w, likelihood="gaussian")(jnp.ones((2, 1)), x)
+      >>> f.inputs, f.outputs
+      (Array([[2., 1.],
+             [1., 1.]], dtype=float32), Array([[2.]], dtype=float32))
+    """
+
+    inputs: jax.Array
+    outputs: jax.Array
+
+
+class Variant(enum.StrEnum):
+    """How weight sharing (positions, patches, scan steps) enters the factors
+    (Eschenhagen et al. 2023): `EXPAND` sums over the positions like more
+    examples; `REDUCE` sums each example's output gradients and averages its
+    activations over the positions first."""
+
+    EXPAND = "expand"
+    REDUCE = "reduce"
+
+
+class _Factors(NamedTuple):
+    """How one leaf's uses give Kronecker factors: the leaf symbols of the blocks,
+    the inputs and the outputs, in the leaf's axis order."""
+
+    blocks: tuple
+    inputs: tuple
+    outputs: tuple
+
+    @classmethod
+    def of(cls, uses: Sequence[Any], shape: Sequence[int]) -> _Factors | None:
+        """The layout every use of a leaf shares, or None where the uses are not
+        all whole-leaf products (dense, convolution) or all whole-leaf lookups."""
+        whole = tuple((0, d, 1) for d in shape)
+        found = set()
+        for u in uses:
+            form = u.form
+            if form is None or form.box != whole:
+                return None
+            if isinstance(form, RowsForm):
+                outs = [s for s in form.specs[2] if isinstance(s, LeafAxis)]
+                found.add((RowsForm, (), (form.row_symbol,), tuple(sorted(outs))))
+            elif isinstance(form, EinsumForm) and u.rule.kind in _PRODUCTS:
+                a, d = ({s for s in sp if isinstance(s, LeafAxis)} for sp in form.specs)
+                blocks = tuple(sorted(a & d))
+                found.add(
+                    (EinsumForm, blocks, tuple(sorted(a - d)), tuple(sorted(d - a)))
+                )
+            else:
+                return None
+        if len(found) != 1:
+            return None
+        kind, blocks, inputs, outputs = found.pop()
+        factors = cls(blocks, inputs, outputs)
+        return factors if set(blocks + inputs + outputs) >= _leaf_symbols(uses) else None
+
+
+_PRODUCTS = (UseKind.DENSE, UseKind.CONV)  # (their forms: activation, cotangent)
+
+
+def _leaf_symbols(uses: Sequence[Any]) -> set:
+    return {s for u in uses for s in u.form.leaf_symbols}
+
+
+def _primed(symbols: Sequence[Any]) -> list:
+    return [Mark(f"{s}'") for s in symbols]
+
+
+def _f32(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _gram(x: jax.Array, spec: Sequence[Any], blocks, axes) -> jax.Array:
+    """`sum x x^T` over every symbol of `spec` but `blocks`, keeping `axes` (and
+    their primed copies)."""
+    x = _f32(x)
+    primed = _primed(axes)
+    spec2 = tuple(primed[axes.index(s)] if s in axes else s for s in spec)
+    out = (*blocks, *axes, *primed)
+    return jnp.einsum(_equation([spec, spec2], out), x, x, optimize="optimal")
+
+
+def _positions(form: Any) -> int:
+    """The entries of a product use's activation that are not the leaf's (its
+    positions: tokens, patches, scan steps)."""
+    return math.prod(
+        n for s, n in zip(form.specs[0], form.shapes[0]) if not isinstance(s, LeafAxis)
+    )
+
+
+def _rows_grams(form: RowsForm, layout: Any, arrays: tuple) -> tuple:
+    """A lookup's counts of each row and `sum g g^T` of its kept positions'
+    output gradients, over a chunk's examples."""
+    rows, valid, delta = arrays
+    size = form.leaf_sizes()[form.row_symbol]
+    counts = jnp.zeros(size, jnp.float32).at[rows.reshape(-1)].add(
+        valid.reshape(-1).astype(jnp.float32)
+    )
+    mask = valid[:, None].reshape(valid.shape[0], 1, *valid.shape[1:])
+    mask = mask.reshape(mask.shape + (1,) * (delta.ndim - mask.ndim))
+    d = jnp.where(mask, _f32(delta), 0)
+    spec = (Mark("example"), Mark("cotangent"), *form.specs[2])
+    return counts, _gram(d, spec, layout.blocks, layout.outputs)
+
+
+class _KFAC(Quantity):
+    """KFAC's factors of every leaf from the examples' ghost records: the
+    activations once, the output gradients of each of the example's cotangents
+    (`Plan.pullback`). A leaf whose uses give no factors gets its diagonal, as
+    `ggn_diagonal` computes it."""
+
+    def __init__(self, traced: ghost.Traced, settings: _Curvature, variant: Variant):
+        plan = traced.plan
+        self.settings, self.variant = settings, variant
+        self.leaves = plan.leaves
+        self.layouts = [
+            _Factors.of(x.uses, x.shape) if x.uses else None for x in plan.leaves
+        ]
+        self.per_example = plan.with_rule(ghost.PER_EXAMPLE)
+
+    def evaluate(self, traced: ghost.Traced, values: list, *extra: Any) -> Any:
+        outs, records, pull = traced.pullback(values, self.per_example)
+        f = outs[0]
+        _check_model_output("kfac_factors", f)
+        deltas, pe = jax.vmap(pull)(self.settings.vectors(f, extra).astype(f.dtype))
+        kept = []
+        for k, leaf in enumerate(self.leaves):
+            layout = self.layouts[k]
+            if layout is not None:
+                kept.append(self._arrays(leaf, layout, records, deltas))
+            elif k in pe or leaf.uses:
+                kept.append(self._diagonal(k, leaf, records, deltas, pe))
+            else:
+                kept.append(None)
+        return kept
+
+    def _diagonal(self, k: int, leaf: Any, records, deltas, pe) -> jax.Array:
+        """One example's `sum_m g_m^2` of leaf `k` (formed per cotangent)."""
+        if k in pe:
+            g = pe[k]
+        else:
+            g = jax.vmap(lambda d: self._instantiate(leaf, records, d))(deltas)
+        g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+        return jnp.sum(jnp.square(g), 0)
+
+    @staticmethod
+    def _instantiate(leaf: Any, records: dict, deltas: dict) -> Any:
+        total = None
+        for u in leaf.uses:
+            g = u.instantiate(records[u.key], deltas[u.path])
+            total = g if total is None else total + g
+        return total
+
+    def _arrays(self, leaf, layout: _Factors, records: dict, deltas: dict) -> list:
+        """One example's reduced or expanded operands of each use: the
+        activations (no cotangent axis) and the output gradients (one per
+        cotangent, leading)."""
+        kept = []
+        for u in leaf.uses:
+            form = u.form
+            one = jax.tree.map(lambda d: d[0], deltas[u.path])
+            acts = form.build(records[u.key], one)
+            outs = jax.vmap(lambda d, u=u: u.form.build(records[u.key], d))(
+                deltas[u.path]
+            )
+            if isinstance(form, RowsForm):
+                kept.append((acts[0], acts[1], outs[2]))
+                continue
+            kept.append((acts[0], outs[1]))
+        return kept
+
+    def chunk(self, kept: Any) -> tuple[Any, Any]:
+        factors = []
+        for k, leaf in enumerate(self.leaves):
+            layout, part = self.layouts[k], kept[k]
+            if part is None:
+                factors.append(None)
+            elif layout is None:
+                factors.append(jnp.sum(part, 0))
+            else:
+                factors.append(self._factors(leaf, layout, part))
+        return factors, ()
+
+    def _factors(self, leaf: Any, layout: _Factors, parts: list) -> Kronecker:
+        """A chunk's sums of `a a^T` and `g g^T` over its examples and the uses'
+        positions (`EXPAND`), or of the examples' operands reduced over them
+        first: the activations averaged, the output gradients summed (`REDUCE`)."""
+        example, cot = Mark("example"), Mark("cotangent")
+        blocks, ins, outs = layout
+        if isinstance(leaf.uses[0].form, RowsForm):
+            grams = [_rows_grams(u.form, layout, p) for u, p in zip(leaf.uses, parts)]
+        elif self.variant is Variant.EXPAND:
+            grams = [
+                (_gram(a, (example, *u.form.specs[0]), blocks, ins),
+                 _gram(d, (example, cot, *u.form.specs[1]), blocks, outs))
+                for u, (a, d) in zip(leaf.uses, parts)
+            ]  # fmt: skip
+        else:
+            keep_a, keep_d = (example, *blocks, *ins), (example, cot, *blocks, *outs)
+            a = d = 0
+            count = 0
+            for u, (ua, ud) in zip(leaf.uses, parts):
+                a = a + jnp.einsum(_equation([(example, *u.form.specs[0])], keep_a), ua)
+                d = d + jnp.einsum(_equation([(example, cot, *u.form.specs[1])], keep_d), ud)
+                count += _positions(u.form)
+            grams = [(_gram(a / count, keep_a, blocks, ins), _gram(d, keep_d, blocks, outs))]
+        inputs = sum(g[0] for g in grams[1:]) + grams[0][0]
+        outputs = sum(g[1] for g in grams[1:]) + grams[0][1]
+        return Kronecker(*self._flat(leaf, layout, inputs, outputs))
+
+    @staticmethod
+    def _flat(leaf, layout: _Factors, inputs, outputs) -> tuple:
+        sizes = leaf.uses[0].form.leaf_sizes()
+        lead = tuple(sizes[s] for s in layout.blocks)
+        n_in = math.prod(sizes[s] for s in layout.inputs)
+        n_out = math.prod(sizes[s] for s in layout.outputs)
+        if inputs.ndim > 1:
+            inputs = inputs.reshape(*lead, n_in, n_in)
+        return inputs, outputs.reshape(*lead, n_out, n_out)
+
+
+@decorator_form("fun")
+@takes(Chunking)
+def kfac_factors(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    *,
+    likelihood: str,
+    fisher: str = "exact",
+    samples: int = 1,
+    variant: str = "expand",
+    batch_argnums: int | Sequence[int] | None = None,
+    **options: Unpack[Chunking],
+) -> Callable[..., Any]:
+    """KFAC's Kronecker factors of every dense, convolution and embedding weight
+    of a model, found in its program (no layer registration), summed over the
+    examples, `batch_size` examples at a time.
+
+    For a weight whose every use is a product with an activation (`dot_general`:
+    dense layers, attention projections, a scanned stack's layers; a
+    convolution: over its patches), the result is `Kronecker(inputs, outputs)`:
+    `inputs = sum a a^T` over the examples and positions of the activations,
+    `outputs = sum g g^T` over the examples, positions and cotangents of the
+    output gradients (the cotangents `fisher` chooses, as in `ggn_diagonal`). With
+    `variant="reduce"` each example's activations are averaged and its output
+    gradients summed over the positions first. An embedding table looked up by
+    rows gets the count of each row's lookups as `inputs` (its diagonal). Any
+    other leaf (biases, normalisation scales, a weight used in two different
+    ways, such as a tied embedding and output layer) gets its diagonal, as
+    `ggn_diagonal` computes it. The factors are sums: kfac-jax's dense factors
+    are these divided by the number of examples.
+
+    The returned function takes `fun`'s arguments and `labels=` or `key=` (see
+    `ggn_diagonal`), and returns a tree like the differentiated arguments.
+
+    Args:
+      fun: the model's output of one example, `fun(params, *example)` (a real
+        array: logits for `likelihood="categorical"`).
+      argnums: which positional argument(s) of `fun` the curvature is of.
+      likelihood: "categorical" (softmax cross-entropy over the last axis) or
+        "gaussian" (the squared error halved).
+      fisher: "exact", "mc" (labels sampled from the model) or "empirical".
+      samples: the labels drawn per example with `fisher="mc"`.
+      batch_argnums: the arguments holding the examples (default: every argument
+        not in `argnums`).
+      batch_size: examples per chunk (None: all at once; "auto": the largest that
+        fits `memory_limit`).
+      shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
+      mesh: the mesh for `shard`.
+      remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
+      memory_limit: the budget for `batch_size="auto"`.
+      progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size`.
+      variant: "expand" or "reduce" (how positions enter, see above).
+
+    Returns:
+      A function with `fun`'s arguments (and `labels=`, `key=`) returning, per
+      leaf, a `Kronecker` or the diagonal.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import kfac_factors
+      >>> def model(w, x):
+      ...     return x @ w
+      >>> x = jnp.array([[1.0, 0.0], [1.0, 1.0]])
+      >>> kfac_factors(model, likelihood="gaussian")(jnp.ones((2, 3)), x).inputs
+      Array([[2., 1.],
+             [1., 1.]], dtype=float32)
+    """
+    name = "kfac_factors"
+    settings = _Curvature.make(name, likelihood, fisher, samples)
+    if variant not in [v.value for v in Variant]:
+        raise ValueError(
+            f"{name} variant must be 'expand' or 'reduce', but got variant={variant!r}."
+        )
+    variant = Variant(variant)
+    transform = grad_transform(
+        name, fun, argnums, batch_argnums, exclusive=True, **options
+    )
+
+    def call(args: tuple, kwargs: dict, known: Any) -> Any:
+        kwargs = dict(kwargs)
+        labels, key = kwargs.pop("labels", None), kwargs.pop("key", None)
+        diff, in_axes = transform.resolve(args)
+        args = differentiable_floats(args, diff, in_axes)
+        extra = settings.extra(name, _examples(name, args, in_axes), labels, key)
+        traced = ghost.traced_loss(
+            transform.memo, name, fun, args, kwargs, diff,
+            [i for i, a in enumerate(in_axes) if a is not None],
+            strip=True, has_aux=False, keep_batch_dim=False, check=_check_output,
+        )  # fmt: skip
+        quantity = traced.memo(
+            ("kfac", settings, variant), lambda: _KFAC(traced, settings, variant)
+        )
+        factors, _ = over_chunks(
+            transform, traced, quantity, args, in_axes, kwargs, known, extra=extra
+        )
+        return traced.grads_tree(factors, transform.args.single)
+
+    return transform.public(call, fun)
+

@@ -1,0 +1,364 @@
+"""`ggn_diagonal` and `kfac_factors` against oracles made without the library: the
+dense Jacobian (`jax.jacfwd`) and the loss's Hessian (`jax.hessian`) for the
+diagonal, activations and output gradients captured by hand for the factors, and
+labels drawn as documented for the Monte-Carlo Fisher (`tests.helpers`)."""
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from chunkvmap import Kronecker, ggn_diagonal, kfac_factors
+from tests.helpers import (
+    example_cotangents,
+    ggn_diagonal_dense,
+    kfac_by_hand,
+    tree_allclose,
+)
+
+N, CLASSES = 5, 3
+
+
+def _tap(name, y, probes):
+    return y if probes is None else y + probes[name]
+
+
+def _normal(key, shape, scale=0.5):
+    return scale * jax.random.normal(key, shape)
+
+
+# Each model: (params, inputs, tapped). `tapped(params, x, probes)` is the model
+# written out, returning (output, acts, ys) as `kfac_by_hand` reads them; the model
+# itself is `tapped(...)[0]` with no probes.
+
+
+def _mlp():
+    k = jax.random.split(jax.random.key(0), 5)
+    params = {
+        "w1": _normal(k[0], (4, 6)),
+        "b1": _normal(k[1], (6,)),
+        "w2": _normal(k[2], (6, CLASSES)),
+        "b2": _normal(k[3], (CLASSES,)),
+    }
+
+    def tapped(p, x, probes):
+        y1 = _tap("w1", x @ p["w1"], probes)
+        h = jnp.tanh(y1 + p["b1"])
+        y2 = _tap("w2", h @ p["w2"], probes)
+        return y2 + p["b2"], {"w1": x, "w2": h}, {"w1": y1, "w2": y2}
+
+    return params, _normal(k[4], (N, 4), 1.0), tapped
+
+
+def _tokens():
+    """A product over positions (weight sharing) with a per-position output."""
+    k = jax.random.split(jax.random.key(1), 3)
+    params = {"w": _normal(k[0], (4, 6)), "head": _normal(k[1], (6, CLASSES))}
+
+    def tapped(p, x, probes):
+        y = _tap("w", x @ p["w"], probes)
+        h = jax.nn.relu(y)
+        out = _tap("head", h @ p["head"], probes)
+        return out, {"w": x, "head": h}, {"w": y, "head": out}
+
+    return params, _normal(k[2], (N, 5, 4), 1.0), tapped
+
+
+def _scanned():
+    """A stack of layers scanned over their stacked weights: one block per layer."""
+    k = jax.random.split(jax.random.key(2), 3)
+    params = {"ws": _normal(k[0], (3, 4, 4)), "head": _normal(k[1], (4, CLASSES))}
+
+    def tapped(p, x, probes):
+        acts, ys = {}, {}
+        h = x
+        for layer in range(3):  # the hand-written loop; the model scans
+            name = f"ws{layer}"
+            acts[name], ys[name] = h, h @ p["ws"][layer]
+            h = jnp.tanh(_tap(name, ys[name], probes))
+        out = _tap("head", h @ p["head"], probes)
+        acts["head"], ys["head"] = h, out
+        return out, acts, ys
+
+    def model(p, x):
+        h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["ws"])
+        return h @ p["head"]
+
+    return params, _normal(k[2], (N, 4), 1.0), tapped, model
+
+
+def _conv(layout):
+    k = jax.random.split(jax.random.key(3), 3)
+    if layout == "NHWC":
+        kernel, dn = _normal(k[0], (3, 3, 2, 4)), ("NHWC", "HWIO", "NHWC")
+        x = _normal(k[2], (N, 6, 6, 2), 1.0)
+    else:
+        kernel, dn = _normal(k[0], (4, 2, 3, 3)), ("NCHW", "OIHW", "NCHW")
+        x = _normal(k[2], (N, 2, 6, 6), 1.0)
+    params = {"kernel": kernel, "head": _normal(k[1], (4, CLASSES))}
+    channels = -1 if layout == "NHWC" else 0  # of one example's output
+
+    def conv(kern, x):
+        return lax.conv_general_dilated(x[None], kern, (1, 1), "VALID", dimension_numbers=dn)[0]
+
+    def tapped(p, x, probes):
+        y = conv(p["kernel"], x)
+        y_pos = jnp.moveaxis(y, channels, -1).reshape(-1, 4)  # (positions, out)
+        # the patches in the kernel's input-axis order: d y[pos, 0] / d kernel[.., 0]
+        first = (lambda kk: kk[..., 0]) if layout == "NHWC" else (lambda kk: kk[0])
+        def out0(w0):
+            kern = p["kernel"].at[..., 0].set(w0) if layout == "NHWC" else p["kernel"].at[0].set(w0)
+            return jnp.moveaxis(conv(kern, x), channels, -1).reshape(-1, 4)[:, 0]
+        patches = jax.jacfwd(out0)(first(p["kernel"])).reshape(y_pos.shape[0], -1)
+        y_pos = _tap("kernel", y_pos, probes)
+        h = jax.nn.relu(y_pos).mean(0)
+        out = _tap("head", h @ p["head"], probes)
+        return out, {"kernel": patches, "head": h}, {"kernel": y_pos, "head": out}
+
+    def model(p, x):
+        h = jax.nn.relu(conv(p["kernel"], x)).mean((0, 1) if layout == "NHWC" else (1, 2))
+        return h @ p["head"]
+
+    return params, x, tapped, model
+
+
+def _embedding():
+    k = jax.random.split(jax.random.key(4), 3)
+    params = {"table": _normal(k[0], (7, 4)), "head": _normal(k[1], (4, CLASSES))}
+
+    def tapped(p, x, probes):
+        e = _tap("table", p["table"][x], probes)
+        out = _tap("head", jnp.tanh(e) @ p["head"], probes)
+        return out, {"table": jax.nn.one_hot(x, 7), "head": jnp.tanh(e)}, {
+            "table": e,
+            "head": out,
+        }
+
+    x = jax.random.randint(k[2], (N, 5), 0, 7)
+    return params, x, tapped
+
+
+def _attention():
+    """Self-attention after a LayerNorm, per-position outputs."""
+    k = jax.random.split(jax.random.key(5), 6)
+    d = 4
+    params = {
+        "scale": 1.0 + _normal(k[0], (d,), 0.1),
+        "q": _normal(k[1], (d, d)),
+        "k": _normal(k[2], (d, d)),
+        "v": _normal(k[3], (d, d)),
+        "head": _normal(k[4], (d, CLASSES)),
+    }
+
+    def tapped(p, x, probes):
+        mu = x.mean(-1, keepdims=True)
+        h = (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * p["scale"][None]
+        ys = {n: _tap(n, h @ p[n], probes) for n in "qkv"}
+        att = jax.nn.softmax(ys["q"] @ ys["k"].T / 2.0, axis=-1)
+        z = att @ ys["v"] + x
+        out = _tap("head", z @ p["head"], probes)
+        return out, {"q": h, "k": h, "v": h, "head": z}, {**ys, "head": out}
+
+    return params, _normal(k[5], (N, 5, d), 1.0), tapped
+
+
+def _model(case):
+    made = case()
+    if len(made) == 4:
+        return made
+    params, x, tapped = made
+    return params, x, tapped, lambda p, x: tapped(p, x, None)[0]
+
+
+MODELS = {
+    "mlp": _mlp,
+    "tokens": _tokens,
+    "scanned": _scanned,
+    "conv-NHWC": lambda: _conv("NHWC"),
+    "conv-NCHW": lambda: _conv("NCHW"),
+    "embedding": _embedding,
+    "attention-layernorm": _attention,
+}
+
+
+def _labels(likelihood, model, params, x, key):
+    outputs = jax.vmap(model, (None, 0))(params, x)
+    if likelihood == "categorical":
+        return jax.random.randint(key, outputs.shape[:-1], 0, CLASSES)
+    return outputs + jax.random.normal(key, outputs.shape)
+
+
+def _cotangents(likelihood, fisher, model, params, x, labels, key, samples):
+    outputs = jax.vmap(model, (None, 0))(params, x)
+    return example_cotangents(likelihood, fisher, outputs, labels, key, samples)
+
+
+def _call_args(fisher, labels, key):
+    return {"labels": labels} if fisher == "empirical" else (
+        {"key": key} if fisher == "mc" else {}
+    )
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ggn_diagonal_matches_the_dense_ggn(name):
+    params, x, _, model = _model(MODELS[name])
+    cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
+    rows, unravel = ggn_diagonal_dense(model, params, x, cots)
+    got = ggn_diagonal(model, likelihood="categorical", batch_size=2)(params, x)
+    tree_allclose(got, unravel(jnp.asarray(rows.sum(0), jnp.float32)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "likelihood,fisher,samples",
+    [
+        ("categorical", "mc", 3),
+        ("categorical", "empirical", 1),
+        ("gaussian", "exact", 1),
+        ("gaussian", "mc", 2),
+        ("gaussian", "empirical", 1),
+    ],
+)
+def test_ggn_diagonal_fisher_types_and_per_example(likelihood, fisher, samples):
+    params, x, _, model = _model(_tokens)
+    key = jax.random.key(7)
+    labels = _labels(likelihood, model, params, x, jax.random.key(8))
+    cots = _cotangents(likelihood, fisher, model, params, x, labels, key, samples)
+    rows, unravel = ggn_diagonal_dense(model, params, x, cots)
+    call = _call_args(fisher, labels, key)
+    opts = dict(likelihood=likelihood, fisher=fisher, samples=samples)
+    summed = ggn_diagonal(model, batch_size=3, **opts)(params, x, **call)
+    tree_allclose(summed, unravel(jnp.asarray(rows.sum(0), jnp.float32)), rtol=1e-5, atol=1e-6)
+    each = jax.jit(ggn_diagonal(model, batch_size=2, per_example=True, **opts))(
+        params, x, **call
+    )
+    expected = jax.vmap(unravel)(jnp.asarray(rows, jnp.float32))
+    tree_allclose(each, expected, rtol=1e-5, atol=1e-6)
+
+
+def _kron_leaf(got, name):
+    return got["ws"] if name.startswith("ws") else got[name]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_kfac_factors_match_the_factors_captured_by_hand(name):
+    params, x, tapped, model = _model(MODELS[name])
+    cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
+    expected = kfac_by_hand(tapped, params, x, cots)
+    got = kfac_factors(model, likelihood="categorical", batch_size=2)(params, x)
+    for leaf, (a, g) in expected.items():
+        factors = _kron_leaf(got, leaf)
+        assert isinstance(factors, Kronecker), (leaf, factors)
+        inputs, outputs = factors
+        if leaf.startswith("ws"):  # one block per layer
+            inputs, outputs = inputs[int(leaf[2:])], outputs[int(leaf[2:])]
+        if leaf == "table":  # an embedding's inputs: the diagonal
+            a = np.diag(a)
+        if name == "conv-NCHW" and leaf == "kernel":  # OIHW: inputs are I, H, W
+            pass
+        np.testing.assert_allclose(inputs, a, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(outputs, g, rtol=1e-5, atol=1e-5)
+    # every other leaf: its diagonal, as ggn_diagonal's
+    diagonal = ggn_diagonal(model, likelihood="categorical")(params, x)
+    for leaf in params:
+        if not isinstance(got[leaf], Kronecker):
+            np.testing.assert_allclose(got[leaf], diagonal[leaf], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tokens", "conv-NHWC"])
+def test_kfac_reduce_variant(name):
+    params, x, tapped, model = _model(MODELS[name])
+    cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
+    expected = kfac_by_hand(tapped, params, x, cots, variant="reduce")
+    got = jax.jit(kfac_factors(model, likelihood="categorical", variant="reduce", batch_size=3))(
+        params, x
+    )
+    for leaf, (a, g) in expected.items():
+        np.testing.assert_allclose(got[leaf].inputs, a, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[leaf].outputs, g, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("likelihood,fisher", [("categorical", "mc"), ("gaussian", "empirical")])
+def test_kfac_fisher_types(likelihood, fisher):
+    params, x, tapped, model = _model(_mlp)
+    key = jax.random.key(3)
+    labels = _labels(likelihood, model, params, x, jax.random.key(4))
+    cots = _cotangents(likelihood, fisher, model, params, x, labels, key, 2)
+    expected = kfac_by_hand(tapped, params, x, cots)
+    got = kfac_factors(model, likelihood=likelihood, fisher=fisher, samples=2, batch_size=4)(
+        params, x, **_call_args(fisher, labels, key)
+    )
+    for leaf, (a, g) in expected.items():
+        np.testing.assert_allclose(got[leaf].inputs, a, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[leaf].outputs, g, rtol=1e-5, atol=1e-5)
+
+
+def test_equinox_and_flax_models():
+    """An Equinox MLP (weights `(out, in)`, holding its activation function) and a
+    Flax linen MLP (kernels `(in, out)`) against the same model written out."""
+    key = jax.random.key(6)
+    x = jax.random.normal(key, (N, 4))
+    mlp = eqx.nn.MLP(4, CLASSES, 6, 1, activation=jnp.tanh, key=key)
+
+    def tapped(p, x, probes):
+        y1 = _tap("l0", p.layers[0].weight @ x, probes)
+        h = jnp.tanh(y1 + p.layers[0].bias)
+        y2 = _tap("l1", p.layers[1].weight @ h, probes)
+        return y2 + p.layers[1].bias, {"l0": x, "l1": h}, {"l0": y1, "l1": y2}
+
+    model = lambda m, x: m(x)  # noqa: E731
+    cots = _cotangents("categorical", "exact", model, mlp, x, None, None, 1)
+    expected = kfac_by_hand(tapped, mlp, x, cots)
+    params, static = eqx.partition(mlp, eqx.is_inexact_array)
+    got = kfac_factors(model, likelihood="categorical", batch_size=3)(mlp, x)
+    for i in range(2):
+        a, g = expected[f"l{i}"]
+        np.testing.assert_allclose(got.layers[i].weight.inputs, a, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got.layers[i].weight.outputs, g, rtol=1e-5, atol=1e-5)
+    del params, static
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = jnp.tanh(nn.Dense(6, name="Dense_0")(x))
+            return nn.Dense(CLASSES, name="Dense_1")(h)
+
+    variables = Linen().init(key, x[0])
+    apply = lambda v, x: Linen().apply(v, x)  # noqa: E731
+    k0 = variables["params"]["Dense_0"]["kernel"]
+    k1 = variables["params"]["Dense_1"]["kernel"]
+    b0 = variables["params"]["Dense_0"]["bias"]
+
+    def tapped_linen(p, x, probes):
+        y1 = _tap("d0", x @ k0, probes)
+        h = jnp.tanh(y1 + b0)
+        y2 = _tap("d1", h @ k1, probes)
+        out = y2 + variables["params"]["Dense_1"]["bias"]
+        return out, {"d0": x, "d1": h}, {"d0": y1, "d1": y2}
+
+    cots = _cotangents("categorical", "exact", apply, variables, x, None, None, 1)
+    expected = kfac_by_hand(tapped_linen, variables, x, cots)
+    got = kfac_factors(apply, likelihood="categorical", batch_size=2)(variables, x)
+    for i in range(2):
+        a, g = expected[f"d{i}"]
+        dense = got["params"][f"Dense_{i}"]["kernel"]
+        np.testing.assert_allclose(dense.inputs, a, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dense.outputs, g, rtol=1e-5, atol=1e-5)
+
+
+def test_errors_name_the_argument():
+    params, x, _, model = _model(_mlp)
+    with pytest.raises(ValueError, match="likelihood must be one of"):
+        ggn_diagonal(model, likelihood="poisson")
+    with pytest.raises(ValueError, match="fisher must be one of"):
+        kfac_factors(model, likelihood="gaussian", fisher="type2")
+    with pytest.raises(TypeError, match="samples must be a positive int"):
+        ggn_diagonal(model, likelihood="gaussian", samples=0)
+    with pytest.raises(ValueError, match="variant must be"):
+        kfac_factors(model, likelihood="gaussian", variant="mean")
+    with pytest.raises(TypeError, match="needs labels="):
+        ggn_diagonal(model, likelihood="categorical", fisher="empirical")(params, x)
+    with pytest.raises(TypeError, match="needs key="):
+        kfac_factors(model, likelihood="categorical", fisher="mc")(params, x)
