@@ -8,10 +8,10 @@ import os
 from typing import Any
 
 import jax
-from jax.flatten_util import ravel_pytree
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 
 @contextlib.contextmanager

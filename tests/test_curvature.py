@@ -16,8 +16,10 @@ from tests.helpers import (
     example_cotangents,
     ggn_diagonal_dense,
     kfac_by_hand,
+    temp_bytes,
     tree_allclose,
 )
+
 
 N, CLASSES = 5, 3
 
@@ -102,16 +104,24 @@ def _conv(layout):
     channels = -1 if layout == "NHWC" else 0  # of one example's output
 
     def conv(kern, x):
-        return lax.conv_general_dilated(x[None], kern, (1, 1), "VALID", dimension_numbers=dn)[0]
+        return lax.conv_general_dilated(
+            x[None], kern, (1, 1), "VALID", dimension_numbers=dn
+        )[0]
 
     def tapped(p, x, probes):
         y = conv(p["kernel"], x)
         y_pos = jnp.moveaxis(y, channels, -1).reshape(-1, 4)  # (positions, out)
         # the patches in the kernel's input-axis order: d y[pos, 0] / d kernel[.., 0]
         first = (lambda kk: kk[..., 0]) if layout == "NHWC" else (lambda kk: kk[0])
+
         def out0(w0):
-            kern = p["kernel"].at[..., 0].set(w0) if layout == "NHWC" else p["kernel"].at[0].set(w0)
+            kern = (
+                p["kernel"].at[..., 0].set(w0)
+                if layout == "NHWC"
+                else p["kernel"].at[0].set(w0)
+            )
             return jnp.moveaxis(conv(kern, x), channels, -1).reshape(-1, 4)[:, 0]
+
         patches = jax.jacfwd(out0)(first(p["kernel"])).reshape(y_pos.shape[0], -1)
         y_pos = _tap("kernel", y_pos, probes)
         h = jax.nn.relu(y_pos).mean(0)
@@ -119,7 +129,9 @@ def _conv(layout):
         return out, {"kernel": patches, "head": h}, {"kernel": y_pos, "head": out}
 
     def model(p, x):
-        h = jax.nn.relu(conv(p["kernel"], x)).mean((0, 1) if layout == "NHWC" else (1, 2))
+        h = jax.nn.relu(conv(p["kernel"], x)).mean(
+            (0, 1) if layout == "NHWC" else (1, 2)
+        )
         return h @ p["head"]
 
     return params, x, tapped, model
@@ -132,13 +144,29 @@ def _embedding():
     def tapped(p, x, probes):
         e = _tap("table", p["table"][x], probes)
         out = _tap("head", jnp.tanh(e) @ p["head"], probes)
-        return out, {"table": jax.nn.one_hot(x, 7), "head": jnp.tanh(e)}, {
-            "table": e,
-            "head": out,
-        }
+        return (
+            out,
+            {"table": jax.nn.one_hot(x, 7), "head": jnp.tanh(e)},
+            {
+                "table": e,
+                "head": out,
+            },
+        )
 
     x = jax.random.randint(k[2], (N, 5), 0, 7)
     return params, x, tapped
+
+
+def _tied():
+    """An embedding table read by rows and, transposed, as the output layer."""
+    k = jax.random.split(jax.random.key(9), 2)
+    params = {"table": _normal(k[0], (CLASSES, 4)), "scale": 1.0 + _normal(k[1], (4,))}
+
+    def model(p, x):
+        return jnp.tanh(p["table"][x] * p["scale"][None]) @ p["table"].T
+
+    x = jax.random.randint(k[1], (N, 5), 0, CLASSES)
+    return params, x, (lambda p, x, probes: (model(p, x), {}, {})), model
 
 
 def _attention():
@@ -155,7 +183,11 @@ def _attention():
 
     def tapped(p, x, probes):
         mu = x.mean(-1, keepdims=True)
-        h = (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * p["scale"][None]
+        h = (
+            (x - mu)
+            / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+            * p["scale"][None]
+        )
         ys = {n: _tap(n, h @ p[n], probes) for n in "qkv"}
         att = jax.nn.softmax(ys["q"] @ ys["k"].T / 2.0, axis=-1)
         z = att @ ys["v"] + x
@@ -181,6 +213,7 @@ MODELS = {
     "conv-NCHW": lambda: _conv("NCHW"),
     "embedding": _embedding,
     "attention-layernorm": _attention,
+    "tied-embedding": _tied,
 }
 
 
@@ -197,8 +230,10 @@ def _cotangents(likelihood, fisher, model, params, x, labels, key, samples):
 
 
 def _call_args(fisher, labels, key):
-    return {"labels": labels} if fisher == "empirical" else (
-        {"key": key} if fisher == "mc" else {}
+    return (
+        {"labels": labels}
+        if fisher == "empirical"
+        else ({"key": key} if fisher == "mc" else {})
     )
 
 
@@ -208,7 +243,9 @@ def test_ggn_diagonal_matches_the_dense_ggn(name):
     cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
     rows, unravel = ggn_diagonal_dense(model, params, x, cots)
     got = ggn_diagonal(model, likelihood="categorical", batch_size=2)(params, x)
-    tree_allclose(got, unravel(jnp.asarray(rows.sum(0), jnp.float32)), rtol=1e-5, atol=1e-6)
+    tree_allclose(
+        got, unravel(jnp.asarray(rows.sum(0), jnp.float32)), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize(
@@ -230,7 +267,9 @@ def test_ggn_diagonal_fisher_types_and_per_example(likelihood, fisher, samples):
     call = _call_args(fisher, labels, key)
     opts = dict(likelihood=likelihood, fisher=fisher, samples=samples)
     summed = ggn_diagonal(model, batch_size=3, **opts)(params, x, **call)
-    tree_allclose(summed, unravel(jnp.asarray(rows.sum(0), jnp.float32)), rtol=1e-5, atol=1e-6)
+    tree_allclose(
+        summed, unravel(jnp.asarray(rows.sum(0), jnp.float32)), rtol=1e-5, atol=1e-6
+    )
     each = jax.jit(ggn_diagonal(model, batch_size=2, per_example=True, **opts))(
         params, x, **call
     )
@@ -256,10 +295,10 @@ def test_kfac_factors_match_the_factors_captured_by_hand(name):
             inputs, outputs = inputs[int(leaf[2:])], outputs[int(leaf[2:])]
         if leaf == "table":  # an embedding's inputs: the diagonal
             a = np.diag(a)
-        if name == "conv-NCHW" and leaf == "kernel":  # OIHW: inputs are I, H, W
-            pass
         np.testing.assert_allclose(inputs, a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(outputs, g, rtol=1e-5, atol=1e-5)
+    if name == "tied-embedding":  # a lookup and a product: no Kronecker factors
+        assert not isinstance(got["table"], Kronecker)
     # every other leaf: its diagonal, as ggn_diagonal's
     diagonal = ggn_diagonal(model, likelihood="categorical")(params, x)
     for leaf in params:
@@ -272,24 +311,26 @@ def test_kfac_reduce_variant(name):
     params, x, tapped, model = _model(MODELS[name])
     cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
     expected = kfac_by_hand(tapped, params, x, cots, variant="reduce")
-    got = jax.jit(kfac_factors(model, likelihood="categorical", variant="reduce", batch_size=3))(
-        params, x
-    )
+    got = jax.jit(
+        kfac_factors(model, likelihood="categorical", variant="reduce", batch_size=3)
+    )(params, x)
     for leaf, (a, g) in expected.items():
         np.testing.assert_allclose(got[leaf].inputs, a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got[leaf].outputs, g, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("likelihood,fisher", [("categorical", "mc"), ("gaussian", "empirical")])
+@pytest.mark.parametrize(
+    "likelihood,fisher", [("categorical", "mc"), ("gaussian", "empirical")]
+)
 def test_kfac_fisher_types(likelihood, fisher):
     params, x, tapped, model = _model(_mlp)
     key = jax.random.key(3)
     labels = _labels(likelihood, model, params, x, jax.random.key(4))
     cots = _cotangents(likelihood, fisher, model, params, x, labels, key, 2)
     expected = kfac_by_hand(tapped, params, x, cots)
-    got = kfac_factors(model, likelihood=likelihood, fisher=fisher, samples=2, batch_size=4)(
-        params, x, **_call_args(fisher, labels, key)
-    )
+    got = kfac_factors(
+        model, likelihood=likelihood, fisher=fisher, samples=2, batch_size=4
+    )(params, x, **_call_args(fisher, labels, key))
     for leaf, (a, g) in expected.items():
         np.testing.assert_allclose(got[leaf].inputs, a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got[leaf].outputs, g, rtol=1e-5, atol=1e-5)
@@ -316,7 +357,9 @@ def test_equinox_and_flax_models():
     for i in range(2):
         a, g = expected[f"l{i}"]
         np.testing.assert_allclose(got.layers[i].weight.inputs, a, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(got.layers[i].weight.outputs, g, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            got.layers[i].weight.outputs, g, rtol=1e-5, atol=1e-5
+        )
     del params, static
 
     class Linen(nn.Module):
@@ -362,3 +405,72 @@ def test_errors_name_the_argument():
         ggn_diagonal(model, likelihood="categorical", fisher="empirical")(params, x)
     with pytest.raises(TypeError, match="needs key="):
         kfac_factors(model, likelihood="categorical", fisher="mc")(params, x)
+
+
+@pytest.mark.parametrize("hold", ["placed", "shard=True"])
+def test_over_a_mesh(hold):
+    """16 examples over 8 devices, placed on an Explicit mesh (eagerly) or with
+    `shard=True` under `jit`: the same factors and diagonal as on one device."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    params, x, tapped, model = _model(_tokens)
+    x = jnp.concatenate([x, x, x, x])[:16]
+    cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
+    expected = kfac_by_hand(tapped, params, x, cots)
+    rows, unravel = ggn_diagonal_dense(model, params, x, cots)
+    opts = dict(likelihood="categorical", batch_size=1)
+    if hold == "placed":
+        mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+        x = jax.device_put(x, NamedSharding(mesh, P("d")))
+        factors = kfac_factors(model, **opts)(params, x)
+        diagonal = ggn_diagonal(model, **opts)(params, x)
+    else:
+        factors = jax.jit(kfac_factors(model, shard=True, **opts))(params, x)
+        diagonal = jax.jit(ggn_diagonal(model, shard=True, **opts))(params, x)
+    for leaf, (a, g) in expected.items():
+        np.testing.assert_allclose(factors[leaf].inputs, a, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(factors[leaf].outputs, g, rtol=1e-5, atol=1e-5)
+    expected_diag = unravel(jnp.asarray(rows.sum(0), jnp.float32))
+    tree_allclose(diagonal, expected_diag, rtol=1e-5, atol=1e-6)
+
+
+def test_eager_calls_see_a_changed_closure():
+    """A model closing over an array that changes between eager calls."""
+    params, x, _, model = _model(_mlp)
+    shift = {"value": jnp.zeros(CLASSES)}
+
+    def shifted(p, x):
+        return model(p, x) + shift["value"]
+
+    factors = kfac_factors(shifted, likelihood="categorical", batch_size=2)
+    diagonal = ggn_diagonal(shifted, likelihood="categorical", batch_size=2)
+    for value in (0.0, 3.0):
+        shift["value"] = jnp.array([value, 0.0, -value])
+        cots = _cotangents("categorical", "exact", shifted, params, x, None, None, 1)
+        rows, unravel = ggn_diagonal_dense(shifted, params, x, cots)
+        tree_allclose(
+            diagonal(params, x), unravel(jnp.asarray(rows.sum(0), jnp.float32)),
+            rtol=1e-5, atol=1e-6,
+        )  # fmt: skip
+        np.testing.assert_allclose(
+            factors(params, x)["w2"].outputs,
+            kfac_by_hand(_mlp()[2], params, x, cots)["w2"][1],
+            rtol=1e-5, atol=1e-5,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("fn", [ggn_diagonal, kfac_factors])
+def test_memory_is_flat_in_the_number_of_examples(fn):
+    """XLA's compiled temporary memory at N = 64 and N = 4096, chunks of 32, on
+    a model over tokens (a 64-wide dense layer over 16 positions): the same."""
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w": _normal(k[0], (64, 64)), "head": _normal(k[1], (64, 10))}
+
+    def model(p, x):
+        return jax.nn.relu(x @ p["w"]) @ p["head"]
+
+    curvature = fn(model, likelihood="categorical", batch_size=32)
+    small, large = (
+        temp_bytes(curvature, params, jnp.zeros((n, 16, 64))) for n in (64, 4096)
+    )
+    assert large <= small * 1.02, (small, large)

@@ -114,9 +114,9 @@ class _Curvature(NamedTuple):
             ("fisher", fisher, Fisher),
         ):
             if value not in [m.value for m in kind]:
+                names = ", ".join(repr(m.value) for m in kind)
                 raise ValueError(
-                    f"{name} {arg} must be one of "
-                    f"{', '.join(repr(m.value) for m in kind)}, but got {arg}={value!r}."
+                    f"{name} {arg} must be one of {names}, but got {arg}={value!r}."
                 )
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise TypeError(
@@ -317,7 +317,8 @@ class Kronecker(NamedTuple):
       >>> import jax.numpy as jnp
       >>> from chunkvmap import kfac_factors
       >>> x = jnp.array([[1.0, 0.0], [1.0, 1.0]])
-      >>> f = kfac_factors(lambda w, x: x @ w, likelihood="gaussian")(jnp.ones((2, 1)), x)
+      >>> factors = kfac_factors(lambda w, x: x @ w, likelihood="gaussian")
+      >>> f = factors(jnp.ones((2, 1)), x)
       >>> f.inputs, f.outputs
       (Array([[2., 1.],
              [1., 1.]], dtype=float32), Array([[2.]], dtype=float32))
@@ -370,7 +371,9 @@ class _Factors(NamedTuple):
             return None
         kind, blocks, inputs, outputs = found.pop()
         factors = cls(blocks, inputs, outputs)
-        return factors if set(blocks + inputs + outputs) >= _leaf_symbols(uses) else None
+        return (
+            factors if set(blocks + inputs + outputs) >= _leaf_symbols(uses) else None
+        )
 
 
 _PRODUCTS = (UseKind.DENSE, UseKind.CONV)  # (their forms: activation, cotangent)
@@ -411,8 +414,10 @@ def _rows_grams(form: RowsForm, layout: Any, arrays: tuple) -> tuple:
     output gradients, over a chunk's examples."""
     rows, valid, delta = arrays
     size = form.leaf_sizes()[form.row_symbol]
-    counts = jnp.zeros(size, jnp.float32).at[rows.reshape(-1)].add(
-        valid.reshape(-1).astype(jnp.float32)
+    counts = (
+        jnp.zeros(size, jnp.float32)
+        .at[rows.reshape(-1)]
+        .add(valid.reshape(-1).astype(jnp.float32))
     )
     mask = valid[:, None].reshape(valid.shape[0], 1, *valid.shape[1:])
     mask = mask.reshape(mask.shape + (1,) * (delta.ndim - mask.ndim))
@@ -437,39 +442,30 @@ class _KFAC(Quantity):
         self.per_example = plan.with_rule(ghost.PER_EXAMPLE)
 
     def evaluate(self, traced: ghost.Traced, values: list, *extra: Any) -> Any:
-        outs, records, pull = traced.pullback(values, self.per_example)
+        """One example's activations once and output gradients per cotangent
+        (`Plan.pullback`, by the plan of the current mesh context), kept as each
+        leaf's factors need them."""
+        plan = traced.plan_here(values)
+        outs, records, pull = plan.pullback(values, self.per_example)
         f = outs[0]
         _check_model_output("kfac_factors", f)
         deltas, pe = jax.vmap(pull)(self.settings.vectors(f, extra).astype(f.dtype))
         kept = []
-        for k, leaf in enumerate(self.leaves):
-            layout = self.layouts[k]
-            if layout is not None:
-                kept.append(self._arrays(leaf, layout, records, deltas))
-            elif k in pe or leaf.uses:
-                kept.append(self._diagonal(k, leaf, records, deltas, pe))
-            else:
-                kept.append(None)
+        for k, leaf in enumerate(plan.leaves):
+            if self.layouts[k] is not None:
+                kept.append(self._arrays(leaf, records, deltas))
+                continue
+            if k in pe:
+                g = pe[k]
+            elif leaf.uses:  # formed per cotangent
+                g = jax.vmap(lambda d, k=k: plan.instantiate(k, records, d))(deltas)
+            else:  # not used: no curvature
+                g = jnp.zeros((1, *leaf.shape), leaf.dtype)
+            kept.append(jnp.sum(jnp.square(_f32(g)), 0))
         return kept
 
-    def _diagonal(self, k: int, leaf: Any, records, deltas, pe) -> jax.Array:
-        """One example's `sum_m g_m^2` of leaf `k` (formed per cotangent)."""
-        if k in pe:
-            g = pe[k]
-        else:
-            g = jax.vmap(lambda d: self._instantiate(leaf, records, d))(deltas)
-        g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-        return jnp.sum(jnp.square(g), 0)
-
     @staticmethod
-    def _instantiate(leaf: Any, records: dict, deltas: dict) -> Any:
-        total = None
-        for u in leaf.uses:
-            g = u.instantiate(records[u.key], deltas[u.path])
-            total = g if total is None else total + g
-        return total
-
-    def _arrays(self, leaf, layout: _Factors, records: dict, deltas: dict) -> list:
+    def _arrays(leaf: Any, records: dict, deltas: dict) -> list:
         """One example's reduced or expanded operands of each use: the
         activations (no cotangent axis) and the output gradients (one per
         cotangent, leading)."""
@@ -491,9 +487,7 @@ class _KFAC(Quantity):
         factors = []
         for k, leaf in enumerate(self.leaves):
             layout, part = self.layouts[k], kept[k]
-            if part is None:
-                factors.append(None)
-            elif layout is None:
+            if layout is None:
                 factors.append(jnp.sum(part, 0))
             else:
                 factors.append(self._factors(leaf, layout, part))
@@ -519,9 +513,13 @@ class _KFAC(Quantity):
             count = 0
             for u, (ua, ud) in zip(leaf.uses, parts):
                 a = a + jnp.einsum(_equation([(example, *u.form.specs[0])], keep_a), ua)
-                d = d + jnp.einsum(_equation([(example, cot, *u.form.specs[1])], keep_d), ud)
+                d = d + jnp.einsum(
+                    _equation([(example, cot, *u.form.specs[1])], keep_d), ud
+                )
                 count += _positions(u.form)
-            grams = [(_gram(a / count, keep_a, blocks, ins), _gram(d, keep_d, blocks, outs))]
+            grams = [
+                (_gram(a / count, keep_a, blocks, ins), _gram(d, keep_d, blocks, outs))
+            ]
         inputs = sum(g[0] for g in grams[1:]) + grams[0][0]
         outputs = sum(g[1] for g in grams[1:]) + grams[0][1]
         return Kronecker(*self._flat(leaf, layout, inputs, outputs))
@@ -636,4 +634,3 @@ def kfac_factors(
         return traced.grads_tree(factors, transform.args.single)
 
     return transform.public(call, fun)
-

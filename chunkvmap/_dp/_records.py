@@ -17,7 +17,7 @@ formed per example. A quantity is an accumulator on that record:
 `evaluate(traced, values, *extra)` makes one example's record and keeps it: by
 default one backward pass (`Traced.record`); a quantity of several cotangents per
 example (the curvature's) pulls them back through one linearised evaluation
-(`Traced.pullback`).
+(`Plan.pullback`).
 
 `over_chunks` runs one over a call's examples. Adding a quantity is writing one
 such class.

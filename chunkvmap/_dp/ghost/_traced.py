@@ -227,12 +227,6 @@ class Traced:
         record, outs = self.plan_here(values).backward(values, per_example)
         return record, self.out_tree.unflatten(outs)
 
-    def pullback(self, values: Sequence[Any], per_example: Sequence[int]) -> tuple:
-        """`Plan.pullback` of one example at `values` in the current mesh context,
-        with the outputs as `fun` returns them (`(value, aux)`)."""
-        outs, records, pull = self.plan_here(values).pullback(values, per_example)
-        return self.out_tree.unflatten(outs), records, pull
-
     def chunk_memory(self, chunk: int) -> tuple[int, int] | None:
         """XLA's compiled temporary memory of clipping a chunk of `chunk` examples
         by the ghost program (its norms, then the chunk's sum from the uses'
