@@ -54,6 +54,8 @@ MUTANTS = {
     "stop per_example_grad_norms": stop("per_example_grad_norms", "test_statistics"),
     "stop per_example_grad_stats": stop("per_example_grad_stats", "test_statistics"),
     "stop per_example_grad_gram": stop("per_example_grad_gram", "test_statistics"),
+    "stop ggn_diagonal": stop("ggn_diagonal", "test_curvature"),
+    "stop kfac_factors": stop("kfac_factors", "test_curvature"),
     "remainder window one example early": (
         (
             "chunkvmap/_core/_loop.py",
@@ -511,6 +513,58 @@ MUTANTS = {
             "    order = examples\n",
         ),
         ["test_padding", "test_clipping"],
+    ),
+    "curvature: the exact root without the square root of p": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "    root = (eye - p[..., :, None]) * jnp.sqrt(p)[..., None, :]\n",
+            "    root = (eye - p[..., :, None]) * p[..., None, :]\n",
+        ),
+        ["test_curvature"],
+    ),
+    "curvature: Monte-Carlo labels not scaled by the samples": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "        return (p[None] - drawn) / math.sqrt(samples)\n",
+            "        return p[None] - drawn\n",
+        ),
+        ["test_curvature"],
+    ),
+    "curvature: the diagonal squares the sum over the cotangents": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "            squares = [[jnp.sum(jnp.square(g), 0) for g in part] for part "
+            "in grads]\n",
+            "            squares = [[jnp.square(jnp.sum(g, 0)) for g in part] for part "
+            "in grads]\n",
+        ),
+        ["test_curvature"],
+    ),
+    "curvature: reduce sums the activations instead of averaging": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "                (_gram(a / count, keep_a, blocks, ins), "
+            "_gram(d, keep_d, blocks, outs))\n",
+            "                (_gram(a, keep_a, blocks, ins), "
+            "_gram(d, keep_d, blocks, outs))\n",
+        ),
+        ["test_curvature"],
+    ),
+    "curvature: a leaf with no factors squares its summed cotangents": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "            kept.append(jnp.sum(jnp.square(_f32(g)), 0))\n",
+            "            kept.append(jnp.square(jnp.sum(_f32(g), 0)))\n",
+        ),
+        ["test_curvature"],
+    ),
+    "curvature: a tied leaf given Kronecker factors of one use": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "        if len(found) != 1:\n",
+            "        if not found:\n",
+        ),
+        ["test_curvature"],
     ),
     "projections: a part of a leaf projected by the wrong rows": (
         (
