@@ -77,6 +77,12 @@ def _block(b, h, heads):
 
 def lm_loss(p, tokens, targets, heads=LM["heads"]):
     """Next-token cross-entropy of one sequence."""
+    logp = jax.nn.log_softmax(lm_logits(p, tokens, heads))
+    return -jnp.mean(jnp.take_along_axis(logp, targets[:, None], 1))
+
+
+def lm_logits(p, tokens, heads=LM["heads"]):
+    """The next-token logits of one sequence, `(T, V)`."""
     h = p["emb"][tokens] + p["pos"]
     if isinstance(p["blocks"], list):
         for b in p["blocks"]:
@@ -85,9 +91,7 @@ def lm_loss(p, tokens, targets, heads=LM["heads"]):
         step = jax.checkpoint(lambda b, h: _block(b, h, heads))
         h, _ = lax.scan(lambda h, b: (step(b, h), None), h, p["blocks"])
     h = layer_norm(h, p["lnf_s"], p["lnf_b"])
-    logits = h @ (p["head"] if "head" in p else p["emb"].T)
-    logp = jax.nn.log_softmax(logits)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[:, None], 1))
+    return h @ (p["head"] if "head" in p else p["emb"].T)
 
 
 def lm_batch(rng, n, cfg=LM):
@@ -108,6 +112,11 @@ def cnn_params(rng, cfg=CNN):
 
 def cnn_loss(p, image, label):
     """Cross-entropy of one image (H, W, C)."""
+    return -jax.nn.log_softmax(cnn_logits(p, image))[label]
+
+
+def cnn_logits(p, image):
+    """The class logits of one image (H, W, C)."""
     h = image[None]
     i = 0
     while f"conv{i}" in p:
@@ -117,8 +126,7 @@ def cnn_loss(p, image, label):
         h = jax.nn.relu(h + p[f"bias{i}"])
         h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
         i += 1
-    logits = h.mean((1, 2))[0] @ p["head"] + p["head_b"]
-    return -jax.nn.log_softmax(logits)[label]
+    return h.mean((1, 2))[0] @ p["head"] + p["head_b"]
 
 
 def cnn_batch(rng, n, cfg=CNN):
@@ -150,5 +158,33 @@ def models(quick: bool = False) -> dict:
             lambda rng: cnn_params(rng, cnn),
             cnn_loss,
             lambda rng, n: cnn_batch(rng, n, cnn),
+        ),
+    }
+
+
+def output_models(quick: bool = False) -> dict:
+    """name -> (params maker, model output of one example `(params, x)`, inputs
+    maker `(rng, n) -> x`): the models of `models` before their loss."""
+    lm = dict(LM, vocab=64, width=16, positions=4, blocks=2, heads=2) if quick else LM
+    cnn = dict(CNN, channels=(3, 4, 8), image=8) if quick else CNN
+
+    def lm_model(**kw):
+        return (
+            lambda rng: lm_params(rng, lm, **kw),
+            lambda p, tokens: lm_logits(p, tokens, lm["heads"]),
+            lambda rng, n: lm_batch(rng, n, lm)[0],
+        )
+
+    d, v, t = lm["width"], lm["vocab"], lm["positions"]
+    return {
+        f"GPT-style LM (V={v}, d={d}, T={t}, {lm['blocks']} blocks), untied head": (
+            lm_model()
+        ),
+        "same, head tied to the embedding": lm_model(tied=True),
+        "same, blocks stacked and run by lax.scan (remat)": lm_model(stacked=True),
+        f"CIFAR-style convnet {'->'.join(map(str, cnn['channels']))}, 3x3": (
+            lambda rng: cnn_params(rng, cnn),
+            cnn_logits,
+            lambda rng, n: cnn_batch(rng, n, cnn)[0],
         ),
     }
