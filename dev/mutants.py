@@ -543,10 +543,24 @@ MUTANTS = {
     "curvature: reduce sums the activations instead of averaging": (
         (
             "chunkvmap/_dp/_curvature.py",
-            "                (_gram(a / count, keep_a, blocks, ins), "
-            "_gram(d, keep_d, blocks, outs))\n",
-            "                (_gram(a, keep_a, blocks, ins), "
-            "_gram(d, keep_d, blocks, outs))\n",
+            "            mean = a_sum / count\n",
+            "            mean = a_sum\n",
+        ),
+        ["test_curvature"],
+    ),
+    "curvature: a bias's corner entry one, not the count of its positions": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "            corner = jnp.full((1, 1), count, inputs.dtype)\n",
+            "            corner = jnp.full((1, 1), 1, inputs.dtype)\n",
+        ),
+        ["test_curvature"],
+    ),
+    "curvature: a bias not joined to its weight's factors": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "                pairs[w] = b\n",
+            "                pass\n",
         ),
         ["test_curvature"],
     ),

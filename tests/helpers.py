@@ -369,7 +369,7 @@ def ggn_diagonal_dense(model, params, xs, cotangents):
     return np.stack(rows), unravel
 
 
-def kfac_by_hand(tapped, params, xs, cotangents, variant="expand"):
+def kfac_by_hand(tapped, params, xs, cotangents, variant="expand", biased=()):
     """The oracle of `kfac_factors`, from activations and output gradients
     captured by hand. `tapped(params, x, probes)` is the model written with each
     tapped product's output `y` returned as `y + probes[name]` (as is, when
@@ -377,7 +377,9 @@ def kfac_by_hand(tapped, params, xs, cotangents, variant="expand"):
     activation the product read (positions first, its input features flattened
     last, as the leaf's input axes are) and `ys[name]` the product's output
     (positions first, output features last). The output gradients are `jax.vjp`
-    of the output in the probes, at each cotangent. Returns `{name: (A, G)}` in
+    of the output in the probes, at each cotangent. The products named in
+    `biased` have a bias added to their output: their activations get a last
+    entry 1 (kfac-jax's dense and convolution blocks). Returns `{name: (A, G)}` in
     float64."""
     factors = {}
     for x, cots in zip(xs, cotangents):
@@ -387,6 +389,8 @@ def kfac_by_hand(tapped, params, xs, cotangents, variant="expand"):
         grads = [pull(jnp.asarray(c, jnp.float32))[0] for c in cots]
         for k in acts:
             a = np.asarray(acts[k], np.float64).reshape(-1, acts[k].shape[-1])
+            if k in biased:
+                a = np.concatenate([a, np.ones((len(a), 1))], 1)
             gs = [np.asarray(g[k], np.float64) for g in grads]
             gs = [g.reshape(-1, g.shape[-1]) for g in gs]
             if variant == "expand":

@@ -58,11 +58,15 @@ def _mlp():
 def _tokens():
     """A product over positions (weight sharing) with a per-position output."""
     k = jax.random.split(jax.random.key(1), 3)
-    params = {"w": _normal(k[0], (4, 6)), "head": _normal(k[1], (6, CLASSES))}
+    params = {
+        "w": _normal(k[0], (4, 6)),
+        "bw": _normal(k[1], (6,)),
+        "head": _normal(k[1], (6, CLASSES)),
+    }
 
     def tapped(p, x, probes):
         y = _tap("w", x @ p["w"], probes)
-        h = jax.nn.relu(y)
+        h = jax.nn.relu(y + p["bw"][None])
         out = _tap("head", h @ p["head"], probes)
         return out, {"w": x, "head": h}, {"w": y, "head": out}
 
@@ -100,13 +104,25 @@ def _conv(layout):
     else:
         kernel, dn = _normal(k[0], (4, 2, 3, 3)), ("NCHW", "OIHW", "NCHW")
         x = _normal(k[2], (N, 2, 6, 6), 1.0)
-    params = {"kernel": kernel, "head": _normal(k[1], (4, CLASSES))}
+    bias = _normal(k[1], (4,))
+    params = {"kernel": kernel, "bias": bias, "head": _normal(k[1], (4, CLASSES))}
     channels = -1 if layout == "NHWC" else 0  # of one example's output
 
     def conv(kern, x):
         return lax.conv_general_dilated(
             x[None], kern, (1, 1), "VALID", dimension_numbers=dn
         )[0]
+
+    def biased_conv(p, x):  # the bias added to the convolution's own output
+        y = lax.conv_general_dilated(
+            x[None], p["kernel"], (1, 1), "VALID", dimension_numbers=dn
+        )
+        b = (
+            p["bias"][None, None, None, :]
+            if layout == "NHWC"
+            else p["bias"][None, :, None, None]
+        )
+        return (y + b)[0]
 
     def tapped(p, x, probes):
         y = conv(p["kernel"], x)
@@ -124,14 +140,12 @@ def _conv(layout):
 
         patches = jax.jacfwd(out0)(first(p["kernel"])).reshape(y_pos.shape[0], -1)
         y_pos = _tap("kernel", y_pos, probes)
-        h = jax.nn.relu(y_pos).mean(0)
+        h = jax.nn.relu(y_pos + p["bias"][None]).mean(0)
         out = _tap("head", h @ p["head"], probes)
         return out, {"kernel": patches, "head": h}, {"kernel": y_pos, "head": out}
 
     def model(p, x):
-        h = jax.nn.relu(conv(p["kernel"], x)).mean(
-            (0, 1) if layout == "NHWC" else (1, 2)
-        )
+        h = jax.nn.relu(biased_conv(p, x)).mean((0, 1) if layout == "NHWC" else (1, 2))
         return h @ p["head"]
 
     return params, x, tapped, model
@@ -281,11 +295,20 @@ def _kron_leaf(got, name):
     return got["ws"] if name.startswith("ws") else got[name]
 
 
+BIASED = {  # a product's added bias: joint blocks, as kfac-jax's
+    "mlp": {"w1": "b1", "w2": "b2"},
+    "tokens": {"w": "bw"},
+    "conv-NHWC": {"kernel": "bias"},
+    "conv-NCHW": {"kernel": "bias"},
+}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_kfac_factors_match_the_factors_captured_by_hand(name):
     params, x, tapped, model = _model(MODELS[name])
     cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
-    expected = kfac_by_hand(tapped, params, x, cots)
+    biased = BIASED.get(name, {})
+    expected = kfac_by_hand(tapped, params, x, cots, biased=biased)
     got = kfac_factors(model, likelihood="categorical", batch_size=2)(params, x)
     for leaf, (a, g) in expected.items():
         factors = _kron_leaf(got, leaf)
@@ -299,10 +322,12 @@ def test_kfac_factors_match_the_factors_captured_by_hand(name):
         np.testing.assert_allclose(outputs, g, rtol=1e-5, atol=1e-5)
     if name == "tied-embedding":  # a lookup and a product: no Kronecker factors
         assert not isinstance(got["table"], Kronecker)
+    for bias in biased.values():  # in its weight's factors
+        assert got[bias] is None
     # every other leaf: its diagonal, as ggn_diagonal's
     diagonal = ggn_diagonal(model, likelihood="categorical")(params, x)
     for leaf in params:
-        if not isinstance(got[leaf], Kronecker):
+        if leaf not in biased.values() and not isinstance(got[leaf], Kronecker):
             np.testing.assert_allclose(got[leaf], diagonal[leaf], rtol=1e-5, atol=1e-6)
 
 
@@ -310,7 +335,9 @@ def test_kfac_factors_match_the_factors_captured_by_hand(name):
 def test_kfac_reduce_variant(name):
     params, x, tapped, model = _model(MODELS[name])
     cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
-    expected = kfac_by_hand(tapped, params, x, cots, variant="reduce")
+    expected = kfac_by_hand(
+        tapped, params, x, cots, variant="reduce", biased=BIASED[name]
+    )
     got = jax.jit(
         kfac_factors(model, likelihood="categorical", variant="reduce", batch_size=3)
     )(params, x)
@@ -327,7 +354,7 @@ def test_kfac_fisher_types(likelihood, fisher):
     key = jax.random.key(3)
     labels = _labels(likelihood, model, params, x, jax.random.key(4))
     cots = _cotangents(likelihood, fisher, model, params, x, labels, key, 2)
-    expected = kfac_by_hand(tapped, params, x, cots)
+    expected = kfac_by_hand(tapped, params, x, cots, biased=BIASED["mlp"])
     got = kfac_factors(
         model, likelihood=likelihood, fisher=fisher, samples=2, batch_size=4
     )(params, x, **_call_args(fisher, labels, key))
@@ -351,7 +378,7 @@ def test_equinox_and_flax_models():
 
     model = lambda m, x: m(x)  # noqa: E731
     cots = _cotangents("categorical", "exact", model, mlp, x, None, None, 1)
-    expected = kfac_by_hand(tapped, mlp, x, cots)
+    expected = kfac_by_hand(tapped, mlp, x, cots, biased={"l0", "l1"})
     params, static = eqx.partition(mlp, eqx.is_inexact_array)
     got = kfac_factors(model, likelihood="categorical", batch_size=3)(mlp, x)
     for i in range(2):
@@ -382,7 +409,7 @@ def test_equinox_and_flax_models():
         return out, {"d0": x, "d1": h}, {"d0": y1, "d1": y2}
 
     cots = _cotangents("categorical", "exact", apply, variables, x, None, None, 1)
-    expected = kfac_by_hand(tapped_linen, variables, x, cots)
+    expected = kfac_by_hand(tapped_linen, variables, x, cots, biased={"d0", "d1"})
     got = kfac_factors(apply, likelihood="categorical", batch_size=2)(variables, x)
     for i in range(2):
         a, g = expected[f"d{i}"]
@@ -416,7 +443,7 @@ def test_over_a_mesh(hold):
     params, x, tapped, model = _model(_tokens)
     x = jnp.concatenate([x, x, x, x])[:16]
     cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
-    expected = kfac_by_hand(tapped, params, x, cots)
+    expected = kfac_by_hand(tapped, params, x, cots, biased=BIASED["tokens"])
     rows, unravel = ggn_diagonal_dense(model, params, x, cots)
     opts = dict(likelihood="categorical", batch_size=1)
     if hold == "placed":
@@ -454,7 +481,7 @@ def test_eager_calls_see_a_changed_closure():
         )  # fmt: skip
         np.testing.assert_allclose(
             factors(params, x)["w2"].outputs,
-            kfac_by_hand(_mlp()[2], params, x, cots)["w2"][1],
+            kfac_by_hand(_mlp()[2], params, x, cots, biased={"w2"})["w2"][1],
             rtol=1e-5, atol=1e-5,
         )  # fmt: skip
 

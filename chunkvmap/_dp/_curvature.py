@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Unpack
 
 import jax
+import jax.extend.core.primitives as prims
 import jax.numpy as jnp
 
 from .._core._accumulators import Fold, compose
@@ -379,6 +380,38 @@ class _Factors(NamedTuple):
 _PRODUCTS = (UseKind.DENSE, UseKind.CONV)  # (their forms: activation, cotangent)
 
 
+def _biases(leaves: Sequence[Any], layouts: Sequence[Any]) -> dict[int, int]:
+    """`{weight: bias}`: the leaves whose every use adds them to the output of one
+    of a product weight's uses (and whose shape is its output features'), paired
+    with that weight, as kfac-jax's dense and convolution blocks pair them."""
+    made = {}  # the output variable of each product use -> its leaf
+    for k, layout in enumerate(layouts):
+        if layout is not None and not layout.blocks and layout.inputs:
+            for u in leaves[k].uses:
+                if isinstance(u.form, EinsumForm):
+                    made[(u.path[:-1], id(u.eqn.outvars[0]))] = k
+    pairs = {}
+    for b, leaf in enumerate(leaves):
+        if layouts[b] is not None or not leaf.uses:
+            continue
+        weights = set()
+        for u in leaf.uses:
+            if u.eqn.primitive is not prims.add_p or u.levels:
+                break
+            other = u.eqn.invars[1 - u.slot]
+            weights.add(made.get((u.path[:-1], id(other))))
+        else:
+            (w,) = weights if len(weights) == 1 else (None,)
+            if w is not None and w not in pairs and _sizes_match(leaves, layouts, w, b):
+                pairs[w] = b
+    return pairs
+
+
+def _sizes_match(leaves, layouts, w: int, b: int) -> bool:
+    sizes = leaves[w].uses[0].form.leaf_sizes()
+    return tuple(leaves[b].shape) == tuple(sizes[s] for s in layouts[w].outputs)
+
+
 def _leaf_symbols(uses: Sequence[Any]) -> set:
     return {s for u in uses for s in u.form.leaf_symbols}
 
@@ -440,6 +473,8 @@ class _KFAC(Quantity):
             _Factors.of(x.uses, x.shape) if x.uses else None for x in plan.leaves
         ]
         self.per_example = plan.with_rule(ghost.PER_EXAMPLE)
+        self.biases = _biases(plan.leaves, self.layouts)
+        self.paired = set(self.biases.values())
 
     def evaluate(self, traced: ghost.Traced, values: list, *extra: Any) -> Any:
         """One example's activations once and output gradients per cotangent
@@ -452,6 +487,9 @@ class _KFAC(Quantity):
         deltas, pe = jax.vmap(pull)(self.settings.vectors(f, extra).astype(f.dtype))
         kept = []
         for k, leaf in enumerate(plan.leaves):
+            if k in self.paired:  # in its weight's factors
+                kept.append(None)
+                continue
             if self.layouts[k] is not None:
                 kept.append(self._arrays(leaf, records, deltas))
                 continue
@@ -487,42 +525,55 @@ class _KFAC(Quantity):
         factors = []
         for k, leaf in enumerate(self.leaves):
             layout, part = self.layouts[k], kept[k]
-            if layout is None:
+            if k in self.paired:
+                factors.append(None)
+            elif layout is None:
                 factors.append(jnp.sum(part, 0))
             else:
-                factors.append(self._factors(leaf, layout, part))
+                factors.append(self._factors(leaf, layout, part, k in self.biases))
         return factors, ()
 
-    def _factors(self, leaf: Any, layout: _Factors, parts: list) -> Kronecker:
+    def _factors(
+        self, leaf: Any, layout: _Factors, parts: list, bias: bool
+    ) -> Kronecker:
         """A chunk's sums of `a a^T` and `g g^T` over its examples and the uses'
         positions (`EXPAND`), or of the examples' operands reduced over them
-        first: the activations averaged, the output gradients summed (`REDUCE`)."""
+        first: the activations averaged, the output gradients summed (`REDUCE`).
+        With a `bias` added to the outputs, the activations have a last entry 1
+        (kfac-jax's dense and convolution blocks with a bias)."""
         example, cot = Mark("example"), Mark("cotangent")
         blocks, ins, outs = layout
         if isinstance(leaf.uses[0].form, RowsForm):
             grams = [_rows_grams(u.form, layout, p) for u, p in zip(leaf.uses, parts)]
-        elif self.variant is Variant.EXPAND:
-            grams = [
-                (_gram(a, (example, *u.form.specs[0]), blocks, ins),
-                 _gram(d, (example, cot, *u.form.specs[1]), blocks, outs))
-                for u, (a, d) in zip(leaf.uses, parts)
-            ]  # fmt: skip
-        else:
-            keep_a, keep_d = (example, *blocks, *ins), (example, cot, *blocks, *outs)
-            a = d = 0
-            count = 0
-            for u, (ua, ud) in zip(leaf.uses, parts):
-                a = a + jnp.einsum(_equation([(example, *u.form.specs[0])], keep_a), ua)
-                d = d + jnp.einsum(
-                    _equation([(example, cot, *u.form.specs[1])], keep_d), ud
-                )
+            return Kronecker(*self._flat(leaf, layout, *map(sum, zip(*grams))))
+        keep_a, keep_d = (example, *blocks, *ins), (example, cot, *blocks, *outs)
+        a_sum = outputs = inputs = 0
+        count = 0
+        for u, (a, d) in zip(leaf.uses, parts):
+            spec_a, spec_d = (
+                (example, *u.form.specs[0]),
+                (example, cot, *u.form.specs[1]),
+            )
+            if self.variant is Variant.EXPAND:
+                inputs = inputs + _gram(a, spec_a, blocks, ins)
+                outputs = outputs + _gram(d, spec_d, blocks, outs)
+                a_sum = a_sum + jnp.einsum(_equation([spec_a], ins), _f32(a))
+                count += a.shape[0] * _positions(u.form)
+            else:
+                a_sum = a_sum + jnp.einsum(_equation([spec_a], keep_a), _f32(a))
+                outputs = outputs + jnp.einsum(_equation([spec_d], keep_d), _f32(d))
                 count += _positions(u.form)
-            grams = [
-                (_gram(a / count, keep_a, blocks, ins), _gram(d, keep_d, blocks, outs))
-            ]
-        inputs = sum(g[0] for g in grams[1:]) + grams[0][0]
-        outputs = sum(g[1] for g in grams[1:]) + grams[0][1]
-        return Kronecker(*self._flat(leaf, layout, inputs, outputs))
+        if self.variant is Variant.REDUCE:
+            mean = a_sum / count
+            inputs = _gram(mean, keep_a, blocks, ins)
+            outputs = _gram(outputs, keep_d, blocks, outs)
+            a_sum, count = jnp.sum(mean, 0), mean.shape[0]
+        inputs, outputs = self._flat(leaf, layout, inputs, outputs)
+        if bias:
+            column = a_sum.reshape(-1, 1)
+            corner = jnp.full((1, 1), count, inputs.dtype)
+            inputs = jnp.block([[inputs, column], [column.T, corner]])
+        return Kronecker(inputs, outputs)
 
     @staticmethod
     def _flat(leaf, layout: _Factors, inputs, outputs) -> tuple:
@@ -560,11 +611,18 @@ def kfac_factors(
     output gradients (the cotangents `fisher` chooses, as in `ggn_diagonal`). With
     `variant="reduce"` each example's activations are averaged and its output
     gradients summed over the positions first. An embedding table looked up by
-    rows gets the count of each row's lookups as `inputs` (its diagonal). Any
-    other leaf (biases, normalisation scales, a weight used in two different
-    ways, such as a tied embedding and output layer) gets its diagonal, as
-    `ggn_diagonal` computes it. The factors are sums: kfac-jax's dense factors
-    are these divided by the number of examples.
+    rows gets the count of each row's lookups as `inputs` (its diagonal). A bias
+    added to a product's output is part of that weight's factors, as in
+    kfac-jax's dense and convolution blocks: the weight's `inputs` has one more
+    row and column, last, for the bias (the activations with a last entry 1),
+    and the bias's own entry is None. Any other leaf (normalisation scales and
+    shifts, a weight used in two different ways, such as a tied embedding and
+    output layer) gets its diagonal, as `ggn_diagonal` computes it.
+
+    The factors are sums. kfac-jax's (read from its source) are averages:
+    its dense block's factors are these divided by the number of examples `N`;
+    its convolution block's by `N` times the positions `L` (with the block
+    scaled by `L`); its scale-and-shift block is the diagonal over `N`.
 
     The returned function takes `fun`'s arguments and `labels=` or `key=` (see
     `ggn_diagonal`), and returns a tree like the differentiated arguments.
