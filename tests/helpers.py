@@ -361,9 +361,10 @@ def ggn_diagonal_dense(model, params, xs, cotangents):
     in the flattened parameters (`jax.jacfwd`), `sum_m (J^T c_m)^2` over its
     cotangents `c_m`: an `(N, P)` float64 array (and the unravel function)."""
     flat, unravel = ravel_pytree(params)
+    jacobian = jax.jit(jax.jacfwd(lambda p, x: model(unravel(p), x)))
     rows = []
     for x, cots in zip(xs, cotangents):
-        jac = np.asarray(jax.jacfwd(lambda p: model(unravel(p), x))(flat), np.float64)
+        jac = np.asarray(jacobian(flat, x), np.float64)
         jac = jac.reshape(-1, flat.size)
         rows.append(np.sum((cots.reshape(len(cots), -1) @ jac) ** 2, 0))
     return np.stack(rows), unravel
