@@ -2,9 +2,10 @@
 diagonal of the generalised Gauss-Newton matrix.
 
 A small Equinox CNN is trained to its MAP estimate on 200 digits (the weight
-decay is a Gaussian prior), which leaves it overconfident on held-out digits. `ggn_diagonal` (the exact GGN of the softmax cross-entropy, chunked: no
-per-example gradient of the whole training set is held) gives the curvature of the
-training loss at the MAP, and the diagonal Laplace posterior is
+decay is a Gaussian prior), which leaves it overconfident on held-out digits.
+`ggn_diagonal` (the exact GGN of the softmax cross-entropy, chunked: no
+per-example gradient of the whole training set is held) gives the curvature of
+the training loss at the MAP, and the diagonal Laplace posterior is
 `N(theta_MAP, 1 / (GGN + prior precision))`. The predictive distribution averages
 the softmax over samples of that posterior. The prior precision is chosen on a
 validation split by negative log-likelihood (the grid includes a precision so
