@@ -10,11 +10,12 @@ tests marked `optimized` and the doctests in `BITWISE_DOCTESTS` (a bitwise claim
 as the same random initialisation as a reference) compile with LLVM's optimisations;
 XLA reads its flags once per process, so they keep the older emitters.
 
-Compiled programs are kept between runs in JAX's persistent compilation cache,
-`.jax-cache/` at the root (ignored by git, emptied at the start of a run once past
-1 GiB; delete it to start cold; a run that sets `JAX_COMPILATION_CACHE_DIR` chooses
-its own): a second run of an unchanged test loads its programs instead of
-compiling them. JAX keys each entry by the program's
+Compiled programs are kept between runs in JAX's persistent compilation cache, in
+the virtual environment that runs the suite (`.venv/jax-cache/` for `make test`;
+`.jax-cache/` at the root outside a venv, ignored by git), emptied at the start of
+a run once past 1 GiB (delete it to start cold; a run that sets
+`JAX_COMPILATION_CACHE_DIR` chooses its own): a second run of an unchanged test
+loads its programs instead of compiling them. JAX keys each entry by the program's
 HLO, the compile options and the versions of JAX and XLA, so a changed program is
 compiled afresh. JAX times a program loaded from the cache as a compilation, so
 `tests.helpers.CompileCounter` counts it as one.
@@ -57,10 +58,18 @@ def _fast_compiles() -> None:
     if probe.returncode == 0:
         os.environ["XLA_FLAGS"] = flags.strip()
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-        cache = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".jax-cache")
+        cache = _cache_dir()
         _bound(cache, 2**30)
         os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def _cache_dir() -> str:
+    # In the virtual environment that runs the suite (`make test`'s `.venv`: a warm
+    # venv holds the programs of its last run), else at the root.
+    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+        return os.path.join(sys.prefix, "jax-cache")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), ".jax-cache")
 
 
 def _bound(cache: str, limit: int) -> None:

@@ -540,6 +540,22 @@ MUTANTS = {
         ),
         ["test_curvature"],
     ),
+    "curvature: the ghost diagonal's activations not squared": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "                squares = [a * a, jnp.sum(jnp.square(_f32(g)), 0)]\n",
+            "                squares = [a, jnp.sum(jnp.square(_f32(g)), 0)]\n",
+        ),
+        ["test_curvature"],
+    ),
+    "curvature: a use over positions taken as one outer product": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "        and _positions(u.form) == 1\n",
+            "        and _positions(u.form) >= 1\n",
+        ),
+        ["test_curvature"],
+    ),
     "curvature: reduce sums the activations instead of averaging": (
         (
             "chunkvmap/_dp/_curvature.py",

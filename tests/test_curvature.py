@@ -251,12 +251,16 @@ def _call_args(fisher, labels, key):
     )
 
 
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_ggn_diagonal_matches_the_dense_ggn(name):
+def test_ggn_diagonal_matches_the_dense_ggn(name, method):
     params, x, _, model = _model(MODELS[name])
     cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
     rows, unravel = ggn_diagonal_dense(model, params, x, cots)
-    got = ggn_diagonal(model, likelihood="categorical", batch_size=2)(params, x)
+    diagonal = ggn_diagonal(
+        model, likelihood="categorical", batch_size=2, method=method
+    )
+    got = diagonal(params, x)
     tree_allclose(
         got, unravel(jnp.asarray(rows.sum(0), jnp.float32)), rtol=1e-5, atol=1e-6
     )
@@ -284,11 +288,12 @@ def test_ggn_diagonal_fisher_types_and_per_example(likelihood, fisher, samples):
     tree_allclose(
         summed, unravel(jnp.asarray(rows.sum(0), jnp.float32)), rtol=1e-5, atol=1e-6
     )
-    each = jax.jit(ggn_diagonal(model, batch_size=2, per_example=True, **opts))(
-        params, x, **call
-    )
     expected = jax.vmap(unravel)(jnp.asarray(rows, jnp.float32))
-    tree_allclose(each, expected, rtol=1e-5, atol=1e-6)
+    for method in ("vmap", "ghost"):
+        each = ggn_diagonal(
+            model, batch_size=2, per_example=True, method=method, **opts
+        )
+        tree_allclose(jax.jit(each)(params, x, **call), expected, rtol=1e-5, atol=1e-6)
 
 
 def _kron_leaf(got, name):

@@ -37,6 +37,7 @@ from .._core._accumulators import Fold, compose
 from .._core._options import Chunking, decorator_form, takes
 from .._transforms._grads import FloatLeaves, differentiable_floats, grad_transform
 from . import ghost
+from ._clipping import check_method
 from ._records import Quantity, over_chunks
 from .ghost._forms import EinsumForm, LeafAxis, Mark, RowsForm, _equation
 from .ghost._rules import UseKind
@@ -193,6 +194,7 @@ def ggn_diagonal(
     samples: int = 1,
     per_example: bool = False,
     batch_argnums: int | Sequence[int] | None = None,
+    method: str = "vmap",
     **options: Unpack[Chunking],
 ) -> Callable[..., Any]:
     """The diagonal of the generalised Gauss-Newton matrix (or of a Fisher) of a
@@ -210,6 +212,12 @@ def ggn_diagonal(
     The result has the structure of the differentiated arguments (None at leaves
     that are not floating-point). With `per_example=True` it is each example's
     diagonal, stacked along axis 0.
+
+    With `method="ghost"`, the model's program is read as ghost clipping reads
+    it: a dense use that reads one activation per example (no positions) gives its
+    share from its activation and output gradients, `(a^2)(sum_m g_m^2)^T`,
+    without forming `J_i^T s_m`; other leaves are formed per cotangent, as with
+    `method="vmap"`.
 
     The returned function takes `fun`'s arguments, and `labels=` (the examples'
     labels, stacked along axis 0: integer classes for "categorical", targets for
@@ -238,6 +246,7 @@ def ggn_diagonal(
       progress: a host progress bar over the chunks (see `batch_vmap`).
       chunk_size: an alias of `batch_size`.
       per_example: each example's diagonal (stacked) rather than their sum.
+      method: "vmap" (each cotangent's gradient formed) or "ghost" (see above).
 
     Returns:
       A function with `fun`'s arguments (and `labels=`, `key=`) returning the
@@ -254,6 +263,7 @@ def ggn_diagonal(
     """
     name = "ggn_diagonal"
     settings = _Curvature.make(name, likelihood, fisher, samples)
+    method = check_method(name, method)
     transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True, **options
     )
@@ -264,6 +274,18 @@ def ggn_diagonal(
         diff, in_axes = transform.resolve(args)
         args = differentiable_floats(args, diff, in_axes)
         extra = settings.extra(name, _examples(name, args, in_axes), labels, key)
+        if method is ghost.Method.GHOST:
+            traced = _traced(transform, name, fun, args, kwargs, diff, in_axes)
+            quantity = traced.memo(
+                ("ggn diagonal", settings, per_example),
+                lambda: _GhostDiagonal(traced, settings, per_example),
+            )
+            summary, rows = over_chunks(
+                transform, traced, quantity, args, in_axes, kwargs, known, extra=extra
+            )
+            return traced.grads_tree(
+                rows if per_example else summary, transform.args.single
+            )
         n = len(args)
 
         def example(*inputs: Any, **kw: Any) -> Any:
@@ -285,6 +307,78 @@ def ggn_diagonal(
         )  # fmt: skip
 
     return transform.public(call, fun)
+
+
+def _traced(transform, name, fun, args, kwargs, diff, in_axes) -> ghost.Traced:
+    """The model of one example traced, with its ghost plan (`traced_loss`, its
+    output checked to be a real array)."""
+    mapped = [i for i, a in enumerate(in_axes) if a is not None]
+    return ghost.traced_loss(
+        transform.memo, name, fun, args, kwargs, diff, mapped,
+        strip=True, has_aux=False, keep_batch_dim=False, check=_check_output,
+    )  # fmt: skip
+
+
+class _GhostDiagonal(Quantity):
+    """The GGN diagonal from the examples' ghost records (`Plan.pullback`): a leaf
+    whose only use is a product reading one activation per example gets
+    `(a^2)(sum_m g_m^2)^T` through its form (`Form.gradient` of the squared
+    arrays: each entry of its gradient is one product, nothing summed); any
+    other leaf is formed per cotangent and squared."""
+
+    def __init__(self, traced: ghost.Traced, settings: _Curvature, rows: bool):
+        plan = traced.plan
+        self.settings, self.rows = settings, rows
+        self.per_example = plan.with_rule(ghost.PER_EXAMPLE)
+        self.outer = [_outer_product(x) for x in plan.leaves]
+
+    def evaluate(self, traced: ghost.Traced, values: list, *extra: Any) -> Any:
+        plan = traced.plan_here(values)
+        outs, records, pull = plan.pullback(values, self.per_example)
+        f = outs[0]
+        _check_model_output("ggn_diagonal", f)
+        deltas, pe = jax.vmap(pull)(self.settings.vectors(f, extra).astype(f.dtype))
+        kept = []
+        for k, leaf in enumerate(plan.leaves):
+            if self.outer[k]:
+                (u,) = leaf.uses
+                one = jax.tree.map(lambda d: d[0], deltas[u.path])
+                a = _f32(u.form.build(records[u.key], one)[0])
+                g = jax.vmap(lambda d, u=u: u.form.build(records[u.key], d)[1])(
+                    deltas[u.path]
+                )
+                squares = [a * a, jnp.sum(jnp.square(_f32(g)), 0)]
+                kept.append(u.form.gradient(squares, leaf.shape, False, None))
+                continue
+            if k in pe:
+                g = pe[k]
+            elif leaf.uses:
+                g = jax.vmap(lambda d, k=k: plan.instantiate(k, records, d))(deltas)
+            else:
+                g = jnp.zeros((1, *leaf.shape), leaf.dtype)
+            kept.append(jnp.sum(jnp.square(_f32(g)), 0))
+        return kept
+
+    def chunk(self, kept: Any) -> tuple[Any, Any]:
+        if self.rows:
+            return (), kept
+        return [jnp.sum(x, 0) for x in kept], ()
+
+
+def _outer_product(leaf: Any) -> bool:
+    """Whether leaf's gradient is one product use's outer product of one
+    activation and one output gradient (each of its entries one product)."""
+    if len(leaf.uses) != 1:
+        return False
+    (u,) = leaf.uses
+    whole = tuple((0, d, 1) for d in leaf.shape)
+    return (
+        isinstance(u.form, EinsumForm)
+        and u.rule.kind in _PRODUCTS
+        and u.form.box == whole
+        and u.form.complete
+        and _positions(u.form) == 1
+    )
 
 
 def _check_model_output(name: str, f: Any) -> None:
@@ -678,11 +772,7 @@ def kfac_factors(
         diff, in_axes = transform.resolve(args)
         args = differentiable_floats(args, diff, in_axes)
         extra = settings.extra(name, _examples(name, args, in_axes), labels, key)
-        traced = ghost.traced_loss(
-            transform.memo, name, fun, args, kwargs, diff,
-            [i for i, a in enumerate(in_axes) if a is not None],
-            strip=True, has_aux=False, keep_batch_dim=False, check=_check_output,
-        )  # fmt: skip
+        traced = _traced(transform, name, fun, args, kwargs, diff, in_axes)
         quantity = traced.memo(
             ("kfac", settings, variant), lambda: _KFAC(traced, settings, variant)
         )
