@@ -583,8 +583,8 @@ MUTANTS = {
     "curvature: a leaf with no factors squares its summed cotangents": (
         (
             "chunkvmap/_dp/_curvature.py",
-            "            kept.append(jnp.sum(jnp.square(_f32(g)), 0))\n",
-            "            kept.append(jnp.square(jnp.sum(_f32(g), 0)))\n",
+            "    return jnp.sum(jnp.square(_f32(g)), 0)\n",
+            "    return jnp.square(jnp.sum(_f32(g), 0))\n",
         ),
         ["test_curvature"],
     ),

@@ -350,19 +350,27 @@ class _GhostDiagonal(Quantity):
                 squares = [a * a, jnp.sum(jnp.square(_f32(g)), 0)]
                 kept.append(u.form.gradient(squares, leaf.shape, False, None))
                 continue
-            if k in pe:
-                g = pe[k]
-            elif leaf.uses:
-                g = jax.vmap(lambda d, k=k: plan.instantiate(k, records, d))(deltas)
-            else:
-                g = jnp.zeros((1, *leaf.shape), leaf.dtype)
-            kept.append(jnp.sum(jnp.square(_f32(g)), 0))
+            kept.append(_formed_diagonal(plan, k, records, deltas, pe))
         return kept
 
     def chunk(self, kept: Any) -> tuple[Any, Any]:
         if self.rows:
             return (), kept
         return [jnp.sum(x, 0) for x in kept], ()
+
+
+def _formed_diagonal(plan: Any, k: int, records: dict, deltas: dict, pe: dict):
+    """One example's `sum_m g_m^2` of leaf `k`, its gradient formed per cotangent
+    (the per-example gradients `pe` of the leaves no rule covers, else from the
+    record's uses; zeros for a leaf not used)."""
+    leaf = plan.leaves[k]
+    if k in pe:
+        g = pe[k]
+    elif leaf.uses:
+        g = jax.vmap(lambda d: plan.instantiate(k, records, d))(deltas)
+    else:
+        g = jnp.zeros((1, *leaf.shape), leaf.dtype)
+    return jnp.sum(jnp.square(_f32(g)), 0)
 
 
 def _outer_product(leaf: Any) -> bool:
@@ -587,13 +595,7 @@ class _KFAC(Quantity):
             if self.layouts[k] is not None:
                 kept.append(self._arrays(leaf, records, deltas))
                 continue
-            if k in pe:
-                g = pe[k]
-            elif leaf.uses:  # formed per cotangent
-                g = jax.vmap(lambda d, k=k: plan.instantiate(k, records, d))(deltas)
-            else:  # not used: no curvature
-                g = jnp.zeros((1, *leaf.shape), leaf.dtype)
-            kept.append(jnp.sum(jnp.square(_f32(g)), 0))
+            kept.append(_formed_diagonal(plan, k, records, deltas, pe))
         return kept
 
     @staticmethod
