@@ -61,7 +61,7 @@ def _fast_compiles() -> None:
         cache = _cache_dir()
         _bound(cache, 2**30)
         os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
-        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def _cache_dir() -> str:
