@@ -39,6 +39,26 @@ def run_seconds(exe, args, repeats):
     return statistics.median(times)
 
 
+def temp_bytes(fn, *args) -> int:
+    """XLA's compiled temporary memory of `jax.jit(fn)(*args)` (compiled, not run)."""
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def interleaved(fns, args, repeats, values=3):
+    """Median seconds per call of each function (jitted) on `args`, the calls
+    interleaved, and the outputs of the first `values` of them."""
+    jitted = [jax.jit(f) for f in fns]
+    for f in jitted:
+        jax.block_until_ready(f(*args))
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for t, f in zip(times, jitted):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times], [f(*args) for f in jitted[:values]]
+
+
 def machine() -> str:
     """One line naming the software and hardware the numbers come from, with the
     machine's load (its 1-minute average) when it is asked."""

@@ -135,10 +135,16 @@ def cnn_batch(rng, n, cfg=CNN):
     return images, jnp.asarray(rng.integers(0, cfg["classes"], n), "i4")
 
 
-def models(quick: bool = False) -> dict:
-    """name -> (params maker, loss, batch maker), at full or tiny (`quick`) size."""
+def _sizes(quick: bool) -> tuple[dict, dict]:
+    """The language model's and the convnet's configurations, full or tiny."""
     lm = dict(LM, vocab=64, width=16, positions=4, blocks=2, heads=2) if quick else LM
     cnn = dict(CNN, channels=(3, 4, 8), image=8) if quick else CNN
+    return lm, cnn
+
+
+def models(quick: bool = False) -> dict:
+    """name -> (params maker, loss, batch maker), at full or tiny (`quick`) size."""
+    lm, cnn = _sizes(quick)
 
     def lm_model(**kw):
         return (
@@ -165,8 +171,7 @@ def models(quick: bool = False) -> dict:
 def output_models(quick: bool = False) -> dict:
     """name -> (params maker, model output of one example `(params, x)`, inputs
     maker `(rng, n) -> x`): the models of `models` before their loss."""
-    lm = dict(LM, vocab=64, width=16, positions=4, blocks=2, heads=2) if quick else LM
-    cnn = dict(CNN, channels=(3, 4, 8), image=8) if quick else CNN
+    lm, cnn = _sizes(quick)
 
     def lm_model(**kw):
         return (

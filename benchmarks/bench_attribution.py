@@ -20,9 +20,7 @@ it first on the path).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -31,7 +29,7 @@ import numpy as np
 
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import init_mlp, machine, mlp  # noqa: E402
+from _common import init_mlp, interleaved, machine, mlp, temp_bytes  # noqa: E402
 from _dp_models import models  # noqa: E402
 
 from chunkvmap import per_example_grad_projections  # noqa: E402
@@ -81,23 +79,6 @@ def _step(loss):
     return run
 
 
-def _temp(fn, *args) -> int:
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
-def _interleaved(fns, args, repeats):
-    jitted = [jax.jit(f) for f in fns]
-    for f in jitted:
-        jax.block_until_ready(f(*args))
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for t, f in zip(times, jitted):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            t.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times], [f(*args) for f in jitted[:3]]
-
-
 def rows(quick: bool, sizes, repeats, rng):
     cases = {"MLP 256-512-512-10": _mlp_model(), **models(quick)}
     for name, (make, loss, batch) in cases.items():
@@ -113,11 +94,11 @@ def rows(quick: bool, sizes, repeats, rng):
             "non-private step": _step(loss),
         }
         memory = {
-            m: [_temp(f, params, *batch(rng, n)) for n in sizes]
+            m: [temp_bytes(f, params, *batch(rng, n)) for n in sizes]
             for m, f in methods.items()
         }
         data = batch(rng, sizes[0])
-        times, values = _interleaved(list(methods.values()), (params, *data), repeats)
+        times, values = interleaved(list(methods.values()), (params, *data), repeats)
         ref = np.asarray(values[0])
         for v in values[1:]:
             err = np.max(np.abs(np.asarray(v) - ref)) / (np.max(np.abs(ref)) + 1e-30)

@@ -23,9 +23,7 @@ it first on the path).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -34,7 +32,7 @@ import numpy as np
 
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import init_mlp, machine, mlp  # noqa: E402
+from _common import init_mlp, interleaved, machine, mlp, temp_bytes  # noqa: E402
 from _dp_models import output_models  # noqa: E402
 
 from chunkvmap import ggn_diagonal, kfac_factors  # noqa: E402
@@ -75,23 +73,6 @@ def _with_key(fn, mc: bool):
     return (lambda p, x, key: fn(p, x, key=key)) if mc else (lambda p, x, key: fn(p, x))
 
 
-def _temp(fn, *args) -> int:
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
-def _interleaved(fns, args, repeats):
-    jitted = [jax.jit(f) for f in fns]
-    for f in jitted:
-        jax.block_until_ready(f(*args))
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for t, f in zip(times, jitted):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            t.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times], [f(*args) for f in jitted[:3]]
-
-
 def rows(quick: bool, sizes, repeats, rng):
     key = jax.random.key(1)
     for name, (make, model, inputs) in _cases(quick).items():
@@ -112,9 +93,11 @@ def rows(quick: bool, sizes, repeats, rng):
         }
         fns = [_with_key(f, mc) for f in methods.values()] + [_step(model)]
         labels = [*methods, "non-private step"]
-        memory = [[_temp(f, params, inputs(rng, n), key) for n in sizes] for f in fns]
+        memory = [
+            [temp_bytes(f, params, inputs(rng, n), key) for n in sizes] for f in fns
+        ]
         data = inputs(rng, sizes[0])
-        times, values = _interleaved(fns, (params, data, key), repeats)
+        times, values = interleaved(fns, (params, data, key), repeats)
         for other in values[1:]:
             for a, b in zip(jax.tree.leaves(values[0]), jax.tree.leaves(other)):
                 scale = float(jnp.max(jnp.abs(a))) + 1e-30

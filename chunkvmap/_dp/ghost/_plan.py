@@ -398,20 +398,10 @@ class Plan:
         """One example's ghost evaluation at `values`: its loss evaluated with zero
         probes and differentiated once, giving every use's recorded operands and
         output cotangent, and the gradients of the leaves `per_example` (the
-        `Record`), and the loss's outputs."""
-        positions = self.diff_positions
-
-        def loss(probes: dict, pe_values: list) -> Any:
-            vals = list(values)
-            for k, v in zip(per_example, pe_values):
-                vals[positions[k]] = v
-            outs, records = self.run(vals, probes)
-            return outs[0], (outs, records)
-
-        (deltas, pe_grads), (outs, records) = jax.grad(
-            loss, argnums=(0, 1), has_aux=True
-        )(self.probes(), [values[positions[k]] for k in per_example])
-        return Record(self, records, deltas, dict(zip(per_example, pe_grads)), {}), outs
+        `Record`), and the loss's outputs: `pullback` at the cotangent 1."""
+        outs, records, pull = self.pullback(values, per_example)
+        deltas, grads = pull(jnp.ones_like(outs[0]))
+        return Record(self, records, deltas, grads, {}), outs
 
     def pullback(self, values: Sequence[Any], per_example: Sequence[int]) -> tuple:
         """One example's evaluation at `values` with zero probes, linearised: the
