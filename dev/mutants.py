@@ -543,8 +543,8 @@ MUTANTS = {
     "curvature: the ghost diagonal's activations not squared": (
         (
             "chunkvmap/_dp/_curvature.py",
-            "                squares = [a * a, jnp.sum(jnp.square(_f32(g)), 0)]\n",
-            "                squares = [a, jnp.sum(jnp.square(_f32(g)), 0)]\n",
+            "                squares = [a * a, jnp.sum(jnp.square(g), 0)]\n",
+            "                squares = [a, jnp.sum(jnp.square(g), 0)]\n",
         ),
         ["test_curvature"],
     ),

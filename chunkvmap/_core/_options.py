@@ -82,6 +82,18 @@ def check_callable(name: str, arg: str, value: Any, *, allow_none: bool = False)
     )
 
 
+def check_choice(name: str, arg: str, value: Any, kind: type) -> Any:
+    """`value` as a member of the string enum `kind`, or a ValueError naming the
+    values it takes."""
+    values = [m.value for m in kind]
+    if not isinstance(value, str) or value not in values:
+        raise ValueError(
+            f"{name} {arg} must be one of {', '.join(map(repr, values))}, but got "
+            f"{arg}={value!r}."
+        )
+    return kind(value)
+
+
 def check_bool(name: str, arg: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(

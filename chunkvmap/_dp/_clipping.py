@@ -34,6 +34,7 @@ from .._core._options import (
     check_bool,
     check_bools,
     check_callable,
+    check_choice,
     decorator_form,
     identity,
     takes,
@@ -1027,13 +1028,7 @@ def check_method(
     name: str, method: Any, pre_clipping_transform: Any = identity
 ) -> ghost.Method:
     """The `method` a user passed (`"vmap"` or `"ghost"`), checked."""
-    values = [m.value for m in ghost.Method]
-    if not isinstance(method, str) or method not in values:
-        raise ValueError(
-            f"{name} method must be one of {', '.join(map(repr, values))}, but got "
-            f"method={method!r}."
-        )
-    method = ghost.Method(method)
+    method = check_choice(name, "method", method, ghost.Method)
     if method is ghost.Method.GHOST and pre_clipping_transform is not identity:
         raise ValueError(
             f"{name} method='ghost' cannot apply pre_clipping_transform="

@@ -34,9 +34,9 @@ import jax.extend.core.primitives as prims
 import jax.numpy as jnp
 
 from .._core._accumulators import Fold, compose
-from .._core._options import Chunking, decorator_form, takes
+from .._core._options import Chunking, check_choice, decorator_form, takes
 from .._transforms._grads import FloatLeaves, differentiable_floats, grad_transform
-from . import ghost
+from . import _statistics, ghost
 from ._clipping import check_method
 from ._records import Quantity, over_chunks
 from .ghost._forms import EinsumForm, LeafAxis, Mark, RowsForm, _equation
@@ -111,20 +111,24 @@ class _Curvature(NamedTuple):
 
     @classmethod
     def make(cls, name: str, likelihood: Any, fisher: Any, samples: Any) -> Any:
-        for arg, value, kind in (
-            ("likelihood", likelihood, Likelihood),
-            ("fisher", fisher, Fisher),
-        ):
-            if value not in [m.value for m in kind]:
-                names = ", ".join(repr(m.value) for m in kind)
-                raise ValueError(
-                    f"{name} {arg} must be one of {names}, but got {arg}={value!r}."
-                )
+        likelihood = check_choice(name, "likelihood", likelihood, Likelihood)
+        fisher = check_choice(name, "fisher", fisher, Fisher)
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise TypeError(
                 f"{name} samples must be a positive int, but got samples={samples!r}."
             )
-        return cls(Likelihood(likelihood), Fisher(fisher), samples)
+        return cls(likelihood, fisher, samples)
+
+    def prepare(self, transform: Any, args: tuple, kwargs: dict) -> tuple:
+        """A call's differentiated argument numbers, `in_axes`, arguments (their
+        differentiated leaves floating-point), keyword arguments without
+        `labels=`/`key=`, and the per-example inputs those add (`extra`)."""
+        kwargs = dict(kwargs)
+        labels, key = kwargs.pop("labels", None), kwargs.pop("key", None)
+        diff, in_axes = transform.resolve(args)
+        args = differentiable_floats(args, diff, in_axes)
+        n = _statistics.examples(transform, args, in_axes, kwargs)
+        return diff, in_axes, args, kwargs, self.extra(transform.name, n, labels, key)
 
     def extra(self, name: str, n: int, labels: Any, key: Any) -> list:
         """The per-example inputs a call adds after `fun`'s: the labels
@@ -150,9 +154,8 @@ class _Curvature(NamedTuple):
     def vectors(self, f: jax.Array, extra: Sequence[Any]) -> jax.Array:
         labels = extra[0] if self.fisher is Fisher.EMPIRICAL else None
         key = None
-        if self.fisher is Fisher.MC:
-            key = extra[0]
-            key = jax.random.wrap_key_data(key) if key.ndim else key
+        if self.fisher is Fisher.MC:  # (raw key data, as `extra` made it)
+            key = jax.random.wrap_key_data(extra[0])
         return backward_vectors(
             self.likelihood, self.fisher, f, labels, key, self.samples
         )
@@ -169,18 +172,6 @@ def _check_output(name: str, traced: Any) -> None:
             f"{name} fun must return the model's output of one example as a real "
             f"array, but it returns {value}."
         )
-
-
-def _examples(name: str, args: tuple, in_axes: tuple) -> int:
-    sizes = [
-        x.shape[0]
-        for a, axis in zip(args, in_axes)
-        if axis is not None
-        for x in jax.tree.leaves(a)
-    ]
-    if not sizes:
-        raise ValueError(f"{name} needs at least one argument holding the examples.")
-    return sizes[0]
 
 
 @decorator_form("fun")
@@ -269,11 +260,7 @@ def ggn_diagonal(
     )
 
     def call(args: tuple, kwargs: dict, known: Any) -> Any:
-        kwargs = dict(kwargs)
-        labels, key = kwargs.pop("labels", None), kwargs.pop("key", None)
-        diff, in_axes = transform.resolve(args)
-        args = differentiable_floats(args, diff, in_axes)
-        extra = settings.extra(name, _examples(name, args, in_axes), labels, key)
+        diff, in_axes, args, kwargs, extra = settings.prepare(transform, args, kwargs)
         if method is ghost.Method.GHOST:
             traced = _traced(transform, name, fun, args, kwargs, diff, in_axes)
             quantity = traced.memo(
@@ -333,21 +320,16 @@ class _GhostDiagonal(Quantity):
         self.outer = [_outer_product(x) for x in plan.leaves]
 
     def evaluate(self, traced: ghost.Traced, values: list, *extra: Any) -> Any:
-        plan = traced.plan_here(values)
-        outs, records, pull = plan.pullback(values, self.per_example)
-        f = outs[0]
-        _check_model_output("ggn_diagonal", f)
-        deltas, pe = jax.vmap(pull)(self.settings.vectors(f, extra).astype(f.dtype))
+        plan, records, deltas, pe = _pulled(
+            "ggn_diagonal", traced, values, self.per_example, self.settings, extra
+        )
         kept = []
         for k, leaf in enumerate(plan.leaves):
             if self.outer[k]:
                 (u,) = leaf.uses
-                one = jax.tree.map(lambda d: d[0], deltas[u.path])
-                a = _f32(u.form.build(records[u.key], one)[0])
-                g = jax.vmap(lambda d, u=u: u.form.build(records[u.key], d)[1])(
-                    deltas[u.path]
-                )
-                squares = [a * a, jnp.sum(jnp.square(_f32(g)), 0)]
+                acts, outs = _use_arrays(u, records, deltas)
+                a, g = _f32(acts[0]), _f32(outs[1])
+                squares = [a * a, jnp.sum(jnp.square(g), 0)]
                 kept.append(u.form.gradient(squares, leaf.shape, False, None))
                 continue
             kept.append(_formed_diagonal(plan, k, records, deltas, pe))
@@ -357,6 +339,28 @@ class _GhostDiagonal(Quantity):
         if self.rows:
             return (), kept
         return [jnp.sum(x, 0) for x in kept], ()
+
+
+def _pulled(name, traced, values, per_example, settings, extra) -> tuple:
+    """One example's plan (of the current mesh context), records, output
+    gradients for each of its cotangents and per-example leaves' gradients (one
+    per cotangent, leading): `Plan.pullback` once, pulled back `jax.vmap`-ed over
+    `settings.vectors` of the output."""
+    plan = traced.plan_here(values)
+    outs, records, pull = plan.pullback(values, per_example)
+    f = outs[0]
+    _check_model_output(name, f)
+    deltas, pe = jax.vmap(pull)(settings.vectors(f, extra).astype(f.dtype))
+    return plan, records, deltas, pe
+
+
+def _use_arrays(u: Any, records: dict, deltas: dict) -> tuple[list, list]:
+    """Use `u`'s form arrays: built with the first cotangent (for the arrays of
+    the activations, which no cotangent changes), and with each (leading)."""
+    one = jax.tree.map(lambda d: d[0], deltas[u.path])
+    acts = u.form.build(records[u.key], one)
+    outs = jax.vmap(lambda d: u.form.build(records[u.key], d))(deltas[u.path])
+    return acts, outs
 
 
 def _formed_diagonal(plan: Any, k: int, records: dict, deltas: dict, pe: dict):
@@ -554,7 +558,7 @@ def _rows_grams(form: RowsForm, layout: Any, arrays: tuple) -> tuple:
         .at[rows.reshape(-1)]
         .add(valid.reshape(-1).astype(jnp.float32))
     )
-    mask = valid[:, None].reshape(valid.shape[0], 1, *valid.shape[1:])
+    mask = valid[:, None]  # (examples, cotangent, positions, ...)
     mask = mask.reshape(mask.shape + (1,) * (delta.ndim - mask.ndim))
     d = jnp.where(mask, _f32(delta), 0)
     spec = (Mark("example"), Mark("cotangent"), *form.specs[2])
@@ -582,11 +586,9 @@ class _KFAC(Quantity):
         """One example's activations once and output gradients per cotangent
         (`Plan.pullback`, by the plan of the current mesh context), kept as each
         leaf's factors need them."""
-        plan = traced.plan_here(values)
-        outs, records, pull = plan.pullback(values, self.per_example)
-        f = outs[0]
-        _check_model_output("kfac_factors", f)
-        deltas, pe = jax.vmap(pull)(self.settings.vectors(f, extra).astype(f.dtype))
+        plan, records, deltas, pe = _pulled(
+            "kfac_factors", traced, values, self.per_example, self.settings, extra
+        )
         kept = []
         for k, leaf in enumerate(plan.leaves):
             if k in self.paired:  # in its weight's factors
@@ -605,13 +607,8 @@ class _KFAC(Quantity):
         cotangent, leading)."""
         kept = []
         for u in leaf.uses:
-            form = u.form
-            one = jax.tree.map(lambda d: d[0], deltas[u.path])
-            acts = form.build(records[u.key], one)
-            outs = jax.vmap(lambda d, u=u: u.form.build(records[u.key], d))(
-                deltas[u.path]
-            )
-            if isinstance(form, RowsForm):
+            acts, outs = _use_arrays(u, records, deltas)
+            if isinstance(u.form, RowsForm):
                 kept.append((acts[0], acts[1], outs[2]))
                 continue
             kept.append((acts[0], outs[1]))
@@ -759,21 +756,13 @@ def kfac_factors(
     """
     name = "kfac_factors"
     settings = _Curvature.make(name, likelihood, fisher, samples)
-    if variant not in [v.value for v in Variant]:
-        raise ValueError(
-            f"{name} variant must be 'expand' or 'reduce', but got variant={variant!r}."
-        )
-    variant = Variant(variant)
+    variant = check_choice(name, "variant", variant, Variant)
     transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True, **options
     )
 
     def call(args: tuple, kwargs: dict, known: Any) -> Any:
-        kwargs = dict(kwargs)
-        labels, key = kwargs.pop("labels", None), kwargs.pop("key", None)
-        diff, in_axes = transform.resolve(args)
-        args = differentiable_floats(args, diff, in_axes)
-        extra = settings.extra(name, _examples(name, args, in_axes), labels, key)
+        diff, in_axes, args, kwargs, extra = settings.prepare(transform, args, kwargs)
         traced = _traced(transform, name, fun, args, kwargs, diff, in_axes)
         quantity = traced.memo(
             ("kfac", settings, variant), lambda: _KFAC(traced, settings, variant)

@@ -285,7 +285,7 @@ def per_example_grad_stats(
         padding = kwargs.pop("is_padding_example", None)
         diff, in_axes = transform.resolve(args)
         args = differentiable_floats(args, diff, in_axes)
-        size = _axes_size(transform, args, in_axes, kwargs)
+        size = examples(transform, args, in_axes, kwargs)
         if size == 0:
             raise ValueError(
                 f"{name} needs at least one example (the mean over zero examples is "
@@ -476,7 +476,7 @@ def _sq_norm(g: jax.Array, acc: Any, rows: bool = False) -> jax.Array:
     return jnp.sum(sq.reshape(g.shape[0], -1), 1) if rows else jnp.sum(sq)
 
 
-def _axes_size(transform: Transform, args: tuple, in_axes: tuple, kwargs: dict) -> int:
+def examples(transform: Transform, args: tuple, in_axes: tuple, kwargs: dict) -> int:
     """The number of examples of a call (its mapped arguments' leading size)."""
     mapped = _clipping.mapped_leaves(transform.name, args, in_axes, kwargs)
     return _axes.mapped_size(*mapped, None, transform=transform.name)
@@ -484,7 +484,7 @@ def _axes_size(transform: Transform, args: tuple, in_axes: tuple, kwargs: dict) 
 
 def _chunk_length(rows: Transform, args: tuple, in_axes: tuple) -> tuple[int, int]:
     """A call's number of examples and the length of its chunks of rows."""
-    size = _axes_size(rows, args, in_axes, {})
+    size = examples(rows, args, in_axes, {})
     batch = rows.options.batch_size
     return size, batch if isinstance(batch, int) and 0 < batch < size else size
 
@@ -928,7 +928,7 @@ class _Gram:
             return _memory.temp_bytes(self.name, program, abstract)
 
         key = (treedef, tuple(jax.typeof(leaves[i]) for i in dyn))
-        size = _axes_size(self.transform, args, resolved[1], {})
+        size = examples(self.transform, args, resolved[1], {})
         return self.transform.auto.choose(key, measure, size)
 
     def resolve(self, args: tuple, kwargs: dict) -> tuple:
