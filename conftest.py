@@ -103,9 +103,10 @@ import pytest  # noqa: E402
 SLOWEST = [
     f"tests/test_{name}.py"
     for name in (
-        "statistics closures conv wherever benchmarks padding grads ghost notebooks "
-        "sharding conformance clipping doc_snippets eqx hostile demo cache linen "
-        "ghost_models compose bench_clipping vectorize auto layouts loop"
+        "statistics curvature padding conv wherever closures projections benchmarks "
+        "sharding notebooks clipping ghost demo conformance grads doc_snippets eqx "
+        "hostile linen ghost_models nnx vectorize bench_clipping cache compose "
+        "layouts ghost_rules multihost auto loop"
     ).split()
 ]
 
