@@ -380,8 +380,8 @@ def kfac_by_hand(tapped, params, xs, cotangents, variant="expand", biased=()):
     (positions first, output features last). The output gradients are `jax.vjp`
     of the output in the probes, at each cotangent. The products named in
     `biased` have a bias added to their output: their activations get a last
-    entry 1 (kfac-jax's dense and convolution blocks). Returns `{name: (A, G)}` in
-    float64."""
+    entry 1 (kfac-jax's dense and convolution blocks). Returns `{name: (A, G,
+    count)}` in float64, `count` the terms summed into `A`."""
     factors = {}
     for x, cots in zip(xs, cotangents):
         _, acts, ys = tapped(params, x, None)
@@ -399,6 +399,7 @@ def kfac_by_hand(tapped, params, xs, cotangents, variant="expand", biased=()):
             else:
                 am = a.mean(0)
                 pair = (np.outer(am, am), sum(np.outer(g.sum(0), g.sum(0)) for g in gs))
-            old = factors.get(k, (0.0, 0.0))
-            factors[k] = (old[0] + pair[0], old[1] + pair[1])
+            pair = (*pair, len(a) if variant == "expand" else 1)
+            old = factors.get(k, (0.0, 0.0, 0))
+            factors[k] = tuple(o + q for o, q in zip(old, pair))
     return factors

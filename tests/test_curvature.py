@@ -314,6 +314,13 @@ BIASED = {  # a product's added bias: joint blocks, as kfac-jax's
 }
 
 
+AXES = {  # (blocks, inputs, outputs) where not a dense (in, out) weight's
+    ("scanned", "ws"): ((0,), (1,), (2,)),
+    ("conv-NHWC", "kernel"): ((), (0, 1, 2), (3,)),
+    ("conv-NCHW", "kernel"): ((), (1, 2, 3), (0,)),
+}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_kfac_factors_match_the_factors_captured_by_hand(name):
     params, x, tapped, model = _model(MODELS[name])
@@ -321,16 +328,21 @@ def test_kfac_factors_match_the_factors_captured_by_hand(name):
     biased = BIASED.get(name, {})
     expected = kfac_by_hand(tapped, params, x, cots, biased=biased)
     got = kfac_factors(model, likelihood="categorical", batch_size=2)(params, x)
-    for leaf, (a, g) in expected.items():
+    for leaf, (a, g, count) in expected.items():
         factors = _kron_leaf(got, leaf)
         assert isinstance(factors, Kronecker), (leaf, factors)
-        inputs, outputs = factors
+        inputs, outputs = factors.inputs, factors.outputs
         if leaf.startswith("ws"):  # one block per layer
             inputs, outputs = inputs[int(leaf[2:])], outputs[int(leaf[2:])]
         if leaf == "table":  # an embedding's inputs: the diagonal
             a = np.diag(a)
         np.testing.assert_allclose(inputs, a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(outputs, g, rtol=1e-5, atol=1e-5)
+        assert float(factors.count) == count, (leaf, factors.count, count)
+        axes = AXES.get((name, leaf.rstrip("012")), ((), (0,), (1,)))
+        assert factors.axes == axes, (leaf, factors.axes)
+        bias = biased.get(leaf)
+        assert factors.bias == (None if bias is None else sorted(params).index(bias))
     if name == "tied-embedding":  # a lookup and a product: no Kronecker factors
         assert not isinstance(got["table"], Kronecker)
     for bias in biased.values():  # in its weight's factors
@@ -352,9 +364,10 @@ def test_kfac_reduce_variant(name):
     got = jax.jit(
         kfac_factors(model, likelihood="categorical", variant="reduce", batch_size=3)
     )(params, x)
-    for leaf, (a, g) in expected.items():
+    for leaf, (a, g, count) in expected.items():
         np.testing.assert_allclose(got[leaf].inputs, a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got[leaf].outputs, g, rtol=1e-5, atol=1e-5)
+        assert float(got[leaf].count) == count
 
 
 @pytest.mark.parametrize(
@@ -369,9 +382,10 @@ def test_kfac_fisher_types(likelihood, fisher):
     got = kfac_factors(
         model, likelihood=likelihood, fisher=fisher, samples=2, batch_size=4
     )(params, x, **_call_args(fisher, labels, key))
-    for leaf, (a, g) in expected.items():
+    for leaf, (a, g, count) in expected.items():
         np.testing.assert_allclose(got[leaf].inputs, a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got[leaf].outputs, g, rtol=1e-5, atol=1e-5)
+        assert float(got[leaf].count) == count
 
 
 def test_equinox_and_flax_models():
@@ -393,7 +407,8 @@ def test_equinox_and_flax_models():
     params, static = eqx.partition(mlp, eqx.is_inexact_array)
     got = kfac_factors(model, likelihood="categorical", batch_size=3)(mlp, x)
     for i in range(2):
-        a, g = expected[f"l{i}"]
+        a, g, _ = expected[f"l{i}"]
+        assert got.layers[i].weight.axes == ((), (1,), (0,))  # (out, in) weights
         np.testing.assert_allclose(got.layers[i].weight.inputs, a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(
             got.layers[i].weight.outputs, g, rtol=1e-5, atol=1e-5
@@ -423,7 +438,7 @@ def test_equinox_and_flax_models():
     expected = kfac_by_hand(tapped_linen, variables, x, cots, biased={"d0", "d1"})
     got = kfac_factors(apply, likelihood="categorical", batch_size=2)(variables, x)
     for i in range(2):
-        a, g = expected[f"d{i}"]
+        a, g, _ = expected[f"d{i}"]
         dense = got["params"][f"Dense_{i}"]["kernel"]
         np.testing.assert_allclose(dense.inputs, a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(dense.outputs, g, rtol=1e-5, atol=1e-5)
@@ -465,7 +480,7 @@ def test_over_a_mesh(hold):
     else:
         factors = jax.jit(kfac_factors(model, shard=True, **opts))(params, x)
         diagonal = jax.jit(ggn_diagonal(model, shard=True, **opts))(params, x)
-    for leaf, (a, g) in expected.items():
+    for leaf, (a, g, _) in expected.items():
         np.testing.assert_allclose(factors[leaf].inputs, a, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(factors[leaf].outputs, g, rtol=1e-5, atol=1e-5)
     expected_diag = unravel(jnp.asarray(rows.sum(0), jnp.float32))

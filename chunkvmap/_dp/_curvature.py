@@ -24,7 +24,9 @@ the factors chunk by chunk (`_KFAC`, one accumulator on the record).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Unpack
@@ -39,7 +41,7 @@ from .._transforms._grads import FloatLeaves, differentiable_floats, grad_transf
 from . import _statistics, ghost
 from ._clipping import check_method
 from ._records import Quantity, over_chunks
-from .ghost._forms import EinsumForm, LeafAxis, Mark, RowsForm, _equation
+from .ghost._forms import EinsumForm, LeafAxis, Mark, Part, RowsForm, _equation
 from .ghost._rules import UseKind
 
 
@@ -404,10 +406,16 @@ def _check_model_output(name: str, f: Any) -> None:
 # -- KFAC ------------------------------------------------------------------------------
 
 
-class Kronecker(NamedTuple):
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["inputs", "outputs", "count"],
+    meta_fields=["axes", "bias"],
+)
+@dataclasses.dataclass(frozen=True)
+class Kronecker:
     """A leaf's KFAC factors (`kfac_factors`): its block of the curvature is
-    approximated by `kron(inputs, outputs)` in the leaf's layout flattened as
-    `(input axes, output axes)`, for each block.
+    approximated by `kron(inputs, outputs) / count` in the leaf's layout flattened
+    as `(input axes, output axes)`, for each block.
 
     Attributes:
       inputs: `sum a a^T` over the examples and positions of the activations `a`
@@ -416,6 +424,14 @@ class Kronecker(NamedTuple):
         row is looked up, a vector.
       outputs: `sum g g^T` over the examples, positions and cotangents of the
         use's output gradients `g`.
+      count: the number of terms summed into `inputs` (examples times positions;
+        examples for `variant="reduce"`; an embedding's lookups), so that
+        `kron(inputs, outputs) / count` approximates the curvature summed over
+        the examples.
+      axes: the leaf's axes `(blocks, inputs, outputs)`, each a tuple in order,
+        or None where the uses split a leaf axis between them (static).
+      bias: the position, among the differentiated leaves, of the bias joined to
+        this weight (the last row and column of `inputs`), or None (static).
 
     Axes the leaf shares with both (a scanned stack's layer axis, a batched
     product's heads) lead as blocks: `inputs[b]` and `outputs[b]` are block `b`'s.
@@ -426,13 +442,16 @@ class Kronecker(NamedTuple):
       >>> x = jnp.array([[1.0, 0.0], [1.0, 1.0]])
       >>> factors = kfac_factors(lambda w, x: x @ w, likelihood="gaussian")
       >>> f = factors(jnp.ones((2, 1)), x)
-      >>> f.inputs, f.outputs
+      >>> f.inputs, f.outputs, f.count, f.axes
       (Array([[2., 1.],
-             [1., 1.]], dtype=float32), Array([[2.]], dtype=float32))
+             [1., 1.]], dtype=float32), Array([[2.]], dtype=float32), Array(2., dtype=float32), ((), (0,), (1,)))
     """
 
     inputs: jax.Array
     outputs: jax.Array
+    count: jax.Array
+    axes: tuple | None = None
+    bias: int | None = None
 
 
 class Variant(enum.StrEnum):
@@ -513,6 +532,15 @@ def _biases(leaves: Sequence[Any], layouts: Sequence[Any]) -> dict[int, int]:
     return pairs
 
 
+def _leaf_axes(layout: _Factors) -> tuple | None:
+    """`Kronecker.axes`: the leaf axes of the blocks, inputs and outputs, or None
+    where a symbol is part of an axis."""
+    groups = (layout.blocks, layout.inputs, layout.outputs)
+    if any(s.part is not Part.WHOLE for g in groups for s in g):
+        return None
+    return tuple(tuple(s.axis for s in g) for g in groups)
+
+
 def _sizes_match(leaves, layouts, w: int, b: int) -> bool:
     sizes = leaves[w].uses[0].form.leaf_sizes()
     return tuple(leaves[b].shape) == tuple(sizes[s] for s in layouts[w].outputs)
@@ -581,6 +609,7 @@ class _KFAC(Quantity):
         self.per_example = plan.with_rule(ghost.PER_EXAMPLE)
         self.biases = _biases(plan.leaves, self.layouts)
         self.paired = set(self.biases.values())
+        self.meta = [None if x is None else _leaf_axes(x) for x in self.layouts]
 
     def evaluate(self, traced: ghost.Traced, values: list, *extra: Any) -> Any:
         """One example's activations once and output gradients per cotangent
@@ -623,22 +652,27 @@ class _KFAC(Quantity):
             elif layout is None:
                 factors.append(jnp.sum(part, 0))
             else:
-                factors.append(self._factors(leaf, layout, part, k in self.biases))
+                inputs, outputs, count = self._factors(
+                    leaf, layout, part, k in self.biases
+                )
+                count = jnp.asarray(count, jnp.float32)
+                meta = dict(axes=self.meta[k], bias=self.biases.get(k))
+                factors.append(Kronecker(inputs, outputs, count, **meta))
         return factors, ()
 
-    def _factors(
-        self, leaf: Any, layout: _Factors, parts: list, bias: bool
-    ) -> Kronecker:
+    def _factors(self, leaf: Any, layout: _Factors, parts: list, bias: bool) -> tuple:
         """A chunk's sums of `a a^T` and `g g^T` over its examples and the uses'
         positions (`EXPAND`), or of the examples' operands reduced over them
         first: the activations averaged, the output gradients summed (`REDUCE`).
         With a `bias` added to the outputs, the activations have a last entry 1
-        (kfac-jax's dense and convolution blocks with a bias)."""
+        (kfac-jax's dense and convolution blocks with a bias). Returns `(inputs,
+        outputs, count)`."""
         example, cot = Mark("example"), Mark("cotangent")
         blocks, ins, outs = layout
         if isinstance(leaf.uses[0].form, RowsForm):
             grams = [_rows_grams(u.form, layout, p) for u, p in zip(leaf.uses, parts)]
-            return Kronecker(*self._flat(leaf, layout, *map(sum, zip(*grams))))
+            counts, outputs = map(sum, zip(*grams))
+            return (*self._flat(leaf, layout, counts, outputs), jnp.sum(counts))
         keep_a, keep_d = (example, *blocks, *ins), (example, cot, *blocks, *outs)
         a_sum = outputs = inputs = 0
         count = 0
@@ -666,7 +700,7 @@ class _KFAC(Quantity):
             column = a_sum.reshape(-1, 1)
             corner = jnp.full((1, 1), count, inputs.dtype)
             inputs = jnp.block([[inputs, column], [column.T, corner]])
-        return Kronecker(inputs, outputs)
+        return inputs, outputs, count
 
     @staticmethod
     def _flat(leaf, layout: _Factors, inputs, outputs) -> tuple:
