@@ -303,6 +303,34 @@ def projected_grads(loss, params, batch, dim, seed=0):
     return np.concatenate(columns, 1)
 
 
+def preconditioned_rows(rows, shapes, curvatures, dim, damping, seed=0):
+    """The oracle of `per_example_grad_projections(..., precondition=)`: `rows` of
+    `projected_grads` (leaves of `shapes`), each leaf's part times `(H + lambda
+    I)^(-1/2)`, with `H = P^T F P`, `F` the leaf's dense curvature (`curvatures`:
+    one `(n, n)` matrix per leaf, in its row-major order), `P` the dense Kronecker
+    product of the leaf's axis matrices (the identity on an axis kept whole) and
+    `lambda` `damping` times the mean eigenvalue of `H`; in float64."""
+    base, out, start = jax.random.key(seed), [], 0
+    for k, (shape, f) in enumerate(zip(shapes, curvatures)):
+        key, proj = jax.random.fold_in(base, k), np.ones((1, 1))
+        for j, d in enumerate(shape):
+            p = np.eye(d)
+            if d > dim:
+                p = np.asarray(
+                    jax.random.normal(jax.random.fold_in(key, j), (d, dim)), np.float64
+                ) / dim**0.5
+            proj = np.kron(proj, p)
+        h = proj.T @ np.asarray(f, np.float64) @ proj
+        s, u = np.linalg.eigh((h + h.T) / 2)
+        s = np.maximum(s, 0)
+        root = u @ np.diag(1 / np.sqrt(s + damping * s.mean())) @ u.T
+        part = rows[:, start : start + proj.shape[1]]
+        out.append(part @ root)  # (root is symmetric)
+        start += proj.shape[1]
+    assert start == rows.shape[1]
+    return np.concatenate(out, 1)
+
+
 # -- curvature -------------------------------------------------------------------------
 
 

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from chunkvmap import per_example_grad_projections
+from chunkvmap import Kronecker, per_example_grad_projections
 
 from . import test_ghost_models as models
-from .helpers import projected_grads, temp_bytes
+from .helpers import preconditioned_rows, projected_grads, temp_bytes
 
 
 def _close(got, expected, rtol=2e-5):
@@ -237,3 +237,160 @@ def test_projections_over_a_mesh(case, hold, method, rng):
         )
         got = jax.jit(project)(params, *batch)
     _close(got, expected)
+
+
+def _softmax_ce(logits, y):
+    return -jax.nn.log_softmax(logits)[y]
+
+
+def _gained_mlp(rng):
+    """Dense weights `(in, out)` with their biases joined, and a gain (no
+    factors: its diagonal)."""
+    p = {
+        "w1": jnp.asarray(rng.normal(size=(5, 6)), jnp.float32) * 0.5,
+        "b1": jnp.asarray(rng.normal(size=(6,)), jnp.float32) * 0.1,
+        "g": 1.0 + jnp.asarray(rng.normal(size=(6,)), jnp.float32) * 0.1,
+        "w2": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32) * 0.5,
+        "b2": jnp.zeros(3),
+    }
+
+    def logits(p, x):
+        return (jnp.tanh(x @ p["w1"] + p["b1"]) * p["g"]) @ p["w2"] + p["b2"]
+
+    def dense(f):  # each leaf's dense curvature from the factors, by hand
+        def kron(k):
+            a = np.asarray(k.inputs, np.float64)
+            return np.kron(a[:-1, :-1], np.asarray(k.outputs) / float(k.count))
+
+        def bias(k):
+            a = np.asarray(k.inputs, np.float64)
+            return np.asarray(k.outputs, np.float64) * a[-1, -1] / float(k.count)
+
+        return [bias(f["w1"]), bias(f["w2"]), np.diag(f["g"]), kron(f["w1"]),
+                kron(f["w2"])]  # fmt: skip
+
+    return p, logits, (5,), dense
+
+
+def _eqx_mlp(rng):
+    """Equinox's `(out, in)` weights: the leaf's order is `kron(G, A)`."""
+    import equinox as eqx
+
+    mlp = eqx.nn.MLP(5, 3, 6, 1, activation=jnp.tanh, key=jax.random.key(1))
+
+    def logits(m, x):
+        return m(x)
+
+    def dense(f):
+        out = []
+        for layer in f.layers:
+            a = np.asarray(layer.weight.inputs, np.float64)
+            g = np.asarray(layer.weight.outputs, np.float64) / float(layer.weight.count)
+            out += [np.kron(g, a[:-1, :-1]), g * a[-1, -1]]  # weight, then bias
+        return out
+
+    return mlp, logits, (5,), dense
+
+
+def _conv_nchw(rng):
+    """An `OIHW` kernel with its bias joined: `kron(G, A)` in the leaf's order."""
+    p = {
+        "kernel": jnp.asarray(rng.normal(size=(4, 2, 3, 3)), jnp.float32) * 0.4,
+        "bias": jnp.asarray(rng.normal(size=(4,)), jnp.float32) * 0.1,
+        "head": jnp.asarray(rng.normal(size=(4 * 9, 3)), jnp.float32) * 0.3,
+    }
+
+    def logits(p, x):
+        y = jax.lax.conv_general_dilated(
+            x[None], p["kernel"], (1, 1), "VALID",
+            dimension_numbers=("NCHW", "OIHW", "NCHW"),
+        )  # fmt: skip
+        y = y + p["bias"][None, :, None, None]  # (on the convolution's output)
+        return jnp.tanh(y[0]).reshape(-1) @ p["head"]
+
+    def dense(f):
+        k, h = f["kernel"], f["head"]
+        a = np.asarray(k.inputs, np.float64)
+        g = np.asarray(k.outputs, np.float64) / float(k.count)
+        head = np.kron(np.asarray(h.inputs), np.asarray(h.outputs) / float(h.count))
+        return [g * a[-1, -1], head, np.kron(g, a[:-1, :-1])]  # bias, head, kernel
+
+    return p, logits, (2, 5, 5), dense
+
+
+def _scanned(rng):
+    """A stack of layers scanned over: a block per layer, block-diagonal."""
+    import scipy.linalg
+
+    p = {
+        "ws": jnp.asarray(rng.normal(size=(3, 4, 4)), jnp.float32) * 0.5,
+        "head": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32) * 0.5,
+    }
+
+    def logits(p, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["ws"])
+        return h @ p["head"]
+
+    def kron(k):
+        return np.kron(np.asarray(k.inputs, np.float64), k.outputs / float(k.count))
+
+    def dense(f):
+        stack = [kron(Kronecker(*blocks, f["ws"].count)) for blocks in zip(
+            f["ws"].inputs, f["ws"].outputs)]  # fmt: skip
+        return [kron(f["head"]), scipy.linalg.block_diag(*stack)]
+
+    return p, logits, (4,), dense
+
+
+@pytest.mark.parametrize(
+    "case, method",
+    [(_gained_mlp, "ghost"), (_gained_mlp, "vmap"), (_eqx_mlp, "ghost"),
+     (_conv_nchw, "ghost"), (_scanned, "vmap")],  # fmt: skip
+)
+def test_kfac_preconditioned_rows_and_scores(case, method, rng):
+    """`precondition=kfac_factors(...)`: each leaf's projected gradient whitened by
+    `(P^T F P + lambda)^(-1/2)` (`F` its KFAC block, a joined bias's block, or a
+    diagonal), against the same from the dense curvature built by hand in the
+    leaf's layout (`tests.helpers.preconditioned_rows`); the scores against
+    another batch are the whitened rows' inner products. Eagerly and under `jit`,
+    N uneven in the chunks."""
+    import equinox as eqx
+
+    from chunkvmap import kfac_factors
+
+    params, logits, shape, dense = case(rng)
+    x = jnp.asarray(rng.normal(size=(11, *shape)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 3, 11), jnp.int32)
+    loss = lambda p, x, y: _softmax_ce(logits(p, x), y)  # noqa: E731
+    factors = kfac_factors(logits, likelihood="categorical", batch_size=4)(params, x)
+    dim, damping = 3 if case is _scanned else 4, 0.3
+    arrays, static = eqx.partition(params, eqx.is_inexact_array)
+    rows = projected_grads(
+        lambda a, x, y: loss(eqx.combine(a, static), x, y), arrays, (x, y), dim=dim
+    )
+    shapes = [a.shape for a in jax.tree.leaves(arrays)]
+    expected = preconditioned_rows(rows, shapes, dense(factors), dim, damping)
+    project = per_example_grad_projections(loss, dim=dim, batch_size=4, method=method)
+    got = project(params, x, y, precondition=factors, damping=damping)
+    _close(got, expected, rtol=1e-4)
+    scores = eqx.filter_jit(
+        lambda p, f: project(p, x, y, other=(p, x[:3], y[:3]), precondition=f,
+                             damping=damping)
+    )(params, factors)  # fmt: skip
+    _close(scores, expected @ expected[:3].T, rtol=1e-4)
+
+
+def test_preconditioning_errors_name_the_argument(rng):
+    loss, p, batch = _mlp(rng)
+    project = per_example_grad_projections(loss, dim=4)
+    diagonals = jax.tree.map(jnp.ones_like, p)
+    with pytest.raises(TypeError, match="damping is for precondition="):
+        project(p, *batch, damping=0.1)
+    with pytest.raises(TypeError, match="damping must be a non-negative float"):
+        project(p, *batch, precondition=diagonals, damping=-1.0)
+    with pytest.raises(TypeError, match="precondition must be structured like"):
+        project(p, *batch, precondition=[diagonals])
+    with pytest.raises(ValueError, match=r"leaf 1 of shape \(20, 30\): None, and no"):
+        project(p, *batch, precondition={**diagonals, "w1": None})
+    with pytest.raises(ValueError, match=r"a diagonal of the leaf's shape \(20, 30\)"):
+        project(p, *batch, precondition={**diagonals, "w1": jnp.ones(3)})

@@ -26,16 +26,19 @@ from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._core import _axes, _cache
 from .._core._options import Chunking, check_bool, decorator_form, takes
 from .._transforms._batch_vmap import Transform
 from .._transforms._grads import (
+    FloatLeaves,
     differentiable_floats,
     filtered_value_and_grad,
     grad_transform,
 )
 from . import _clipping, ghost
+from ._curvature import Kronecker
 from ._records import Quantity, over_chunks
 from .ghost._forms import EinsumForm, Mark, RowsForm, _equation
 
@@ -239,6 +242,19 @@ def per_example_grad_projections(
     examples, whose rows are projected first; the `N` rows are then scored chunk
     by chunk as they are made, never held together.
 
+    With `precondition=factors` (`kfac_factors`' result for the same parameters;
+    a leaf may hold a diagonal instead), the rows are whitened leaf by leaf:
+    each leaf's part is multiplied by `(H + lambda I)^(-1/2)`, where `H = P^T F
+    P` is the leaf's KFAC block `F = kron(inputs, outputs) / count` (block by
+    block; a joined bias's is its weight's `outputs` times `inputs[-1, -1] /
+    count`; a diagonal's `diag(D)`) seen through the leaf's projection `P`, and
+    `lambda` is `damping` (default 0.1) times the mean eigenvalue of `H`. Inner
+    products of whitened rows are the projected gradients' inner products in
+    the inverse curvature (influence-function style scores: TRAK, LoGra), and
+    with `other=` both batches' rows are whitened before they are scored. A
+    Kronecker leaf's `H` is whitened through the eigendecompositions of its two
+    projected factors; a diagonal's densely (up to 8192 projected entries).
+
     With `method="ghost"`, a dense use's projection is made from its activations
     and output cotangents (`sum_t (P_in^T a_t)(P_out^T g_t)^T`, LoGra's identity),
     convolutions and attention likewise through their ghost forms, and an
@@ -267,7 +283,8 @@ def per_example_grad_projections(
       chunk_size: an alias of `batch_size`.
 
     Returns:
-      A function with `fun`'s arguments (and `other=`) returning the `(N, K)`
+      A function with `fun`'s arguments (and `other=`, `precondition=`,
+      `damping=`) returning the `(N, K)`
       float32 matrix, or with `other=` the `(N, M)` scores (with `has_aux`:
       `(matrix, aux)`).
 
@@ -306,19 +323,44 @@ def per_example_grad_projections(
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         kwargs = dict(kwargs)
         other = kwargs.pop("other", None)
-        post = None
+        whiten = _preconditioner(name, transform, args, kwargs, dim, seed)
+        post = whiten
         if other is not None:
             if not isinstance(other, tuple):
                 raise TypeError(
                     f"{name} other must be a tuple of fun's positional arguments "
                     f"for the other examples, but got {type(other).__name__}."
                 )
-            rows = rows_of(other, kwargs, _axes.NOTHING_KNOWN, None)[0]
-            post = _scorer(rows, cosine=similarity == "cosine")
+            rows = rows_of(other, kwargs, _axes.NOTHING_KNOWN, whiten)[0]
+            score = _scorer(rows, cosine=similarity == "cosine")
+            post = score if whiten is None else lambda row: score(whiten(row))
         result, aux = rows_of(args, kwargs, known, post)
         return (result, aux) if has_aux else result
 
     return transform.public(call, fun)
+
+
+def _preconditioner(
+    name: str, transform: Transform, args: tuple, kwargs: dict, dim: int, seed: int
+) -> Callable[[Any], Any] | None:
+    """The whitening of the call's `precondition=` (popped from `kwargs`, with
+    `damping=`), or None without one."""
+    precondition = kwargs.pop("precondition", None)
+    damping = kwargs.pop("damping", None)
+    if precondition is None:
+        if damping is not None:
+            raise TypeError(f"{name} damping is for precondition=, which is missing.")
+        return None
+    damping = 0.1 if damping is None else damping
+    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or damping < 0:
+        raise TypeError(
+            f"{name} damping must be a non-negative float, but got damping={damping!r}."
+        )
+    diff, in_axes = transform.resolve(args)
+    args = differentiable_floats(args, diff, in_axes)
+    return _whitening(
+        name, args, diff, transform.args.single, precondition, dim, seed, damping
+    )
 
 
 def _rows(
@@ -372,3 +414,162 @@ def _formed(
         return row if post is None else post(row), (value[1] if has_aux else None)
 
     return transform.map(example, args, kwargs, in_axes, 0, known=known)
+
+
+def _sandwich(factor: jax.Array, sizes: Sequence[int], mats: Sequence[Any]) -> Any:
+    """`P^T F P` for `F` (`(..., n, n)`, `n` the product of `sizes`) and `P` the
+    Kronecker product of `mats` (None: an axis kept whole)."""
+    lead = factor.shape[:-2]
+    f = _f32(factor).reshape(*lead, *sizes, *sizes)
+    for j, p in enumerate(mats):
+        if p is not None:
+            for axis in (len(lead) + j, len(lead) + len(sizes) + j):
+                f = jnp.moveaxis(jnp.tensordot(f, p, ([axis], [0])), -1, axis)
+    k = math.prod(f.shape[len(lead) : len(lead) + len(sizes)])
+    return f.reshape(*lead, k, k)
+
+
+def _f32(x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _inverse_root(values: jax.Array, damping: float) -> jax.Array:
+    """`(s + lambda)^(-1/2)` of one leaf's eigenvalues `s` (a vector), with
+    `lambda = damping * mean(s)` (1 where the curvature is zero)."""
+    values = jnp.maximum(values, 0)
+    lam = damping * jnp.mean(values)
+    return jax.lax.rsqrt(values + jnp.where(lam > 0, lam, 1.0))
+
+
+def _dense_whitening(h: jax.Array, damping: float) -> Callable[[Any], Any]:
+    s, u = jnp.linalg.eigh((h + h.T) / 2)
+    scale = _inverse_root(s, damping)
+    return lambda x: u @ ((u.T @ x) * scale)
+
+
+def _kronecker_whitening(
+    entry: Kronecker, shape: Sequence[int], mats: Sequence[Any], damping: float,
+    where: str,
+) -> Callable[[Any], Any]:  # fmt: skip
+    """A leaf's projected gradient to `(A' x G' + lambda)^(-1/2)` of it, with
+    `A' = P_in^T inputs P_in` and `G' = P_out^T outputs P_out / count` per block,
+    through their eigendecompositions."""
+    if entry.axes is None:
+        raise ValueError(f"{where}: its uses split a leaf axis between the factors.")
+    blocks, ins, outs = entry.axes
+    if any(mats[j] is not None for j in blocks):
+        raise ValueError(
+            f"{where}: its block axes {blocks} have more than dim entries; a larger "
+            "dim keeps them whole."
+        )
+    inputs = _f32(entry.inputs)
+    if entry.bias is not None:  # (its joined bias is preconditioned on its own)
+        inputs = inputs[..., :-1, :-1]
+    if inputs.ndim == len(blocks) + 1:  # an embedding's counts: the diagonal
+        inputs = inputs[..., :, None] * jnp.eye(inputs.shape[-1])
+    a = _sandwich(inputs, [shape[j] for j in ins], [mats[j] for j in ins])
+    g = _sandwich(entry.outputs, [shape[j] for j in outs], [mats[j] for j in outs])
+    (sa, ua), (sg, ug) = jnp.linalg.eigh(a), jnp.linalg.eigh(g / entry.count)
+    values = jnp.maximum(sa, 0)[..., :, None] * jnp.maximum(sg, 0)[..., None, :]
+    scale = _inverse_root(values.reshape(-1), damping).reshape(values.shape)
+    kept = [min(d, m.shape[1]) if m is not None else d for d, m in zip(shape, mats)]
+    order = (*blocks, *ins, *outs)
+    grouped = (*[kept[j] for j in blocks], a.shape[-1], g.shape[-1])
+
+    def whiten(x: jax.Array) -> jax.Array:
+        x = x.reshape(kept).transpose(order).reshape(grouped)
+        x = jnp.swapaxes(ua, -1, -2) @ x @ ug
+        x = ua @ (x * scale) @ jnp.swapaxes(ug, -1, -2)
+        x = x.reshape([kept[j] for j in order])
+        return x.transpose(np.argsort(order)).reshape(-1)
+
+    return whiten
+
+
+def _bias_whitening(
+    weight: Kronecker, shape: Sequence[int], mats: Sequence[Any], damping: float
+) -> Callable[[Any], Any]:
+    """A bias joined to `weight`'s factors: its block `inputs[-1, -1] / count`
+    times `outputs`, projected (the weight-bias cross terms left out)."""
+    g = _f32(weight.outputs) * (_f32(weight.inputs)[-1, -1] / weight.count)
+    return _dense_whitening(_sandwich(g, shape, mats), damping)
+
+
+DENSE_LIMIT = 8192  # the projected size up to which a diagonal is whitened densely
+
+
+def _diagonal_whitening(
+    diagonal: Any, shape: Sequence[int], mats: Sequence[Any], damping: float,
+    where: str,
+) -> Callable[[Any], Any]:  # fmt: skip
+    """A leaf's diagonal curvature `D`, projected: `P^T diag(D) P` (dense)."""
+    if jnp.shape(diagonal) != tuple(shape):
+        raise ValueError(
+            f"{where}: expected a Kronecker, or a diagonal of the leaf's shape "
+            f"{tuple(shape)}, but got {type(diagonal).__name__} of shape "
+            f"{jnp.shape(diagonal)}."
+        )
+    size = math.prod(d if p is None else p.shape[1] for d, p in zip(shape, mats))
+    if size > DENSE_LIMIT:
+        raise ValueError(
+            f"{where}: a diagonal projects to {size} entries, more than the "
+            f"{DENSE_LIMIT} whitened densely; a smaller dim keeps it within."
+        )
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    r = len(shape)
+    idx, left, right = letters[:r], letters[r : 2 * r], letters[2 * r : 3 * r]
+    operands, specs = [_f32(diagonal)], [idx]
+    for j, (d, p) in enumerate(zip(shape, mats)):
+        p = jnp.eye(d, dtype=jnp.float32) if p is None else p
+        operands += [p, p]
+        specs += [idx[j] + left[j], idx[j] + right[j]]
+    h = jnp.einsum(f"{','.join(specs)}->{left}{right}", *operands, optimize="optimal")
+    return _dense_whitening(h.reshape(size, size), damping)
+
+
+def _whitening(
+    name: str, args: Sequence[Any], diff: Sequence[int], single: bool,
+    precondition: Any, dim: int, seed: int, damping: float,
+) -> Callable[[Any], Any]:  # fmt: skip
+    """One example's projected row to its whitened row: each leaf's part times
+    `(P^T F P + lambda)^(-1/2)`, `F` the leaf's block of `precondition` (a
+    `Kronecker`, a diagonal, or None for a bias joined to a weight's factors)."""
+    floats = FloatLeaves(args, diff)
+    given = (precondition,) if single else precondition
+    if not isinstance(given, tuple) or len(given) != len(diff):
+        raise TypeError(
+            f"{name} precondition must be structured like the differentiated "
+            f"arguments (kfac_factors' result), but got {type(precondition).__name__}."
+        )
+    entries, shapes = [], []
+    for (leaves, treedef, mask), tree in zip(floats.parts, given):
+        try:
+            flat = treedef.flatten_up_to(tree)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"{name} precondition must be structured like the differentiated "
+                f"arguments (kfac_factors' result): {e}"
+            ) from None
+        entries += [e for e, m in zip(flat, mask) if m]
+        shapes += [jnp.shape(x) for x, m in zip(leaves, mask) if m]
+    mats = leaf_matrices(shapes, dim, seed)
+    joined = {e.bias: k for k, e in enumerate(entries) if isinstance(e, Kronecker)}
+    maps = []
+    for k, (entry, shape) in enumerate(zip(entries, shapes)):
+        where = f"{name} precondition, differentiated leaf {k} of shape {shape}"
+        if isinstance(entry, Kronecker):
+            maps.append(_kronecker_whitening(entry, shape, mats[k], damping, where))
+        elif entry is None and k in joined:
+            maps.append(_bias_whitening(entries[joined[k]], shape, mats[k], damping))
+        elif entry is None:
+            raise ValueError(f"{where}: None, and no weight's factors join it.")
+        else:
+            maps.append(_diagonal_whitening(entry, shape, mats[k], damping, where))
+    splits = np.cumsum([projected_size(s, dim) for s in shapes])[:-1]
+
+    def whiten(row: jax.Array) -> jax.Array:
+        parts = jnp.split(row, splits)
+        return jnp.concatenate([f(x) for f, x in zip(maps, parts)])
+
+    return whiten
