@@ -316,9 +316,13 @@ def preconditioned_rows(rows, shapes, curvatures, dim, damping, seed=0):
         for j, d in enumerate(shape):
             p = np.eye(d)
             if d > dim:
-                p = np.asarray(
-                    jax.random.normal(jax.random.fold_in(key, j), (d, dim)), np.float64
-                ) / dim**0.5
+                p = (
+                    np.asarray(
+                        jax.random.normal(jax.random.fold_in(key, j), (d, dim)),
+                        np.float64,
+                    )
+                    / dim**0.5
+                )
             proj = np.kron(proj, p)
         h = proj.T @ np.asarray(f, np.float64) @ proj
         s, u = np.linalg.eigh((h + h.T) / 2)

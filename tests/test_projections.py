@@ -344,8 +344,13 @@ def _scanned(rng):
 
 @pytest.mark.parametrize(
     "case, method",
-    [(_gained_mlp, "ghost"), (_gained_mlp, "vmap"), (_eqx_mlp, "ghost"),
-     (_conv_nchw, "ghost"), (_scanned, "vmap")],  # fmt: skip
+    [
+        (_gained_mlp, "ghost"),
+        (_gained_mlp, "vmap"),
+        (_eqx_mlp, "ghost"),
+        (_conv_nchw, "ghost"),
+        (_scanned, "vmap"),
+    ],  # fmt: skip
 )
 def test_kfac_preconditioned_rows_and_scores(case, method, rng):
     """`precondition=kfac_factors(...)`: each leaf's projected gradient whitened by

@@ -27,7 +27,7 @@ from chunkvmap import (
 from chunkvmap._dp import _statistics
 
 from . import test_ghost_models as models
-from .helpers import init_mlp, mlp, temp_bytes, tree_allclose
+from .helpers import init_mlp, mlp, projected_grads, temp_bytes, tree_allclose
 
 
 def mlp_loss(p, x, y):
@@ -699,3 +699,13 @@ def test_tracin_example_finds_flipped_labels_and_proponents(capsys):
     scale = float(np.abs(expected).max())
     np.testing.assert_allclose(result["scores"], expected, atol=1e-5 * scale)
     np.testing.assert_allclose(result["cosine"], cosine, atol=1e-4)
+    # projected TracIn beside the exact one: the same ranking, and its sum
+    # against the projected `jax.vmap(jax.grad)` rows
+    assert result["spearman"] > 0.95, result["spearman"]
+    for found in result["projected_precision"].values():
+        assert found > 10 * result["chance"], result["projected_precision"]
+    own = sum(
+        0.1 * np.sum(projected_grads(module.loss, p, (x, y), dim=16) ** 2, 1)
+        for p in result["checkpoints"]
+    )
+    np.testing.assert_allclose(result["projected"]["self"], own, rtol=1e-4)

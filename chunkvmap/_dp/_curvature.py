@@ -442,9 +442,11 @@ class Kronecker:
       >>> x = jnp.array([[1.0, 0.0], [1.0, 1.0]])
       >>> factors = kfac_factors(lambda w, x: x @ w, likelihood="gaussian")
       >>> f = factors(jnp.ones((2, 1)), x)
-      >>> f.inputs, f.outputs, f.count, f.axes
+      >>> f.inputs, f.outputs
       (Array([[2., 1.],
-             [1., 1.]], dtype=float32), Array([[2.]], dtype=float32), Array(2., dtype=float32), ((), (0,), (1,)))
+             [1., 1.]], dtype=float32), Array([[2.]], dtype=float32))
+      >>> f.count, f.axes
+      (Array(2., dtype=float32), ((), (0,), (1,)))
     """
 
     inputs: jax.Array

@@ -352,7 +352,11 @@ def _preconditioner(
             raise TypeError(f"{name} damping is for precondition=, which is missing.")
         return None
     damping = 0.1 if damping is None else damping
-    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or damping < 0:
+    if (
+        isinstance(damping, bool)
+        or not isinstance(damping, (int, float))
+        or damping < 0
+    ):
         raise TypeError(
             f"{name} damping must be a non-negative float, but got damping={damping!r}."
         )
