@@ -193,3 +193,27 @@ def output_models(quick: bool = False) -> dict:
             lambda rng, n: cnn_batch(rng, n, cnn)[0],
         ),
     }
+
+
+def family_outputs(quick: bool = False) -> dict:
+    """name -> (params maker, model output of one example, inputs maker), as
+    `output_models`, for the model families of `bench_families` beyond the DP
+    models: a convnet in the NCHW layout, a GRU, an Equinox and a Flax linen
+    convnet (each maker builds the family at the size it is asked for)."""
+    import bench_families as families
+
+    cases = {
+        "convnet NCHW (families)": families.cnn_nchw,
+        "GRU (families)": families.gru,
+        "Equinox convnet (families)": families.eqx_cnn,
+        "Flax linen convnet (families)": families.linen_cnn,
+    }
+    out = {}
+    for name, family in cases.items():
+        _, model, _ = family(np.random.default_rng(0), 1, quick)
+        out[name] = (
+            lambda rng, f=family: f(rng, 1, quick)[0],
+            model,
+            lambda rng, n, f=family: f(rng, n, quick)[2],
+        )
+    return out

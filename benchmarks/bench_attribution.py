@@ -4,7 +4,9 @@ For each model, `per_example_grad_projections(loss, dim=16)` by both methods, in
 chunks of 32, against forming every per-example gradient with
 `jax.vmap(jax.grad(loss))` and projecting it by the same projection (the oracle's
 way), and against the non-private step (`jax.grad` of the mean loss) as the
-reference cost:
+reference cost. The models: the MLP, the DP benchmarks' language models and
+convnet (NHWC), and `bench_families`' NCHW convnet, GRU, Equinox and Flax linen
+convnets.
 
 * memory: XLA's compiled temporary memory for N = 64 and N = 4096 examples (only
   compiled, never run: flat in N is the claim);
@@ -30,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import init_mlp, interleaved, machine, mlp, temp_bytes  # noqa: E402
-from _dp_models import models  # noqa: E402
+from _dp_models import family_outputs, models  # noqa: E402
 
 from chunkvmap import per_example_grad_projections  # noqa: E402
 from chunkvmap._dp._projections import leaf_matrices, project  # noqa: E402
@@ -52,6 +54,19 @@ def _mlp_model():
             jnp.asarray(rng.integers(0, 10, n), jnp.int32),
         ),
     )
+
+
+def _with_labels(case):
+    """An output model's case (`family_outputs`) as a loss of `(x, label)`."""
+    make, model, inputs = case
+
+    def loss(p, x, y):
+        return -jax.nn.log_softmax(model(p, x))[y]
+
+    def batch(rng, n):
+        return inputs(rng, n), jnp.asarray(rng.integers(0, 10, n), jnp.int32)
+
+    return make, loss, batch
 
 
 def _formed_and_projected(loss):
@@ -80,7 +95,8 @@ def _step(loss):
 
 
 def rows(quick: bool, sizes, repeats, rng):
-    cases = {"MLP 256-512-512-10": _mlp_model(), **models(quick)}
+    families = {k: _with_labels(c) for k, c in family_outputs(quick).items()}
+    cases = {"MLP 256-512-512-10": _mlp_model(), **models(quick), **families}
     for name, (make, loss, batch) in cases.items():
         params = make(rng)
         methods = {

@@ -8,6 +8,9 @@ exact Fisher (10 backward passes per example); the language models the
 Monte-Carlo Fisher with one sampled label per position (an exact one would take
 T x V backward passes per sequence):
 
+The models: the MLP, the DP benchmarks' language models and convnet (NHWC), and
+`bench_families`' NCHW convnet, GRU, Equinox and Flax linen convnets.
+
 * memory: XLA's compiled temporary memory for N = 64 and N = 4096 examples (only
   compiled, never run: flat in N is the claim);
 * time: the median of interleaved calls at N = 64, as a ratio against the
@@ -33,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import init_mlp, interleaved, machine, mlp, temp_bytes  # noqa: E402
-from _dp_models import output_models  # noqa: E402
+from _dp_models import family_outputs, output_models  # noqa: E402
 
 from chunkvmap import ggn_diagonal, kfac_factors  # noqa: E402
 
@@ -49,7 +52,7 @@ def _cases(quick: bool) -> dict:
         lambda rng, n: jnp.asarray(rng.normal(size=(n, sizes[0])), jnp.float32),
     )
     name = f"MLP {'-'.join(map(str, sizes))}"
-    return {name: mlp_case, **output_models(quick)}
+    return {name: mlp_case, **output_models(quick), **family_outputs(quick)}
 
 
 def _step(model):

@@ -631,6 +631,65 @@ MUTANTS = {
         ),
         ["test_projections"],
     ),
+    "curvature: a Kronecker's count of examples alone, not their positions": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "                count += a.shape[0] * _positions(u.form)\n",
+            "                count += a.shape[0]\n",
+        ),
+        ["test_curvature"],
+    ),
+    "curvature: a Kronecker's axes in the leaf's order, not the factors'": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "    return tuple(tuple(s.axis for s in g) for g in groups)\n",
+            "    return tuple(tuple(sorted(s.axis for s in g)) for g in "
+            "groups[::-1])\n",
+        ),
+        ["test_curvature"],
+    ),
+    "preconditioning: the outputs factor not divided by the count": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            "    (sa, ua), (sg, ug) = jnp.linalg.eigh(a), jnp.linalg.eigh(g / "
+            "entry.count)\n",
+            "    (sa, ua), (sg, ug) = jnp.linalg.eigh(a), jnp.linalg.eigh(g)\n",
+        ),
+        ["test_projections"],
+    ),
+    "preconditioning: damping absolute, not relative to the mean eigenvalue": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            "    lam = damping * jnp.mean(values)\n",
+            "    lam = jnp.asarray(damping)\n",
+        ),
+        ["test_projections"],
+    ),
+    "preconditioning: the whitened block put back in the factors' axis order": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            "        return x.transpose(np.argsort(order)).reshape(-1)\n",
+            "        return x.transpose(order).reshape(-1)\n",
+        ),
+        ["test_projections"],
+    ),
+    "preconditioning: a joined bias's block the identity": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            "    return _dense_whitening(g, damping)\n",
+            "    return _dense_whitening(jnp.eye(len(g)), damping)\n",
+        ),
+        ["test_projections"],
+    ),
+    "preconditioning: the other batch's rows not whitened": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            "            rows = rows_of(other, kwargs, _axes.NOTHING_KNOWN, whiten)"
+            "[0]\n",
+            "            rows = rows_of(other, kwargs, _axes.NOTHING_KNOWN, None)[0]\n",
+        ),
+        ["test_projections"],
+    ),
     "padding: stacked chunks of padding alone evaluated": (
         (
             "chunkvmap/_core/_loop.py",

@@ -246,14 +246,14 @@ def per_example_grad_projections(
     a leaf may hold a diagonal instead), the rows are whitened leaf by leaf:
     each leaf's part is multiplied by `(H + lambda I)^(-1/2)`, where `H = P^T F
     P` is the leaf's KFAC block `F = kron(inputs, outputs) / count` (block by
-    block; a joined bias's is its weight's `outputs` times `inputs[-1, -1] /
-    count`; a diagonal's `diag(D)`) seen through the leaf's projection `P`, and
-    `lambda` is `damping` (default 0.1) times the mean eigenvalue of `H`. Inner
-    products of whitened rows are the projected gradients' inner products in
-    the inverse curvature (influence-function style scores: TRAK, LoGra), and
-    with `other=` both batches' rows are whitened before they are scored. A
-    Kronecker leaf's `H` is whitened through the eigendecompositions of its two
-    projected factors; a diagonal's densely (up to 8192 projected entries).
+    block; a joined bias's is its weight's `outputs`; a diagonal's `diag(D)`)
+    seen through the leaf's projection `P`, and `lambda` is `damping` (default
+    0.1) times the mean eigenvalue of `H`. Inner products of whitened rows are
+    the projected gradients' inner products in the inverse curvature
+    (influence-function style scores: TRAK, LoGra), and with `other=` both
+    batches' rows are whitened before they are scored. A Kronecker leaf's `H` is
+    whitened through the eigendecompositions of its two projected factors; a
+    diagonal's densely (up to 8192 projected entries).
 
     With `method="ghost"`, a dense use's projection is made from its activations
     and output cotangents (`sum_t (P_in^T a_t)(P_out^T g_t)^T`, LoGra's identity),
@@ -494,10 +494,11 @@ def _kronecker_whitening(
 def _bias_whitening(
     weight: Kronecker, shape: Sequence[int], mats: Sequence[Any], damping: float
 ) -> Callable[[Any], Any]:
-    """A bias joined to `weight`'s factors: its block `inputs[-1, -1] / count`
-    times `outputs`, projected (the weight-bias cross terms left out)."""
-    g = _f32(weight.outputs) * (_f32(weight.inputs)[-1, -1] / weight.count)
-    return _dense_whitening(_sandwich(g, shape, mats), damping)
+    """A bias joined to `weight`'s factors: its block is the weight's `outputs /
+    count` times the last entry of `inputs`, which is `count` (the activations'
+    entry 1, summed), projected; the weight-bias cross terms are left out."""
+    g = _sandwich(weight.outputs, shape, mats)
+    return _dense_whitening(g, damping)
 
 
 DENSE_LIMIT = 8192  # the projected size up to which a diagonal is whitened densely
