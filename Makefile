@@ -13,11 +13,11 @@ $(BIN)/python:
 
 # The demo needs only its own extra; the suite installs everything (the demo's too).
 $(VENV)/.demo: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet --no-compile -e ".[demo]"
+	$(BIN)/python -m pip install --quiet -e ".[demo]"
 	touch $@
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet --no-compile -e ".[tests,bench,demo,equinox,flax,progress,notebooks,docs]"
+	$(BIN)/python -m pip install --quiet -e ".[tests,bench,demo,equinox,flax,progress,notebooks,docs]"
 	touch $@ $(VENV)/.demo
 
 demo: $(VENV)/.demo
