@@ -317,8 +317,11 @@ def _einsum_term(u: EinsumForm, au: list, v: EinsumForm, av: list, acc: Any) -> 
     every position (an activation's mean, which a softmax's cotangent, summing to
     zero, cancels) does not cancel inside the sum: four exact einsums."""
     terms = []
-    for us, ua in _centred(u.specs, au, acc):
-        for vs, va in _centred(v.specs, av, acc):
+    centred_u = _centred(u.specs, au, acc)
+    # (centred once each: a form with itself, a norm, shares its centred arrays)
+    centred_v = centred_u if (v is u and av is au) else _centred(v.specs, av, acc)
+    for us, ua in centred_u:
+        for vs, va in centred_v:
             vs = _rename(vs, _all_symbols(us))
             terms.append(
                 jnp.einsum(
