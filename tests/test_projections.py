@@ -80,8 +80,12 @@ CASES = {
 
 @pytest.mark.parametrize(
     "case, method",
-    [(c, m) for c in CASES for m in ("vmap", "ghost")
-     if (c, m) != ("LMs and CNN", "vmap")],  # fmt: skip
+    [
+        (c, m)
+        for c in CASES
+        for m in ("vmap", "ghost")
+        if (c, m) != ("LMs and CNN", "vmap")
+    ],
 )
 def test_projections_match_the_projected_vmap_gradients(case, method, rng):
     """N uneven in chunks of 3 (and 2 under jit); the ghost method on the LMs and
