@@ -410,11 +410,9 @@ def test_preconditioning_errors_name_the_argument(rng):
         project(p, *batch, precondition={**diagonals, "w1": jnp.ones(3)})
 
 
-@pytest.mark.parametrize("hold", ["shard=True", "placed"])
-def test_preconditioned_rows_over_a_mesh(hold, rng):
-    """Factors and whitened rows over 8 devices (`shard=True` with `mesh=`, or
-    inputs placed on an Explicit mesh), N = 13 uneven over them: the rows of one
-    device."""
+def test_preconditioned_rows_over_a_mesh(rng):
+    """Factors and whitened rows over 8 devices, N = 13 uneven over them: with
+    `shard=True` and `mesh=`, and with the inputs placed on an Explicit mesh."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     from chunkvmap import kfac_factors
@@ -428,14 +426,12 @@ def test_preconditioned_rows_over_a_mesh(hold, rng):
         params, x, y, precondition=factors
     )
     mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
-    if hold == "shard=True":
-        opts = dict(batch_size=1, shard=True, mesh=mesh)
-        factors = kfac_factors(logits, likelihood="categorical", **opts)(params, x)
-        project = per_example_grad_projections(loss, dim=4, method="ghost", **opts)
-        got = project(params, x, y, precondition=factors)
-    else:
-        x16, y16 = jnp.concatenate([x, x[:3]]), jnp.concatenate([y, y[:3]])
-        x16, y16 = (jax.device_put(a, NamedSharding(mesh, P("d"))) for a in (x16, y16))
-        project = per_example_grad_projections(loss, dim=4, method="ghost")
-        got = np.asarray(project(params, x16, y16, precondition=factors))[:13]
+    opts = dict(batch_size=1, shard=True, mesh=mesh)
+    sharded = kfac_factors(logits, likelihood="categorical", **opts)(params, x)
+    project = per_example_grad_projections(loss, dim=4, method="ghost", **opts)
+    _close(project(params, x, y, precondition=sharded), np.asarray(expected), 1e-4)
+    x16, y16 = jnp.concatenate([x, x[:3]]), jnp.concatenate([y, y[:3]])
+    x16, y16 = (jax.device_put(a, NamedSharding(mesh, P("d"))) for a in (x16, y16))
+    project = per_example_grad_projections(loss, dim=4, method="ghost")
+    got = np.asarray(project(params, x16, y16, precondition=factors))[:13]
     _close(got, np.asarray(expected), rtol=1e-4)
