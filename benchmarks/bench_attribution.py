@@ -31,6 +31,7 @@ import numpy as np
 
 
 sys.path.insert(0, str(Path(__file__).parent))
+import bench_families as families  # noqa: E402
 from _common import init_mlp, interleaved, machine, mlp, temp_bytes  # noqa: E402
 from _dp_models import family_outputs, models  # noqa: E402
 
@@ -57,16 +58,14 @@ def _mlp_model():
 
 
 def _with_labels(case):
-    """An output model's case (`family_outputs`) as a loss of `(x, label)`."""
+    """An output model's case (`family_outputs`) as a loss of `(x, label)`, as
+    `bench_families` scores it."""
     make, model, inputs = case
-
-    def loss(p, x, y):
-        return -jax.nn.log_softmax(model(p, x))[y]
 
     def batch(rng, n):
         return inputs(rng, n), jnp.asarray(rng.integers(0, 10, n), jnp.int32)
 
-    return make, loss, batch
+    return make, families._loss_of(model), batch
 
 
 def _formed_and_projected(loss):

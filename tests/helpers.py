@@ -288,19 +288,22 @@ def projected_grads(loss, params, batch, dim, seed=0):
     differentiated leaf, of size `d > dim`, by `normal(fold_in(fold_in(key(seed), k),
     j), (d, dim)) / sqrt(dim)`), flattened and concatenated: an `(N, K)` array."""
     grads = jax.jit(jax.vmap(jax.grad(loss), (None, *[0] * len(batch))))(params, *batch)
-    base = jax.random.key(seed)
     columns = []
     for k, g in enumerate(jax.tree.leaves(grads)):
-        key = jax.random.fold_in(base, k)
         x = np.asarray(g, np.float64)
         for j, d in enumerate(g.shape[1:]):
             if d > dim:
-                p = jax.random.normal(jax.random.fold_in(key, j), (d, dim)) / dim**0.5
-                x = np.moveaxis(
-                    np.tensordot(x, np.asarray(p, np.float64), (j + 1, 0)), -1, j + 1
-                )
+                p = _axis_matrix(seed, k, j, d, dim)
+                x = np.moveaxis(np.tensordot(x, p, (j + 1, 0)), -1, j + 1)
         columns.append(x.reshape(x.shape[0], -1))
     return np.concatenate(columns, 1)
+
+
+def _axis_matrix(seed, k, j, d, dim):
+    """The projection's matrix of axis `j` (of `d > dim` entries) of the `k`-th
+    differentiated leaf, as it is defined, in float64."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), k), j)
+    return np.asarray(jax.random.normal(key, (d, dim)), np.float64) / dim**0.5
 
 
 def preconditioned_rows(rows, shapes, curvatures, dim, damping, seed=0):
@@ -310,19 +313,11 @@ def preconditioned_rows(rows, shapes, curvatures, dim, damping, seed=0):
     one `(n, n)` matrix per leaf, in its row-major order), `P` the dense Kronecker
     product of the leaf's axis matrices (the identity on an axis kept whole) and
     `lambda` `damping` times the mean eigenvalue of `H`; in float64."""
-    base, out, start = jax.random.key(seed), [], 0
+    out, start = [], 0
     for k, (shape, f) in enumerate(zip(shapes, curvatures)):
-        key, proj = jax.random.fold_in(base, k), np.ones((1, 1))
+        proj = np.ones((1, 1))
         for j, d in enumerate(shape):
-            p = np.eye(d)
-            if d > dim:
-                p = (
-                    np.asarray(
-                        jax.random.normal(jax.random.fold_in(key, j), (d, dim)),
-                        np.float64,
-                    )
-                    / dim**0.5
-                )
+            p = _axis_matrix(seed, k, j, d, dim) if d > dim else np.eye(d)
             proj = np.kron(proj, p)
         h = proj.T @ np.asarray(f, np.float64) @ proj
         s, u = np.linalg.eigh((h + h.T) / 2)

@@ -12,7 +12,7 @@ import pytest
 from chunkvmap import Kronecker, per_example_grad_projections
 
 from . import test_ghost_models as models
-from .helpers import preconditioned_rows, projected_grads, temp_bytes
+from .helpers import nll, preconditioned_rows, projected_grads, temp_bytes
 
 
 def _close(got, expected, rtol=2e-5):
@@ -248,10 +248,6 @@ def test_projections_over_a_mesh(case, hold, method, rng):
     _close(got, expected)
 
 
-def _softmax_ce(logits, y):
-    return -jax.nn.log_softmax(logits)[y]
-
-
 def _gained_mlp(rng):
     """Dense weights `(in, out)` with their biases joined, and a gain (no
     factors: its diagonal)."""
@@ -375,7 +371,7 @@ def test_kfac_preconditioned_rows_and_scores(case, method, rng):
     params, logits, shape, dense = case(rng)
     x = jnp.asarray(rng.normal(size=(11, *shape)), jnp.float32)
     y = jnp.asarray(rng.integers(0, 3, 11), jnp.int32)
-    loss = lambda p, x, y: _softmax_ce(logits(p, x), y)  # noqa: E731
+    loss = lambda p, x, y: nll("categorical", logits(p, x), y)  # noqa: E731
     factors = kfac_factors(logits, likelihood="categorical", batch_size=4)(params, x)
     dim, damping = 3 if case is _scanned else 4, 0.3
     arrays, static = eqx.partition(params, eqx.is_inexact_array)
@@ -420,7 +416,7 @@ def test_preconditioned_rows_over_a_mesh(rng):
     params, logits, shape, _ = _gained_mlp(rng)
     x = jnp.asarray(rng.normal(size=(13, *shape)), jnp.float32)
     y = jnp.asarray(rng.integers(0, 3, 13), jnp.int32)
-    loss = lambda p, x, y: _softmax_ce(logits(p, x), y)  # noqa: E731
+    loss = lambda p, x, y: nll("categorical", logits(p, x), y)  # noqa: E731
     factors = kfac_factors(logits, likelihood="categorical", batch_size=5)(params, x)
     expected = per_example_grad_projections(loss, dim=4, batch_size=5)(
         params, x, y, precondition=factors

@@ -38,7 +38,7 @@ from .._transforms._grads import (
     grad_transform,
 )
 from . import _clipping, ghost
-from ._curvature import Kronecker
+from ._curvature import Kronecker, _f32
 from ._records import Quantity, over_chunks
 from .ghost._forms import EinsumForm, Mark, RowsForm, _equation
 
@@ -65,7 +65,7 @@ def projected_size(shape: Sequence[int], dim: int) -> int:
 
 def project(g: jax.Array, matrices: Sequence[jax.Array | None]) -> jax.Array:
     """`g` (one leaf's gradient) contracted axis by axis with `matrices`, flattened."""
-    g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+    g = _f32(g)
     for j, p in enumerate(matrices):
         if p is not None:  # (the projected axis takes the contracted one's place)
             g = jnp.moveaxis(jnp.tensordot(g, p.astype(g.dtype), ([j], [0])), -1, j)
@@ -130,7 +130,7 @@ def _form_projection(
             operands.append(m.reshape(-1, m.shape[-1])[0])
             specs.append((_out_symbol(j),))
         out.append(_out_symbol(j))
-    operands = [a.astype(jnp.promote_types(a.dtype, jnp.float32)) for a in operands]
+    operands = [_f32(a) for a in operands]
     return jnp.einsum(_equation(specs, out), *operands, optimize="optimal").reshape(-1)
 
 
@@ -433,11 +433,6 @@ def _sandwich(factor: jax.Array, sizes: Sequence[int], mats: Sequence[Any]) -> A
     return f.reshape(*lead, k, k)
 
 
-def _f32(x: Any) -> jax.Array:
-    x = jnp.asarray(x)
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
 def _inverse_root(values: jax.Array, damping: float) -> jax.Array:
     """`(s + lambda)^(-1/2)` of one leaf's eigenvalues `s` (a vector), with
     `lambda = damping * mean(s)` (1 where the curvature is zero)."""
@@ -524,7 +519,7 @@ def _diagonal_whitening(
     letters = "abcdefghijklmnopqrstuvwxyz"
     r = len(shape)
     idx, left, right = letters[:r], letters[r : 2 * r], letters[2 * r : 3 * r]
-    operands, specs = [_f32(diagonal)], [idx]
+    operands, specs = [_f32(jnp.asarray(diagonal))], [idx]
     for j, (d, p) in enumerate(zip(shape, mats)):
         p = jnp.eye(d, dtype=jnp.float32) if p is None else p
         operands += [p, p]
@@ -559,7 +554,11 @@ def _whitening(
         entries += [e for e, m in zip(flat, mask) if m]
         shapes += [jnp.shape(x) for x, m in zip(leaves, mask) if m]
     mats = leaf_matrices(shapes, dim, seed)
-    joined = {e.bias: k for k, e in enumerate(entries) if isinstance(e, Kronecker)}
+    joined = {  # a joined bias's position -> its weight's
+        e.bias: k
+        for k, e in enumerate(entries)
+        if isinstance(e, Kronecker) and e.bias is not None
+    }
     maps = []
     for k, (entry, shape) in enumerate(zip(entries, shapes)):
         where = f"{name} precondition, differentiated leaf {k} of shape {shape}"
