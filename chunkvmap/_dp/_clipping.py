@@ -458,14 +458,6 @@ class _Parts(NamedTuple):
         return ~self.finite if self.pad is None else ~self.finite & ~self.pad
 
 
-def _all_finite(tree: Any) -> jax.Array:
-    ok = jnp.ones((), bool)
-    for x in jax.tree.leaves(tree):
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            ok = ok & jnp.all(jnp.isfinite(x))
-    return ok
-
-
 class _GhostSums(Quantity):
     """`clipped_sums` by ghost clipping (`ghost`): the same results, without
     per-example gradients of the leaves whose uses have rules; an accumulator on
@@ -473,13 +465,13 @@ class _GhostSums(Quantity):
 
     What a chunk keeps of each example's record for its sum: the instantiated
     gradients where they are smaller than the operands they come from (biases,
-    scales) or have to be masked (`formed`), and the gradients formed per example
-    (`per_example`), as the record's `grads`; the arrays of the leaves whose
-    non-finite entries can be masked through them (`masked`, with nan_safe), as its
-    `forms`; the recorded operands and cotangents of the others (`other`). With
-    nan_safe, each example's non-finite gradient entries are zeroed before its
-    norm, except `other`'s, whose non-finite examples are fixed after the chunk's
-    sum (`_fix_nonfinite`)."""
+    scales, a depthwise kernel) or have to be masked and cannot be through their
+    arrays (`formed`), and the gradients formed per example (`per_example`), as the
+    record's `grads`; the arrays of the other leaves whose non-finite entries can be
+    masked through them (`masked`, with nan_safe), as its `forms`; the recorded
+    operands and cotangents of the others (`other`). With nan_safe, each example's
+    non-finite gradient entries are zeroed before its norm, except `other`'s, whose
+    non-finite examples are fixed after the chunk's sum (`_fix_nonfinite`)."""
 
     @classmethod
     def of(cls, transform, fun, config, args, in_axes, kwargs, diff, batch_args):
@@ -514,13 +506,18 @@ class _GhostSums(Quantity):
         self.per_example = plan.with_rule(ghost.PER_EXAMPLE)
         self.ruled = plan.with_rule(ghost.GHOST, ghost.INSTANTIATED)
         safe = config.nan_safe
-        self.masked = [k for k in self.ruled if safe and plan.maskable(k)]
-        self.formed = [
+
+        def small(k: int) -> bool:  # its gradient no larger than its operands
+            return leaves[k].size <= plan.operand_size(k)
+
+        instantiated = [k for k in self.ruled if leaves[k].rule == ghost.INSTANTIATED]
+        self.masked = [
             k
             for k in self.ruled
-            if k not in self.masked
-            and leaves[k].rule == ghost.INSTANTIATED
-            and (safe or leaves[k].size <= plan.operand_size(k))
+            if safe and plan.maskable(k) and not (k in instantiated and small(k))
+        ]
+        self.formed = [
+            k for k in instantiated if k not in self.masked and (safe or small(k))
         ]
         self.other = [k for k in self.ruled if k not in (*self.masked, *self.formed)]
         self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])  # global_norm's
@@ -542,10 +539,10 @@ class _GhostSums(Quantity):
         plan = record.plan
         forms, grads, squares, safe = {}, {}, {}, []
         for k in self.masked:
-            forms[k] = plan.sanitized(k, record.records, record.deltas)
+            forms[k], finite = plan.sanitized(k, record.records, record.deltas)
             safe.append(plan.sq_norm_of(k, forms[k], self.acc))
             # a non-finite gradient's norm: NaN
-            squares[k] = jnp.where(_all_finite(record.arrays(k)), safe[-1], jnp.nan)
+            squares[k] = jnp.where(finite, safe[-1], jnp.nan)
         formed = {k: record.instantiate(k) for k in self.formed}
         for k, g in {**formed, **record.grads}.items():
             grads[k], squares[k], s_kept = self._kept_and_squares(g)
@@ -572,7 +569,7 @@ class _GhostSums(Quantity):
         keep = jnp.ones((), bool) if pad is None else ~pad
         finite = jnp.ones((), bool)
         if config.nan_safe and self.other:  # fixed in _fix_nonfinite
-            finite = jnp.isfinite(rest) & _all_finite((kept.records, kept.deltas))
+            finite = jnp.isfinite(rest) & ghost.all_finite((kept.records, kept.deltas))
             keep = keep & finite
         value, aux = out
         if config.keep_batch_dim:

@@ -29,6 +29,7 @@ and `_report` (`ghost_report`).
 """
 
 from ._context import explicit_spec as explicit_spec
+from ._forms import all_finite as all_finite
 from ._plan import (
     GHOST as GHOST,
     INSTANTIATED as INSTANTIATED,

@@ -82,9 +82,10 @@ class Form:
     # layout, and non-finite entries can be masked: `sanitize`)
     complete: bool = False
     direct: bool = False  # `gradient` forms G (else the primitive's transpose does)
-    # G from the use's recorded operands and cotangent, `(recorded, delta,
-    # batched) -> G`, without the arrays (a convolution's, without its patches)
-    operands_gradient: Callable[[Sequence[Any], Any, bool], Any] | None = None
+    # G, its norm and its masked arrays from the use's recorded operands and
+    # cotangent, without the arrays (a convolution's, without its patches:
+    # `_rules.Windows`)
+    windows: Any = None
 
     def gradient(
         self, arrays: Sequence[Any], shape: Sequence[int], batched: bool, spec: Any
@@ -449,6 +450,15 @@ def maskable(forms: Sequence[Form]) -> bool:
         return False
     kinds = {type(f) for f in forms}
     return len(kinds) == 1 and kinds.pop().maskable(forms)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every inexact entry of `tree` is finite."""
+    ok = jnp.ones((), bool)
+    for x in jax.tree.leaves(tree):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
 
 
 def sanitize(forms: Sequence[Form], arrays: Sequence[list]) -> list[list]:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ._chains import layout_of
 from ._context import bind
-from ._forms import maskable, pair, sanitize
+from ._forms import all_finite, maskable, pair, sanitize
 from ._primitives import PLAIN, Info, handler
 from ._rules import Use, rule_kind
 
@@ -481,6 +481,9 @@ class Plan:
     def sq_norm(self, k: int, records: dict, deltas: dict, acc: Any) -> Any:
         """`||G||^2` of one example's gradient of rule leaf `k`, by its rule."""
         leaf = self.leaves[k]
+        u = self._windowed(k)  # (whichever the rule: the kernel is never formed whole)
+        if u is not None:
+            return u.form.windows.sq_norm(records[u.key], deltas[u.path], acc)
         if leaf.rule != GHOST:
             g = self.instantiate(k, records, deltas)
             return jnp.sum(jnp.square(g.astype(acc)))
@@ -505,29 +508,55 @@ class Plan:
             [u.form for u in uses]
         )
 
+    def _windowed(self, k: int) -> Use | None:
+        """Leaf `k`'s one use where it is a kernel whose gradient, norm and masked
+        arrays come from its input's windows (`_rules.Windows`): no patches."""
+        uses = self.leaves[k].uses
+        if len(uses) != 1 or uses[0].form is None:
+            return None
+        windows = uses[0].form.windows
+        return uses[0] if windows is not None and windows.whole else None
+
     def arrays(self, k: int, records: dict, deltas: dict) -> list:
         """One example's arrays of the forms of leaf `k`'s uses."""
         return [
             u.form.build(records[u.key], deltas[u.path]) for u in self.leaves[k].uses
         ]
 
-    def sanitized(self, k: int, records: dict, deltas: dict) -> list:
-        """`arrays`, with zeros wherever they make the gradient non-finite."""
+    def sanitized(self, k: int, records: dict, deltas: dict) -> tuple[list, Any]:
+        """One example's masked arrays of leaf `k` (`arrays` with zeros wherever they
+        make the gradient non-finite, or a windowed kernel's, `Windows.sanitized`),
+        and whether its gradient is finite. `sq_norm_of` and `gradient_of` read
+        them."""
+        u = self._windowed(k)
+        if u is not None:
+            arrays, finite = u.form.windows.sanitized(records[u.key], deltas[u.path])
+            return [arrays], finite
         uses = self.leaves[k].uses
-        return sanitize([u.form for u in uses], self.arrays(k, records, deltas))
+        arrays = self.arrays(k, records, deltas)
+        return sanitize([u.form for u in uses], arrays), all_finite(arrays)
 
     def sq_norm_of(self, k: int, arrays: list, acc: Any) -> Any:
-        """`||G||^2` of leaf `k` from its forms' arrays, by its rule."""
+        """`||G||^2` of leaf `k` from its masked arrays (`sanitized`)."""
         leaf = self.leaves[k]
+        u = self._windowed(k)
+        if u is not None:
+            ((x, columns, features, delta),) = arrays
+            return u.form.windows.sq_norm([x], delta, acc, (columns, features))
         if leaf.rule == GHOST:
             return self._ghost_sq(leaf, arrays, acc)
         g = self.gradient_of(k, arrays, batched=False)
         return jnp.sum(jnp.square(g.astype(acc)))
 
     def gradient_of(self, k: int, arrays: list, batched: bool) -> Any:
-        """`G` of leaf `k` from its forms' arrays (summed over a leading axis of
-        examples when `batched`)."""
+        """`G` of leaf `k` from its masked arrays (`sanitized`; summed over a leading
+        axis of examples when `batched`)."""
         leaf = self.leaves[k]
+        u = self._windowed(k)
+        if u is not None:
+            ((x, columns, features, delta),) = arrays
+            g = u.form.windows.gradient([x], delta, batched, (columns, features))
+            return g.astype(leaf.dtype)
         total = None
         for u, a in zip(leaf.uses, arrays):
             g = u.form.gradient(a, leaf.shape, batched, u.leaf_spec).astype(leaf.dtype)
@@ -572,7 +601,7 @@ def _inst_cost(use: Use) -> float:
 def _by_views(use: Use) -> bool:
     """Whether the ghost program forms the use's gradient from its operands by
     contractions where the vmap program runs a convolution's kernel gradient."""
-    return use.form is not None and use.form.operands_gradient is not None
+    return use.form is not None and use.form.windows is not None
 
 
 def _count(x: float) -> str:

@@ -172,8 +172,8 @@ class Use:
 
     def instantiate(self, recorded: Sequence[Any], delta: Any) -> Any:
         """One example's gradient of the leaf through this use."""
-        if self.form is not None and self.form.operands_gradient is not None:
-            g = self.form.operands_gradient(recorded, delta, False)
+        if self.form is not None and self.form.windows is not None:
+            g = self.form.windows.gradient(recorded, delta, False)
             return g.astype(self.leaf_aval.dtype)
         if self.form is not None and self.form.direct:
             arrays = self.form.build(recorded, delta)
@@ -189,8 +189,8 @@ class Use:
         """`sum_i G_i` over a chunk's stacked operands and (scaled) cotangents: one
         transpose of the use vmapped over the examples."""
         size = delta.shape[0]
-        if self.form is not None and self.form.operands_gradient is not None:
-            g = self.form.operands_gradient(recorded, delta, True)
+        if self.form is not None and self.form.windows is not None:
+            g = self.form.windows.gradient(recorded, delta, True)
             return g.astype(self.leaf_aval.dtype)
         if self.form is not None and self.form.direct:
             arrays = jax.vmap(self.form.build)(recorded, delta)
@@ -352,9 +352,16 @@ class Conv(_Product):
             # (the chunks' scan) than contractions of the input's shifted views;
             # and these, one window offset at a time, never hold the patches
             if not use.levels:
-                form.operands_gradient = _conv_gradient(use)
+                form.windows = Windows(use, whole=_whole(layout, form))
             form.direct = form.complete
         return form
+
+
+def _whole(layout: LeafView, form: Form) -> bool:
+    """Whether a kernel is its leaf entry for entry: every leaf axis in full, each
+    kernel axis one of them (no broadcast axis, none repeated)."""
+    leaves = [a.leaf for a in layout.axes]
+    return form.complete and None not in leaves and len(set(leaves)) == len(leaves)
 
 
 def _conv_operands(use: Use) -> tuple[list, list] | None:
@@ -611,61 +618,193 @@ def _row_index(row: jax.Array, rows_n: int) -> tuple[jax.Array, jax.Array]:
     return row, in_range
 
 
-def _conv_gradient(use: Use) -> Callable[[Sequence[Any], Any, bool], Any]:
-    """A convolution use's gradient of its leaf from the recorded input and the
-    output's cotangent (summed over a leading axis of examples when batched): for
-    each window offset, the input's shifted view contracted with the cotangent
-    over positions (per group), so that no patches are formed; then back through
-    the chain to the leaf (its linear transpose)."""
-    p = use.eqn.params
-    dn = p["dimension_numbers"]
-    kernel = use.eqn.invars[1].aval
-    out_aval = use.eqn.outvars[0].aval
-    window = tuple(kernel.shape[d] for d in dn.rhs_spec[2:])
-    out_spatial = tuple(out_aval.shape[d] for d in dn.out_spec[2:])
-    groups = p["feature_group_count"]
-    chain = [op for op in use.chain if op.kind is not Step.STACK]
+class Windows:
+    """A convolution use's quantities from its recorded input and output cotangent,
+    one window offset at a time (the input's shifted view, `_offset_view`), so that
+    its patches are never formed: the gradient of its leaf (`gradient`), the
+    squared norm of its kernel's gradient (`sq_norm`), and its non-finite entries
+    masked (`sanitized`). `whole`: the kernel is its leaf, entry for entry (up to a
+    constant factor), so that the kernel's norm is the leaf's.
 
-    def gradient(recorded, delta, batched):
-        (x,) = recorded
-        lhs, out = dn.lhs_spec, dn.out_spec
-        lead = 1 if batched else 0  # the examples' axis, summed with the batch's
+    Where the arrays are masked (`sanitized`), they are `[input, columns,
+    features, cotangent]`: `columns[offset, group, channel]` the patches' columns
+    with a non-finite entry, zeroed in every view, and `features` the cotangent's
+    output features with one, zeroed in the cotangent (`mask=(columns, features)`);
+    with the patches `[patches, cotangent]` masked as `sanitize` masks them, both
+    give the same gradient and norm."""
+
+    def __init__(self, use: Use, whole: bool):
+        p = use.eqn.params
+        self.dn = p["dimension_numbers"]
+        self.groups = p["feature_group_count"]
+        kernel = use.eqn.invars[1].aval
+        self.kernel = kernel
+        self.window = tuple(kernel.shape[d] for d in self.dn.rhs_spec[2:])
+        out = use.eqn.outvars[0].aval
+        self.out_spatial = tuple(out.shape[d] for d in self.dn.out_spec[2:])
+        self.geometry = (
+            p["window_strides"],
+            p["padding"],
+            p["lhs_dilation"],
+            p["rhs_dilation"],
+        )
+        self.offsets = np.array(
+            list(itertools.product(*(range(w) for w in self.window))), np.int32
+        ).reshape(-1, len(self.window))
+        self.chain = [op for op in use.chain if op.kind is not Step.STACK]
+        self.scale = use.layout.scale
+        self.use, self.whole = use, whole
+
+    def _views(self, x, delta, lead):
+        """`view(offset)`, `(lead..., n, groups, channels, out spatial...)`, and the
+        cotangent as `(lead..., n, groups, out features, out spatial...)`."""
+        g, lhs, out = self.groups, self.dn.lhs_spec, self.dn.out_spec
         x = x.transpose((*range(lead), *(lead + a for a in lhs)))
         d = delta.transpose((*range(lead), *(lead + a for a in out)))
         c, o = x.shape[lead + 1], d.shape[lead + 1]
-        # (examples, n, groups, features / groups, spatial...): splits, never merges
-        d = d.reshape((*d.shape[: lead + 1], groups, o // groups, *d.shape[lead + 2 :]))
-        view = _offset_view(
-            x, lead, out_spatial, p["window_strides"], p["padding"],
-            p["lhs_dilation"], p["rhs_dilation"],
-        )  # fmt: skip
-        letters = "stuvwxyz"[: len(out_spatial)]
+        # (.., n, groups, features / groups, spatial...): splits, never merges
+        d = d.reshape((*d.shape[: lead + 1], g, o // g, *d.shape[lead + 2 :]))
+        view = _offset_view(x, lead, self.out_spatial, *self.geometry)
+
+        def grouped(offset):
+            xs = view(offset)
+            return xs.reshape((*xs.shape[: lead + 1], g, c // g, *xs.shape[lead + 2 :]))
+
+        return grouped, d
+
+    def _masked(self, views, bad, lead):
+        """`views` with the columns `bad` (`(lead..., offsets, groups, channels)`)
+        zeroed: `masked(offset, bad_at_offset)`."""
+
+        def masked(offset, bad_k):
+            xs = views(offset)
+            if bad_k is None:
+                return xs
+            shape = (*bad_k.shape[:lead], 1, *bad_k.shape[lead:])
+            shape += (1,) * len(self.out_spatial)
+            return jnp.where(bad_k.reshape(shape), jnp.zeros((), xs.dtype), xs)
+
+        return masked
+
+    def _over_offsets(self, bad, lead):
+        """The scan's inputs: each offset, and its columns of `bad` (or None)."""
+        if bad is None:
+            return (self.offsets, None)
+        return (self.offsets, jnp.moveaxis(bad, lead, 0))
+
+    def gradient(self, recorded, delta, batched, mask=None):
+        """The leaf's gradient (summed over a leading axis of examples when
+        `batched`): for each window offset, the input's shifted view contracted
+        with the cotangent over positions (per group); then back through the chain
+        to the leaf (its linear transpose)."""
+        (x,) = recorded
+        lead = 1 if batched else 0  # the examples' axis, summed with the batch's
+        bad, delta = _unmasked(mask, delta)
+        views, d = self._views(x, delta, lead)
+        masked = self._masked(views, bad, lead)
+        letters = "stuvwxyz"[: len(self.out_spatial)]
         e = "e" if batched else ""
         equation = f"{e}ngi{letters},{e}ngo{letters}->goi"
 
-        def one(_, offset):  # one window offset's kernel entries
-            xs = view(offset)
-            xs = xs.reshape(
-                (*xs.shape[: lead + 1], groups, c // groups, *xs.shape[lead + 2 :])
-            )
-            return None, jnp.einsum(equation, xs, d)
+        def one(_, xs):  # one window offset's kernel entries
+            return None, jnp.einsum(equation, masked(*xs), d)
 
-        offsets = np.array(list(itertools.product(*(range(w) for w in window))))
-        _, g = lax.scan(one, None, offsets.astype(np.int32))  # (window, g, o, i)
+        _, g = lax.scan(one, None, self._over_offsets(bad, lead))  # (window, g, o, i)
+        groups, o, i = g.shape[1:]
         g = jnp.concatenate([g[:, j] for j in range(groups)], 1)  # (window, O, I)
-        g = jnp.moveaxis(g, 0, -1).reshape(o, c // groups, *window)  # O, I, window
-        g = g.transpose(np.argsort(dn.rhs_spec))  # in the kernel's own layout
+        g = jnp.moveaxis(g, 0, -1).reshape(groups * o, i, *self.window)
+        g = g.transpose(np.argsort(self.dn.rhs_spec))  # in the kernel's own layout
 
         def forward(w):
-            for op in chain:
+            for op in self.chain:
                 w = op.apply(w)
             return w
 
-        leaf = use.typed_leaf()
-        (out_g,) = jax.linear_transpose(forward, leaf)(g.astype(kernel.dtype))
+        leaf = self.use.typed_leaf()
+        (out_g,) = jax.linear_transpose(forward, leaf)(g.astype(self.kernel.dtype))
         return out_g
 
-    return gradient
+    def sq_norm(self, recorded, delta, acc, mask=None):
+        """One example's `||G||^2` of a `whole` kernel, in `acc`: where that costs
+        fewer operations (few positions: `P^2 (K c + o) < K P c o` for `P`
+        positions, `K` offsets, `c` and `o` channels per group), from the views'
+        Gram over positions, centred as `_forms._einsum_term` centres the patches
+        (the centred views' Gram, their cross term with the views' means, and the
+        means' norms); else from each offset's kernel entries, squared and summed."""
+        (x,) = recorded
+        bad, delta = _unmasked(mask, delta)
+        x = x.astype(acc)
+        if self.scale != 1.0:
+            x = x * jnp.asarray(self.scale, acc)
+        views, d = self._views(x, delta, 0)
+        masked = self._masked(views, bad, 0)
+        # positions (n, out spatial...) together: (groups, positions, features)
+        d = jnp.moveaxis(d.astype(acc), 0, 2)  # (g, o, n, spatial...)
+        g, o = d.shape[:2]
+        d = d.reshape(g, o, -1).transpose(0, 2, 1)
+
+        def flat(offset, bad_k):  # (groups, positions, channels)
+            xs = jnp.moveaxis(masked(offset, bad_k), 0, 2)
+            return xs.reshape(*xs.shape[:2], -1).transpose(0, 2, 1)
+
+        t, c, k = d.shape[1], self.kernel.shape[self.dn.rhs_spec[1]], len(self.offsets)
+        over = self._over_offsets(bad, 0)
+        if t * t * (k * c + o) > k * t * c * o:  # the kernel entries are cheaper
+
+            def entries(sq, xs):
+                gk = jnp.einsum("gti,gto->gio", flat(*xs), d)
+                return sq + jnp.sum(jnp.square(gk)), None
+
+            return lax.scan(entries, jnp.zeros((), acc), over)[0]
+        # the cotangents' side of each term, before the views' (then d is done)
+        s = jnp.sum(d, 1)  # (g, o): summed over positions
+        dd = jnp.einsum("gto,gso->gts", d, d)
+        ds = jnp.einsum("gto,go->gt", d, s)
+
+        def grams(carry, xs):
+            gram, cross, means = carry
+            v = flat(*xs)
+            m = jnp.mean(v, 1, keepdims=True)
+            cv = v - m
+            gram = gram + jnp.einsum("gti,gsi->gts", cv, cv)
+            cross = cross + jnp.einsum("gti,gi->gt", cv, m[:, 0])
+            return (gram, cross, means + jnp.sum(jnp.square(m), (1, 2))), None
+
+        zeros = (jnp.zeros((g, t, t), acc), jnp.zeros((g, t), acc), jnp.zeros(g, acc))
+        (gram, cross, means), _ = lax.scan(grams, zeros, over)
+        terms = [
+            jnp.sum(gram * dd),
+            2 * jnp.sum(cross * ds),
+            jnp.sum(means * jnp.sum(jnp.square(s), 1)),
+        ]
+        return jnp.sum(jnp.stack(terms))
+
+    def sanitized(self, recorded, delta):
+        """One example's masked arrays `[input, columns, features, cotangent]`, and
+        whether its gradient is finite."""
+        (x,) = recorded
+        # the views of where the input is not finite (bytes, not the input's floats)
+        views, _ = self._views(~jnp.isfinite(x), delta, 0)
+
+        def bad_at(_, offset):  # (groups, channels): a non-finite entry in the view
+            xs = views(offset)
+            return None, jnp.any(xs, (0, *range(3, xs.ndim)))
+
+        _, bad = lax.scan(bad_at, None, self.offsets)
+        features = self.dn.out_spec[1]
+        others = tuple(a for a in range(delta.ndim) if a != features)
+        bad_out = jnp.any(~jnp.isfinite(delta), others, keepdims=True)
+        finite = ~(jnp.any(bad) | jnp.any(bad_out))
+        return [x, bad, bad_out, delta], finite
+
+
+def _unmasked(mask, delta):
+    """A `Windows` mask's columns (or None), and the cotangent with its features
+    zeroed."""
+    if mask is None:
+        return None, delta
+    columns, features = mask
+    return columns, jnp.where(features, jnp.zeros((), delta.dtype), delta)
 
 
 def _offset_view(x, lead, out_spatial, strides, padding, lhs_dil, rhs_dil):
