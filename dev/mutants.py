@@ -673,6 +673,90 @@ MUTANTS = {
         ),
         ["test_projections"],
     ),
+    "conv windows: the Gram's cross term counted once": (
+        (
+            "chunkvmap/_dp/ghost/_rules.py",
+            "            2 * jnp.sum(cross * ds),\n",
+            "            jnp.sum(cross * ds),\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "conv windows: the means' term left out": (
+        (
+            "chunkvmap/_dp/ghost/_rules.py",
+            "            jnp.sum(means * jnp.sum(jnp.square(s), 1)),\n",
+            "            jnp.zeros((), acc),\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "conv windows: the views not centred": (
+        (
+            "chunkvmap/_dp/ghost/_rules.py",
+            "            cv = v - m\n",
+            "            cv = v\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "conv windows: each offset's entries summed, not squared": (
+        (
+            "chunkvmap/_dp/ghost/_rules.py",
+            "                return sq + jnp.sum(jnp.square(gk)), None\n",
+            "                return sq + jnp.sum(gk), None\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "conv windows: the kernel's constant factor left out of its norm": (
+        (
+            "chunkvmap/_dp/ghost/_rules.py",
+            "        if self.scale != 1.0:\n",
+            "        if False:\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "conv windows: a kernel broadcast from its leaf taken as the leaf": (
+        (
+            "chunkvmap/_dp/ghost/_rules.py",
+            "    return form.complete and None not in leaves and len(set(leaves)) == "
+            "len(leaves)\n",
+            "    return form.complete\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "conv windows: non-finite columns not zeroed in the views": (
+        (
+            "chunkvmap/_dp/ghost/_rules.py",
+            "            return jnp.where(bad_k.reshape(shape), "
+            "jnp.zeros((), xs.dtype), xs)\n",
+            "            return xs\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "conv windows: non-finite output features not zeroed": (
+        (
+            "chunkvmap/_dp/ghost/_rules.py",
+            "    return columns, jnp.where(features, jnp.zeros((), delta.dtype), delta)"
+            "\n",
+            "    return columns, delta\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "conv windows: a gradient finite whatever its columns": (
+        (
+            "chunkvmap/_dp/ghost/_rules.py",
+            "        finite = ~(jnp.any(bad) | jnp.any(bad_out))\n",
+            "        finite = ~jnp.any(bad_out)\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "nan_safe: a leaf smaller than its operands masked, not formed": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "            if safe and plan.maskable(k) and not (k in instantiated and "
+            "small(k))\n",
+            "            if safe and plan.maskable(k)\n",
+        ),
+        GHOST_TESTS,
+    ),
     "preconditioning: a joined bias's block the identity": (
         (
             "chunkvmap/_dp/_projections.py",

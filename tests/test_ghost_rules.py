@@ -333,7 +333,9 @@ def test_checkpoint_cond_and_jit():
 
 def test_convolutions():
     """Strides, explicit padding, rhs and lhs dilation, feature groups, NHWC/HWIO and
-    NCHW/OIHW layouts, a 1-D convolution: patches + the dense rule."""
+    NCHW/OIHW layouts, a 1-D convolution, a scaled kernel, a kernel broadcast from
+    a smaller leaf, few positions with many features: patches + the dense rule
+    (norms from the input's windows where the kernel is its leaf)."""
 
     def loss(p, x):
         h = lax.conv_general_dilated(
@@ -347,17 +349,26 @@ def test_convolutions():
             dimension_numbers=("NCHW", "OIHW", "NCHW"),
         )  # fmt: skip
         seq = h.reshape(1, 5, -1)
+        nch = ("NCH", "OIH", "NCH")
         h = lax.conv_general_dilated(
-            seq, p["k3"], (1,), "SAME", dimension_numbers=("NCH", "OIH", "NCH")
+            seq, 0.5 * p["k3"], (1,), "SAME", dimension_numbers=nch
         )
-        return jnp.sum(h**2)
+        # a kernel broadcast over its window from a smaller leaf
+        wide = jnp.broadcast_to(p["k4"][:, :, None], (2, 5, 3))
+        h = h + lax.conv_general_dilated(seq, wide, (1,), "SAME", dimension_numbers=nch)
+        # few positions, many features, activations far from zero (a Gram's norm)
+        g = lax.conv_general_dilated(
+            x[None, :2, :2] + 3.0, p["k5"], (1, 1), "SAME",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )  # fmt: skip
+        return jnp.sum(h**2) + jnp.sum(jnp.tanh(g))
 
     p = {
         "k1": normal(1, 3, 2, 2, 6), "b1": normal(2, 6), "k2": normal(3, 5, 6, 2, 2),
-        "k3": normal(4, 2, 5, 3),
+        "k3": normal(4, 2, 5, 3), "k4": normal(6, 2, 5), "k5": normal(7, 2, 2, 4, 16),
     }  # fmt: skip
     plan = check(loss, p, normal(5, 4, 9, 9, 4, scale=1.0))
-    for name in ("k1", "k2", "k3"):
+    for name in ("k1", "k2", "k3", "k4", "k5"):
         assert pair_kinds(plan, name) == ["einsum"], name
 
 
