@@ -262,7 +262,7 @@ MUTANTS = {
     "ghost: nan_safe's masked leaf's norm taken as finite": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "squares[k] = jnp.where(_all_finite(record.arrays(k)), safe[-1], jnp.nan)",
+            "squares[k] = jnp.where(finite, safe[-1], jnp.nan)",
             "squares[k] = safe[-1]",
         ),
         GHOST_TESTS,
@@ -334,8 +334,8 @@ MUTANTS = {
     "ghost: convolution gradients formed from patches": (
         (
             "chunkvmap/_dp/ghost/_rules.py",
-            "            if not use.levels:\n                form.operands_gradient",
-            "            if False:\n                form.operands_gradient",
+            "            if not use.levels:\n                form.windows",
+            "            if False:\n                form.windows",
         ),
         GHOST_TESTS,
     ),
