@@ -757,6 +757,31 @@ MUTANTS = {
         ),
         GHOST_TESTS,
     ),
+    "remainder: the ghost sums' last window summarised at its own length": (
+        (
+            "chunkvmap/_dp/_records.py",
+            "        quantity.chunk, quantity.combine, uncount=quantity.uncount, "
+            "pure=True\n",
+            "        quantity.chunk, quantity.combine, uncount=None, pure=True\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "remainder: the last window's covered examples counted again": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "        return lax.iota(jnp.int32, self.batch) >= first\n",
+            "        return lax.iota(jnp.int32, self.batch) >= 0\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "remainder: the last window's covered non-finite examples fixed again": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "        return fix if self.fresh is None else fix & self.fresh\n",
+            "        return fix\n",
+        ),
+        GHOST_TESTS,
+    ),
     "preconditioning: a joined bias's block the identity": (
         (
             "chunkvmap/_dp/_projections.py",

@@ -510,14 +510,15 @@ def test_grouped_convolutions_clip_in_the_non_private_memory(
     layout, groups, channels, size
 ):
     """Grouped convolutions (128 to 256 channels in 4 groups on 4x4 images, in chunks
-    of 32; 64 to 256 on 8x8; depthwise): `clipped_grad` (nan_safe=True) and
-    `clipped_grad_sum` (nan_safe=False) by ghost hold no more than 1.5x the
-    non-private step plus three parameter copies. The kernel's norm comes from the
-    input's windows (their Gram over few positions, each offset's kernel entries
-    over many), its non-finite entries are masked per window column, and a
-    depthwise kernel (smaller than its operands) is formed. With a NaN and an
-    infinity in two examples' images (N = 45): values and norms as `jax.grad`'s,
-    example by example."""
+    of 32; 64 to 256 on 8x8; depthwise), N = 45: `clipped_grad` (nan_safe=True)
+    and `clipped_grad_sum` (nan_safe=False) by ghost hold no more than 1.5x the
+    non-private step plus three parameter copies (the last window summarised at
+    the chunk's length, with the examples earlier chunks counted uncounted). The
+    kernel's norm comes from the input's windows (their Gram over few positions,
+    each offset's kernel entries over many), its non-finite entries are masked
+    per window column, and a depthwise kernel (smaller than its operands) is
+    formed. With a NaN and an infinity in two examples' images: values and norms
+    as `jax.grad`'s, example by example."""
     c_in, c_out = channels
     nhwc = layout == "NHWC"
     kernel = (3, 3, c_in // groups, c_out) if nhwc else (c_out, c_in // groups, 3, 3)
@@ -561,9 +562,6 @@ def test_grouped_convolutions_clip_in_the_non_private_memory(
     def non_private(p, img, y):
         return jax.grad(lambda p: chunked(p, img, y).sum())(p)
 
-    # (N = 64: with N uneven, the last chunk's summary at its own length adds up
-    # to two chunks' inputs beside the scan's)
-    img, y = data(64)
     params = sum(a.nbytes for a in jax.tree.leaves(p))
     bound = 1.5 * temp_bytes(non_private, p, img, y) + 3 * params
     for f in (safe, plain):

@@ -123,6 +123,17 @@ class Chunks:
             return idx
         return idx + self.offset
 
+    def fresh(self, i: Any) -> jax.Array:
+        """Which of chunk `i`'s rows no earlier chunk covered: all of them, but of
+        the last window only its last `N % B` (of a window wider than N, its last
+        N)."""
+        if self.wide:
+            first = np.int32(self.batch - self.size)
+        else:
+            last = np.array(self.num_chunks - 1, i.dtype)
+            first = lax.select(i == last, np.int32(self.batch - self.rem), np.int32(0))
+        return lax.iota(jnp.int32, self.batch) >= first
+
     def active(self, i: Any) -> Any:
         """Whether chunk `i` holds a real example (always, without padding)."""
         if self.count is None:
@@ -388,7 +399,12 @@ class Accumulator:
     `windows`, that the rows do not depend on the window of examples that made them
     (the last chunk of a remainder then summarises its whole window, and its rows
     of examples an earlier chunk covered are not written again: one `summarise`
-    is traced, not a branch for the remainder); `pure`, that it computes from the
+    is traced, not a branch for the remainder); `uncount(out, fresh)`, where
+    given, the chunk's outputs with only the rows `fresh` marks counted by
+    `summarise` (the last window's other rows an earlier chunk covered: the
+    remainder is then summarised at the chunk's length too, one `summarise`
+    traced, rather than in a branch at its own length, whose buffers would add to
+    the loop's); `pure`, that it computes from the
     chunks' outputs alone, by code that is the same from call to call (none of the
     user's functions, nothing traced for the call), so that an eager program of it
     is known by its chunk's trace and its own fields.
@@ -403,6 +419,7 @@ class Accumulator:
     combine: Callable[[Any, Any], Any] | None = None
     finish: Callable[[Any, Any], Any] = _pair
     windows: bool = False
+    uncount: Callable[[Any, jax.Array], Any] | None = None
     pure: bool = False
 
     @property
@@ -611,7 +628,7 @@ class Body:
         assert accumulator is not None
         fold = _Fold(
             self.chunk_fn, self.axes, self.out_axes, accumulator.summarise,
-            accumulator.merge, 0, accumulator.windows,
+            accumulator.merge, 0, accumulator.windows, _counting(accumulator),
         )  # fmt: skip
         return self._fold(fold, leaves, plan, report)
 
@@ -635,6 +652,8 @@ class Body:
             ys = chunk_fn(plan.chunk(leaves, axes, i), batch)
             if rem == 0 or fold.windows:
                 return fold.summarise(ys)
+            if fold.counted is not None:  # the window, its covered rows uncounted
+                return fold.counted(ys, plan.fresh(i))
             if plan.wide:  # its one chunk is the window: no branch to trace
                 return remainder(ys)
             return lax.cond(
@@ -744,7 +763,9 @@ class _Fold(NamedTuple):
     `axes`, its outputs along `out_axes`) summarised by `summarise` into
     `(summary, rows)`; the summaries folded with `combine`, the rows (the chunk's
     examples along `row_axis`) written at the chunk's offset. `windows`: the last
-    chunk's whole window is summarised too (`Accumulator.windows`)."""
+    chunk's whole window is summarised too (`Accumulator.windows`); `counted(out,
+    fresh)`, where given, summarises it with only its `fresh` rows counted
+    (`Accumulator.uncount`)."""
 
     chunk_fn: ChunkFn
     axes: Sequence[int | None]
@@ -753,6 +774,7 @@ class _Fold(NamedTuple):
     combine: Callable[[Any, Any], Any]
     row_axis: int
     windows: bool
+    counted: Callable[[Any, jax.Array], Any] | None = None
 
 
 def _shares_fold(
@@ -776,7 +798,26 @@ def _shares_fold(
             return a
         return jax.vmap(accumulator.merge)(a, b)
 
-    return _Fold(shares, local, shifted, summarise, combine, 1, accumulator.windows)
+    one, counted = _counting(accumulator), None
+    if one is not None:
+
+        def counted(ys: Any, fresh: jax.Array) -> Any:  # share by share
+            axes = jax.tree.structure(ys).unflatten(out_axes)
+            result = jax.vmap(one, in_axes=(axes, None))(ys, fresh)
+            return jax.tree.map(lambda y: _with_entry(y, 0, entry), result)
+
+    return _Fold(
+        shares, local, shifted, summarise, combine, 1, accumulator.windows, counted
+    )
+
+
+def _counting(accumulator: Accumulator) -> Callable[[Any, jax.Array], Any] | None:
+    """`summarise` of a chunk's outputs with only its `fresh` rows counted, where
+    the accumulator can uncount rows (`Accumulator.uncount`)."""
+    uncount = accumulator.uncount
+    if uncount is None:
+        return None
+    return lambda ys, fresh: accumulator.summarise(uncount(ys, fresh))
 
 
 def _remainder_summary(fold: _Fold, batch: int, rem: int) -> Callable[..., Any]:

@@ -450,12 +450,20 @@ class _Parts(NamedTuple):
     pad: Any  # its padding flag, or None
     safe_sq: jax.Array  # ||G||^2 of the leaves not in `other`, made finite
     raw: jax.Array  # the same, as it is
+    fresh: Any = None  # whether no earlier chunk counted it (`uncount`), or None
+
+    @property
+    def counted(self) -> jax.Array:
+        """Whether its gradient enters this chunk's sum."""
+        return self.keep if self.fresh is None else self.keep & self.fresh
 
     @property
     def to_fix(self) -> jax.Array:
         """Whether `_fix_nonfinite` forms the example's sum again: its `other`
-        leaves are not finite, and it is not padding."""
-        return ~self.finite if self.pad is None else ~self.finite & ~self.pad
+        leaves are not finite, it is not padding, and no earlier chunk counted
+        it."""
+        fix = ~self.finite if self.pad is None else ~self.finite & ~self.pad
+        return fix if self.fresh is None else fix & self.fresh
 
 
 class _GhostSums(Quantity):
@@ -588,6 +596,12 @@ class _GhostSums(Quantity):
         )
         return (_Parts(scale, keep, finite, pad, safe_sq, raw), kept), extras
 
+    def uncount(self, chunk: Any, fresh: jax.Array) -> Any:
+        """A chunk's kept outputs with only the examples `fresh` marks in its sum
+        (the others as padding)."""
+        (parts, kept), extras = chunk
+        return (parts._replace(fresh=fresh), kept), extras
+
     def chunk(self, chunk: Any) -> Any:
         """A chunk's clipped sum per leaf, and its extras."""
         (parts, kept), extras = chunk
@@ -611,17 +625,20 @@ class _GhostSums(Quantity):
 
     def _chunk_sums(self, parts: _Parts, kept: ghost.Record) -> list:
         """`sum_i c_i G_i` per leaf over a chunk's examples (padding left out)."""
-        keep, scale, plan = parts.keep, parts.scale, kept.plan
+        scale, plan = parts.scale, kept.plan
 
-        def mask(x: jax.Array) -> jax.Array:  # keep[i], shaped to broadcast with x
-            return keep.reshape((-1,) + (1,) * (x.ndim - 1))
+        def mask(x: jax.Array, m: jax.Array) -> jax.Array:  # shaped to broadcast
+            return m.reshape((-1,) + (1,) * (x.ndim - 1))
 
         def kept_only(x: jax.Array) -> jax.Array:  # x_i, zero for padding
-            return jnp.where(mask(x), x, jnp.zeros((), x.dtype))
+            # (an example an earlier chunk counted keeps its records: its
+            # cotangents are zeroed, and its records are as finite as there)
+            return jnp.where(mask(x, parts.keep), x, jnp.zeros((), x.dtype))
 
-        def scaled(x: jax.Array) -> jax.Array:  # c_i x_i, zero for padding
-            s = scale.astype(x.dtype).reshape(mask(x).shape)
-            return jnp.where(mask(x), x * s, jnp.zeros((), x.dtype))
+        def scaled(x: jax.Array) -> jax.Array:  # c_i x_i, zero where not counted
+            m = mask(x, parts.counted)
+            s = scale.astype(x.dtype).reshape(m.shape)
+            return jnp.where(m, x * s, jnp.zeros((), x.dtype))
 
         totals: list[Any] = [None] * len(plan.leaves)
         scaled_record = kept.replace(

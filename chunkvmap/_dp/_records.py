@@ -12,7 +12,9 @@ formed per example. A quantity is an accumulator on that record:
   `(value, aux)`, `extra` the per-example inputs the caller added);
 * `chunk(kept)`, per chunk (the chunk's examples stacked along axis 0, records
   with the plan that made them): `(summary, rows)`, as `_loop.Accumulator.summarise`;
-* `combine(a, b)` folds two chunks' summaries (None: they are added leaf by leaf).
+* `combine(a, b)` folds two chunks' summaries (None: they are added leaf by leaf);
+* `uncount(kept, fresh)`, where given: the chunk's kept outputs with only the
+  examples `fresh` marks counted (`_loop.Accumulator.uncount`).
 
 `evaluate(traced, values, *extra)` makes one example's record and keeps it: by
 default one backward pass (`Traced.record`); a quantity of several cotangents per
@@ -38,6 +40,7 @@ class Quantity:
 
     per_example: Sequence[int] = ()
     combine: Callable[[Any, Any], Any] | None = None  # None: summaries are added
+    uncount: Callable[[Any, Any], Any] | None = None
 
     def keep(self, record: ghost.Record, out: Any, *extra: Any) -> Any:
         raise NotImplementedError
@@ -70,7 +73,9 @@ def over_chunks(
 
     # (known by its chunk's trace: computes from the chunks' outputs alone, by the
     # plan their structure holds)
-    accumulator = Accumulator(quantity.chunk, quantity.combine, pure=True)
+    accumulator = Accumulator(
+        quantity.chunk, quantity.combine, uncount=quantity.uncount, pure=True
+    )
     return transform.map(
         example, (*args, *extra), kwargs, (*in_axes, *[0] * len(extra)), 0,
         known=known, accumulator=accumulator,
