@@ -782,6 +782,14 @@ MUTANTS = {
         ),
         GHOST_TESTS,
     ),
+    "remainder: the ghost moments' last window summarised at its own length": (
+        (
+            "chunkvmap/_dp/_statistics.py",
+            "        real = fresh if real is None else real & fresh\n",
+            "        return chunk\n",
+        ),
+        ["test_statistics"],
+    ),
     "preconditioning: a joined bias's block the identity": (
         (
             "chunkvmap/_dp/_projections.py",

@@ -417,6 +417,13 @@ class _GhostMoments(Quantity):
     def combine(self, a: Any, b: Any) -> Any:  # pyright: ignore[reportIncompatibleVariableOverride]
         return merge_moments(a, b)
 
+    def uncount(self, chunk: Any, fresh: jax.Array) -> Any:  # pyright: ignore[reportIncompatibleVariableOverride]
+        """A chunk's kept outputs with only the examples `fresh` marks counted (the
+        others weighted 0, as padding)."""
+        (record, ones, real), aux = chunk
+        real = fresh if real is None else real & fresh
+        return (record, ones, real), aux
+
     def chunk(self, chunk: Any) -> Any:
         (record, ones, real), aux = chunk
         count = ones.sum() if real is None else jnp.sum(real, dtype=jnp.float32)
