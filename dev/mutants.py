@@ -676,16 +676,16 @@ MUTANTS = {
     "conv windows: the Gram's cross term counted once": (
         (
             "chunkvmap/_dp/ghost/_rules.py",
-            "            2 * jnp.sum(cross * ds),\n",
-            "            jnp.sum(cross * ds),\n",
+            "                2 * jnp.sum(cross * ds),\n",
+            "                jnp.sum(cross * ds),\n",
         ),
         GHOST_TESTS,
     ),
     "conv windows: the means' term left out": (
         (
             "chunkvmap/_dp/ghost/_rules.py",
-            "            jnp.sum(means * jnp.sum(jnp.square(s), 1)),\n",
-            "            jnp.zeros((), acc),\n",
+            "                jnp.sum(means * ss),\n",
+            "                jnp.zeros((), acc),\n",
         ),
         GHOST_TESTS,
     ),
@@ -700,8 +700,8 @@ MUTANTS = {
     "conv windows: each offset's entries summed, not squared": (
         (
             "chunkvmap/_dp/ghost/_rules.py",
-            "                return sq + jnp.sum(jnp.square(gk)), None\n",
-            "                return sq + jnp.sum(gk), None\n",
+            "                return None, jnp.sum(jnp.square(gk))\n",
+            "                return None, jnp.sum(gk)\n",
         ),
         GHOST_TESTS,
     ),

@@ -4,6 +4,8 @@ memory it saves. https://github.com/ (issue 14)"""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -566,6 +568,54 @@ def test_grouped_convolutions_clip_in_the_non_private_memory(
     bound = 1.5 * temp_bytes(non_private, p, img, y) + 3 * params
     for f in (safe, plain):
         assert temp_bytes(f, p, img, y) <= bound, temp_bytes(f, p, img, y) / params
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+@pytest.mark.parametrize("hold", ["mesh=", "set_mesh", "set_mesh + placed"])
+def test_convolution_windows_wherever_the_mesh_is_held(hold):
+    """Kernels whose norms come from their input's windows (a grouped one, each
+    offset's kernel entries; a wide one, the views' Gram), `clipped_grad` with
+    nan_safe masking, on an Explicit mesh passed (`shard=True`), entered
+    (`shard=True`) or holding the placed inputs, eagerly and under `jit`: the
+    unsharded call's values (N = 45; placed, 48)."""
+    p = {
+        "k1": normal(141, 3, 3, 8, 64, scale=0.1),
+        "k2": normal(142, 3, 3, 64, 128, scale=0.05),
+        "head": normal(143, 128, 3, scale=0.1),
+    }
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def net(p, img, y):
+        h = jax.lax.conv_general_dilated(
+            img[None] + 1.0, p["k1"], (1, 1), "SAME", dimension_numbers=dn,
+            feature_group_count=4,
+        )  # fmt: skip
+        h = jax.lax.conv_general_dilated(
+            jnp.tanh(h), p["k2"], (1, 1), "SAME", dimension_numbers=dn
+        )[0]
+        return jnp.sum((jnp.tanh(h).mean((0, 1)) @ p["head"] - y) ** 2)
+
+    n = 48 if "placed" in hold else 45
+    img, y = normal(144, n, 4, 4, 32), normal(145, n, 3)
+    img = img.at[5, 1, 1, 2].set(jnp.nan)
+    opts = dict(
+        l2_clip_norm=1.0, keep_batch_dim=False, batch_size=4, batch_argnums=(1, 2),
+        return_grad_norms=True, method="ghost",
+    )  # fmt: skip
+    want, aux = clipped_grad(net, **opts)(p, img, y)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    shard = {} if "placed" in hold else {"shard": True}
+    if hold == "mesh=":
+        shard["mesh"] = mesh
+    f = clipped_grad(net, **opts, **shard)
+    with jax.set_mesh(mesh) if "set_mesh" in hold else contextlib.nullcontext():
+        if "placed" in hold:
+            at = jax.sharding.NamedSharding(mesh, jax.P("data"))
+            img, y = jax.device_put(img, at), jax.device_put(y, at)
+        for call in (f, jax.jit(f)):
+            got, got_aux = call(p, img, y)
+            tree_allclose(got, want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got_aux.grad_norms, aux.grad_norms, rtol=1e-5)
 
 
 def test_ghost_warns_where_it_runs_slower_for_its_memory():

@@ -749,35 +749,39 @@ class Windows:
 
         t, c, k = d.shape[1], self.kernel.shape[self.dn.rhs_spec[1]], len(self.offsets)
         over = self._over_offsets(bad, 0)
+        # Each offset's share of ||G||^2, summed after the scan: a scan's carry in
+        # the chunk function would keep the sharding of the context it was traced
+        # in (an Explicit mesh the caller entered), which the chunk's evaluation
+        # on a device's share rejects; its outputs do not.
         if t * t * (k * c + o) > k * t * c * o:  # the kernel entries are cheaper
 
-            def entries(sq, xs):
+            def entries(_, xs):
                 gk = jnp.einsum("gti,gto->gio", flat(*xs), d)
-                return sq + jnp.sum(jnp.square(gk)), None
+                return None, jnp.sum(jnp.square(gk))
 
-            return lax.scan(entries, jnp.zeros((), acc), over)[0]
-        # the cotangents' side of each term, before the views' (then d is done)
+            return jnp.sum(lax.scan(entries, None, over)[1])
+        # the cotangents' side of each term, before the views' (then d is done);
+        # each term is linear in the views' Gram, cross term and means' norms
         s = jnp.sum(d, 1)  # (g, o): summed over positions
         dd = jnp.einsum("gto,gso->gts", d, d)
         ds = jnp.einsum("gto,go->gt", d, s)
+        ss = jnp.sum(jnp.square(s), 1)
 
-        def grams(carry, xs):
-            gram, cross, means = carry
+        def terms(_, xs):
             v = flat(*xs)
             m = jnp.mean(v, 1, keepdims=True)
             cv = v - m
-            gram = gram + jnp.einsum("gti,gsi->gts", cv, cv)
-            cross = cross + jnp.einsum("gti,gi->gt", cv, m[:, 0])
-            return (gram, cross, means + jnp.sum(jnp.square(m), (1, 2))), None
+            gram = jnp.einsum("gti,gsi->gts", cv, cv)
+            cross = jnp.einsum("gti,gi->gt", cv, m[:, 0])
+            means = jnp.sum(jnp.square(m), (1, 2))
+            parts = [
+                jnp.sum(gram * dd),
+                2 * jnp.sum(cross * ds),
+                jnp.sum(means * ss),
+            ]
+            return None, jnp.sum(jnp.stack(parts))
 
-        zeros = (jnp.zeros((g, t, t), acc), jnp.zeros((g, t), acc), jnp.zeros(g, acc))
-        (gram, cross, means), _ = lax.scan(grams, zeros, over)
-        terms = [
-            jnp.sum(gram * dd),
-            2 * jnp.sum(cross * ds),
-            jnp.sum(means * jnp.sum(jnp.square(s), 1)),
-        ]
-        return jnp.sum(jnp.stack(terms))
+        return jnp.sum(lax.scan(terms, None, over)[1])
 
     def sanitized(self, recorded, delta):
         """One example's masked arrays `[input, columns, features, cotangent]`, and
