@@ -851,7 +851,7 @@ def _tail(y: jax.Array, n: int, axis: int) -> jax.Array:
 def _row_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
     """`write(buffer, rows, i)`: chunk `i`'s rows written into `buffer` at its
     offset (the last window keeps the rows earlier chunks wrote)."""
-    batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
+    batch, rem = plan.batch, plan.rem
     if plan.order is not None:
         return _scattering_writer(plan, row_axis)
 
@@ -862,10 +862,9 @@ def _row_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
             )
         start = plan.start(i)
         if rem:
-            first = lax.select(i == last, np.int32(batch - rem), np.int32(0))
             shape = [1] * rows.ndim
             shape[row_axis] = batch
-            new = lax.broadcasted_iota(jnp.int32, shape, row_axis) >= first
+            new = plan.fresh(i).reshape(shape)
             old = lax.dynamic_slice_in_dim(buffer, start, batch, axis=row_axis)
             rows = jnp.where(new, rows, old)
         return lax.dynamic_update_slice_in_dim(buffer, rows, start, row_axis)
@@ -877,7 +876,7 @@ def _scattering_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
     """`_row_writer` of a padded buffer: chunk `i`'s rows written at the examples
     it evaluated (`plan.order`; the rows of skipped chunks stay zeros). Of shares'
     (`Chunks.shared`): share by share, the shares at `row_axis - 1`."""
-    batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
+    batch, rem = plan.batch, plan.rem
 
     def put(buffer: jax.Array, rows: jax.Array, idx: jax.Array, i: Any, axis: int):
         shape = [1] * rows.ndim
@@ -885,9 +884,9 @@ def _scattering_writer(plan: Chunks, row_axis: int) -> Callable[..., jax.Array]:
         at = lambda x: jnp.moveaxis(x, axis, 0)  # noqa: E731
         if rem:  # the last window: the rows earlier chunks wrote stay
             old = jnp.take(at(buffer), idx, axis=0, mode="clip")
-            first = lax.select(i == last, np.int32(batch - rem), np.int32(0))
-            rows = jnp.where((lax.iota(np.int32, batch) >= first).reshape(shape),
-                             rows, jnp.moveaxis(old, 0, axis))  # fmt: skip
+            rows = jnp.where(
+                plan.fresh(i).reshape(shape), rows, jnp.moveaxis(old, 0, axis)
+            )
         new = at(buffer).at[idx].set(at(rows), unique_indices=True)
         return jnp.moveaxis(new, 0, axis)
 
