@@ -655,22 +655,27 @@ class Windows:
         self.scale = use.layout.scale
         self.use, self.whole = use, whole
 
-    def _views(self, x, delta, lead):
-        """`view(offset)`, `(lead..., n, groups, channels, out spatial...)`, and the
-        cotangent as `(lead..., n, groups, out features, out spatial...)`."""
-        g, lhs, out = self.groups, self.dn.lhs_spec, self.dn.out_spec
-        x = x.transpose((*range(lead), *(lead + a for a in lhs)))
-        d = delta.transpose((*range(lead), *(lead + a for a in out)))
-        c, o = x.shape[lead + 1], d.shape[lead + 1]
-        # (.., n, groups, features / groups, spatial...): splits, never merges
-        d = d.reshape((*d.shape[: lead + 1], g, o // g, *d.shape[lead + 2 :]))
+    def _views(self, x, lead):
+        """`view(offset)`: the input's view at a window offset, `(lead..., n,
+        groups, channels, out spatial...)`."""
+        g = self.groups
+        x = x.transpose((*range(lead), *(lead + a for a in self.dn.lhs_spec)))
+        c = x.shape[lead + 1]
         view = _offset_view(x, lead, self.out_spatial, *self.geometry)
 
         def grouped(offset):
             xs = view(offset)
             return xs.reshape((*xs.shape[: lead + 1], g, c // g, *xs.shape[lead + 2 :]))
 
-        return grouped, d
+        return grouped
+
+    def _cotangent(self, delta, lead):
+        """The cotangent as `(lead..., n, groups, out features, out spatial...)`."""
+        d = delta.transpose((*range(lead), *(lead + a for a in self.dn.out_spec)))
+        o = d.shape[lead + 1]
+        # (.., n, groups, features / groups, spatial...): splits, never merges
+        g = self.groups
+        return d.reshape((*d.shape[: lead + 1], g, o // g, *d.shape[lead + 2 :]))
 
     def _masked(self, views, bad, lead):
         """`views` with the columns `bad` (`(lead..., offsets, groups, channels)`)
@@ -700,7 +705,7 @@ class Windows:
         (x,) = recorded
         lead = 1 if batched else 0  # the examples' axis, summed with the batch's
         bad, delta = _unmasked(mask, delta)
-        views, d = self._views(x, delta, lead)
+        views, d = self._views(x, lead), self._cotangent(delta, lead)
         masked = self._masked(views, bad, lead)
         letters = "stuvwxyz"[: len(self.out_spatial)]
         e = "e" if batched else ""
@@ -736,7 +741,7 @@ class Windows:
         x = x.astype(acc)
         if self.scale != 1.0:
             x = x * jnp.asarray(self.scale, acc)
-        views, d = self._views(x, delta, 0)
+        views, d = self._views(x, 0), self._cotangent(delta, 0)
         masked = self._masked(views, bad, 0)
         # positions (n, out spatial...) together: (groups, positions, features)
         d = jnp.moveaxis(d.astype(acc), 0, 2)  # (g, o, n, spatial...)
@@ -788,7 +793,7 @@ class Windows:
         whether its gradient is finite."""
         (x,) = recorded
         # the views of where the input is not finite (bytes, not the input's floats)
-        views, _ = self._views(~jnp.isfinite(x), delta, 0)
+        views = self._views(~jnp.isfinite(x), 0)
 
         def bad_at(_, offset):  # (groups, channels): a non-finite entry in the view
             xs = views(offset)
