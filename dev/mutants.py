@@ -790,6 +790,47 @@ MUTANTS = {
         ),
         ["test_statistics"],
     ),
+    "tap: only the first iteration's norm": (
+        (
+            "chunkvmap/_dp/ghost/_plan.py",
+            "jnp.sum(deltas.pop(self.leaves[k].uses[0].path).zero)",
+            "jnp.sum(deltas.pop(self.leaves[k].uses[0].path).zero.ravel()[:1])",
+        ),
+        GHOST_TESTS,
+    ),
+    "tap: a leaf every iteration reads whole tapped per iteration": (
+        (
+            "chunkvmap/_dp/ghost/_plan.py",
+            "            and all(level.stacked for level in u.levels)\n",
+            "            and True\n",
+        ),
+        [*GHOST_TESTS, "test_statistics"],
+    ),
+    "tap: the layer's input cotangent not passed back": (
+        (
+            "chunkvmap/_dp/ghost/_plan.py",
+            "            return cotangents, sq.astype(zero.dtype)\n",
+            "            return jax.tree.map(jnp.zeros_like, cotangents), "
+            "sq.astype(zero.dtype)\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "two passes: the second backward pass unweighted": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "            return inputs[n].astype(value.dtype) * value\n",
+            "            return value\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "two passes: taken with a padded buffer": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "        if self.two_pass and padding is not None:",
+            "        if False:",
+        ),
+        GHOST_TESTS,
+    ),
     "preconditioning: a joined bias's block the identity": (
         (
             "chunkvmap/_dp/_projections.py",

@@ -503,6 +503,79 @@ def test_convolutions_run_ghost_near_the_non_private_memory(groups):
     assert temp_bytes(f, p, img, y) <= bound
 
 
+def _scanned_stack(nested: bool):
+    """Layers of `tanh(h @ W_l + b_l)` run by `lax.scan` over their stacked
+    parameters, each step under `jax.checkpoint`, then a shared head; `nested`: the
+    stack is two scans deep (4 blocks of 2 layers)."""
+    D, lead = 64, ((4, 2) if nested else (8,))
+    p = {
+        "w": normal(140, *lead, D, D, scale=D**-0.5),
+        "b": normal(141, *lead, D, scale=0.1),
+        "head": normal(142, D, 3, scale=D**-0.5),
+    }
+
+    def layer(h, wb):
+        w, b = wb
+        return jnp.tanh(h @ w + b[None]), None
+
+    def net(p, x, y):
+        step = jax.checkpoint(layer)
+        if nested:  # 4 blocks of 2 layers
+            block = lambda h, wb: jax.lax.scan(step, h, wb)  # noqa: E731
+            h, _ = jax.lax.scan(block, x, (p["w"], p["b"]))
+        else:
+            h, _ = jax.lax.scan(step, x, (p["w"], p["b"]))
+        return jnp.sum((h.mean(0) @ p["head"] - y) ** 2)
+
+    return p, net, normal(143, 45, 8, D), normal(144, 45, 3)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["scan", "nested scans"])
+def test_a_rematerialised_scan_clips_in_the_non_private_memory(nested):
+    """A stack of layers scanned over its stacked parameters under `jax.checkpoint`,
+    N = 45 in chunks of 16: each layer's norm is taken in the backward pass, one
+    iteration at a time (nothing recorded), and the clipped sum is a second
+    backward pass weighted by the clip factors (a padded buffer, whose padding may
+    be non-finite, keeps the operands). Norms and sums as `jax.grad`'s, eagerly,
+    under `jit` and under `grad`; `clipped_grad_sum` holds no more than
+    1.5x the non-private step plus three parameter copies (keeping every layer's
+    activations and cotangents for the chunk held four times more)."""
+    p, net, x, y = _scanned_stack(nested)
+    want, norms = clipped_sum(net, 1.0, (p, x, y))
+    f = clipped_grad_sum(net, 1.0, batch_size=16, method="ghost", return_norms=True)
+    for call in (f, jax.jit(f)):
+        total, count, got = call(p, x, y)
+        assert count == 45
+        tree_allclose(total, want, rtol=2e-5, atol=1e-6)
+        tree_allclose(got, norms, rtol=2e-5, atol=1e-6)
+    by_norms = chunkvmap.per_example_grad_norms(net, batch_size=16, method="ghost")
+    tree_allclose(by_norms(p, x, y), norms, rtol=2e-5, atol=1e-6)
+    # a padded buffer, its padding non-finite: the operands' path, the padding left out
+    pad = np.arange(45) >= 40
+    total, count, _ = f(p, x.at[42, 0, 0].set(jnp.nan), y, is_padding_example=pad)
+    assert count == 40
+    tree_allclose(total, clipped_sum(net, 1.0, (p, x[:40], y[:40]))[0], rtol=2e-5)
+
+    def outer(p, f):  # a function of the parameters through the clipped sum
+        total = f(p, x, y)[0]
+        return sum(jnp.sum(jnp.sin(a)) for a in jax.tree.leaves(total))
+
+    tree_allclose(
+        jax.grad(outer)(p, f),
+        jax.grad(outer)(p, clipped_grad_sum(net, 1.0, batch_size=16, method="vmap")),
+        rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+    chunked = chunkvmap.batch_vmap(net, (None, 0, 0), batch_size=16)
+
+    def non_private(p, x, y):
+        return jax.grad(lambda p: chunked(p, x, y).sum())(p)
+
+    params = sum(a.nbytes for a in jax.tree.leaves(p))
+    bound = 1.5 * temp_bytes(non_private, p, x, y) + 3 * params
+    assert temp_bytes(f, p, x, y) <= bound
+    assert temp_bytes(by_norms, p, x, y) <= bound
+
+
 @pytest.mark.parametrize(
     "layout, groups, channels, size",
     [("NHWC", 4, (128, 256), 4), ("NCHW", 4, (64, 256), 8), ("NHWC", 32, (32, 64), 4)],

@@ -15,6 +15,7 @@ works, and the chunks are contiguous (`microbatch_size` is an alias of `batch_si
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools as ft
 import numbers
@@ -529,6 +530,15 @@ class _GhostSums(Quantity):
         ]
         self.other = [k for k in self.ruled if k not in (*self.masked, *self.formed)]
         self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])  # global_norm's
+        # Norms in the backward pass (`Plan.tap`), where no record is needed for a
+        # sum: norms alone, or a scanned stack's (whose records, cotangents and
+        # probes over every iteration outweigh a second backward pass: the sum is
+        # then `grad sum_i c_i L_i`, `_weighted_sums`). nan_safe fixes non-finite
+        # examples from their records.
+        taps = [] if safe else [k for k in self.other if plan.tappable(k)]
+        stacks = any(leaves[k].uses[0].levels for k in taps)
+        self.taps = taps if stacks or not config.sums else []
+        self.two_pass = config.sums and bool(self.taps)
 
     def _kept_and_squares(self, g: jax.Array) -> tuple[Any, Any, Any]:
         """`g` as a chunk keeps it (non-finite entries zeroed with nan_safe), and
@@ -605,6 +615,8 @@ class _GhostSums(Quantity):
     def chunk(self, chunk: Any) -> Any:
         """A chunk's clipped sum per leaf, and its extras."""
         (parts, kept), extras = chunk
+        if self.two_pass:  # the sum is made after the norms
+            return (), (extras, parts.scale)
         if not self.config.sums:  # only the norms (the records are then left unused)
             return (), extras
         totals = self._chunk_sums(parts, kept)
@@ -713,12 +725,46 @@ class _GhostSums(Quantity):
         """The clipped sum (None without sums) and the stacked extras of a call."""
         # (the sums and the stacked norms are not independent here: an example whose
         # non-finite terms are fixed gets its norm from the fix)
+        sums = self
+        if self.two_pass and padding is not None:  # (padding may be non-finite)
+            sums = copy.copy(self)
+            sums.taps, sums.two_pass = [], False
         totals, extras = over_chunks(
-            self.transform, self.traced, self, args, in_axes, kwargs, known, padding
+            self.transform, self.traced, sums, args, in_axes, kwargs, known, padding
         )
         if not self.config.sums:
             return None, extras
+        if sums.two_pass:
+            extras, scales = extras
+            totals = self._weighted_sums(args, in_axes, kwargs, scales, known)
         return self.traced.grads_tree(totals, self.transform.args.single), extras
+
+    def _weighted_sums(self, args, in_axes, kwargs, scales, known) -> list:
+        """`sum_i c_i G_i` per leaf as `grad sum_i c_i L_i`: one more backward pass
+        over the chunks, with the examples' clip factors `scales`."""
+        traced, n = self.traced, len(args)
+        flat = traced.arrays(list(args), kwargs)
+        positions = traced.plan.diff_positions
+
+        def weighted(*inputs: Any, **kw: Any) -> Any:
+            value = traced.loss(traced.arrays(list(inputs[:n]), kw))
+            return inputs[n].astype(value.dtype) * value
+
+        def total(leaves: list) -> Any:
+            values = list(flat)
+            for i, x in zip(positions, leaves):
+                values[i] = x
+            new_args, new_kwargs = traced.rebuild(args, kwargs, values)
+            return self.transform.map(
+                weighted, (*new_args, scales), new_kwargs, (*in_axes, 0), 0,
+                known=known,
+                accumulator=_accumulators.compose(Fold(jnp.add, lambda c: c.sum(0))),
+            )  # fmt: skip
+
+        totals = jax.grad(total)([flat[i] for i in positions])
+        if self.config.dtype is not None:
+            totals = [t.astype(self.config.dtype) for t in totals]
+        return totals
 
 
 class GhostFallbackWarning(UserWarning):

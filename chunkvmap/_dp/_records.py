@@ -39,6 +39,7 @@ class Quantity:
     leaves whose gradients each record forms as they are (those no rule covers)."""
 
     per_example: Sequence[int] = ()
+    taps: Sequence[int] = ()  # the leaves whose norms are taken in the backward pass
     combine: Callable[[Any, Any], Any] | None = None  # None: summaries are added
     uncount: Callable[[Any, Any], Any] | None = None
 
@@ -47,7 +48,7 @@ class Quantity:
 
     def evaluate(self, traced: ghost.Traced, values: list, *extra: Any) -> Any:
         """What the chunk keeps of one example at its array leaves `values`."""
-        record, out = traced.record(values, self.per_example)
+        record, out = traced.record(values, self.per_example, self.taps)
         return self.keep(record, out, *extra)
 
     def chunk(self, kept: Any) -> tuple[Any, Any]:

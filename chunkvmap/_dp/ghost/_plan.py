@@ -19,7 +19,7 @@ from ._chains import layout_of
 from ._context import bind
 from ._forms import all_finite, maskable, pair, sanitize
 from ._primitives import PLAIN, Info, handler
-from ._rules import Use, rule_kind
+from ._rules import Tap, Use, UseKind, rule_kind
 
 
 class _Named(enum.StrEnum):
@@ -92,23 +92,28 @@ class Record:
     `use.path`); formed gradients (`grads`, by leaf index: those of the leaves
     formed per example, and any a quantity forms from the uses); and the arrays of
     the forms of leaves' uses (`forms`, by leaf index, where a quantity builds
-    them). The clipped sums, norms, moments and Gram all consume it, each keeping
+    them); and the squared norms of the leaves tapped in the backward pass
+    (`squares`, by leaf index: `Plan.backward`'s `taps`, whose uses record
+    nothing). The clipped sums, norms, moments and Gram all consume it, each keeping
     what it needs of it over a chunk (`only`, `replace`).
 
     A pytree whose structure holds the `plan` that made it (static: the plan of
     the context it was made in), so that what reads a chunk of records reads them
     by their own plan."""
 
-    __slots__ = ("plan", "records", "deltas", "grads", "forms")
+    __slots__ = ("plan", "records", "deltas", "grads", "forms", "squares")
 
     def __init__(
-        self, plan: Plan, records: dict, deltas: dict, grads: dict, forms: dict
-    ) -> None:
+        self, plan: Plan, records: dict, deltas: dict, grads: dict, forms: dict,
+        squares: dict | None = None,
+    ) -> None:  # fmt: skip
         self.plan, self.records, self.deltas = plan, records, deltas
         self.grads, self.forms = grads, forms
+        self.squares = {} if squares is None else squares
 
     def tree_flatten(self) -> tuple[tuple, Plan]:
-        return (self.records, self.deltas, self.grads, self.forms), self.plan
+        children = (self.records, self.deltas, self.grads, self.forms, self.squares)
+        return children, self.plan
 
     @classmethod
     def tree_unflatten(cls, plan: Plan, children: Sequence[Any]) -> Record:
@@ -136,7 +141,10 @@ class Record:
         return self.plan.instantiate(k, self.records, self.deltas)
 
     def sq_norm(self, k: int, acc: Any) -> Any:
-        """`||G||^2` of one example's gradient of rule leaf `k`, by its rule."""
+        """`||G||^2` of one example's gradient of rule leaf `k`, by its rule (or as
+        its tap took it)."""
+        if k in self.squares:
+            return self.squares[k].astype(acc)
         return self.plan.sq_norm(k, self.records, self.deltas, acc)
 
     def chunk_sum(self, k: int) -> Any:
@@ -388,22 +396,77 @@ class Plan:
 
     # -- the instrumented evaluation -------------------------------------------------
 
-    def probes(self) -> dict[tuple, Any]:
-        """A zero probe for each use's output (with its scans' axes)."""
-        return {p: self.uses_at[p][0].probe() for p in self.probe_paths}
+    def probes(self, taps: Sequence[int] = ()) -> dict[tuple, Any]:
+        """A zero probe for each use's output (with its scans' axes); a `Tap` for
+        the use of each leaf of `taps`."""
+        probes = {p: self.uses_at[p][0].probe() for p in self.probe_paths}
+        acc = accumulation_dtype([x.dtype for x in self.leaves])
+        for k in taps:
+            (u,) = self.leaves[k].uses
+            probes[u.path] = Tap(jnp.zeros(u.level_shape(), acc))
+        return probes
+
+    def tappable(self, k: int) -> bool:
+        """Whether leaf `k`'s squared norm can be taken in the backward pass, one
+        scan iteration at a time (`tap`): a ghost leaf with one dense use, alone at
+        its equation, every scan around it reading it through its `xs` (so that
+        the iterations' gradients are disjoint slices of the leaf)."""
+        leaf = self.leaves[k]
+        if leaf.rule != GHOST or len(leaf.uses) != 1:
+            return False
+        (u,) = leaf.uses
+        return (
+            u.rule.kind is UseKind.DENSE
+            and len(self.uses_at[u.path]) == 1
+            and all(level.stacked for level in u.levels)
+            and (0, 0) in leaf.pairs
+        )
+
+    def tap(self, path: tuple, eqn: Any, ins: Sequence[Any], zero: Any) -> Any:
+        """The output of the tapped use at `path`: `eqn` at `ins`, whose backward
+        pass also gives the cotangent of `zero` (its `Tap`, here one iteration's
+        scalar) as this iteration's `||G||^2` of the use's leaf, from its operands
+        and output cotangent there. Nothing is recorded; under a checkpoint the
+        operands are recomputed."""
+        (use,) = self.uses_at[path]
+        lead = (1,) * len(use.levels)  # the form's scans' axes, one iteration each
+
+        def forward(ins: list) -> Any:
+            return self.bind(eqn, ins)[0]
+
+        def backward(ins: list, g: Any) -> tuple:
+            (cotangents,) = jax.vjp(forward, ins)[1](g)
+            recorded = [
+                jnp.reshape(ins[i], lead + jnp.shape(ins[i])) for i in use.record
+            ]
+            arrays = use.form.build(recorded, jnp.reshape(g, lead + jnp.shape(g)))
+            term = self.leaves[use.leaf].pairs[(0, 0)].term
+            sq = term(use.form, arrays, use.form, arrays, zero.dtype)
+            return cotangents, sq.astype(zero.dtype)
+
+        tapped = jax.custom_vjp(lambda ins, zero: forward(ins))
+        tapped.defvjp(lambda ins, zero: (forward(ins), ins), backward)
+        return tapped(list(ins), zero)
 
     def backward(
-        self, values: Sequence[Any], per_example: Sequence[int]
+        self, values: Sequence[Any], per_example: Sequence[int], taps=()
     ) -> tuple[Record, list]:
         """One example's ghost evaluation at `values`: its loss evaluated with zero
         probes and differentiated once, giving every use's recorded operands and
         output cotangent, and the gradients of the leaves `per_example` (the
-        `Record`), and the loss's outputs: `pullback` at the cotangent 1."""
-        outs, records, pull = self.pullback(values, per_example)
+        `Record`), and the loss's outputs: `pullback` at the cotangent 1. The
+        leaves `taps` (each `tappable`) get their squared norms instead
+        (`Record.squares`)."""
+        outs, records, pull = self.pullback(values, per_example, taps)
         deltas, grads = pull(jnp.ones_like(outs[0]))
-        return Record(self, records, deltas, grads, {}), outs
+        squares = {
+            k: jnp.sum(deltas.pop(self.leaves[k].uses[0].path).zero) for k in taps
+        }
+        return Record(self, records, deltas, grads, {}, squares), outs
 
-    def pullback(self, values: Sequence[Any], per_example: Sequence[int]) -> tuple:
+    def pullback(
+        self, values: Sequence[Any], per_example: Sequence[int], taps=()
+    ) -> tuple:
         """One example's evaluation at `values` with zero probes, linearised: the
         outputs, the operands each use records, and `pull(cotangent)` of the
         outputs' first leaf giving `(deltas, grads)`: every use's output cotangent
@@ -420,7 +483,7 @@ class Plan:
             return outs[0], (outs, records)
 
         pe = [values[positions[k]] for k in per_example]
-        _, vjp, (outs, records) = jax.vjp(first, self.probes(), pe, has_aux=True)
+        _, vjp, (outs, records) = jax.vjp(first, self.probes(taps), pe, has_aux=True)
 
         def pull(cotangent: Any) -> tuple[dict, dict]:
             deltas, pe_grads = vjp(cotangent)
@@ -441,11 +504,16 @@ class Plan:
         )
         return outs, records
 
-    def inside(self, prefix: tuple) -> tuple[list, list]:
-        """The probe paths and use keys under `prefix`."""
+    def inside(self, prefix: tuple, probes: dict) -> tuple[list, list]:
+        """The probe paths under `prefix`, and the keys of the uses there that
+        record their operands (those not tapped)."""
         n = len(prefix)
         paths = [p for p in self.probe_paths if p[:n] == prefix]
-        keys = [u.key for u in self.uses if u.path[:n] == prefix]
+        keys = [
+            u.key
+            for u in self.uses
+            if u.path[:n] == prefix and not isinstance(probes[u.path], Tap)
+        ]
         return paths, keys
 
     @staticmethod

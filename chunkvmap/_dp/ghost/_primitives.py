@@ -23,7 +23,7 @@ from jax import lax
 
 from ..._core._jaxprs import call_jaxpr, open_jaxpr
 from ._chains import STACK, Op, chain_op
-from ._rules import RULES, Level, Rule
+from ._rules import RULES, Level, Rule, Tap
 
 
 if TYPE_CHECKING:
@@ -57,6 +57,8 @@ class Primitive:
         return _walk_first_order(plan, eqn, ins, here, record, None)
 
     def run(self, plan: Plan, eqn, ins, probes, here, depth, records) -> list:
+        if isinstance(probes[here], Tap):
+            return [plan.tap(here, eqn, ins, probes[here].zero)]
         outs = plan.bind(eqn, ins)
         outs = [outs[0] + probes[here]]
         for use in plan.uses_at[here]:
@@ -105,7 +107,7 @@ class Remat(Inline):
 
     def run(self, plan, eqn, ins, probes, here, depth, records):
         sub, sub_consts = call_jaxpr(eqn)
-        paths, keys = plan.inside((*here, 0))
+        paths, keys = plan.inside((*here, 0), probes)
 
         def body(ins: list, prs: list) -> Any:
             recs: dict = {}
@@ -154,7 +156,7 @@ class Scan(Primitive):
         body, body_consts = open_jaxpr(p["jaxpr"])
         consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
         sub = (*here, 0)
-        paths, keys = plan.inside(sub)
+        paths, keys = plan.inside(sub, probes)
 
         def step(carry: list, x: Any) -> Any:
             xs_i, prs = x
@@ -199,7 +201,7 @@ class Cond(Primitive):
 
     def run(self, plan, eqn, ins, probes, here, depth, records):
         index, ops = ins[0], ins[1:]
-        paths, keys = plan.inside(here)
+        paths, keys = plan.inside(here, probes)
         by_key = {u.key: u for u in plan.uses}
         branches = eqn.params["branches"]
 

@@ -80,6 +80,14 @@ class Level(NamedTuple):
     length: int
 
 
+class Tap(NamedTuple):
+    """The probe of a use whose squared norm is taken in the backward pass
+    (`Plan.tap`): a zero of its scans' lengths, whose cotangent is the norm of the
+    use's gradient, one per iteration, in place of the use's cotangent."""
+
+    zero: Any
+
+
 @dataclasses.dataclass
 class Use:
     """One use of a leaf: operand `slot` of equation `eqn` at `path`, reached through

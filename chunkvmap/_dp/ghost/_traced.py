@@ -7,6 +7,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
@@ -218,13 +219,14 @@ class Traced:
         return plan
 
     def record(
-        self, values: Sequence[Any], per_example: Sequence[int]
+        self, values: Sequence[Any], per_example: Sequence[int], taps=()
     ) -> tuple[Record, Any]:
         """One example's ghost evaluation at its array leaves `values` (`arrays`),
         by its plan in the current mesh context (`plan_here`): its `Record` (the
-        gradients of the leaves `per_example` formed as they are), and the loss's
+        gradients of the leaves `per_example` formed as they are, the norms of
+        the leaves `taps` taken in the backward pass), and the loss's
         `(value, aux)`. Every quantity's examples are evaluated here."""
-        record, outs = self.plan_here(values).backward(values, per_example)
+        record, outs = self.plan_here(values).backward(values, per_example, taps)
         return record, self.out_tree.unflatten(outs)
 
     def chunk_memory(self, chunk: int) -> tuple[int, int] | None:
@@ -298,6 +300,12 @@ class Traced:
             )
         except Exception:  # e.g. a loss closing over a traced value: not measured
             return None
+
+    def loss(self, values: Sequence[Any]) -> Any:
+        """One example's loss at its array leaves `values`, from its jaxpr in the
+        current mesh context (`fun` is not traced again)."""
+        closed = self.plan_here(values).closed
+        return jcore.jaxpr_as_fun(closed)(*values)[0]
 
     def rebuild(self, args: Sequence[Any], kwargs: dict, values: Sequence[Any]):
         """`(args, kwargs)` with their array leaves replaced by `values`."""
