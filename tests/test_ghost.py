@@ -463,6 +463,48 @@ def test_ghost_runs_the_vmap_program_where_it_is_predicted_no_faster(jit):
     tree_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_weight_every_iteration_reads_keeps_its_cross_terms():
+    """Beside a stack's layers (each iteration its own slice, their norms taken per
+    iteration), a recurrent weight every iteration reads whole: its gradient sums
+    over the iterations, so its norm is not taken per iteration. Norms and sums as
+    `jax.grad`'s."""
+    D = 64
+    p = {
+        "w": normal(150, 4, D, D, scale=D**-0.5),
+        "u": normal(151, D, D, scale=D**-0.5),
+        "head": normal(152, D, 2, scale=D**-0.5),
+    }
+
+    def net(p, x, y):
+        def step(h, w):
+            return jnp.tanh(h @ w + jnp.tanh(h @ p["u"])), None
+
+        h, _ = jax.lax.scan(step, x, p["w"])
+        return jnp.sum((h.mean(0) @ p["head"] - y) ** 2)
+
+    x, y = normal(153, 9, 2, D), normal(154, 9, 2)
+    report = ghost_report(net, p, x[0], y[0])
+    assert report.runs == "ghost" and report.rule("args[0]['u']") == "ghost"
+    want, norms = clipped_sum(net, 1.0, (p, x, y))
+    norm_of = chunkvmap.per_example_grad_norms(net, batch_size=4, method="ghost")
+    tree_allclose(norm_of(p, x, y), norms, rtol=2e-5, atol=1e-6)
+    total, _ = clipped_grad_sum(net, 1.0, batch_size=4, method="ghost")(p, x, y)
+    tree_allclose(total, want, rtol=2e-5, atol=1e-6)
+
+
+def _private_bound(net, batch_size, p, *data):
+    """What ghost clipping may hold (XLA's compiled temporary bytes): 1.5x the
+    non-private step's (`jax.grad` of the loss summed over the same chunks) plus
+    three parameter copies."""
+    chunked = chunkvmap.batch_vmap(net, (None, 0, 0), batch_size=batch_size)
+
+    def non_private(p, *data):
+        return jax.grad(lambda p: chunked(p, *data).sum())(p)
+
+    params = sum(a.nbytes for a in jax.tree.leaves(p))
+    return 1.5 * temp_bytes(non_private, p, *data) + 3 * params
+
+
 @pytest.mark.parametrize("groups", [1, 4])
 def test_convolutions_run_ghost_near_the_non_private_memory(groups):
     """A convnet's kernels, plain and grouped (NCHW): the ghost program forms their
@@ -493,14 +535,7 @@ def test_convolutions_run_ghost_near_the_non_private_memory(groups):
         warnings.simplefilter("error")
         total, _ = jax.jit(f)(p, img, y)
     tree_allclose(total, clipped_sum(net, 1.0, (p, img, y))[0], rtol=1e-5, atol=1e-6)
-    chunked = chunkvmap.batch_vmap(net, (None, 0, 0), batch_size=5)
-
-    def non_private(p, img, y):
-        return jax.grad(lambda p: chunked(p, img, y).sum())(p)
-
-    params = sum(a.nbytes for a in jax.tree.leaves(p))
-    bound = 1.5 * temp_bytes(non_private, p, img, y) + 3 * params
-    assert temp_bytes(f, p, img, y) <= bound
+    assert temp_bytes(f, p, img, y) <= _private_bound(net, 5, p, img, y)
 
 
 def _scanned_stack(nested: bool):
@@ -565,13 +600,7 @@ def test_a_rematerialised_scan_clips_in_the_non_private_memory(nested):
         jax.grad(outer)(p, clipped_grad_sum(net, 1.0, batch_size=16, method="vmap")),
         rtol=1e-4, atol=1e-5,
     )  # fmt: skip
-    chunked = chunkvmap.batch_vmap(net, (None, 0, 0), batch_size=16)
-
-    def non_private(p, x, y):
-        return jax.grad(lambda p: chunked(p, x, y).sum())(p)
-
-    params = sum(a.nbytes for a in jax.tree.leaves(p))
-    bound = 1.5 * temp_bytes(non_private, p, x, y) + 3 * params
+    bound = _private_bound(net, 16, p, x, y)
     assert temp_bytes(f, p, x, y) <= bound
     assert temp_bytes(by_norms, p, x, y) <= bound
 
@@ -632,13 +661,8 @@ def test_grouped_convolutions_clip_in_the_non_private_memory(
     np.testing.assert_allclose(aux.grad_norms[~nonfinite], norms[~nonfinite], rtol=1e-5)
     # (its values on a grouped kernel: test_convolutions_run_ghost_near_the_...)
     plain = clipped_grad_sum(net, 1.0, batch_size=32, method="ghost")
-    chunked = chunkvmap.batch_vmap(net, (None, 0, 0), batch_size=32)
-
-    def non_private(p, img, y):
-        return jax.grad(lambda p: chunked(p, img, y).sum())(p)
-
+    bound = _private_bound(net, 32, p, img, y)
     params = sum(a.nbytes for a in jax.tree.leaves(p))
-    bound = 1.5 * temp_bytes(non_private, p, img, y) + 3 * params
     for f in (safe, plain):
         assert temp_bytes(f, p, img, y) <= bound, temp_bytes(f, p, img, y) / params
 

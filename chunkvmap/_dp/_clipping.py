@@ -480,7 +480,11 @@ class _GhostSums(Quantity):
     masked through them (`masked`, with nan_safe), as its `forms`; the recorded
     operands and cotangents of the others (`other`). With nan_safe, each example's
     non-finite gradient entries are zeroed before its norm, except `other`'s, whose
-    non-finite examples are fixed after the chunk's sum (`_fix_nonfinite`)."""
+    non-finite examples are fixed after the chunk's sum (`_fix_nonfinite`).
+
+    Norms alone, or a sum over a scanned layer stack (`two_pass`), take the norms
+    of the leaves `taps` in the backward pass (`Plan.tap`): nothing is kept of
+    them, and the sum is a second backward pass (`_weighted_sums`)."""
 
     @classmethod
     def of(cls, transform, fun, config, args, in_axes, kwargs, diff, batch_args):

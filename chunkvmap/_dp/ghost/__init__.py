@@ -19,7 +19,10 @@ the per-example leaves) gives every use's cotangent in one backward pass per exa
 From records and cotangents each leaf gets its squared norm (`sq_norm`: the ghost norm
 or the instantiated gradient, by the mixed rule), and each chunk its clipped sum
 (`chunk_sum`: one transpose per use over the chunk's examples): a chunk holds
-activations and cotangents, never `batch_size x parameters`.
+activations and cotangents, never `batch_size x parameters`. A use can instead be
+*tapped* (`Plan.tap`): its leaf's squared norm is taken inside the backward pass, one
+scan iteration at a time, and nothing of it is recorded (norms alone, and a scanned
+layer stack's clipping, whose sum is then a second backward pass).
 
 The package: `_context` (binding in the current mesh context), `_chains` (linear
 steps between a leaf and its use), `_forms` (ghost forms and their cross terms),
