@@ -818,16 +818,33 @@ MUTANTS = {
     "two passes: the second backward pass unweighted": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "            return inputs[n].astype(value.dtype) * value\n",
+            "            return c.astype(value.dtype) * value\n",
             "            return value\n",
         ),
         GHOST_TESTS,
     ),
-    "two passes: taken with a padded buffer": (
+    "two passes: an example not counted keeps its own inputs": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "        if self.two_pass and padding is not None:",
-            "        if False:",
+            "                pick = lambda x, y: jnp.where(real, x, y)  # noqa: E731\n",
+            "                pick = lambda x, y: x  # noqa: E731\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "two passes: nan_safe's non-finite examples not formed apart": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "            if self.config.nan_safe:  # the non-finite examples, formed "
+            "apart\n",
+            "            if False:\n",
+        ),
+        GHOST_TESTS,
+    ),
+    "two passes: a formed example's non-finite entries kept": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "            grads = [_nan_to_zero(g) for g in grads]\n",
+            "            grads = list(grads)\n",
         ),
         GHOST_TESTS,
     ),

@@ -570,11 +570,12 @@ def test_a_rematerialised_scan_clips_in_the_non_private_memory(nested):
     """A stack of layers scanned over its stacked parameters under `jax.checkpoint`,
     N = 45 in chunks of 16: each layer's norm is taken in the backward pass, one
     iteration at a time (nothing recorded), and the clipped sum is a second
-    backward pass weighted by the clip factors (a padded buffer, whose padding may
-    be non-finite, keeps the operands). Norms and sums as `jax.grad`'s, eagerly,
-    under `jit` and under `grad`; `clipped_grad_sum` holds no more than
-    1.5x the non-private step plus three parameter copies (keeping every layer's
-    activations and cotangents for the chunk held four times more)."""
+    backward pass weighted by the clip factors; padding and (with nan_safe)
+    non-finite examples are left out of it, the latter formed apart. Norms and
+    sums as `jax.grad`'s, eagerly, under `jit` and under `grad`; `clipped_grad_sum`,
+    `clipped_grad` and the norms hold no more than 1.5x the non-private step plus
+    three parameter copies (keeping every layer's activations and cotangents for
+    the chunk held up to four times more)."""
     p, net, x, y = _scanned_stack(nested)
     want, norms = clipped_sum(net, 1.0, (p, x, y))
     f = clipped_grad_sum(net, 1.0, batch_size=16, method="ghost", return_norms=True)
@@ -585,11 +586,28 @@ def test_a_rematerialised_scan_clips_in_the_non_private_memory(nested):
         tree_allclose(got, norms, rtol=2e-5, atol=1e-6)
     by_norms = chunkvmap.per_example_grad_norms(net, batch_size=16, method="ghost")
     tree_allclose(by_norms(p, x, y), norms, rtol=2e-5, atol=1e-6)
-    # a padded buffer, its padding non-finite: the operands' path, the padding left out
+    # a padded buffer, its padding non-finite: left out of the weighted pass
     pad = np.arange(45) >= 40
     total, count, _ = f(p, x.at[42, 0, 0].set(jnp.nan), y, is_padding_example=pad)
     assert count == 40
     tree_allclose(total, clipped_sum(net, 1.0, (p, x[:40], y[:40]))[0], rtol=2e-5)
+    # nan_safe (clipped_grad's default): an example whose gradient is non-finite
+    # but for the head's first column is formed apart, its finite entries clipped
+    safe = clipped_grad(
+        net, l2_clip_norm=1.0, return_grad_norms=True, method="ghost",
+        keep_batch_dim=False, batch_size=16, batch_argnums=(1, 2),
+    )  # fmt: skip
+    bad = y.at[3, 1].set(jnp.inf)
+    one = clipped_sum(net, 1.0, (p, x[3:4], bad[3:4]), finite_only=True)[0]
+    assert float(jnp.abs(one["head"][:, 0]).max()) > 0  # (what is fixed is not zero)
+    padded = jax.jit(lambda *a: safe(*a, is_padding_example=pad))
+    worse = x.at[42, 0, 0].set(jnp.nan)  # (non-finite everywhere: its sum is zero)
+    for call, n in ((safe, 45), (padded, 40)):
+        total, aux = call(p, worse, bad)
+        kept, _ = clipped_sum(net, 1.0, (p, worse[:n], bad[:n]), finite_only=True)
+        tree_allclose(total, kept, rtol=2e-5, atol=1e-6)
+        nonfinite = jnp.flatnonzero(~jnp.isfinite(aux.grad_norms)).tolist()
+        assert nonfinite == [3, 42][: 2 if n == 45 else 1]
 
     def outer(p, f):  # a function of the parameters through the clipped sum
         total = f(p, x, y)[0]
@@ -601,8 +619,8 @@ def test_a_rematerialised_scan_clips_in_the_non_private_memory(nested):
         rtol=1e-4, atol=1e-5,
     )  # fmt: skip
     bound = _private_bound(net, 16, p, x, y)
-    assert temp_bytes(f, p, x, y) <= bound
-    assert temp_bytes(by_norms, p, x, y) <= bound
+    for program in (f, by_norms, safe):
+        assert temp_bytes(program, p, x, y) <= bound
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,6 @@ works, and the chunks are contiguous (`microbatch_size` is an alias of `batch_si
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools as ft
 import numbers
@@ -537,12 +536,16 @@ class _GhostSums(Quantity):
         # Norms in the backward pass (`Plan.tap`), where no record is needed for a
         # sum: norms alone, or a scanned stack's (whose records, cotangents and
         # probes over every iteration outweigh a second backward pass: the sum is
-        # then `grad sum_i c_i L_i`, `_weighted_sums`). nan_safe fixes non-finite
-        # examples from their records.
-        taps = [] if safe else [k for k in self.other if plan.tappable(k)]
-        stacks = any(leaves[k].uses[0].levels for k in taps)
-        self.taps = taps if stacks or not config.sums else []
-        self.two_pass = config.sums and bool(self.taps)
+        # then `grad sum_i c_i L_i`, `_weighted_sums`, and with nan_safe the
+        # non-finite examples are formed apart, `_fixed_sums`).
+        taps = [k for k in self.ruled if plan.tappable(k)]
+        self.two_pass = config.sums and any(leaves[k].uses[0].levels for k in taps)
+        if self.two_pass:
+            self.masked = []
+            self.formed = [k for k in instantiated if small(k)]
+            self.other = [k for k in self.ruled if k not in self.formed]
+        taps = [k for k in taps if k in self.other]
+        self.taps = taps if self.two_pass or not (config.sums or safe) else []
 
     def _kept_and_squares(self, g: jax.Array) -> tuple[Any, Any, Any]:
         """`g` as a chunk keeps it (non-finite entries zeroed with nan_safe), and
@@ -590,7 +593,9 @@ class _GhostSums(Quantity):
         )
         keep = jnp.ones((), bool) if pad is None else ~pad
         finite = jnp.ones((), bool)
-        if config.nan_safe and self.other:  # fixed in _fix_nonfinite
+        if config.nan_safe and self.two_pass:  # formed apart (`_fixed_sums`)
+            finite = jnp.isfinite(raw + rest)
+        elif config.nan_safe and self.other:  # fixed in _fix_nonfinite
             finite = jnp.isfinite(rest) & ghost.all_finite((kept.records, kept.deltas))
             keep = keep & finite
         value, aux = out
@@ -620,7 +625,7 @@ class _GhostSums(Quantity):
         """A chunk's clipped sum per leaf, and its extras."""
         (parts, kept), extras = chunk
         if self.two_pass:  # the sum is made after the norms
-            return (), (extras, parts.scale)
+            return (), (extras, parts.scale, parts.keep & parts.finite)
         if not self.config.sums:  # only the norms (the records are then left unused)
             return (), extras
         totals = self._chunk_sums(parts, kept)
@@ -729,46 +734,115 @@ class _GhostSums(Quantity):
         """The clipped sum (None without sums) and the stacked extras of a call."""
         # (the sums and the stacked norms are not independent here: an example whose
         # non-finite terms are fixed gets its norm from the fix)
-        sums = self
-        if self.two_pass and padding is not None:  # (padding may be non-finite)
-            sums = copy.copy(self)
-            sums.taps, sums.two_pass = [], False
         totals, extras = over_chunks(
-            self.transform, self.traced, sums, args, in_axes, kwargs, known, padding
+            self.transform, self.traced, self, args, in_axes, kwargs, known, padding
         )
         if not self.config.sums:
             return None, extras
-        if sums.two_pass:
-            extras, scales = extras
-            totals = self._weighted_sums(args, in_axes, kwargs, scales, known)
+        if self.two_pass:
+            extras, scales, counted = extras
+            if padding is None and not self.config.nan_safe:
+                counted = None  # (every example counts: nothing stands in)
+            call = (args, in_axes, kwargs, known)
+            totals = self._weighted_sums(*call, scales, counted)
+            if self.config.nan_safe:  # the non-finite examples, formed apart
+                skip = counted if padding is None else counted | padding
+                fixed = self._fixed_sums(*call, skip)
+                totals = [t + f.astype(t.dtype) for t, f in zip(totals, fixed)]
+            if self.config.dtype is not None:
+                totals = [t.astype(self.config.dtype) for t in totals]
         return self.traced.grads_tree(totals, self.transform.args.single), extras
 
-    def _weighted_sums(self, args, in_axes, kwargs, scales, known) -> list:
+    def _at_leaves(self, args: tuple, kwargs: dict, leaves: list) -> tuple:
+        """`(args, kwargs)` with the differentiated leaves replaced by `leaves`."""
+        traced = self.traced
+        values = traced.arrays(list(args), kwargs)
+        for i, x in zip(traced.plan.diff_positions, leaves):
+            values[i] = x
+        return traced.rebuild(args, kwargs, values)
+
+    def _weighted_sums(self, args, in_axes, kwargs, known, scales, counted) -> list:
         """`sum_i c_i G_i` per leaf as `grad sum_i c_i L_i`: one more backward pass
-        over the chunks, with the examples' clip factors `scales`."""
+        over the chunks, with the examples' clip factors `scales`. An example not
+        `counted` (padding, or non-finite with nan_safe) has its inputs replaced by
+        a counted example's (`stand_in`) and weight 0, so that no non-finite value
+        of it meets the sum."""
         traced, n = self.traced, len(args)
-        flat = traced.arrays(list(args), kwargs)
-        positions = traced.plan.diff_positions
+        mapped = [i for i, a in enumerate(in_axes) if a is not None]
+        stand_in = None
+        if counted is not None:
+            first = jnp.argmax(counted)  # (where none counts, the sum is zero)
+            take = lambda a, x: jnp.take(x, first, a)  # noqa: E731
+            stand_in = [
+                jax.tree.map(ft.partial(take, in_axes[i]), args[i]) for i in mapped
+            ]
+            stand_in.append(jax.tree.map(ft.partial(take, 0), kwargs))
 
         def weighted(*inputs: Any, **kw: Any) -> Any:
-            value = traced.loss(traced.arrays(list(inputs[:n]), kw))
-            return inputs[n].astype(value.dtype) * value
+            ins, c = list(inputs[:n]), inputs[n]
+            if stand_in is not None:
+                real, others = inputs[n + 1], inputs[n + 2]
+                pick = lambda x, y: jnp.where(real, x, y)  # noqa: E731
+                for i, other in zip(mapped, others):
+                    ins[i] = jax.tree.map(pick, ins[i], other)
+                kw = jax.tree.map(pick, kw, others[-1])
+                c = jnp.where(real, c, jnp.zeros((), c.dtype))
+            value = traced.loss(traced.arrays(ins, kw))
+            return c.astype(value.dtype) * value
 
         def total(leaves: list) -> Any:
-            values = list(flat)
-            for i, x in zip(positions, leaves):
-                values[i] = x
-            new_args, new_kwargs = traced.rebuild(args, kwargs, values)
+            new_args, new_kwargs = self._at_leaves(args, kwargs, leaves)
+            extra, axes = (scales,), (0,)
+            if stand_in is not None:
+                extra, axes = (scales, counted, stand_in), (0, 0, None)
             return self.transform.map(
-                weighted, (*new_args, scales), new_kwargs, (*in_axes, 0), 0,
+                weighted, (*new_args, *extra), new_kwargs, (*in_axes, *axes), 0,
                 known=known,
                 accumulator=_accumulators.compose(Fold(jnp.add, lambda c: c.sum(0))),
             )  # fmt: skip
 
-        totals = jax.grad(total)([flat[i] for i in positions])
-        if self.config.dtype is not None:
-            totals = [t.astype(self.config.dtype) for t in totals]
-        return totals
+        positions = traced.plan.diff_positions
+        flat = traced.arrays(list(args), kwargs)
+        return jax.grad(total)([flat[i] for i in positions])
+
+    def _fixed_sums(self, args, in_axes, kwargs, known, skip) -> list:
+        """The clipped gradients of the examples not `skip`ped (those with a
+        non-finite gradient entry), each formed, its non-finite entries zeroed,
+        clipped by its own norm, and summed: one example at a time, the others
+        skipped as padding is."""
+        traced, n, config = self.traced, len(args), self.config
+        positions = traced.plan.diff_positions
+
+        def fixed(*inputs: Any, **kw: Any) -> list:
+            values = traced.arrays(list(inputs[:n]), kw)
+
+            def loss(leaves: list) -> Any:
+                vals = list(values)
+                for i, x in zip(positions, leaves):
+                    vals[i] = x
+                return traced.loss(vals)
+
+            grads = jax.grad(loss)([values[i] for i in positions])
+            grads = [_nan_to_zero(g) for g in grads]
+            sq = ghost.total([_squared(g, self.acc) for g in grads], self.acc)
+            c = clip_scale(
+                _norm_of_square(sq), config.l2_clip_norm, config.rescale_to_unit_norm
+            )
+            return [
+                jnp.where(inputs[n], jnp.zeros((), g.dtype), g * c.astype(g.dtype))
+                for g in grads
+            ]
+
+        one = self.transform.options.replace(
+            batch_size=1, memory_limit=None, progress=False
+        )
+        return self.transform.map(
+            fixed, (*args, skip), kwargs, (*in_axes, 0), 0, known=known, options=one,
+            accumulator=_accumulators.compose(
+                Fold(jnp.add, lambda gs: [g.sum(0) for g in gs])
+            ),
+            padding=n,
+        )  # fmt: skip
 
 
 class GhostFallbackWarning(UserWarning):
