@@ -733,6 +733,38 @@ def test_convolution_windows_wherever_the_mesh_is_held(hold):
             np.testing.assert_allclose(got_aux.grad_norms, aux.grad_norms, rtol=1e-5)
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+@pytest.mark.parametrize("hold", ["mesh=", "set_mesh", "set_mesh + placed"])
+def test_a_scanned_stack_clips_in_two_passes_wherever_the_mesh_is_held(hold):
+    """A scanned layer stack's two passes (norms in the backward pass, then the
+    weighted pass and the non-finite examples formed apart), `clipped_grad` with
+    nan_safe and a padded buffer, on an Explicit mesh passed, entered or holding
+    the placed inputs, eagerly and under `jit`: the unsharded call's values."""
+    p, net, x, y = _scanned_stack(False)
+    n = 48 if "placed" in hold else 45
+    x, y = jnp.concatenate([x, x[:3]]), jnp.concatenate([y, y[:3]])
+    x, y = x[:n], y.at[3, 1].set(jnp.inf)[:n]
+    pad = np.arange(n) % 7 == 6
+    opts = dict(
+        l2_clip_norm=1.0, keep_batch_dim=False, batch_size=4, batch_argnums=(1, 2),
+        return_grad_norms=True, method="ghost",
+    )  # fmt: skip
+    want, aux = clipped_grad(net, **opts)(p, x, y, is_padding_example=pad)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    shard = {} if "placed" in hold else {"shard": True}
+    if hold == "mesh=":
+        shard["mesh"] = mesh
+    f = clipped_grad(net, **opts, **shard)
+    with jax.set_mesh(mesh) if "set_mesh" in hold else contextlib.nullcontext():
+        if "placed" in hold:
+            at = jax.sharding.NamedSharding(mesh, jax.P("data"))
+            x, y, pad = (jax.device_put(a, at) for a in (x, y, jnp.asarray(pad)))
+        for call in (f, jax.jit(f)):
+            got, got_aux = call(p, x, y, is_padding_example=pad)
+            tree_allclose(got, want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got_aux.grad_norms, aux.grad_norms, rtol=1e-5)
+
+
 def test_ghost_warns_where_it_runs_slower_for_its_memory():
     """Where the ghost program is predicted slower than the vmap program but keeps
     much less memory, it runs, with a warning that says so and why; where it is

@@ -7,7 +7,6 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
@@ -302,10 +301,10 @@ class Traced:
             return None
 
     def loss(self, values: Sequence[Any]) -> Any:
-        """One example's loss at its array leaves `values`, from its jaxpr in the
-        current mesh context (`fun` is not traced again)."""
-        closed = self.plan_here(values).closed
-        return jcore.jaxpr_as_fun(closed)(*values)[0]
+        """One example's loss at its array leaves `values`: `fun` called on them, as
+        a function mapped by the transform is (its jaxpr, traced with this call's
+        types, would carry their shardings into the devices' shares)."""
+        return self._one(list(values))[0]
 
     def rebuild(self, args: Sequence[Any], kwargs: dict, values: Sequence[Any]):
         """`(args, kwargs)` with their array leaves replaced by `values`."""
