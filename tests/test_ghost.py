@@ -712,12 +712,19 @@ def test_convolution_windows_wherever_the_mesh_is_held(hold):
 
     n = 48 if "placed" in hold else 45
     img, y = normal(144, n, 4, 4, 32), normal(145, n, 3)
-    img = img.at[5, 1, 1, 2].set(jnp.nan)
+    _clipped_wherever(hold, net, p, img.at[5, 1, 1, 2].set(jnp.nan), y)
+
+
+def _clipped_wherever(hold, net, p, *data, pad=None):
+    """`clipped_grad` (ghost, nan_safe, chunks of 4) of `net` on an Explicit
+    8-device mesh held as `hold` says, eagerly and jitted: the unsharded call's sum
+    and norms (`pad`: the padding flags of a padded buffer)."""
     opts = dict(
         l2_clip_norm=1.0, keep_batch_dim=False, batch_size=4, batch_argnums=(1, 2),
         return_grad_norms=True, method="ghost",
     )  # fmt: skip
-    want, aux = clipped_grad(net, **opts)(p, img, y)
+    flags = {} if pad is None else {"is_padding_example": jnp.asarray(pad)}
+    want, aux = clipped_grad(net, **opts)(p, *data, **flags)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     shard = {} if "placed" in hold else {"shard": True}
     if hold == "mesh=":
@@ -726,9 +733,10 @@ def test_convolution_windows_wherever_the_mesh_is_held(hold):
     with jax.set_mesh(mesh) if "set_mesh" in hold else contextlib.nullcontext():
         if "placed" in hold:
             at = jax.sharding.NamedSharding(mesh, jax.P("data"))
-            img, y = jax.device_put(img, at), jax.device_put(y, at)
+            data = [jax.device_put(a, at) for a in data]
+            flags = {k: jax.device_put(v, at) for k, v in flags.items()}
         for call in (f, jax.jit(f)):
-            got, got_aux = call(p, img, y)
+            got, got_aux = call(p, *data, **flags)
             tree_allclose(got, want, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(got_aux.grad_norms, aux.grad_norms, rtol=1e-5)
 
@@ -744,25 +752,7 @@ def test_a_scanned_stack_clips_in_two_passes_wherever_the_mesh_is_held(hold):
     n = 48 if "placed" in hold else 45
     x, y = jnp.concatenate([x, x[:3]]), jnp.concatenate([y, y[:3]])
     x, y = x[:n], y.at[3, 1].set(jnp.inf)[:n]
-    pad = np.arange(n) % 7 == 6
-    opts = dict(
-        l2_clip_norm=1.0, keep_batch_dim=False, batch_size=4, batch_argnums=(1, 2),
-        return_grad_norms=True, method="ghost",
-    )  # fmt: skip
-    want, aux = clipped_grad(net, **opts)(p, x, y, is_padding_example=pad)
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-    shard = {} if "placed" in hold else {"shard": True}
-    if hold == "mesh=":
-        shard["mesh"] = mesh
-    f = clipped_grad(net, **opts, **shard)
-    with jax.set_mesh(mesh) if "set_mesh" in hold else contextlib.nullcontext():
-        if "placed" in hold:
-            at = jax.sharding.NamedSharding(mesh, jax.P("data"))
-            x, y, pad = (jax.device_put(a, at) for a in (x, y, jnp.asarray(pad)))
-        for call in (f, jax.jit(f)):
-            got, got_aux = call(p, x, y, is_padding_example=pad)
-            tree_allclose(got, want, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(got_aux.grad_norms, aux.grad_norms, rtol=1e-5)
+    _clipped_wherever(hold, net, p, x, y, pad=np.arange(n) % 7 == 6)
 
 
 def test_ghost_warns_where_it_runs_slower_for_its_memory():
