@@ -577,6 +577,7 @@ def test_a_rematerialised_scan_clips_in_the_non_private_memory(nested):
     three parameter copies (keeping every layer's activations and cotangents for
     the chunk held up to four times more)."""
     p, net, x, y = _scanned_stack(nested)
+    assert "second backward pass" in ghost_report(net, p, x[0], y[0]).why
     want, norms = clipped_sum(net, 1.0, (p, x, y))
     f = clipped_grad_sum(net, 1.0, batch_size=16, method="ghost", return_norms=True)
     for call in (f, jax.jit(f)):

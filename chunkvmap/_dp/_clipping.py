@@ -549,7 +549,7 @@ class _GhostSums(Quantity):
         # then `grad sum_i c_i L_i`, `_weighted_sums`, and with nan_safe the
         # non-finite examples are formed apart, `_fixed_sums`).
         taps = [k for k in self.ruled if plan.tappable(k)]
-        self.two_pass = config.sums and any(leaves[k].uses[0].levels for k in taps)
+        self.two_pass = config.sums and bool(plan.stack_taps())
         if self.two_pass:
             self.masked = []
             self.formed = [k for k in instantiated if small(k)]

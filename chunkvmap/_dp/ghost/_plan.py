@@ -422,6 +422,13 @@ class Plan:
             and (0, 0) in leaf.pairs
         )
 
+    def stack_taps(self) -> list[int]:
+        """The leaves a clipped sum taps (`tap`) and sums by a second backward pass:
+        every `tappable` one, where one of them is inside a scan (a layer stack,
+        whose records over every iteration would outweigh that pass); else none."""
+        taps = [k for k in range(len(self.leaves)) if self.tappable(k)]
+        return taps if any(self.leaves[k].uses[0].levels for k in taps) else []
+
     def tap(self, path: tuple, eqn: Any, ins: Sequence[Any], zero: Any) -> Any:
         """The output of the tapped use at `path`: `eqn` at `ins`, whose backward
         pass also gives the cotangent of `zero` (its `Tap`, here one iteration's

@@ -166,6 +166,12 @@ def report_of(plan: Plan, traced: Traced | None = None) -> GhostReport:
                     f"the ghost program is predicted no faster ({counts}) and "
                     f"saves little memory ({sizes})"
                 )
+    if runs is Method.GHOST and plan.stack_taps():
+        why = (
+            f"{why}; a layer stack a scan reads through its xs: each dense layer's "
+            "norm is taken in the backward pass, and the clipped sum by a second "
+            "backward pass (weighted by the clip factors)"
+        )
     return GhostReport(
         [(x.path, x.shape, x.rule, x.reason) for x in plan.leaves],
         {x.path: sorted({rule_kind(u) for u in x.uses}) for x in plan.leaves},
