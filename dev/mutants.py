@@ -848,6 +848,14 @@ MUTANTS = {
         ),
         GHOST_TESTS,
     ),
+    "two passes: the verdict measures the one-pass program": (
+        (
+            "chunkvmap/_dp/ghost/_traced.py",
+            "        taps = self.plan.stack_taps()\n",
+            "        taps = []\n",
+        ),
+        GHOST_TESTS,
+    ),
     "preconditioning: a joined bias's block the identity": (
         (
             "chunkvmap/_dp/_projections.py",

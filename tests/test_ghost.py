@@ -463,6 +463,21 @@ def test_ghost_runs_the_vmap_program_where_it_is_predicted_no_faster(jit):
     tree_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_verdict_measures_a_stacks_two_passes():
+    """Where `method="ghost"` measures its program against the vmap program before
+    running it, a scanned stack's program is its two passes: within the non-private
+    bound (the one-pass program, which keeps every layer's operands, is not)."""
+    from chunkvmap._dp.ghost import Traced
+
+    p, net, x, y = _scanned_stack(True)
+    traced = Traced(
+        net, [p, x, y], {}, (0,), (1, 2), strip=True, has_aux=False,
+        keep_batch_dim=False,
+    )  # fmt: skip
+    ghost, vmap = traced.chunk_memory(16)
+    assert ghost <= _private_bound(net, 16, p, x, y) < vmap
+
+
 def test_a_weight_every_iteration_reads_keeps_its_cross_terms():
     """Beside a stack's layers (each iteration its own slice, their norms taken per
     iteration), a recurrent weight every iteration reads whole: its gradient sums
