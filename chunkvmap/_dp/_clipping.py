@@ -763,14 +763,6 @@ class _GhostSums(Quantity):
                 totals = [t.astype(self.config.dtype) for t in totals]
         return self.traced.grads_tree(totals, self.transform.args.single), extras
 
-    def _at_leaves(self, args: tuple, kwargs: dict, leaves: list) -> tuple:
-        """`(args, kwargs)` with the differentiated leaves replaced by `leaves`."""
-        traced = self.traced
-        values = traced.arrays(list(args), kwargs)
-        for i, x in zip(traced.plan.diff_positions, leaves):
-            values[i] = x
-        return traced.rebuild(args, kwargs, values)
-
     def _weighted_sums(self, args, in_axes, kwargs, known, scales, counted) -> list:
         """`sum_i c_i G_i` per leaf as `grad sum_i c_i L_i`: one more backward pass
         over the chunks, with the examples' clip factors `scales`. An example not
@@ -800,8 +792,12 @@ class _GhostSums(Quantity):
             value = traced.loss(traced.arrays(ins, kw))
             return c.astype(value.dtype) * value
 
+        flat = traced.arrays(list(args), kwargs)
+
         def total(leaves: list) -> Any:
-            new_args, new_kwargs = self._at_leaves(args, kwargs, leaves)
+            new_args, new_kwargs = traced.rebuild(
+                args, kwargs, traced.at_leaves(flat, leaves)
+            )
             extra, axes = (scales,), (0,)
             if stand_in is not None:
                 extra, axes = (scales, counted, stand_in), (0, 0, None)
@@ -811,9 +807,7 @@ class _GhostSums(Quantity):
                 accumulator=_accumulators.compose(Fold(jnp.add, lambda c: c.sum(0))),
             )  # fmt: skip
 
-        positions = traced.plan.diff_positions
-        flat = traced.arrays(list(args), kwargs)
-        return jax.grad(total)([flat[i] for i in positions])
+        return jax.grad(total)([flat[i] for i in traced.plan.diff_positions])
 
     def _fixed_sums(self, args, in_axes, kwargs, known, skip) -> list:
         """The clipped gradients of the examples not `skip`ped (those with a
@@ -825,14 +819,9 @@ class _GhostSums(Quantity):
 
         def fixed(*inputs: Any, **kw: Any) -> list:
             values = traced.arrays(list(inputs[:n]), kw)
-
-            def loss(leaves: list) -> Any:
-                vals = list(values)
-                for i, x in zip(positions, leaves):
-                    vals[i] = x
-                return traced.loss(vals)
-
-            grads = jax.grad(loss)([values[i] for i in positions])
+            grads = jax.grad(lambda g: traced.loss(traced.at_leaves(values, g)))(
+                [values[i] for i in positions]
+            )
             grads = [_nan_to_zero(g) for g in grads]
             sq = ghost.total([_squared(g, self.acc) for g in grads], self.acc)
             c = clip_scale(

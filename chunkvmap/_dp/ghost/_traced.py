@@ -253,13 +253,6 @@ class Traced:
         except Exception:  # e.g. a loss closing over a traced value: not measured
             return None
 
-    def _at(self, vals: Sequence[Any], params: Sequence[Any]) -> Any:
-        """The loss at `vals` with the differentiated leaves replaced by `params`."""
-        full = list(vals)
-        for i, x in zip(self.plan.diff_positions, params):
-            full[i] = x
-        return self._one(full)[0]
-
     def _one_pass(self, axes: list) -> Callable[..., Any]:
         """`chunk_memory`'s ghost program of one pass: records, norms, sums."""
         plan = self.plan
@@ -305,7 +298,9 @@ class Traced:
             c = _unit_scale(jax.vmap(one, in_axes=axes)(*values))
 
             def total(params: list) -> Any:
-                losses = jax.vmap(lambda *v: self._at(v, params), in_axes=axes)
+                losses = jax.vmap(
+                    lambda *v: self.loss(self.at_leaves(v, params)), in_axes=axes
+                )
                 return jnp.sum(c * losses(*values))
 
             return jax.grad(total)([values[i] for i in positions])
@@ -318,7 +313,7 @@ class Traced:
 
         def vmap(*values: Any) -> Any:
             def one(*vals: Any) -> Any:
-                return jax.grad(lambda p: self._at(vals, p))(
+                return jax.grad(lambda p: self.loss(self.at_leaves(vals, p)))(
                     [vals[i] for i in positions]
                 )
 
@@ -331,6 +326,14 @@ class Traced:
             return [jnp.tensordot(c.astype(g.dtype), g, 1) for g in grads]
 
         return vmap
+
+    def at_leaves(self, values: Sequence[Any], leaves: Sequence[Any]) -> list:
+        """The array leaves `values` with the differentiated ones replaced by
+        `leaves` (in the plan's order)."""
+        out = list(values)
+        for i, x in zip(self.plan.diff_positions, leaves):
+            out[i] = x
+        return out
 
     def loss(self, values: Sequence[Any]) -> Any:
         """One example's loss at its array leaves `values`: `fun` called on them, as
