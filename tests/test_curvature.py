@@ -545,7 +545,7 @@ def test_laplace_example_calibrates_the_overconfident_map():
     try:
         spec.loader.exec_module(module)
         with jax.numpy_dtype_promotion("standard"):  # as users run it (optax's Adam)
-            result = module.main(["--samples", "16", "--steps", "300"])
+            result = module.main(["--samples", "16", "--steps", "150"])
     finally:
         del sys.modules["laplace_example"]
     assert result["laplace"]["nll"] < 0.8 * result["map"]["nll"], result

@@ -489,11 +489,18 @@ def test_ghost_stats_on_the_dp_models_with_aux():
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
 def test_per_leaf_norms(method):
     """`per_leaf=True`: each differentiated leaf's own per-example norm, a tree like
-    the gradient's (None at an integer leaf), on the LMs (gathered and tied
-    embeddings, a scanned stack), the convnet and an MLP, eager and under jit, N
-    uneven in chunks of 3; their root sum of squares is the global norm; the
-    statistics' squared norms per leaf likewise."""
-    params, loss, data, grads, flat = dp_case(7)
+    the gradient's (None at an integer leaf), on an MLP and (ghost, whose rules
+    give the leaves' norms) the LMs (gathered and tied embeddings, a scanned
+    stack) and the convnet, eager and under jit, N uneven in chunks of 3; their
+    root sum of squares is the global norm; the statistics' squared norms per
+    leaf likewise. (The vmap program forms the gradients: its per-leaf norms are
+    those of the formed tree on any model.)"""
+    if method == "ghost":
+        params, loss, data, grads, flat = dp_case(7)
+    else:
+        params, *data = mlp_data(7)
+        loss = mlp_loss
+        grads, flat = oracle_grads(loss, params, *data)
     fn = per_example_grad_norms(loss, batch_size=3, method=method, per_leaf=True)
     norms = jax.jit(fn)(params, *data)
     expected = jax.tree.map(
