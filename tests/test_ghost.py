@@ -742,7 +742,7 @@ def test_convolution_windows_wherever_the_mesh_is_held(hold, calls):
 def _clipped_wherever(hold, calls, net, p, *data, pad=None):
     """`clipped_grad` (ghost, nan_safe, chunks of 4) of `net` on an Explicit
     8-device mesh held as `hold` says, called as `calls` says ("eager", "jit" or
-    both): the unsharded call's sum and norms (`pad`: the padding flags of a
+    "eager, jit"): the unsharded call's sum and norms (`pad`: the padding flags of a
     padded buffer)."""
     opts = dict(
         l2_clip_norm=1.0, keep_batch_dim=False, batch_size=4, batch_argnums=(1, 2),
@@ -760,7 +760,8 @@ def _clipped_wherever(hold, calls, net, p, *data, pad=None):
             at = jax.sharding.NamedSharding(mesh, jax.P("data"))
             data = [jax.device_put(a, at) for a in data]
             flags = {k: jax.device_put(v, at) for k, v in flags.items()}
-        for call in [f] * ("eager" in calls) + [jax.jit(f)] * ("jit" in calls):
+        runs = {"eager": f, "jit": jax.jit(f)}
+        for call in (runs[c] for c in calls.split(", ")):
             got, got_aux = call(p, *data, **flags)
             tree_allclose(got, want, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(got_aux.grad_norms, aux.grad_norms, rtol=1e-5)
