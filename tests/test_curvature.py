@@ -529,6 +529,7 @@ def test_memory_is_flat_in_the_number_of_examples(fn):
     assert large <= small * 1.02, (small, large)
 
 
+@pytest.mark.optimized  # its training and predictive sampling run for most of it
 def test_laplace_example_calibrates_the_overconfident_map():
     """examples/laplace.py: the diagonal Laplace predictive has a lower test NLL
     and calibration error than the overconfident MAP, and its GGN diagonal is

@@ -645,7 +645,12 @@ def test_a_rematerialised_scan_clips_in_the_non_private_memory(nested):
 
 @pytest.mark.parametrize(
     "layout, groups, channels, size",
-    [("NHWC", 4, (128, 256), 4), ("NCHW", 4, (64, 256), 8), ("NHWC", 32, (32, 64), 4)],
+    [
+        # (running its wide convolutions, not compiling them, takes the time)
+        pytest.param("NHWC", 4, (128, 256), 4, marks=pytest.mark.optimized),
+        pytest.param("NCHW", 4, (64, 256), 8, marks=pytest.mark.optimized),
+        ("NHWC", 32, (32, 64), 4),
+    ],
     ids=["grouped-gram", "grouped-entries", "depthwise"],
 )
 def test_grouped_convolutions_clip_in_the_non_private_memory(
