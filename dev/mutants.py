@@ -1103,6 +1103,30 @@ MUTANTS = {
         ),
         ["test_cache", "test_closures"],
     ),
+    "projections: matrices made in the caller's trace and mesh": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            "        return thread.submit(made).result()\n",
+            "        return made()\n",
+        ),
+        ["test_wherever", "test_projections"],
+    ),
+    "curvature: output cotangents not typed as the output": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "    if want is None or getattr(jax.typeof(vectors).sharding",
+            "    if True or getattr(jax.typeof(vectors).sharding",
+        ),
+        ["test_wherever", "test_curvature"],
+    ),
+    "curvature: sum x x^T sharded as its operand": (
+        (
+            "chunkvmap/_dp/_curvature.py",
+            "        out_sharding=explicit_spec([None] * len(out)),\n",
+            "",
+        ),
+        ["test_wherever", "test_curvature"],
+    ),
 }
 
 

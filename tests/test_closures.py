@@ -259,6 +259,28 @@ def _clipped_sum(u, method):
     return cv.clipped_grad_sum(_loss(u), CLIP, batch_size=B, method=method)
 
 
+def _model(u):
+    return lambda w, v: u(v @ w)
+
+
+def _jacobians(u):
+    return jax.vmap(jax.jacrev(_model(u)), (None, 0))(W, X)
+
+
+def _projections(u, method):
+    return cv.per_example_grad_projections(_loss(u), dim=2, method=method, batch_size=B)
+
+
+def _projected(u):
+    """Each example's gradient `G` (3 x 3) as `P_0^T G P_1`, flattened (both axes
+    projected to 2 by their matrices, seed 0)."""
+    key = jax.random.fold_in(jax.random.key(0), 0)
+    p0, p1 = (
+        jax.random.normal(jax.random.fold_in(key, j), (3, 2)) / 2**0.5 for j in (0, 1)
+    )
+    return jnp.einsum("nio,ia,ob->nab", _grads(u), p0, p1).reshape(N, -1)
+
+
 ENTRIES = {
     "batch_vmap": Entry(
         _made(lambda u: cv.batch_vmap(u, batch_size=B), X), lambda u: jax.vmap(u)(X)
@@ -312,6 +334,33 @@ ENTRIES = {
     "per_example_grad_gram": Entry(
         _made(lambda u: cv.per_example_grad_gram(_loss(u), batch_size=B), W, X),
         lambda u: _flat(_grads(u)) @ _flat(_grads(u)).T,
+        derivative=True, reverse_only=True,
+    ),
+    "ggn_diagonal": Entry(  # halved squared error: the Jacobian's squares
+        _made(
+            lambda u: cv.ggn_diagonal(_model(u), likelihood="gaussian", batch_size=B),
+            W, X,
+        ),
+        lambda u: jnp.sum(_jacobians(u) ** 2, (0, 1)),
+        derivative=True, reverse_only=True,
+    ),
+    "kfac_factors": Entry(  # the output factor: sum J_u^T J_u at the product's output
+        _made(
+            lambda u: _part(
+                cv.kfac_factors(_model(u), likelihood="gaussian", batch_size=B),
+                "outputs",
+            ),
+            W, X,
+        ),
+        lambda u: jnp.einsum("nmo,nmp->op", *[jax.vmap(jax.jacrev(u))(X @ W)] * 2),
+        derivative=True, reverse_only=True,
+    ),
+    "per_example_grad_projections": Entry(
+        _made(lambda u: _projections(u, "vmap"), W, X), _projected,
+        derivative=True, reverse_only=True,
+    ),
+    "per_example_grad_projections(ghost)": Entry(
+        _made(lambda u: _projections(u, "ghost"), W, X), _projected,
         derivative=True, reverse_only=True,
     ),
     "eqx.filter_batch_vmap": Entry(

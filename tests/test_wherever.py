@@ -54,6 +54,10 @@ ENTRIES = (
     "per_example_grad_norms",
     "per_example_grad_stats",
     "per_example_grad_gram",
+    "ggn_diagonal",
+    "kfac_factors",
+    "per_example_grad_projections",
+    "per_example_grad_projections(ghost)",
     "eqx.filter_batch_vmap",
     "linen.batch_vmap",
     "nnx.batch_vmap",
@@ -162,6 +166,17 @@ def _grads(w, x):
     return jax.vmap(jax.grad(loss), (None, 0))(w, x)
 
 
+def _projected_grads(w, x):
+    """Each example's gradient `G` (6 x 8) as `P_0^T G P_1`, flattened: both axes
+    projected to 4 by their matrices (seed 0, the only differentiated leaf)."""
+    key = jax.random.fold_in(jax.random.key(0), 0)
+    p0, p1 = (
+        jax.random.normal(jax.random.fold_in(key, j), (d, 4)) / 2
+        for j, d in enumerate(w.shape)
+    )
+    return jnp.einsum("nio,ia,ob->nab", _grads(w, x), p0, p1).reshape(len(x), -1)
+
+
 def entry_point(entry: str, opts: dict):
     """`(chunked, reference)`: functions of `(w, x)` computing the same thing, the
     first with `entry` and `opts`, the second with `jax.vmap`."""
@@ -217,6 +232,24 @@ def entry_point(entry: str, opts: dict):
             cv.per_example_grad_gram(loss, **b),
             lambda w, x: g(w, x) @ g(w, x).T,
         )
+    if entry == "ggn_diagonal":  # halved squared error: the Jacobian's squares
+        return (
+            cv.ggn_diagonal(f, likelihood="gaussian", **b),
+            lambda w, x: jnp.sum(jax.vmap(jax.jacfwd(f), (None, 0))(w, x) ** 2, (0, 1)),
+        )
+    if entry == "kfac_factors":  # sum x x^T, and sum diag(tanh'(x w)^2)
+        kfac = cv.kfac_factors(f, likelihood="gaussian", **b)
+        return (
+            lambda w, x: (kfac(w, x).inputs, kfac(w, x).outputs),
+            lambda w, x: (
+                jax.vmap(jnp.outer)(x, x).sum(0),
+                jnp.diag(jnp.sum((1 - jax.vmap(f, (None, 0))(w, x) ** 2) ** 2, 0)),
+            ),
+        )
+    if entry.startswith("per_example_grad_projections"):
+        method = "ghost" if "ghost" in entry else "vmap"
+        project = cv.per_example_grad_projections(loss, dim=4, method=method, **b)
+        return project, _projected_grads
     if entry == "eqx.filter_batch_vmap":
         from chunkvmap.eqx import filter_batch_vmap
 
@@ -374,3 +407,23 @@ def test_an_unmapped_argument_sharded_over_the_examples_axis_without_set_mesh():
         np.testing.assert_allclose(out, a * b.sum(), rtol=1e-5)
     grad = jax.jit(jax.grad(lambda u, v: jnp.sum(fn(u, v)), argnums=1))(sa, sb)
     np.testing.assert_allclose(grad, np.full_like(b, a.sum()), rtol=1e-5)
+
+
+# Beyond the pairwise sample, calls that crashed: the projections' matrices made
+# while the call is traced under an Auto mesh entered with `jax.set_mesh` (the
+# devices' shares) or under `jax.jit` of inputs placed on an Explicit mesh with no
+# mesh entered; the curvature's output cotangents and `sum x x^T` of a model whose
+# weights are sharded over "model".
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("per_example_grad_projections", "set_mesh", "auto", "eager", 13),
+        ("per_example_grad_projections", "placed", "explicit", "jit", 16),
+        ("per_example_grad_projections(ghost)", "placed", "explicit", "jit", 16),
+        ("ggn_diagonal", "set_mesh + placed", "2d", "jit", 13),
+        ("kfac_factors", "set_mesh + placed", "2d", "eager", 16),
+    ],
+    ids=lambda c: "-".join(map(str, c)),
+)
+def test_calls_made_under_a_mesh(case):
+    test_every_entry_point_wherever_the_mesh_is_held(case)

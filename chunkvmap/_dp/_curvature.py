@@ -41,6 +41,7 @@ from .._transforms._grads import FloatLeaves, differentiable_floats, grad_transf
 from . import _statistics, ghost
 from ._clipping import check_method
 from ._records import Quantity, over_chunks
+from .ghost._context import explicit_spec
 from .ghost._forms import EinsumForm, LeafAxis, Mark, Part, RowsForm, _equation
 from .ghost._rules import UseKind
 
@@ -158,9 +159,21 @@ class _Curvature(NamedTuple):
         key = None
         if self.fisher is Fisher.MC:  # (raw key data, as `extra` made it)
             key = jax.random.wrap_key_data(extra[0])
-        return backward_vectors(
+        vectors = backward_vectors(
             self.likelihood, self.fisher, f, labels, key, self.samples
         )
+        return _typed_as_rows_of(vectors, f)
+
+
+def _typed_as_rows_of(vectors: jax.Array, f: jax.Array) -> jax.Array:
+    """`vectors` (cotangents of `f`, one per row) with `f`'s sharding on each row
+    where the mesh has Explicit axes: `jax.vjp` takes cotangents of its output's
+    type, and the output of weights sharded over an axis may be sharded over it."""
+    spec = getattr(jax.typeof(f).sharding, "spec", None)
+    want = None if spec is None else explicit_spec((None, *spec))
+    if want is None or getattr(jax.typeof(vectors).sharding, "spec", None) == want:
+        return vectors
+    return jax.sharding.reshard(vectors, want)
 
 
 def _typed(keys: Any) -> bool:
@@ -562,12 +575,16 @@ def _f32(x: jax.Array) -> jax.Array:
 
 def _gram(x: jax.Array, spec: Sequence[Any], blocks, axes) -> jax.Array:
     """`sum x x^T` over every symbol of `spec` but `blocks`, keeping `axes` (and
-    their primed copies)."""
+    their primed copies); replicated where the mesh has Explicit axes (an axis
+    `x` is sharded over cannot shard both copies)."""
     x = _f32(x)
     primed = _primed(axes)
     spec2 = tuple(primed[axes.index(s)] if s in axes else s for s in spec)
     out = (*blocks, *axes, *primed)
-    return jnp.einsum(_equation([spec, spec2], out), x, x, optimize="optimal")
+    return jnp.einsum(
+        _equation([spec, spec2], out), x, x, optimize="optimal",
+        out_sharding=explicit_spec([None] * len(out)),
+    )  # fmt: skip
 
 
 def _positions(form: Any) -> int:

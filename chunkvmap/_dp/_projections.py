@@ -20,6 +20,7 @@ example and projected, as `method="vmap"` does for every leaf.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Unpack
@@ -74,11 +75,21 @@ def project(g: jax.Array, matrices: Sequence[jax.Array | None]) -> jax.Array:
 
 def leaf_matrices(shapes: Sequence[Sequence[int]], dim: int, seed: int) -> list:
     """`projection_matrices` of each differentiated leaf (of `shapes`, in order),
-    the `k`-th from `fold_in(key(seed), k)`."""
-    with jax.ensure_compile_time_eval():
+    the `k`-th from `fold_in(key(seed), k)`.
+
+    Made on a thread of their own: the caller may be tracing under a mesh (a
+    `jit` of sharded inputs, `jax.set_mesh`, the devices' shares), which JAX's
+    eager evaluation would apply to the matrices, and a thread starts outside
+    every trace and mesh."""
+    shapes = [tuple(s) for s in shapes]
+
+    def made() -> list:
         base = jax.random.key(seed)
         keys = [jax.random.fold_in(base, k) for k in range(len(shapes))]
-    return [projection_matrices(s, dim, key) for s, key in zip(shapes, keys)]
+        return [projection_matrices(s, dim, key) for s, key in zip(shapes, keys)]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        return thread.submit(made).result()
 
 
 def _out_symbol(j: int) -> Mark:
