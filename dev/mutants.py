@@ -1127,6 +1127,14 @@ MUTANTS = {
         ),
         ["test_wherever", "test_curvature"],
     ),
+    "gram: a module's functions taken as arrays": (
+        (
+            "chunkvmap/_dp/_statistics.py",
+            "        if _axes.is_arraylike(x)\n",
+            "",
+        ),
+        ["test_eqx", "test_statistics"],
+    ),
 }
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import chunkvmap as cv  # noqa: E402
 from chunkvmap.eqx import filter_batch_vmap  # noqa: E402
 
 from .helpers import tree_allclose  # noqa: E402
@@ -231,7 +232,16 @@ def test_decorator_form_keeps_chunk_size():
 
 @pytest.mark.parametrize("hold", ["placed", "set_mesh", "mesh="])
 @pytest.mark.parametrize(
-    "entry", ["filter_batch_vmap", "per_example_grads", "clipped_grad_sum", "ghost"]
+    "entry",
+    [
+        "filter_batch_vmap",
+        "per_example_grads",
+        "clipped_grad_sum",
+        "ghost",
+        "gram(ghost)",
+        "ggn_diagonal(ghost)",
+        "projections(ghost)",
+    ],
 )
 def test_modules_holding_functions_on_a_mesh(entry, hold):
     """An MLP holds its activation (a function) as a field: its members, or the
@@ -243,7 +253,7 @@ def test_modules_holding_functions_on_a_mesh(entry, hold):
 
     from chunkvmap import clipped_grad_sum, per_example_grads
 
-    from .helpers import clipped_sum
+    from .helpers import clipped_sum, projected_grads
 
     mesh = jax.make_mesh((8,), ("data",))
 
@@ -277,10 +287,30 @@ def test_modules_holding_functions_on_a_mesh(entry, hold):
     def loss_of_arrays(p, x):
         return loss(eqx.combine(p, static), x)
 
+    grads = jax.vmap(jax.grad(loss_of_arrays), (None, 0))(params, xs)
+    flat = jnp.concatenate([g.reshape(16, -1) for g in jax.tree.leaves(grads)], 1)
     with context:
         if entry == "per_example_grads":
             got = per_example_grads(loss, **options)(model, placed(xs))
-            expected = jax.vmap(jax.grad(loss_of_arrays), (None, 0))(params, xs)
+            expected = grads
+        elif entry == "gram(ghost)":
+            gram = cv.per_example_grad_gram(loss, method="ghost", **options)
+            got, expected = gram(model, placed(xs)), flat @ flat.T
+        elif entry == "ggn_diagonal(ghost)":  # halved squared error
+            ggn = cv.ggn_diagonal(
+                apply, likelihood="gaussian", method="ghost", **options
+            )
+            got = ggn(model, placed(xs))
+            jacobians = jax.vmap(
+                jax.jacrev(lambda p, x: apply(eqx.combine(p, static), x)), (None, 0)
+            )(params, xs)
+            expected = jax.tree.map(lambda j: jnp.sum(j**2, (0, 1)), jacobians)
+        elif entry == "projections(ghost)":
+            project = cv.per_example_grad_projections(
+                loss, dim=4, method="ghost", **options
+            )
+            got = project(model, placed(xs))
+            expected = projected_grads(loss_of_arrays, params, (xs,), 4)
         else:
             method = "ghost" if entry == "ghost" else "vmap"
             clipped = clipped_grad_sum(loss, 0.5, method=method, **options)

@@ -526,11 +526,13 @@ def _whole_examples(tree: Any, axis: int | None) -> Any:
 
 
 def _shapes(args: tuple, in_axes: tuple) -> list[Any]:
-    """The types of one example of the mapped arguments (and the others whole)."""
+    """The types of one example of the mapped arguments' arrays (and the others'
+    whole); other leaves (the functions an Equinox module holds) have none."""
     return [
         (jnp.shape(x)[1:] if a is not None else jnp.shape(x), jnp.result_type(x))
         for arg, a in zip(args, in_axes)
         for x in jax.tree.leaves(arg)
+        if _axes.is_arraylike(x)
     ]
 
 
