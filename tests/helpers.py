@@ -299,6 +299,21 @@ def projected_grads(loss, params, batch, dim, seed=0):
     return np.concatenate(columns, 1)
 
 
+def projected_rows(grads, dim, seed=0):
+    """`projected_grads`' projection of per-example gradients `grads` (a tree,
+    examples first) in JAX, differentiable in `grads` and traceable: for the
+    grids that call the oracle under `jax.jit`, `jax.grad` and `jax.vmap`."""
+    columns = []
+    for k, g in enumerate(jax.tree.leaves(grads)):
+        for j, d in enumerate(g.shape[1:]):
+            if d > dim:
+                with jax.ensure_compile_time_eval():
+                    p = jnp.asarray(_axis_matrix(seed, k, j, d, dim), g.dtype)
+                g = jnp.moveaxis(jnp.tensordot(g, p, (j + 1, 0)), -1, j + 1)
+        columns.append(g.reshape(g.shape[0], -1))
+    return jnp.concatenate(columns, 1)
+
+
 def _axis_matrix(seed, k, j, d, dim):
     """The projection's matrix of axis `j` (of `d > dim` entries) of the `k`-th
     differentiated leaf, as it is defined, in float64."""

@@ -39,7 +39,7 @@ import pytest
 
 import chunkvmap as cv
 
-from .helpers import CompileCounter, tree_allclose
+from .helpers import CompileCounter, projected_rows, tree_allclose
 
 
 N, B, CLIP = 5, 2, 1e6
@@ -272,13 +272,7 @@ def _projections(u, method):
 
 
 def _projected(u):
-    """Each example's gradient `G` (3 x 3) as `P_0^T G P_1`, flattened (both axes
-    projected to 2 by their matrices, seed 0)."""
-    key = jax.random.fold_in(jax.random.key(0), 0)
-    p0, p1 = (
-        jax.random.normal(jax.random.fold_in(key, j), (3, 2)) / 2**0.5 for j in (0, 1)
-    )
-    return jnp.einsum("nio,ia,ob->nab", _grads(u), p0, p1).reshape(N, -1)
+    return projected_rows(_grads(u), 2)
 
 
 ENTRIES = {

@@ -35,7 +35,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import chunkvmap as cv
 
-from .helpers import clipped_sum
+from .helpers import clipped_sum, projected_rows
 
 
 pytestmark = pytest.mark.skipif(
@@ -166,17 +166,6 @@ def _grads(w, x):
     return jax.vmap(jax.grad(loss), (None, 0))(w, x)
 
 
-def _projected_grads(w, x):
-    """Each example's gradient `G` (6 x 8) as `P_0^T G P_1`, flattened: both axes
-    projected to 4 by their matrices (seed 0, the only differentiated leaf)."""
-    key = jax.random.fold_in(jax.random.key(0), 0)
-    p0, p1 = (
-        jax.random.normal(jax.random.fold_in(key, j), (d, 4)) / 2
-        for j, d in enumerate(w.shape)
-    )
-    return jnp.einsum("nio,ia,ob->nab", _grads(w, x), p0, p1).reshape(len(x), -1)
-
-
 def entry_point(entry: str, opts: dict):
     """`(chunked, reference)`: functions of `(w, x)` computing the same thing, the
     first with `entry` and `opts`, the second with `jax.vmap`."""
@@ -249,7 +238,7 @@ def entry_point(entry: str, opts: dict):
     if entry.startswith("per_example_grad_projections"):
         method = "ghost" if "ghost" in entry else "vmap"
         project = cv.per_example_grad_projections(loss, dim=4, method=method, **b)
-        return project, _projected_grads
+        return project, lambda w, x: projected_rows(_grads(w, x), 4)
     if entry == "eqx.filter_batch_vmap":
         from chunkvmap.eqx import filter_batch_vmap
 
