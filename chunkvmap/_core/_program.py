@@ -13,8 +13,10 @@ apart, and one function of everything that varies between calls.
   over (`closed.consts`) and the arrays that nested jaxprs hold as constants (a
   `jax.jit` inside the user's function closing over a NumPy or JAX array). Nested
   constants become arguments wherever the equation holding them can be evaluated
-  here (`jit`, `checkpoint`, custom derivatives, `scan`, `while`, `cond`: their
-  bodies are evaluated by `evaluate`, their constants passed in); elsewhere (an
+  here (`jit`, `checkpoint`, custom derivatives, `scan`, `while`, `cond`: each is
+  bound again as JAX binds it, its nested jaxprs closure-converted to take the
+  constants as operands, so that values, derivative rules and batching are JAX's
+  own; a call's body is evaluated in place); elsewhere (an
   equation of any other primitive) they stay compiled in and are part of the key:
   a JAX array by identity, a NumPy array by its value.
 
@@ -22,7 +24,9 @@ So a program compiled for one call serves another only when it computes the same
 function of the other's arguments, and it holds none of them. Differentiation
 rules (`custom_jvp`'s, `custom_vjp`'s) are not part of the key: a cached program is
 only evaluated, on concrete arguments (a program that closes over a tracer is
-evaluated as traced, never cached: `EagerCache`).
+evaluated as traced, never cached: `EagerCache`). A trace evaluated under an outer
+transformation (`jax.grad` of an eager call) keeps every rule: its equations are
+bound with them.
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ import jax
 import jax.extend.core as jcore
 import jax.extend.core.primitives as prims
 import numpy as np
-from jax import lax
 
 from ._jaxprs import bind, evaluate
 
@@ -77,9 +80,9 @@ class LRU(collections.OrderedDict):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
-    """A traced program: `key`, and `run(consts, hoisted, *args)` evaluating it
-    (`hoisted`: the nested constants that are its arguments, `Program.hoisted` for
-    this trace; a later trace with the same key passes its own)."""
+    """A traced program: its `key`, and the nested constants that are its arguments
+    (`hoisted`, at the positions `slots` gives each nested jaxpr's; `Trace.apply`
+    takes a later trace's own in their place)."""
 
     jaxpr: Any
     key: tuple
@@ -92,23 +95,6 @@ class Program:
         walk = _Walk()
         key, _ = walk.key(jaxpr, hoisting=True)
         return cls(jaxpr, key, walk.hoisted, walk.slots, frozenset(walk.inlined))
-
-    def compiled(self) -> Callable[..., Any]:
-        """One `jax.jit` of this program's constants, nested constants and
-        arguments."""
-        if not self.hoisted:
-
-            @jax.jit
-            def plain(consts: list[Any], hoisted: list[Any], *args: Any) -> Any:
-                return jax.core.eval_jaxpr(self.jaxpr, consts, *args)
-
-            return plain
-
-        @jax.jit
-        def run(consts: list[Any], hoisted: list[Any], *args: Any) -> Any:
-            return _Evaluation(self, hoisted).jaxpr(self.jaxpr, consts, args)
-
-        return run
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -588,52 +574,85 @@ class _Evaluation:
 
 
 def _inline(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
-    """A call (`jit`, `checkpoint`, a custom derivative's primal): its body, here."""
+    """A call (`jit`, `closed_call`): its body, here (a call is transparent to every
+    transformation: its body's equations are bound as they are)."""
     params = eqn.params
     return run.sub(params.get("jaxpr", params.get("call_jaxpr")), *ins)
 
 
-def _scan(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
-    p = eqn.params
-    consts, rest = ins[: p["num_consts"]], ins[p["num_consts"] :]
-    init, xs = rest[: p["num_carry"]], rest[p["num_carry"] :]
+def _converted(run: _Evaluation, sub: Any) -> Any:
+    """A nested jaxpr (open or closed) closure-converted: a closed jaxpr of the same
+    computation taking every hoisted constant first, then `sub`'s own inputs."""
+    if isinstance(sub, jcore.ClosedJaxpr):
+        avals = sub.in_avals
+    else:
+        avals = [v.aval for v in sub.invars]
+    k = len(run.hoisted)
 
-    def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-        outs = run.sub(p["jaxpr"], *consts, *carry, *x)
-        return outs[: p["num_carry"]], outs[p["num_carry"] :]
+    def closure_converted(*args: Any) -> list[Any]:
+        return _Evaluation(run.program, args[:k]).sub(sub, *args[k:])
 
-    carry, ys = lax.scan(
-        body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
-    )
-    return [*carry, *ys]
+    hoisted = [jax.typeof(h) for h in run.hoisted]
+    return jax.make_jaxpr(closure_converted)(*hoisted, *avals)
+
+
+def _with_consts(
+    name: str, count: str
+) -> Callable[[_Evaluation, Any, list[Any]], list[Any]]:
+    """The rule of a primitive whose nested jaxpr `name` takes `count` constants
+    first (`scan`, the custom derivatives): the same primitive bound, the hoisted
+    constants passed as more of those constants (a custom rule's own derivative
+    takes none of them: JAX's rules drop the constants, zero their cotangents)."""
+
+    def rule(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
+        p = eqn.params
+        params = dict(p, **{
+            name: _converted(run, p[name]), count: p[count] + len(run.hoisted)
+        })  # fmt: skip
+        return bind(eqn, [*run.hoisted, *ins], params)
+
+    return rule
 
 
 def _while(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
-    p = eqn.params
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    cond_consts, body_consts, init = ins[:nc], ins[nc : nc + nb], ins[nc + nb :]
-    return lax.while_loop(
-        lambda c: run.sub(p["cond_jaxpr"], *cond_consts, *c)[0],
-        lambda c: run.sub(p["body_jaxpr"], *body_consts, *c),
-        init,
+    p, k = eqn.params, len(run.hoisted)
+    nc = p["cond_nconsts"]
+    params = dict(
+        p,
+        cond_jaxpr=_converted(run, p["cond_jaxpr"]),
+        body_jaxpr=_converted(run, p["body_jaxpr"]),
+        cond_nconsts=nc + k,
+        body_nconsts=p["body_nconsts"] + k,
     )
+    h = list(run.hoisted)
+    return bind(eqn, [*h, *ins[:nc], *h, *ins[nc:]], params)
 
 
 def _cond(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
-    index, ops = ins[0], ins[1:]
-    branches = [ft.partial(run.sub, b) for b in eqn.params["branches"]]
-    return lax.switch(index, branches, *ops)
+    branches = tuple(_converted(run, b) for b in eqn.params["branches"])
+    params = dict(eqn.params, branches=branches)
+    return bind(eqn, [ins[0], *run.hoisted, *ins[1:]], params)
 
 
-# The primitives `_Evaluation` evaluates from their parts (for evaluation only:
-# custom derivatives are their primal computation).
+def _remat(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
+    p = eqn.params
+    body = jax.checkpoint(
+        ft.partial(run.sub, p["jaxpr"]), prevent_cse=p["prevent_cse"], policy=p["policy"]
+    )
+    return list(body(*ins))
+
+
+# The primitives `_Evaluation` evaluates with their nested constants given: each
+# one bound again as JAX binds it (its own parameters, derivative rules and
+# batching), its nested jaxprs closure-converted to take the constants as
+# operands; a call's body is evaluated in place.
 _EVALUATED: dict[Any, Callable[[_Evaluation, Any, list[Any]], list[Any]]] = {
     prims.jit_p: _inline,
     prims.closed_call_p: _inline,
-    prims.remat_p: _inline,
-    prims.custom_jvp_call_p: _inline,
-    prims.custom_vjp_call_p: _inline,
-    prims.scan_p: _scan,
+    prims.remat_p: _remat,
+    prims.custom_jvp_call_p: _with_consts("call_jaxpr", "num_consts"),
+    prims.custom_vjp_call_p: _with_consts("call_jaxpr", "num_consts"),
+    prims.scan_p: _with_consts("jaxpr", "num_consts"),
     prims.while_p: _while,
     prims.cond_p: _cond,
 }
