@@ -77,3 +77,26 @@ def test_strip_dim0_zero_examples_applies_chunk_reduction():
         chunk_reduction=lambda y: y.shape,
     )
     assert out == (0,)
+
+
+def test_functions_that_compare_equal_are_not_confused():
+    """Two callables that compare equal (and hash alike) but compute different
+    things (a frozen dataclass whose weights are left out of `==`) each run
+    themselves: `batch_map`'s caches know a function by its identity (it once
+    returned `a(xs)` for `batch_map(b, xs)`)."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Scaled:
+        name: str
+        w: jax.Array = dataclasses.field(compare=False)
+
+        def __call__(self, x):
+            return x * self.w
+
+    a, b = Scaled("m", jnp.float32(1.0)), Scaled("m", jnp.float32(1.3))
+    assert a == b and hash(a) == hash(b)
+    xs = jnp.arange(6.0).reshape(3, 2)
+    tree_allclose(batch_map(a, xs, 2), a(xs))
+    tree_allclose(batch_map(b, xs, 2), b(xs))
+    tree_allclose(batch_map(a, xs, 2), a(xs))

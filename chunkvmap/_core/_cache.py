@@ -13,8 +13,9 @@ evaluation (the Jacobians' linearisation) traces the whole call instead
 caller's cache does all this, and the call goes straight through.
 
 Caches that outlive one transform (`batch_map`'s, keyed by the user's `fun`; the
-adapters', keyed by their options) hold their keys weakly (`memo`), so they never keep
-a user's function alive and disappear with it.
+adapters', keyed by their options) hold their keys weakly and by identity (`memo`), so
+they never keep a user's function alive, disappear with it, and never serve another
+function that merely compares equal.
 """
 
 from __future__ import annotations
@@ -111,19 +112,44 @@ class EagerCache:
         return tree.unflatten(leaves)
 
 
-_MEMO: weakref.WeakKeyDictionary[Any, LRU] = weakref.WeakKeyDictionary()
+# Each owner's entries, by the owner's identity (never by its `==`: two callables
+# that compare equal may compute different things), held while the owner lives.
+_MEMO: dict[int, tuple[weakref.ref, LRU]] = {}
+
+
+def _entries_of(owner: Any, make: bool) -> LRU | None:
+    """`owner`'s entries (made where missing and `make`); None for an owner that
+    cannot be weakly referenced."""
+    held = _MEMO.get(id(owner))
+    if held is not None and held[0]() is owner:
+        return held[1]
+    if not make:
+        return None
+    key = id(owner)
+
+    def forget(ref: weakref.ref) -> None:
+        if _MEMO.get(key, (None,))[0] is ref:
+            del _MEMO[key]
+
+    try:
+        ref = weakref.ref(owner, forget)
+    except TypeError:
+        return None
+    entries = LRU()
+    _MEMO[key] = (ref, entries)
+    return entries
 
 
 def memo(owner: Any, key: Hashable, build: Callable[[], Any]) -> Any:
     """`build()`, remembered for `(owner, key)` while `owner` lives (at most
-    `MAX_ENTRIES` keys per owner). An owner that cannot be weakly referenced, or an
-    unhashable key, is not remembered."""
+    `MAX_ENTRIES` keys per owner; the owner by identity). An owner that cannot be
+    weakly referenced, or an unhashable key, is not remembered."""
     try:
         hash(key)
-        entries = _MEMO.get(owner)
-        if entries is None:
-            entries = _MEMO[owner] = LRU()
     except TypeError:
+        return build()
+    entries = _entries_of(owner, make=True)
+    if entries is None:
         return build()
     return entries.get_or_build(key, build)
 
@@ -167,10 +193,8 @@ def last_batch_size(fn: Callable[..., Any] | None = None) -> int | None:
         return _memory.most_recent()
     state = _memory.state_of(fn)
     if state is None:  # batch_map's `fun`: its state is remembered with its caches
-        try:
-            holder = _MEMO.get(fn, {}).get(_AUTO_KEY)
-        except TypeError:  # not weak-referenceable: never remembered
-            holder = None
+        entries = _entries_of(fn, make=False)
+        holder = None if entries is None else entries.get(_AUTO_KEY)
         state = holder[0] if holder else None
     return None if state is None else state.last
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..._core._jaxprs import call_jaxpr, open_jaxpr
-from ._chains import STACK, Op, chain_op
+from ._chains import STACK, Op, chain_op, layout_of
 from ._rules import RULES, Level, Rule, Tap
 
 
@@ -136,7 +136,7 @@ class Scan(Primitive):
         if record:
             plan.flag_all(init, "carried through a scan")
         inner = [_level(i, Level(False, length), None) for i in consts]
-        inner_xs = [_level(i, Level(True, length), STACK) for i in xs]
+        inner_xs = [_stacked(plan, i, length, record) for i in xs]
         carry = [Info(tainted=i.tainted) for i in init]
         sub = (*here, 0)
         for _ in range(ncar + 1):  # the carry's dependence on the example: a fixpoint
@@ -243,6 +243,26 @@ def _level(info: Info, level: Level, step: Op | None) -> Info:
     leaf, chain, levels = info.origin
     chain = chain if step is None else (*chain, step)
     return Info((leaf, chain, (*levels, level)), False)
+
+
+def _stacked(plan: Plan, info: Info, length: int, record: bool) -> Info:
+    """A scan's `xs` operand as its body sees it: a leaf's slice, one per iteration,
+    only where the iterations provably read disjoint entries of the leaf (the
+    scanned axis is one of the leaf's own axes: `layout_of`); a leaf that reaches
+    `xs` otherwise (broadcast or repeated over the layers, so that every iteration
+    reads the same entries) falls back to per-example gradients."""
+    if info.origin is not None:
+        leaf, chain, _ = info.origin
+        view = layout_of((*chain, STACK), plan.leaves[leaf].shape)
+        if view is None or view.stacked[-1].leaf is None:
+            if record:
+                plan.flag_leaf(
+                    leaf,
+                    "read by a scan through its xs where the iterations may share "
+                    "its entries (broadcast or repeated over the iterations)",
+                )
+            return Info(tainted=info.tainted)
+    return _level(info, Level(True, length), STACK)
 
 
 def _walk_first_order(plan: Plan, eqn, ins, here, record, rule) -> list[Info]:
