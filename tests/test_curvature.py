@@ -565,3 +565,34 @@ def test_laplace_example_calibrates_the_overconfident_map():
         unravel(jnp.asarray(rows.sum(0), jnp.float32)),
         rtol=1e-5, atol=1e-6,
     )  # fmt: skip
+
+
+def _two_outputs(p, x):
+    h = x @ p["w"]
+    return jnp.sum(h), h
+
+
+def _dict_output(p, x):
+    h = x @ p["w"]
+    return {"aux": jnp.sum(h), "logits": h}
+
+
+@pytest.mark.parametrize("model", [_two_outputs, _dict_output])
+@pytest.mark.parametrize(
+    "entry",
+    ["ggn_diagonal(vmap)", "ggn_diagonal(ghost)", "kfac_factors"],
+)
+def test_a_model_of_several_outputs_is_refused(model, entry):
+    """A model returning several outputs (`(aux, logits)`, a dict) has no one
+    output to take the curvature of: every method refuses it, naming what it
+    returned (ghost and KFAC silently took the first: all zeros, or 0.42 off)."""
+    p = {"w": jnp.ones((5, 3), jnp.float32)}
+    x = jnp.ones((4, 5), jnp.float32)
+    if entry == "kfac_factors":
+        fn = kfac_factors(model, likelihood="categorical")
+    else:
+        method = entry.split("(")[1][:-1]
+        fn = ggn_diagonal(model, likelihood="categorical", method=method)
+    with pytest.raises(TypeError, match="one real array") as info:
+        fn(p, x)
+    assert "float32[3]" in str(info.value)

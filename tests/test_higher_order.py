@@ -60,9 +60,7 @@ def _custom_vjp(read):
     def clipped(x):
         return read(x)
 
-    clipped.defvjp(
-        lambda x: (read(x), None), lambda _, g: (jnp.clip(g, -0.1, 0.1),)
-    )
+    clipped.defvjp(lambda x: (read(x), None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
     return lambda x: jnp.sum(clipped(x) ** 2)
 
 

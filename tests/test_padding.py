@@ -482,3 +482,118 @@ def test_the_padded_clipped_sum_under_grad(method, rng, always_ghost):
         expected = jax.grad(objective)(p, x[real], y[real])
         tree_allclose(padded(p, x, y, pad), expected, rtol=1e-4, atol=1e-6)
     assert padded._cache_size() == 1
+
+
+def _nonfinite_at_padding(p, x, y):
+    """A loss whose value and gradient are non-finite at zero inputs (a log and a
+    normalisation), and at NaN ones."""
+    u = x / jnp.linalg.norm(x)
+    return loss(p, u, y) + jnp.log(jnp.sum(x**2))
+
+
+def _padding_under_grad_entries():
+    f = _nonfinite_at_padding
+
+    def stacked(b, shard):
+        run = batch_vmap(f, in_axes=(None, 0, 0), batch_size=b, padded=True, **shard)
+        return lambda p, x, y, m: jnp.sum(run(p, x, y, is_padding_example=m))
+
+    def mapped(b, shard):
+        def run(p, x, y, m):
+            out = batch_map(
+                lambda xy: jax.vmap(f, (None, 0, 0))(p, *xy), (x, y), b,
+                is_padding_example=m, **shard,
+            )  # fmt: skip
+            return jnp.sum(out)
+
+        return run
+
+    def clipped(method):
+        def build(b, shard):
+            sums = clipped_grad_sum(f, 0.5, batch_size=b, method=method, **shard)
+
+            def run(p, x, y, m):
+                total, _ = sums(p, x, y, is_padding_example=m)
+                return sum(jnp.sum(jnp.tanh(g)) for g in jax.tree.leaves(total))
+
+            return run
+
+        return build
+
+    def norms(method):
+        def build(b, shard):
+            fn = per_example_grad_norms(f, batch_size=b, method=method, **shard)
+            return lambda p, x, y, m: jnp.sum(fn(p, x, y, is_padding_example=m))
+
+        return build
+
+    return {
+        "batch_vmap(padded=True)": stacked,
+        "batch_map(is_padding_example=)": mapped,
+        "clipped_grad_sum(vmap)": clipped("vmap"),
+        "clipped_grad_sum(ghost)": clipped("ghost"),
+        "per_example_grad_norms(vmap)": norms("vmap"),
+        "per_example_grad_norms(ghost)": norms("ghost"),
+    }
+
+
+PADDING_UNDER_GRAD = _padding_under_grad_entries()
+
+
+@pytest.mark.parametrize("entry", PADDING_UNDER_GRAD)
+@pytest.mark.parametrize("fill", ["nan", "zeros"])
+def test_padding_never_reaches_a_derivative(entry, fill, rng, always_ghost):
+    """A padded buffer whose padding is non-finite for the loss (NaN, or zeros
+    under a log and a normalisation) differentiates as the real examples alone do,
+    eagerly and jitted: N=10 with 4 real examples, in chunks of 3 (the padding
+    inside a chunk of real ones), 10 (one chunk) and 16 (a window wider than the
+    buffer), and split over 8 devices. Masking the padding's outputs alone left
+    every weight's gradient NaN."""
+    p, x, y = _data(rng)
+    x, y = x[:10], y[:10]
+    pad = np.array([0, 1, 1, 0, 1, 0, 1, 1, 0, 1], bool)
+    filled = np.asarray(x).copy()
+    filled[pad] = np.nan if fill == "nan" else 0.0
+    real = np.nonzero(~pad)[0]
+    for b, shard in ((3, {}), (10, {}), (16, {}), (2, {"shard": True})):
+        run = PADDING_UNDER_GRAD[entry](b, shard)
+        oracle = PADDING_UNDER_GRAD[entry](None, {})
+        expected = jax.grad(oracle)(p, x[real], y[real], np.zeros(len(real), bool))
+        got = jax.grad(run)(p, jnp.asarray(filled), y, pad)
+        tree_allclose(got, expected, rtol=1e-4, atol=1e-6)
+        got = jax.jit(jax.grad(run))(p, jnp.asarray(filled), y, pad)
+        tree_allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def _scanned_stack(p, x, y):
+    """Layers run by `lax.scan` over a stacked weight: ghost clipping takes their
+    norms in a first pass and the clipped sum in a second."""
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])
+    return jnp.sum((h @ p["head"] - y) ** 2)
+
+
+@pytest.mark.parametrize("case", ["empty lot", "every example non-finite"])
+def test_two_pass_ghost_sums_nothing_to_zero(case, rng):
+    """Where no example counts, the second pass has no example to stand in for
+    the others (it took example 0, itself padding or non-finite): the sum is zero,
+    as documented (it was NaN), eagerly and jitted."""
+    d = 64
+    p = {
+        "w": jnp.asarray(rng.normal(size=(4, d, d)) * 0.1, jnp.float32),
+        "head": jnp.asarray(rng.normal(size=(d, 2)), jnp.float32),
+    }
+    x = jnp.full((6, d), jnp.nan, jnp.float32)  # an unfilled buffer
+    y = jnp.asarray(rng.normal(size=(6, 2)), jnp.float32)
+    from chunkvmap import ghost_report
+
+    assert ghost_report(_scanned_stack, p, x[0], y[0]).runs == "ghost"
+    if case == "empty lot":
+        sums = clipped_grad_sum(_scanned_stack, 1.0, batch_size=4, method="ghost")
+        run = lambda p, x, y: sums(p, x, y, is_padding_example=np.ones(6, bool))[0]  # noqa: E731
+    else:
+        run = clipped_grad(
+            _scanned_stack, l2_clip_norm=1.0, batch_argnums=(1, 2), method="ghost",
+            keep_batch_dim=False,
+        )  # fmt: skip
+    for fn in (run, jax.jit(run)):
+        tree_allclose(fn(p, x, y), jax.tree.map(jnp.zeros_like, p))

@@ -209,7 +209,7 @@ def evaluate(
             report = _progress.hook(options.reporter, plan.num_chunks)
             here = plan
             if inputs.padding is not None:
-                here = plan.padded(leaves[inputs.padding])  # (skips its padding)
+                here = plan.padded(leaves[inputs.padding], inputs.padding)
             result = body.run(leaves, here, report)
             return _sharding.laid_result(lay, body, result) if one_device else result
 

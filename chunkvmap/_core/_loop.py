@@ -54,6 +54,11 @@ class Chunks:
     # (traced): chunks of padding alone are skipped at run time.
     order: Any = None
     count: Any = None
+    # The leaf of a padded buffer's flags (read as it is), and the example that
+    # stands in for its padding in every other mapped leaf (`stand_in`): no padding
+    # value reaches the function, so none reaches a derivative either.
+    flags: int | None = None
+    real: Any = None
 
     @property
     def num_chunks(self) -> int:
@@ -66,8 +71,9 @@ class Chunks:
 
     @property
     def single(self) -> bool:
-        """Whether everything is one vmap call (no loop)."""
-        return self.batch == self.size
+        """Whether everything is one vmap call (no loop; a padded buffer's one
+        chunk is a loop of one, skipped where it holds padding alone)."""
+        return self.batch == self.size and self.order is None
 
     @property
     def wide(self) -> bool:
@@ -88,23 +94,59 @@ class Chunks:
         buffer, the examples `order` puts there, gathered)."""
         start = self.start(i)
         if self.order is not None:
-            return gather(leaves, axes, self.indices(i), self.shared)
-        if not (isinstance(self.offset, int) and self.offset == 0):
-            start = self.offset + start
-        return take(leaves, axes, start, self.batch)
+            chunk = gather(leaves, axes, self.indices(i), self.shared)
+        else:
+            if not (isinstance(self.offset, int) and self.offset == 0):
+                start = self.offset + start
+            chunk = take(leaves, axes, start, self.batch)
+        return self.stand_in(chunk, leaves, axes)
 
-    def padded(self, padding: jax.Array) -> Chunks:
+    def padded(self, padding: jax.Array, flags: int) -> Chunks:
         """This plan over a padded buffer: `padding[j]` marks example `j` as
-        padding. The real examples are evaluated first, in their order (a stable
-        partition, `_real_first`), and the chunks after the last real one are
-        skipped (`active`).
+        padding, and the leaf `flags` holds the flags. The real examples are
+        evaluated first, in their order (a stable partition, `_real_first`), and
+        the chunks after the last real one are skipped (`active`); a window wider
+        than the examples (`wide`) is evaluated as it is. Either way, the padding a
+        chunk holds is evaluated on a real example's values (`stand_in`).
         `padding` of shape `(D, N)`: D shares' (`Body.run_shares`), each in its
         own order, and a chunk is skipped where every share's is padding alone."""
+        if self.wide:  # `padding`: the window's, from its first example
+            first = self.offset + (self.size - self.batch)
+            real = jnp.argmin(padding).astype(np.int32) + first
+            return dataclasses.replace(self, flags=flags, real=real)
         if padding.ndim == 2:  # each share's, by the same rule
             order, count = jax.vmap(lambda p: _real_first(p, self.size))(padding)
+            real = order[:, 0] + self.offset  # (each share's first real example)
         else:
             order, count = _real_first(padding, self.size)
-        return dataclasses.replace(self, order=order, count=count)
+            real = order[0] + self.offset
+        return dataclasses.replace(
+            self, order=order, count=count, flags=flags, real=real
+        )
+
+    def stand_in(
+        self, chunk: list[Any], leaves: Sequence[Any], axes: Sequence[int | None]
+    ) -> list[Any]:
+        """A padded buffer's chunk with each padding example's values replaced,
+        leaf by leaf, by those of a real example (the flags kept): the function's
+        outputs there are zeroed, and its derivatives there are then finite (zero
+        cotangents times a finite Jacobian), whatever the padding holds."""
+        if self.flags is None:
+            return chunk
+        pad = chunk[self.flags]  # (B,), or (D, B) for shares
+        out = []
+        for k, (x, a) in enumerate(zip(chunk, axes)):
+            if a is None or k == self.flags:
+                out.append(x)
+                continue
+            if self.shared:  # each share's own (a share of padding alone: its own)
+                (s,) = gather([leaves[k]], [a], self.real[:, None], shared=True)
+            else:
+                s = lax.dynamic_slice_in_dim(leaves[k], self.real, 1, a)
+            shape = [1] * x.ndim
+            shape[a - pad.ndim + 1 : a + 1] = pad.shape
+            out.append(jnp.where(pad.reshape(shape), s, x))
+        return out
 
     @property
     def shared(self) -> bool:
@@ -144,8 +186,10 @@ class Chunks:
     def whole(self, leaves: Sequence[Any], axes: Sequence[int | None]) -> list[Any]:
         """The leaves restricted to the plan's N examples (one chunk, no loop)."""
         if isinstance(self.offset, int) and self.offset == 0:
-            return list(leaves)
-        return take(leaves, axes, self.offset, self.size)
+            whole = list(leaves)
+        else:
+            whole = take(leaves, axes, self.offset, self.size)
+        return self.stand_in(whole, leaves, axes)
 
 
 def _real_first(padding: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
@@ -338,7 +382,9 @@ def _write_chunks(
             shape[axis] = plan.size
         buffers.append(zeros(shape, aval))
     with jax.named_scope("chunkvmap"):
-        buffers, _ = lax.scan(body, buffers, jnp.arange(plan.num_chunks))
+        buffers, _ = lax.scan(
+            body, buffers, jnp.arange(plan.num_chunks, dtype=np.int32)
+        )
     return buffers
 
 
@@ -559,7 +605,9 @@ class Body:
 
             init = [zeros(chunk_avals[k].shape, chunk_avals[k]) for k in unmapped]
             with jax.named_scope("chunkvmap"):
-                last, stacked = lax.scan(body, init, jnp.arange(plan.num_chunks))
+                last, stacked = lax.scan(
+                    body, init, jnp.arange(plan.num_chunks, dtype=np.int32)
+                )
             outs: list[Any] = [None] * len(out_axes)
             for k, y in zip(mapped, stacked):
                 outs[k] = y.reshape(size, *y.shape[2:])
@@ -607,7 +655,7 @@ class Body:
             return carry, ys
 
         with jax.named_scope("chunkvmap"):
-            _, stacked = lax.scan(body, (), (jnp.arange(num), xs))
+            _, stacked = lax.scan(body, (), (jnp.arange(num, dtype=np.int32), xs))
         return [y.reshape(size, *y.shape[2:]) for y in stacked]
 
     def accumulated(
@@ -678,7 +726,7 @@ class Body:
 
         init = _fold_init(fold, leaves, plan)
         with jax.named_scope("chunkvmap"):
-            acc, _ = lax.scan(body, init, jnp.arange(plan.num_chunks))
+            acc, _ = lax.scan(body, init, jnp.arange(plan.num_chunks, dtype=np.int32))
         return acc
 
     def run_shares(

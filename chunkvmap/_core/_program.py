@@ -637,7 +637,9 @@ def _cond(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
 def _remat(run: _Evaluation, eqn: Any, ins: list[Any]) -> list[Any]:
     p = eqn.params
     body = jax.checkpoint(
-        ft.partial(run.sub, p["jaxpr"]), prevent_cse=p["prevent_cse"], policy=p["policy"]
+        ft.partial(run.sub, p["jaxpr"]),
+        prevent_cse=p["prevent_cse"],
+        policy=p["policy"],
     )
     return list(body(*ins))
 

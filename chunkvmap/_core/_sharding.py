@@ -226,9 +226,11 @@ def evaluate(
         # Progress: only the first device of the layout reports, and only its own
         # chunks (the global remainder is reported only when nothing else runs).
         plan = window(n, length, offset)
-        if inputs.padding is not None and not plan.wide:  # this device's padding
+        if inputs.padding is not None:  # this device's padding
             flags = full[inputs.padding]
-            plan = plan.padded(lax.dynamic_slice_in_dim(flags, offset, n))
+            first = offset + min(0, n - plan.batch)  # (a wide window's start)
+            mine = lax.dynamic_slice_in_dim(flags, first, max(n, plan.batch))
+            plan = plan.padded(mine, inputs.padding)
         hook = _progress.hook(
             reporter if report else None,
             plan.num_chunks,
@@ -335,7 +337,7 @@ def _split_evaluation(
         head = [_split(x, a, lay) for x, a in zip(head, axes)]
         plan = make_plan(share, batch)
         if inputs.padding is not None:  # each share's padding, skipped where all are
-            plan = plan.padded(head[inputs.padding])
+            plan = plan.padded(head[inputs.padding], inputs.padding)
         report = _progress.hook(reporter, plan.num_chunks)
         split = body.run_shares(head, plan, report)
         if accumulator is not None:

@@ -773,7 +773,7 @@ class _GhostSums(Quantity):
         mapped = [i for i, a in enumerate(in_axes) if a is not None]
         stand_in = None
         if counted is not None:
-            first = jnp.argmax(counted)  # (where none counts, the sum is zero)
+            first = jnp.argmax(counted)  # (where none counts, nothing runs)
             take = lambda a, x: _example(x, first, a)  # noqa: E731
             stand_in = [
                 jax.tree.map(ft.partial(take, in_axes[i]), args[i]) for i in mapped
@@ -807,7 +807,17 @@ class _GhostSums(Quantity):
                 accumulator=_accumulators.compose(Fold(jnp.add, lambda c: c.sum(0))),
             )  # fmt: skip
 
-        return jax.grad(total)([flat[i] for i in traced.plan.diff_positions])
+        params = [flat[i] for i in traced.plan.diff_positions]
+        if counted is None:
+            return jax.grad(total)(params)
+        # Where no example counts (an empty lot, or every example non-finite), no
+        # example can stand in: the pass is not run, and the sum is zero.
+        return lax.cond(
+            jnp.any(counted),
+            jax.grad(total),
+            lambda ps: [jnp.zeros_like(x) for x in ps],
+            params,
+        )
 
     def _fixed_sums(self, args, in_axes, kwargs, known, skip) -> list:
         """The clipped gradients of the examples not `skip`ped (those with a

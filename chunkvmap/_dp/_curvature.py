@@ -184,8 +184,9 @@ def _check_output(name: str, traced: Any) -> None:
     value = traced.value_aval
     if value is None or not jnp.issubdtype(value.dtype, jnp.floating):
         raise TypeError(
-            f"{name} fun must return the model's output of one example as a real "
-            f"array, but it returns {value}."
+            f"{name} fun must return the model's output of one example as one real "
+            f"array (the logits or the prediction), but it returns "
+            f"{ghost.shown_types(traced.value_shape)}."
         )
 
 

@@ -53,5 +53,6 @@ from ._report import (
 from ._traced import (
     Traced as Traced,
     check_scalar_loss as check_scalar_loss,
+    shown_types as shown_types,
     traced_loss as traced_loss,
 )

@@ -44,8 +44,14 @@ def check_scalar_loss(name: str, traced: Traced) -> None:
     ):
         raise TypeError(
             f"{name} fun must return a real scalar loss (with aux: as the first "
-            f"element), but it returns {value}."
+            f"element), but it returns {shown_types(traced.value_shape)}."
         )
+
+
+def shown_types(shape: Any) -> str:
+    """An output's types as a message shows them (a pytree of `dtype[shape]`)."""
+    text = str(jax.tree.map(lambda s: jax.typeof(s).str_short(), shape))
+    return text.replace("'", "")
 
 
 class Traced:
@@ -93,8 +99,10 @@ class Traced:
         self._avals, self._example_positions = avals, list(example_positions)
         closed, shape = jax.make_jaxpr(one, return_shape=True)(avals)
         self.out_tree = jax.tree.structure(shape)
-        value = jax.tree.leaves(shape)[0] if jax.tree.leaves(shape) else None
-        self.value_aval = value
+        # (the loss or model output: one array, never the first of several)
+        self.value_shape = shape[0]
+        bare = jax.tree.structure(shape[0]) == jax.tree.structure(0)
+        self.value_aval = shape[0] if bare else None
         self.closed = closed
         self._one = one
         self._plan_args = (positions, example_positions, paths)
