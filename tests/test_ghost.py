@@ -997,3 +997,49 @@ def test_a_record_carries_the_plan_of_the_context_it_was_made_in():
         expected = jax.grad(lambda w: sum(loss({"w": w}, xi) for xi in x))(w)
         for total in sums:
             np.testing.assert_allclose(total, expected, rtol=1e-5, atol=1e-6)
+
+
+_KEY = jax.random.key(7)
+
+
+def _closes_over_a_typed_key(p, x, y, s):
+    mask = jax.random.bernoulli(jax.random.fold_in(_KEY, 3), 0.5, (x.shape[-1],))
+    h = jnp.where(mask, jnp.tanh(x @ p["w"]), 0.0) + p["b"]
+    return jnp.sum((h - y) ** 2) * s
+
+
+def _scaled_by_a_traced_scalar(p, x, y, s):
+    return jnp.sum((jnp.tanh(x @ (s * p["w"])) + p["b"] - y) ** 2)
+
+
+@pytest.mark.parametrize("loss", [_closes_over_a_typed_key, _scaled_by_a_traced_scalar])
+@pytest.mark.parametrize("entry", ["norms", "clipped sum", "ggn_diagonal"])
+def test_ghost_never_reads_a_traced_or_key_constant(loss, entry, always_ghost):
+    """A loss closing over a typed PRNG key (fixed dropout masks), or a weight
+    scaled by a scalar that `jax.jit` traces (`x @ (s * w)`): the ghost analysis
+    reads neither by value (both crashed every ghost quantity). Values as
+    `jax.vmap(jax.grad)`'s, under `jax.jit` with the scalar an argument."""
+    D = 32
+    p = {"w": normal(170, D, D, scale=D**-0.5), "b": normal(171, D)}
+    x, y = normal(172, 9, D), normal(173, 9, D)
+
+    def run(p, x, y, s):
+        f = lambda p, x, y: loss(p, x, y, s)  # noqa: E731
+        if entry == "norms":
+            return chunkvmap.per_example_grad_norms(f, batch_size=4, method="ghost")(
+                p, x, y
+            ), clipped_sum(f, 1.0, (p, x, y))[1]
+        if entry == "clipped sum":
+            got, _ = clipped_grad_sum(f, 1.0, batch_size=4, method="ghost")(p, x, y)
+            return got, clipped_sum(f, 1.0, (p, x, y))[0]
+        model = lambda p, x: jnp.tanh(x @ (s * p["w"])) + p["b"]  # noqa: E731
+        ggn = chunkvmap.ggn_diagonal
+        return tuple(
+            ggn(model, likelihood="gaussian", method=m, batch_size=4)(p, x)
+            for m in ("ghost", "vmap")
+        )
+
+    with warnings.catch_warnings():  # (a traced scale: its leaf per-example)
+        warnings.simplefilter("ignore", chunkvmap.GhostFallbackWarning)
+        got, want = jax.jit(run)(p, x, y, jnp.float32(1.5))
+    tree_allclose(got, want, rtol=2e-5, atol=1e-5)

@@ -745,3 +745,53 @@ def test_tracin_example_finds_flipped_labels_and_proponents(capsys):
         for p in result["checkpoints"]
     )
     np.testing.assert_allclose(result["projected"]["self"], own, rtol=1e-4)
+
+
+def _conv_net(p, x, y):
+    h = jax.lax.conv_general_dilated(x[None], p["k"], (1, 1), "SAME")[0]
+    return jnp.sum((jnp.tanh(h).reshape(-1) @ p["head"] - y) ** 2)
+
+
+def _dense_net(p, x, y):
+    return jnp.sum((jnp.tanh(x @ p["w"]) + p["b"] - y) ** 2)
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+@pytest.mark.parametrize("net", ["dense", "conv"])
+def test_float64_statistics_keep_float64_precision(method, net, always_ghost):
+    """With x64 on, float64 gradients' statistics are float64 to float64 precision
+    over several chunks and with ghost (the merge weights were float32: means 1e-6
+    off relatively), and a convolution's ghost rules run (their window offsets
+    crashed `dynamic_slice` as int64 beside int32)."""
+    rng = np.random.default_rng(5)
+    with jax.enable_x64(True):
+        if net == "dense":
+            fun, d = _dense_net, 16
+            p = {"w": rng.normal(size=(d, d)), "b": rng.normal(size=d)}
+            x = 3 * rng.normal(size=(11, d))
+        else:
+            fun = _conv_net
+            p = {
+                "k": 0.3 * rng.normal(size=(4, 3, 3, 3)),
+                "head": rng.normal(size=(256, 2)),
+            }
+            x = rng.normal(size=(11, 3, 8, 8))
+        p = jax.tree.map(jnp.asarray, p)
+        x, y = (
+            jnp.asarray(x),
+            jnp.asarray(rng.normal(size=(11, 16 if net == "dense" else 2))),
+        )
+        g = jax.vmap(jax.grad(fun), (None, 0, 0))(p, x, y)
+        mean, var = (
+            jax.tree.map(lambda a: a.mean(0), g),
+            jax.tree.map(lambda a: a.var(0), g),
+        )
+        norms = jnp.sqrt(
+            sum(jnp.sum(a.reshape(11, -1) ** 2, 1) for a in jax.tree.leaves(g))
+        )
+        for b in (3, 11):
+            stats = per_example_grad_stats(fun, batch_size=b, method=method)(p, x, y)
+            tree_allclose(stats[0], mean, rtol=1e-11, atol=1e-13)
+            tree_allclose(stats[1], var, rtol=1e-11, atol=1e-13)
+            got = per_example_grad_norms(fun, batch_size=b, method=method)(p, x, y)
+            tree_allclose(got, norms, rtol=1e-11, atol=1e-13)

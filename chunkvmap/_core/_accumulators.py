@@ -185,11 +185,12 @@ class Moments(Leaf):
             (real, out), axes = out, axes[1:]
         leaves, tree = jax.tree.flatten(out)
         n = leaves[0].shape[axes[0]] if leaves else 0
+        kind = count_dtype([x.dtype for x in leaves])
         if real is not None:
-            n = jnp.sum(real, dtype=jnp.float32)
+            n = jnp.sum(real, dtype=kind)
         parts = [moments(g, a, real) for g, a in zip(leaves, axes)]
         shift, mean, m2 = (tree.unflatten(list(p)) for p in zip(*parts, strict=True))
-        return (jnp.asarray(n, jnp.float32), shift, mean, m2), ()
+        return (jnp.asarray(n, kind), shift, mean, m2), ()
 
     def combine(self, a: Any, b: Any) -> Any:
         return merge_moments(a, b)
@@ -223,6 +224,14 @@ def moments(
     mean = d.sum(axis) / jnp.maximum(jnp.sum(real, dtype=g.real.dtype), 1)
     d = jnp.where(keep, d - jnp.expand_dims(mean, axis), 0)
     return shift, mean, jnp.sum(jnp.real(d * jnp.conj(d)), axis).astype(g.dtype)
+
+
+def count_dtype(dtypes: Sequence[Any]) -> Any:
+    """The dtype moments count their examples in (their merge weights): float64
+    beside double-precision values (float32 weights would round their means to
+    float32 precision), else float32."""
+    wide = any(jnp.finfo(d).dtype.itemsize > 4 for d in dtypes)
+    return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
 
 def merge_moments(a: Any, b: Any) -> Any:

@@ -32,6 +32,7 @@ from .._core._accumulators import (
     Moments,
     Stack,
     compose,
+    count_dtype,
     merge_centred,
     merge_moments,
     moments as moments_of,
@@ -410,7 +411,7 @@ class _GhostMoments(Quantity):
     def keep(self, record: ghost.Record, out: Any, pad: Any = None) -> Any:
         grads = {k: g.astype(_stats_dtype(g.dtype)) for k, g in record.grads.items()}
         # a chunk's count is the sum of these (a padded buffer's: of `real`)
-        one = jnp.ones((), jnp.float32)
+        one = jnp.ones((), count_dtype([self.acc]))
         real = None if pad is None else ~pad
         return (record.replace(grads=grads), one, real), out[1]
 
@@ -426,7 +427,7 @@ class _GhostMoments(Quantity):
 
     def chunk(self, chunk: Any) -> Any:
         (record, ones, real), aux = chunk
-        count = ones.sum() if real is None else jnp.sum(real, dtype=jnp.float32)
+        count = ones.sum() if real is None else jnp.sum(real, dtype=ones.dtype)
         n = len(self.leaves)
         shifts: list[Any] = [None] * n
         means: list[Any] = [None] * n
@@ -456,12 +457,12 @@ class _GhostMoments(Quantity):
             d = [g - s for g, s in zip(gs, shift)]
             if real is not None:  # a padded buffer's padding: weight 0
                 d = [jnp.where(counts, x, 0) for x in d]
-            weight = jnp.asarray(counts, jnp.float32)
+            weight = jnp.asarray(counts, ones.dtype)
             new = (weight, d, [jnp.zeros_like(x) for x in d])
             return merge_centred(carry, new), sq
 
         zeros = [jnp.zeros_like(s) for s in shift]
-        init = (jnp.zeros((), jnp.float32), zeros, zeros)
+        init = (jnp.zeros((), ones.dtype), zeros, zeros)
         examples = uses if real is None else (uses, real)
         (_, rule_means, rule_m2s), sq = lax.scan(step, init, examples)
         for k, rows in zip(ruled, sq):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from ._chains import layout_of
 from ._context import bind
 from ._forms import all_finite, maskable, pair, sanitize
-from ._primitives import PLAIN, Info, handler
+from ._primitives import PLAIN, Info, handler, known_value
 from ._rules import Tap, Use, UseKind, rule_kind
 
 
@@ -372,7 +372,7 @@ class Plan:
         equation that reads a leaf goes to its primitive's handler."""
         env: dict[Any, Info] = {}
         for v, c in zip(jaxpr.constvars, consts):
-            env[v] = Info(const=c)
+            env[v] = Info(const=known_value(c))
         for v in jaxpr.constvars[len(consts) :]:
             env[v] = PLAIN
         for v, info in zip(jaxpr.invars, infos):
@@ -380,7 +380,7 @@ class Plan:
 
         def read(v: Any) -> Info:
             if isinstance(v, jcore.Literal):
-                return Info(const=v.val)
+                return Info(const=known_value(v.val))
             return env[v]
 
         for k, eqn in enumerate(jaxpr.eqns):

@@ -30,6 +30,18 @@ if TYPE_CHECKING:
     from ._plan import Plan
 
 
+def known_value(c: Any) -> Any:
+    """A constant as the analysis may read it: a concrete numeric array (or
+    scalar), else None: a value an outer transformation traces (a scale passed to
+    a jitted step) or a typed PRNG key is never read."""
+    if c is None or isinstance(c, jax.core.Tracer):
+        return None
+    dtype = getattr(c, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    return c
+
+
 @dataclasses.dataclass(frozen=True)
 class Info:
     """What the analysis knows of a value: the leaf it is a chain of (`origin`:

@@ -835,7 +835,10 @@ def _offset_view(x, lead, out_spatial, strides, padding, lhs_dil, rhs_dil):
     head = lead + 2
 
     def view(offset):
-        starts = [0] * head + [offset[i] * d for i, d in enumerate(rhs_dil)]
+        starts = [offset[i] * d for i, d in enumerate(rhs_dil)]
+        # (every start of one integer type: under x64 a traced offset is int64)
+        kind = jnp.result_type(*starts) if starts else np.int32
+        starts = [jnp.asarray(s, kind) for s in [0] * head + starts]
         xs = lax.dynamic_slice(x, starts, (*x.shape[:head], *span))
         return lax.slice(xs, [0] * xs.ndim, xs.shape, (1,) * head + tuple(strides))
 

@@ -26,8 +26,9 @@ def _one_example_sharding(aval: Any, stripped: bool) -> Any:
 
 
 def _scalar(c: Any) -> Any:
-    """A scalar constant by its value (its bits), a traced one by identity."""
-    if isinstance(c, jax.core.Tracer):
+    """A scalar constant by its value (its bits), a traced one or a typed PRNG key
+    by identity (neither is read)."""
+    if isinstance(c, jax.core.Tracer) or jnp.issubdtype(c.dtype, jax.dtypes.prng_key):
         return _program.Held(c)
     value = np.asarray(c)
     return (value.dtype.str, value.tobytes())
