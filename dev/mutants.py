@@ -893,8 +893,8 @@ MUTANTS = {
     "padding: moments count the padding": (
         (
             "chunkvmap/_core/_accumulators.py",
-            "            n = jnp.sum(real, dtype=jnp.float32)\n",
-            "            n = jnp.asarray(n, jnp.float32)\n",
+            "            n = jnp.sum(real, dtype=kind)\n",
+            "            n = jnp.asarray(n, kind)\n",
         ),
         ["test_padding", "test_statistics"],
     ),
@@ -925,7 +925,7 @@ MUTANTS = {
     "padding: devices of a shard_map evaluate their padding": (
         (
             "chunkvmap/_core/_sharding.py",
-            "        if inputs.padding is not None and not plan.wide:",
+            "        if inputs.padding is not None:  # this device's padding",
             "        if False:",
         ),
         ["test_padding", "test_sharding"],
@@ -1134,6 +1134,64 @@ MUTANTS = {
             "",
         ),
         ["test_eqx", "test_statistics"],
+    ),
+    "eager programs: a custom rule inlined under grad": (
+        (
+            "chunkvmap/_core/_program.py",
+            '    prims.custom_vjp_call_p: _with_consts("call_jaxpr", "num_consts"),\n',
+            "    prims.custom_vjp_call_p: _inline,\n",
+        ),
+        ["test_higher_order", "test_closures"],
+    ),
+    "eager programs: a while loop rebuilt through lax.while_loop": (
+        (
+            "chunkvmap/_core/_program.py",
+            "    prims.while_p: _while,\n",
+            "    prims.while_p: lambda run, eqn, ins: jax.lax.while_loop(\n"
+            "        lambda c: run.sub(eqn.params['cond_jaxpr'], *c)[0],\n"
+            "        lambda c: run.sub(eqn.params['body_jaxpr'], *c), ins),\n",
+        ),
+        ["test_higher_order"],
+    ),
+    "ghost: a tap of a broadcast leaf": (
+        (
+            "chunkvmap/_dp/ghost/_primitives.py",
+            "        if view is None or view.stacked[-1].leaf is None:\n",
+            "        if view is None:\n",
+        ),
+        ["test_ghost", "test_ghost_rules", "test_ghost_models"],
+    ),
+    "padding masked only forward": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "        if self.flags is None:\n            return chunk\n",
+            "        if True:\n            return chunk\n",
+        ),
+        ["test_padding", "test_core"],
+    ),
+    "two-pass ghost: a stand-in taken where no example counts": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "            jnp.any(counted),\n",
+            "            True,\n",
+        ),
+        ["test_padding", "test_clipping", "test_ghost"],
+    ),
+    "ghost: a traced constant read by value": (
+        (
+            "chunkvmap/_dp/ghost/_primitives.py",
+            "    if c is None or isinstance(c, jax.core.Tracer):\n        return None\n",
+            "    if c is None:\n        return None\n",
+        ),
+        ["test_ghost", "test_statistics"],
+    ),
+    "statistics: float32 merge weights": (
+        (
+            "chunkvmap/_core/_accumulators.py",
+            "    return jnp.dtype(jnp.float64 if wide else jnp.float32)\n",
+            "    return jnp.dtype(jnp.float32)\n",
+        ),
+        ["test_statistics", "test_reductions"],
     ),
 }
 

@@ -494,3 +494,30 @@ def test_a_scalar_keyword_argument_is_told_how_to_pass_it_unmapped():
         batch_vmap(f, batch_size=2)(jnp.ones(4), scale=2.0)
     with pytest.raises(ValueError, match=r"args\[1\].*: give it in_axes=None"):
         batch_vmap(f, batch_size=2)(jnp.ones(4), 2.0)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["clipped_grad_sum", "per_example_grads", "per_example_grad_norms", "clipped_grad"],
+)
+def test_parameters_without_a_float_leaf_are_refused(entry):
+    """Integer parameters have no gradient: `jax.grad` raises, and so does every
+    gradient transform, naming the argument and the dtypes (`clipped_grad_sum`
+    returned `({'b': None, 'w': None}, n)` with no word: a DP loop trained
+    nothing)."""
+    import chunkvmap
+
+    def loss(p, x):
+        return jnp.sum(p["w"] * x) + p["b"]
+
+    p = {"w": jnp.ones(3, jnp.int32), "b": jnp.int32(1)}
+    x = jnp.ones((4, 3))
+    fn = getattr(chunkvmap, entry)
+    made = {
+        "clipped_grad_sum": lambda: fn(loss, 1.0),
+        "clipped_grad": lambda: fn(
+            lambda p, x: jax.vmap(loss, (None, 0))(p, x).sum(), l2_clip_norm=1.0
+        ),
+    }.get(entry, lambda: fn(loss))()
+    with pytest.raises(TypeError, match=r"args\[0\].*no floating-point leaf.*int32"):
+        made(p, x)

@@ -612,3 +612,28 @@ def test_a_nan_gradient_is_not_summed_unclipped():
     # jax-privacy's rule without nan_safe: a NaN norm scales the example by 0, so only
     # its NaN entries reach the sum (NaN), never its finite ones (the 100.0).
     assert np.isnan(total[0]) and np.allclose(total[1:], [0.4, 0.0])
+
+
+@pytest.mark.parametrize("weight", [(10, 10), (10, 3)])
+def test_input_gradients_with_the_default_batch_argnums_are_warned(weight):
+    """`per_example_grads(loss, argnums=1)` for the gradients of each example's
+    inputs (saliency) maps the parameters with the default `batch_argnums`: a
+    square weight returned a `(10, 10, 10)` array silently, another shape a
+    contraction error; both now warn, naming `batch_argnums`, and with it the
+    result is `jax.vmap(jax.grad(loss, 1))`'s."""
+
+    def loss(w, x, y):
+        return jnp.sum((x @ w - y) ** 2)
+
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=weight), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(10, 10)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(10, weight[1])), jnp.float32)
+    with pytest.warns(UserWarning, match=r"batch_argnums=\(1, 2\)"):
+        try:
+            per_example_grads(loss, argnums=1)(w, x, y)
+        except TypeError:  # (the parameters mapped: a contraction of wrong sizes)
+            assert weight != (10, 10)
+    with pytest.warns(UserWarning, match="passes args.0. whole"):  # (10 rows)
+        got = per_example_grads(loss, argnums=1, batch_argnums=(1, 2))(w, x, y)
+    tree_allclose(got, jax.vmap(jax.grad(loss, 1), (None, 0, 0))(w, x, y))

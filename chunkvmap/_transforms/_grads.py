@@ -340,9 +340,12 @@ class GradArgs:
                         f"args[{i}] out of argnums. (Inside a pytree argument, "
                         f"non-float leaves are simply not differentiated.)"
                     )
+        self._check_some_float(args, diff)
         if self.batch_argnums is None:  # every argument not differentiated
             mapped = tuple(i for i in range(nargs) if i not in diff)
             self._check_examples_not_differentiated(args, diff, mapped)
+            if not self.exclusive:
+                self._warn_if_examples_differentiated(transform, args, diff, mapped)
         else:
             mapped = resolve_argnums(
                 self.name, "batch_argnums", self.batch_argnums, nargs
@@ -351,6 +354,25 @@ class GradArgs:
                 check_overlap(self.name, *self.given, diff, mapped)
             self._warn_if_ambiguous(transform, args, diff, mapped)
         return diff, tuple(0 if i in mapped else None for i in range(nargs))
+
+    def _check_some_float(self, args: tuple, diff: tuple) -> None:
+        """A TypeError, as `jax.grad` raises, where the differentiated arguments
+        hold leaves but no floating-point one: their gradients would all be
+        None, and a training loop would train nothing."""
+        leaves = [x for i in diff for x in jax.tree.leaves(args[i])]
+        dtypes = [jnp.result_type(x) for x in leaves if _axes.is_arraylike(x)]
+        if not leaves or any(jnp.issubdtype(d, jnp.inexact) for d in dtypes):
+            return
+        named = ", ".join(f"args[{i}]" for i in diff)
+        found = sorted({d.name for d in dtypes}) or sorted(
+            {type(x).__name__ for x in leaves}
+        )
+        raise TypeError(
+            f"{self.name} differentiates {named} (argnums={self.given[0]!r}), "
+            f"which hold no floating-point leaf (only {', '.join(found)}): every "
+            f"gradient would be None. Like jax.grad it needs real- or "
+            f"complex-valued parameters: pass them as float arrays."
+        )
 
     def _check_examples_not_differentiated(
         self, args: tuple, diff: tuple, mapped: tuple
@@ -403,6 +425,39 @@ class GradArgs:
             f"batch_argnums={nums(examples)!r}."
         )
 
+    def _warn_if_examples_differentiated(
+        self, transform: Transform, args: tuple, diff: tuple, mapped: tuple
+    ) -> None:
+        """Warn (once per transform) where the default `batch_argnums` maps every
+        argument but the differentiated ones, the parameters (argument 0 by
+        convention) among them, and the differentiated ones look like examples
+        too (every leaf of them and of the mapped ones has one leading size):
+        gradients of each example's inputs (saliency) need them mapped."""
+        if transform.warned("examples differentiated") or 0 in diff or not mapped:
+            return  # (arguments 0, the parameters by convention, differentiated)
+        sizes = {
+            np.shape(x)[0] if np.ndim(x) else None
+            for i in (*diff, *mapped)
+            for x in jax.tree.leaves(args[i])
+            if _axes.is_array(x)
+        }
+        if len(sizes) != 1 or None in sizes or (n := sizes.pop()) < 2:
+            return
+        named = ", ".join(f"args[{i}]" for i in diff)
+        suggest = tuple(sorted({*diff, *(i for i in mapped if i != 0)}))
+        transform.warn_once(
+            "examples differentiated",
+            f"{self.name} differentiates {named} (argnums={self.given[0]!r}) "
+            f"whole for every example, and maps "
+            f"{', '.join(f'args[{i}]' for i in mapped)} (batch_argnums=None maps "
+            f"every argument not in argnums), but {named} has the examples' "
+            f"leading size, {n}, too. For the gradients of each example's own "
+            f"inputs, pass the arguments holding the examples as batch_argnums "
+            f"(batch_argnums={suggest} where args[0] holds the parameters). "
+            f"Warned once.",
+            stacklevel=4,
+        )
+
     def _warn_if_ambiguous(
         self, transform: Transform, args: tuple, diff: tuple, mapped: tuple
     ) -> None:
@@ -433,8 +488,7 @@ class GradArgs:
                 f"whole to every example (it is not in batch_argnums="
                 f"{self.batch_argnums!r}), but its leading axis has the size of the "
                 f"examples' axis, {n}. If it holds one value per example, map it: "
-                f"batch_argnums={suggest} (or leave batch_argnums out: every argument "
-                f"that is not differentiated is then mapped). Warned once.",
+                f"batch_argnums={suggest}. Warned once.",
                 stacklevel=4,
             )
 
