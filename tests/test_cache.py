@@ -469,3 +469,63 @@ def test_an_eager_ghost_quantity_plans_its_loss_once(quantity, monkeypatch):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(build()(w, x))):
             np.testing.assert_allclose(a, b, rtol=1e-6)
     assert len(made) == 2  # the two new transforms', none of the kept one's
+
+
+def _ghost_entries():
+    import chunkvmap as cv
+
+    loss_entries = {
+        "clipped_grad_sum": lambda f: cv.clipped_grad_sum(f, 1.0, method="ghost", batch_size=4),
+        "per_example_grad_norms": lambda f: cv.per_example_grad_norms(f, method="ghost", batch_size=4),
+        "per_example_grad_stats": lambda f: cv.per_example_grad_stats(f, method="ghost", batch_size=4),
+        "per_example_grad_gram": lambda f: cv.per_example_grad_gram(f, method="ghost", batch_size=4),
+        "per_example_grad_projections": lambda f: cv.per_example_grad_projections(
+            f, method="ghost", batch_size=4
+        ),
+    }  # fmt: skip
+    model_entries = {
+        "ggn_diagonal": lambda f: cv.ggn_diagonal(
+            f, likelihood="gaussian", method="ghost", batch_size=4
+        ),
+        "kfac_factors": lambda f: cv.kfac_factors(
+            f, likelihood="gaussian", batch_size=4
+        ),
+    }
+    return loss_entries, model_entries
+
+
+_LOSS_ENTRIES, _MODEL_ENTRIES = _ghost_entries()
+
+
+@pytest.mark.parametrize("entry", [*_LOSS_ENTRIES, *_MODEL_ENTRIES])
+def test_an_eager_ghost_call_keeps_none_of_its_arrays(entry, always_ghost):
+    """After an eager ghost call, neither the arrays its function closed over nor
+    its inputs stay alive once the user lets go of them (the plan kept for the
+    next call held both, as `method="vmap"` never did); the next call, with new
+    arrays, gives the new values."""
+    d = 32
+    rng = np.random.default_rng(4)
+    p = {"w": jnp.asarray(rng.normal(size=(d, d)) * 0.2, jnp.float32)}
+    state = {"c": jnp.full((d,), 2.0, jnp.float32)}
+
+    def model(p, x):
+        return jnp.tanh(x @ p["w"]) * state["c"]
+
+    def loss(p, x, y):
+        return jnp.sum((model(p, x) - y) ** 2)
+
+    is_model = entry in _MODEL_ENTRIES
+    fn = _MODEL_ENTRIES[entry](model) if is_model else _LOSS_ENTRIES[entry](loss)
+    x = jnp.asarray(rng.normal(size=(9, d)), jnp.float32) + 1.0
+    y = jnp.zeros((9, d), jnp.float32)
+    call = (lambda x: fn(p, x)) if is_model else (lambda x: fn(p, x, y))
+    first = call(x)
+    refs = [weakref.ref(state["c"]), weakref.ref(x)]
+    state["c"] = jnp.ones((d,), jnp.float32)
+    del x
+    gc.collect()
+    assert all(r() is None for r in refs), "an eager ghost call kept its arrays"
+    x2 = jnp.asarray(rng.normal(size=(9, d)), jnp.float32)
+    again = call(x2)
+    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), first, again)
+    assert any(jax.tree.leaves(changed))  # the new closure and inputs were read

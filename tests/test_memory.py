@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from chunkvmap import batch_map, batch_vmap
+from chunkvmap import batch_map, batch_vmap, last_batch_size
 
 from .helpers import clip_and_sum, clipped_sum, init_mlp, mlp, temp_bytes
 
@@ -132,3 +132,45 @@ def test_remat_policy_is_used():
         grad_of_chunked_sum(remat=jax.checkpoint_policies.dots_saveable), params, x
     )
     assert full < dots < none, (full, dots, none)
+
+
+_ONE_EXAMPLE_CHUNKS = """
+import json, sys
+import jax, jax.numpy as jnp
+from chunkvmap import batch_vmap, last_batch_size
+x = jax.ShapeDtypeStruct((2000, 32, 32, 3), jnp.float32)
+f = lambda v: jnp.tanh(v).sum()
+def temp(b, grad):
+    m = batch_vmap(f, batch_size=b)
+    fn = jax.grad(lambda v: m(v).sum()) if grad else m
+    return jax.jit(fn).lower(x).compile().memory_analysis().temp_size_in_bytes
+auto = batch_vmap(f, batch_size="auto", memory_limit="1MiB")
+auto(jnp.zeros((2000, 32, 32, 3), jnp.float32))
+out = {g: [temp(1, g == "grad"), temp(2, g == "grad")] for g in ("forward", "grad")}
+print(json.dumps({**out, "auto": last_batch_size(auto)}))
+"""
+
+
+def test_chunks_of_one_example_copy_no_input():
+    """`batch_size=1` reads each example in place, as larger chunks do: XLA copied
+    the whole input, reshaped to `(N, 1, ...)`, before the loop (245.8 MB of
+    temporaries for 20k CIFAR-sized images, against none at `batch_size=2`), and
+    `batch_size="auto"` then refused a 1 MiB budget. Measured in a process with
+    XLA's default CPU flags (the suite's own turn the copying pass off)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "-c", _ONE_EXAMPLE_CHUNKS], env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    inputs = 2000 * 32 * 32 * 3 * 4
+    for one, two in (got["forward"], got["grad"]):
+        assert one <= two + 64 * 1024 and one < inputs // 4, got
+    assert got["auto"] >= 1

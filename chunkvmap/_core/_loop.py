@@ -632,10 +632,12 @@ class Body:
         chunk_fn, axes, size, batch = self.chunk_fn, self.axes, plan.size, plan.batch
         num = plan.num_chunks
         from_start = isinstance(plan.offset, int) and plan.offset == 0
+        # (chunks of one example are sliced: XLA copies an input reshaped to
+        # `(N, 1, ...)` whole before the loop)
         split = [
             j
             for j, (x, a) in enumerate(zip(leaves, axes))
-            if from_start and a == 0 and x.shape[0] == size
+            if from_start and a == 0 and x.shape[0] == size and batch > 1
         ]
         sliced = [None if j in split else a for j, a in enumerate(axes)]
         xs = [lax.reshape(leaves[j], (num, batch, *leaves[j].shape[1:])) for j in split]

@@ -419,7 +419,13 @@ class Transform:
 
         @_cache.wraps(wrapped)
         def transformed(*args: Any, **kwargs: Any) -> Any:
-            return run(args, kwargs)
+            try:
+                return run(args, kwargs)
+            finally:  # nothing a call's state holds outlives the call's arrays
+                for kept in list(self._caches.values()):
+                    release = getattr(kept, "release", None)
+                    if release is not None:
+                        release()
 
         return _memory.attach(transformed, self.auto)
 

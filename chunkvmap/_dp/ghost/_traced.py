@@ -160,6 +160,19 @@ class Traced:
         here = jax.sharding.get_abstract_mesh()
         self._plans = {(here, tuple(self._leaf_types(self._avals))): plan}
 
+    def release(self) -> None:
+        """Let go of the arrays of the call that made or adopted this loss (its
+        jaxprs' constants, the closure of its function and the call's arguments):
+        kept with the plan between calls, they would outlive the user's. The next
+        call `adopt`s its own."""
+        self.closed = None  # pyright: ignore[reportAttributeAccessIssue]
+        self._one = None  # pyright: ignore[reportAttributeAccessIssue]
+        if self._plan is not None:
+            for plan in self._plans.values():
+                plan.closed = None
+            here = next(k for k, v in self._plans.items() if v is self._plan)
+            self._plans = {here: self._plan}
+
     def _flatten(self, args, kwargs, mapped, strip) -> tuple[list, ...]:
         """The types of one example's array leaves (the jaxpr's inputs), the
         positions and key paths of the differentiated ones among them, and the
