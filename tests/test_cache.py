@@ -474,15 +474,19 @@ def test_an_eager_ghost_quantity_plans_its_loss_once(quantity, monkeypatch):
 def _ghost_entries():
     import chunkvmap as cv
 
+    ghost = {"method": "ghost", "batch_size": 4}
     loss_entries = {
-        "clipped_grad_sum": lambda f: cv.clipped_grad_sum(f, 1.0, method="ghost", batch_size=4),
-        "per_example_grad_norms": lambda f: cv.per_example_grad_norms(f, method="ghost", batch_size=4),
-        "per_example_grad_stats": lambda f: cv.per_example_grad_stats(f, method="ghost", batch_size=4),
-        "per_example_grad_gram": lambda f: cv.per_example_grad_gram(f, method="ghost", batch_size=4),
-        "per_example_grad_projections": lambda f: cv.per_example_grad_projections(
-            f, method="ghost", batch_size=4
-        ),
-    }  # fmt: skip
+        "clipped_grad_sum": lambda f: cv.clipped_grad_sum(f, 1.0, **ghost),
+        **{
+            name: ft.partial(lambda name, f: getattr(cv, name)(f, **ghost), name)
+            for name in (
+                "per_example_grad_norms",
+                "per_example_grad_stats",
+                "per_example_grad_gram",
+                "per_example_grad_projections",
+            )
+        },
+    }
     model_entries = {
         "ggn_diagonal": lambda f: cv.ggn_diagonal(
             f, likelihood="gaussian", method="ghost", batch_size=4

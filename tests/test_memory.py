@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from chunkvmap import batch_map, batch_vmap, last_batch_size
+from chunkvmap import batch_map, batch_vmap
 
 from .helpers import clip_and_sum, clipped_sum, init_mlp, mlp, temp_bytes
 
