@@ -596,3 +596,25 @@ def test_a_model_of_several_outputs_is_refused(model, entry):
     with pytest.raises(TypeError, match="one real array") as info:
         fn(p, x)
     assert "float32[3]" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "entry", ["ggn_diagonal(vmap)", "ggn_diagonal(ghost)", "kfac_factors"]
+)
+def test_zero_examples_sum_to_zero(entry):
+    """Over zero examples the curvature is the empty sum, zeros, as clipping's
+    sums are (it raised about a reduction these entry points do not take)."""
+    p = {"w": jnp.ones((5, 3), jnp.float32)}
+    x = jnp.ones((0, 5), jnp.float32)
+
+    def model(p, x):
+        return x @ p["w"]
+
+    if entry == "kfac_factors":
+        got = kfac_factors(model, likelihood="gaussian", batch_size=2)(p, x)["w"]
+        tree_allclose(got.inputs, jnp.zeros((5, 5)))
+        tree_allclose(got.outputs, jnp.zeros((3, 3)))
+    else:
+        method = entry.split("(")[1][:-1]
+        ggn = ggn_diagonal(model, likelihood="gaussian", method=method, batch_size=2)
+        tree_allclose(ggn(p, x), {"w": jnp.zeros((5, 3))})

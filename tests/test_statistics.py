@@ -795,3 +795,20 @@ def test_float64_statistics_keep_float64_precision(method, net, always_ghost):
             tree_allclose(stats[1], var, rtol=1e-11, atol=1e-13)
             got = per_example_grad_norms(fun, batch_size=b, method=method)(p, x, y)
             tree_allclose(got, norms, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_the_gram_of_zero_examples_is_empty(method):
+    """Zero examples (on either side) give an empty matrix, and an empty aux (it
+    raised about a reduction, or divided by zero)."""
+    p = {"w": jnp.ones((5, 3), jnp.float32)}
+
+    def loss(p, x):
+        return jnp.sum((x @ p["w"]) ** 2), x.sum()
+
+    gram = per_example_grad_gram(loss, has_aux=True, method=method, batch_size=2)
+    matrix, aux = gram(p, jnp.ones((0, 5)))
+    assert matrix.shape == (0, 0) and aux.shape == (0,)
+    matrix, aux = gram(p, jnp.ones((3, 5)), other=(p, jnp.ones((0, 5))))
+    assert matrix.shape == (3, 0) and aux.shape == (3,)
+    tree_allclose(matrix, jnp.zeros((3, 0), jnp.float32))

@@ -168,8 +168,8 @@ def evaluate(
     and kept by the transform (`auto.programs`): the arrays the chunk reads are
     among its inputs (`Body.params`), so a new one compiles nothing."""
     name = options.name
-    if body.accumulator is not None and inputs.size == 0:
-        raise zero_examples(name)
+    if options.reduction is not None and inputs.size == 0:
+        raise zero_examples(name)  # (the library's own accumulators sum no chunk)
     inputs = _with_params(inputs, body.params)
     one_device = lay is not None and lay.size == 1 and lay.explicit
     if one_device:

@@ -920,6 +920,9 @@ class _Gram:
         )  # fmt: skip
         return out if self.has_aux else out[0]
 
+    def empty(self, args: tuple, n: int, m: int, resolved: tuple) -> Any:
+        return _empty_gram(self, args, n, m, resolved)
+
     def choose(self, args: tuple, other: tuple | None, resolved: tuple) -> int:
         """The size for both batches: the fewest chunks whose program fits the
         budget."""
@@ -973,12 +976,39 @@ class _Gram:
 
     def call(self, args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         args, against, resolved = self.resolve(args, kwargs)
+        n = examples(self.transform, args, resolved[1], {})
+        m = n if against is None else examples(self.inner, against, resolved[2], {})
+        if n == 0 or m == 0:
+            return self.empty(args, n, m, resolved)
         if self.joint:
             b = self.choose(args, against, resolved)
             return self.evaluate(self.sized(b), b, args, against, known, resolved)
         return self.evaluate(
             self.transform, self.other_batch_size, args, against, known, resolved
         )
+
+
+def _empty_gram(
+    gram: Any, args: tuple, n: int, m: int, resolved: tuple
+) -> Any:  # fmt: skip
+    """The `(n, m)` matrix where `n` or `m` is 0 (and with `has_aux`, the `n`
+    examples' aux), as the matrix of no pair: zeros of its dtype."""
+    diff, in_axes, _ = resolved
+    floats = [
+        x.dtype
+        for i in diff
+        for x in jax.tree.leaves(args[i])
+        if _axes.is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    matrix = jnp.zeros((n, m), ghost.accumulation_dtype(floats))
+    if not gram.has_aux:
+        return matrix
+    one = [
+        jax.tree.map(lambda x: _axes.sized(x, 0, 1), a) if ax == 0 else a
+        for a, ax in zip(args, in_axes)
+    ]
+    _, aux = jax.eval_shape(jax.vmap(gram.fun, in_axes=in_axes), *one)
+    return matrix, jax.tree.map(lambda s: jnp.zeros((n, *s.shape[1:]), s.dtype), aux)
 
 
 def _columns(
