@@ -618,3 +618,69 @@ def test_zero_examples_sum_to_zero(entry):
         method = entry.split("(")[1][:-1]
         ggn = ggn_diagonal(model, likelihood="gaussian", method=method, batch_size=2)
         tree_allclose(ggn(p, x), {"w": jnp.zeros((5, 3))})
+
+
+def _linear(p, x):
+    return x @ p["w"]
+
+
+def _its_loss(p, x):
+    return jnp.sum(_linear(p, x) ** 2)
+
+
+_P5, _X5 = {"w": jnp.ones((5, 3), jnp.float32)}, jnp.ones((6, 5), jnp.float32)
+# (model, likelihood, fisher, call's keyword arguments, error, what it says)
+_MISUSES = {
+    "labels of the wrong length": (
+        _linear, "categorical", "empirical", {"labels": jnp.zeros(4, jnp.int32)},
+        ValueError, r"labels= must hold one label per example, 6 along axis 0, "
+        r"but got shape \(4,\)",
+    ),
+    "the loss passed as the model": (
+        _its_loss, "categorical", "exact", {}, TypeError,
+        "takes the model's logits.*pass the model, not its loss",
+    ),
+    "one-hot labels": (
+        _linear, "categorical", "empirical",
+        {"labels": jax.nn.one_hot(jnp.zeros(6, jnp.int32), 3)}, TypeError,
+        r"integer class indices, but got dtype float32.*jnp.argmax",
+    ),
+    "targets of the wrong shape": (
+        _linear, "gaussian", "empirical", {"labels": jnp.zeros((6, 4))}, ValueError,
+        r"labels= of one example must have shape \(3,\)",
+    ),
+    "labels with the exact Fisher": (
+        _linear, "categorical", "exact", {"labels": jnp.zeros(6, jnp.int32)},
+        TypeError, "got labels=, which only fisher='empirical' reads",
+    ),
+    "a key with the empirical Fisher": (
+        _linear, "categorical", "empirical",
+        {"labels": jnp.zeros(6, jnp.int32), "key": jax.random.key(0)}, TypeError,
+        "got key=, which only fisher='mc' reads",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", ["ggn_diagonal(vmap)", "ggn_diagonal(ghost)", "kfac"])
+@pytest.mark.parametrize("misuse", _MISUSES)
+def test_curvature_misuses_are_named(misuse, entry):
+    """Each misuse gets the entry point's own message naming the argument, what
+    arrived and what was expected (they gave JAX's internals, named the labels
+    `args[2]`, or ignored `labels=`)."""
+    model, likelihood, fisher, kwargs, error, says = _MISUSES[misuse]
+    if entry == "kfac":
+        fn = kfac_factors(model, likelihood=likelihood, fisher=fisher)
+    else:
+        method = entry.split("(")[1][:-1]
+        fn = ggn_diagonal(model, likelihood=likelihood, fisher=fisher, method=method)
+    name = "kfac_factors" if entry == "kfac" else "ggn_diagonal"
+    with pytest.raises(error, match=f"{name}.*{says}"):
+        fn(_P5, _X5, **kwargs)
+
+
+def test_a_model_called_without_its_parameters_is_named():
+    """A model object passed as `fun` and called on the inputs alone maps no
+    argument: the message says how to call it (it gave the core's in_axes
+    error)."""
+    with pytest.raises(TypeError, match=r"maps no argument.*fun\(params, x\)"):
+        ggn_diagonal(lambda x: x @ jnp.ones((5, 3)), likelihood="gaussian")(_X5)

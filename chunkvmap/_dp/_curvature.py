@@ -34,6 +34,7 @@ from typing import Any, NamedTuple, Unpack
 import jax
 import jax.extend.core.primitives as prims
 import jax.numpy as jnp
+import numpy as np
 
 from .._core._accumulators import Fold, compose
 from .._core._options import Chunking, check_choice, decorator_form, takes
@@ -111,6 +112,19 @@ class _Curvature(NamedTuple):
     likelihood: Likelihood
     fisher: Fisher
     samples: int
+    name: str = ""
+
+    def check_output(self, f: jax.Array, labels: Any) -> None:
+        """One example's output (and labels) fit the likelihood: categorical logits
+        have the classes along a last axis."""
+        if self.likelihood is Likelihood.CATEGORICAL and f.ndim == 0:
+            raise TypeError(
+                f"{self.name} likelihood='categorical' takes the model's logits, "
+                f"with the "
+                f"classes along their last axis, but fun returns a scalar "
+                f"{f.dtype.name} per example: pass the model, not its loss."
+            )
+        _check_labels(self.name, f, labels, self.likelihood)
 
     @classmethod
     def make(cls, name: str, likelihood: Any, fisher: Any, samples: Any) -> Any:
@@ -120,7 +134,7 @@ class _Curvature(NamedTuple):
             raise TypeError(
                 f"{name} samples must be a positive int, but got samples={samples!r}."
             )
-        return cls(likelihood, fisher, samples)
+        return cls(likelihood, fisher, samples, name)
 
     def prepare(self, transform: Any, args: tuple, kwargs: dict) -> tuple:
         """A call's differentiated argument numbers, `in_axes`, arguments (their
@@ -128,10 +142,35 @@ class _Curvature(NamedTuple):
         `labels=`/`key=`, and the per-example inputs those add (`extra`)."""
         kwargs = dict(kwargs)
         labels, key = kwargs.pop("labels", None), kwargs.pop("key", None)
+        name = transform.name
+        self.check_unused(name, labels, key)
         diff, in_axes = transform.resolve(args)
+        if all(a is None for a in in_axes) and not kwargs:
+            raise TypeError(
+                f"{name} maps no argument: argnums={transform.args.given[0]!r} "
+                f"differentiates {', '.join(f'args[{i}]' for i in diff)} and the "
+                f"call passed no other argument to hold the examples. Call it with "
+                f"fun's arguments, the parameters then the inputs: fun(params, x) "
+                f"(an NNX or Equinox model: split its parameters out and pass them "
+                f"as params)."
+            )
         args = differentiable_floats(args, diff, in_axes)
         n = _statistics.examples(transform, args, in_axes, kwargs)
-        return diff, in_axes, args, kwargs, self.extra(transform.name, n, labels, key)
+        return diff, in_axes, args, kwargs, self.extra(name, n, labels, key)
+
+    def check_unused(self, name: str, labels: Any, key: Any) -> None:
+        """A TypeError where `labels=` or `key=` is given to a Fisher that does not
+        read it (it was silently ignored)."""
+        for given, arg, wants in (
+            (labels, "labels", Fisher.EMPIRICAL),
+            (key, "key", Fisher.MC),
+        ):
+            if given is not None and self.fisher is not wants:
+                raise TypeError(
+                    f"{name} got {arg}=, which only fisher={wants.value!r} reads, "
+                    f"but fisher={self.fisher.value!r}: leave {arg}= out, or pass "
+                    f"fisher={wants.value!r}."
+                )
 
     def extra(self, name: str, n: int, labels: Any, key: Any) -> list:
         """The per-example inputs a call adds after `fun`'s: the labels
@@ -142,6 +181,20 @@ class _Curvature(NamedTuple):
                 raise TypeError(
                     f"{name} with fisher='empirical' needs labels=: the labels of "
                     f"the {n} examples."
+                )
+            if np.ndim(labels) < 1 or np.shape(labels)[0] != n:
+                raise ValueError(
+                    f"{name} labels= must hold one label per example, {n} along "
+                    f"axis 0, but got shape {np.shape(labels)}."
+                )
+            kind = jnp.result_type(labels)
+            if self.likelihood is Likelihood.CATEGORICAL and not jnp.issubdtype(
+                kind, jnp.integer
+            ):
+                raise TypeError(
+                    f"{name} with likelihood='categorical' takes labels= as integer "
+                    f"class indices, but got dtype {kind.name} (one-hot labels: "
+                    f"pass jnp.argmax(labels, axis=-1))."
                 )
             return [labels]
         if self.fisher is Fisher.MC:
@@ -156,6 +209,7 @@ class _Curvature(NamedTuple):
 
     def vectors(self, f: jax.Array, extra: Sequence[Any]) -> jax.Array:
         labels = extra[0] if self.fisher is Fisher.EMPIRICAL else None
+        self.check_output(f, labels)
         key = None
         if self.fisher is Fisher.MC:  # (raw key data, as `extra` made it)
             key = jax.random.wrap_key_data(extra[0])
@@ -163,6 +217,18 @@ class _Curvature(NamedTuple):
             self.likelihood, self.fisher, f, labels, key, self.samples
         )
         return _typed_as_rows_of(vectors, f)
+
+
+def _check_labels(name: str, f: Any, labels: Any, likelihood: Likelihood) -> None:
+    """One example's labels have the shape its output needs (`vectors`)."""
+    want = f.shape[:-1] if likelihood is Likelihood.CATEGORICAL else f.shape
+    if labels is not None and np.shape(labels) != want:
+        raise ValueError(
+            f"{name} labels= of one example must have shape {want} for a "
+            f"{likelihood.value} output of shape {f.shape} (one "
+            f"{'class index per position' if want != f.shape else 'target per entry'}"
+            f"), but got shape {np.shape(labels)}."
+        )
 
 
 def _typed_as_rows_of(vectors: jax.Array, f: jax.Array) -> jax.Array:
