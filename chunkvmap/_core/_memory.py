@@ -193,6 +193,9 @@ def choose_batch_size(
 # The state of `batch_size="auto"`: one per transform, searched once per shapes.
 
 
+PROGRAMS = _program.LRU(limit=256)
+
+
 class AutoBatch:
     """The chunk sizes of one transform: with `search` (`batch_size="auto"`) its
     budget and the sizes chosen per call shapes; for a fixed size, the sizes used."""
@@ -203,8 +206,10 @@ class AutoBatch:
         self.search = search
         self.cache: dict[Any, int] = {}
         self.last: int | None = None
-        # The transform's eager programs (`_chunked.evaluate`).
-        self.programs = _program.LRU()
+        # The eager programs (`_chunked.evaluate`): shared by every transform, as
+        # their keys tell apart any two programs that compute different things,
+        # so that a transform built inline (anew at every call) compiles once.
+        self.programs = PROGRAMS
 
     def choose(self, key: Any, measure: Callable[[int], int], size: int) -> int:
         """The batch size for the call described by `key` (searched on first use)."""

@@ -64,7 +64,12 @@ MAX_ENTRIES = 32
 
 
 class LRU(collections.OrderedDict):
-    """A bounded mapping that forgets its least recently used entry."""
+    """A bounded mapping that forgets its least recently used entry (`limit`
+    entries at most)."""
+
+    def __init__(self, limit: int = MAX_ENTRIES):
+        super().__init__()
+        self.limit = limit
 
     def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The value of `key` (built when missing)."""
@@ -73,7 +78,7 @@ class LRU(collections.OrderedDict):
             return self[key]
         value = build()
         self[key] = value
-        if len(self) > MAX_ENTRIES:
+        if len(self) > self.limit:
             self.popitem(last=False)
         return value
 
