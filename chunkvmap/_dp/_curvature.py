@@ -203,16 +203,28 @@ class _Curvature(NamedTuple):
                     f"{name} with fisher='mc' needs key=: a PRNG key, split into "
                     f"one key per example to draw its labels."
                 )
-            keys = jax.random.split(key, n)
-            return [jax.random.key_data(keys) if _typed(keys) else keys]
+            # example i's key is jax.random.fold_in(key, i) (with JAX's default
+            # generator, jax.random.split(key, n)[i]), made in its chunk from its
+            # index: nothing of size n is held
+            data = jax.random.key_data(key) if _typed(key) else key
+            return [data, jnp.arange(n, dtype=jnp.uint32)]
         return []
+
+    def extra_axes(self) -> tuple:
+        """How `extra`'s inputs are mapped: the labels and the examples' indices
+        along axis 0; the key whole."""
+        return (
+            (None, 0)
+            if self.fisher is Fisher.MC
+            else (0,) * (self.fisher is Fisher.EMPIRICAL)
+        )
 
     def vectors(self, f: jax.Array, extra: Sequence[Any]) -> jax.Array:
         labels = extra[0] if self.fisher is Fisher.EMPIRICAL else None
         self.check_output(f, labels)
         key = None
-        if self.fisher is Fisher.MC:  # (raw key data, as `extra` made it)
-            key = jax.random.wrap_key_data(extra[0])
+        if self.fisher is Fisher.MC:  # (raw key data and the example's index)
+            key = jax.random.fold_in(jax.random.wrap_key_data(extra[0]), extra[1])
         vectors = backward_vectors(
             self.likelihood, self.fisher, f, labels, key, self.samples
         )
@@ -280,7 +292,8 @@ def ggn_diagonal(
     type-2 Fisher), with `"mc"` the loss's gradients at `samples` labels drawn
     from the model's predictive distribution (over `sqrt(samples)`), with
     `"empirical"` the loss's gradient at the given labels. Memory is that of one
-    chunk's backward passes, flat in the number of examples.
+    chunk's backward passes, flat in the number of examples (with `"mc"`, but
+    for each example's 4-byte index, from which its key is made in its chunk).
 
     The result has the structure of the differentiated arguments (None at leaves
     that are not floating-point). With `per_example=True` it is each example's
@@ -294,10 +307,11 @@ def ggn_diagonal(
 
     The returned function takes `fun`'s arguments, and `labels=` (the examples'
     labels, stacked along axis 0: integer classes for "categorical", targets for
-    "gaussian") with `fisher="empirical"`, or `key=` (a PRNG key, split into one
-    per example by `jax.random.split(key, N)`; example `i` draws
-    `jax.random.categorical(keys[i], logits, shape=(samples, *logits.shape[:-1]))`,
-    or `jax.random.normal(keys[i], (samples, *f.shape))` noise for "gaussian")
+    "gaussian") with `fisher="empirical"`, or `key=` (a PRNG key; example `i`'s
+    key is `k_i = jax.random.fold_in(key, i)`, which with JAX's default generator
+    is `jax.random.split(key, N)[i]`; it draws
+    `jax.random.categorical(k_i, logits, shape=(samples, *logits.shape[:-1]))`,
+    or `jax.random.normal(k_i, (samples, *f.shape))` noise for "gaussian")
     with `fisher="mc"`.
 
     Args:
@@ -350,8 +364,9 @@ def ggn_diagonal(
                 lambda: _GhostDiagonal(traced, settings, per_example),
             )
             summary, rows = over_chunks(
-                transform, traced, quantity, args, in_axes, kwargs, known, extra=extra
-            )
+                transform, traced, quantity, args, in_axes, kwargs, known,
+                extra=extra, extra_axes=settings.extra_axes(),
+            )  # fmt: skip
             return traced.grads_tree(
                 rows if per_example else summary, transform.args.single
             )
@@ -366,7 +381,7 @@ def ggn_diagonal(
             squares = [[jnp.sum(jnp.square(g), 0) for g in part] for part in grads]
             return floats.trees(squares, transform.args.single)
 
-        axes = (*in_axes, *[0] * len(extra))
+        axes = (*in_axes, *settings.extra_axes())
         if per_example:
             return transform.map(example, (*args, *extra), kwargs, axes, 0, known=known)
         total = Fold(jnp.add, lambda out: jax.tree.map(lambda x: jnp.sum(x, 0), out))
@@ -888,8 +903,9 @@ def kfac_factors(
             ("kfac", settings, variant), lambda: _KFAC(traced, settings, variant)
         )
         factors, _ = over_chunks(
-            transform, traced, quantity, args, in_axes, kwargs, known, extra=extra
-        )
+            transform, traced, quantity, args, in_axes, kwargs, known,
+            extra=extra, extra_axes=settings.extra_axes(),
+        )  # fmt: skip
         return traced.grads_tree(factors, transform.args.single)
 
     return transform.public(call, fun)

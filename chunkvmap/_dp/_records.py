@@ -58,15 +58,18 @@ class Quantity:
 def over_chunks(
     transform: Any, traced: ghost.Traced, quantity: Quantity, args: tuple,
     in_axes: tuple, kwargs: dict, known: Any, padding: Any = None,
-    extra: Sequence[Any] = (),
+    extra: Sequence[Any] = (), extra_axes: Sequence[Any] | None = None,
 ) -> Any:  # fmt: skip
     """`quantity`'s `(summary, rows)` over a call's examples (`args` mapped along
     `in_axes`), chunked by `transform`; `extra` are more per-example inputs (each
-    mapped along axis 0) that `keep` takes after the record; `padding` (a boolean
+    mapped along `extra_axes`, by default axis 0) that `keep` takes after the
+    record; `padding` (a boolean
     vector, or None) marks examples of a padded buffer as padding: `keep` then
     takes each example's flag last, and chunks of padding alone are skipped."""
     n = len(args)
+    axes = [*([0] * len(extra) if extra_axes is None else extra_axes)]
     extra = [*extra, *([] if padding is None else [padding])]
+    axes += [0] * (len(extra) - len(axes))
 
     def example(*inputs: Any, **kw: Any) -> Any:
         values = traced.arrays(list(inputs[:n]), kw)
@@ -78,7 +81,7 @@ def over_chunks(
         quantity.chunk, quantity.combine, uncount=quantity.uncount, pure=True
     )
     return transform.map(
-        example, (*args, *extra), kwargs, (*in_axes, *[0] * len(extra)), 0,
+        example, (*args, *extra), kwargs, (*in_axes, *axes), 0,
         known=known, accumulator=accumulator,
         padding=None if padding is None else n + len(extra) - 1,
     )  # fmt: skip
