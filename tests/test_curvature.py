@@ -702,3 +702,69 @@ def test_monte_carlo_keys_cost_an_index_per_example():
         program = jax.jit(lambda p, x: f(p, x, key=jax.random.key(0)))
         temps.append(program.lower(p, x).compile().memory_analysis().temp_size_in_bytes)
     assert temps[1] - temps[0] <= 5 * (65536 - 4096), temps
+
+
+def _bias_cases():
+    key = jax.random.key(0)
+    lin, conv = eqx.nn.Linear(5, 3, key=key), eqx.nn.Conv2d(3, 4, 3, key=key)
+    dense, lconv = nn.Dense(3), nn.Conv(4, (3, 3))
+
+    def one_example_conv(p, x):
+        y = lax.conv_general_dilated(x[None], p["k"], (1, 1), "SAME")[0]
+        return y + p["b"][:, None, None]
+
+    def batch_conv(p, x):
+        y = lax.conv_general_dilated(x, p["k"], (1, 1), "SAME")
+        return y + p["b"][None, :, None, None]
+
+    def scanned(p, x):
+        step = lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None)  # noqa: E731
+        return lax.scan(step, x, (p["w"], p["b"]))[0]
+
+    kb = {"k": jnp.ones((4, 3, 3, 3)), "b": jnp.ones(4)}
+    x5, img = jnp.ones((4, 5)), jnp.ones((4, 3, 8, 8))
+    # (model, params, inputs, the weight's path, the bias's path, joined)
+    return {
+        "x @ w + b": (
+            lambda p, x: x @ p["w"] + p["b"], {"w": jnp.ones((5, 3)), "b": jnp.ones(3)},
+            x5, "['w']", "['b']", True,
+        ),
+        "eqx.nn.Linear": (lambda m, x: m(x), lin, x5, ".weight", ".bias", True),
+        "nn.Dense": (
+            lambda v, x: dense.apply(v, x), dense.init(key, jnp.ones(5)), x5,
+            "['params']['kernel']", "['params']['bias']", True,
+        ),
+        "nn.Conv": (
+            lambda v, x: lconv.apply(v, x), lconv.init(key, jnp.ones((8, 8, 3))),
+            jnp.ones((4, 8, 8, 3)), "['params']['kernel']", "['params']['bias']", True,
+        ),
+        "conv of a batch": (
+            batch_conv, kb, jnp.ones((4, 1, 3, 8, 8)), "['k']", "['b']", True,
+        ),
+        "eqx.nn.Conv2d": (lambda m, x: m(x), conv, img, ".weight", ".bias", False),
+        "conv(x[None])[0] + b": (one_example_conv, kb, img, "['k']", "['b']", False),
+        "a scanned stack": (
+            scanned, {"w": jnp.ones((2, 5, 5)), "b": jnp.ones((2, 5))}, x5,
+            "['w']", "['b']", False,
+        ),
+    }  # fmt: skip
+
+
+_BIASES = _bias_cases()
+
+
+@pytest.mark.parametrize("case", _BIASES)
+def test_a_bias_joins_its_weight_exactly_where_documented(case):
+    """`kfac_factors`' docstring says exactly when a bias joins its weight's
+    factors (kfac-jax's blocks) and when it keeps its own diagonal."""
+    model, params, x, weight, bias, joined = _BIASES[case]
+    factors = kfac_factors(model, likelihood="gaussian")(params, x)
+    found = {
+        jax.tree_util.keystr(p): v
+        for p, v in jax.tree_util.tree_flatten_with_path(
+            factors, is_leaf=lambda v: isinstance(v, Kronecker) or v is None
+        )[0]
+    }
+    assert isinstance(found[weight], Kronecker)
+    assert (found[bias] is None) == joined
+    assert (found[weight].bias is not None) == joined

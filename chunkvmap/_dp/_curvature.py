@@ -843,7 +843,14 @@ def kfac_factors(
     added to a product's output is part of that weight's factors, as in
     kfac-jax's dense and convolution blocks: the weight's `inputs` has one more
     row and column, last, for the bias (the activations with a last entry 1),
-    and the bias's own entry is None. Any other leaf (normalisation scales and
+    and the bias's own entry is None. Exactly when: the bias leaf has the
+    shape of the product's output features, and every use of it is one `add`
+    to the product's own output, outside any scan (`x @ w + b`, `nn.Dense`,
+    `nn.Conv`, `eqx.nn.Linear`, a convolution of a batch `conv(x, k) + b[:,
+    None, None]`). A bias added after the product's output is reshaped (the
+    one-example form `conv(x[None], k)[0] + b[:, None, None]`, `eqx.nn.Conv2d`,
+    whose bias has shape `(C, 1, 1)`), or inside a scanned stack, keeps its own
+    diagonal. Any other leaf (normalisation scales and
     shifts, a weight used in two different ways, such as a tied embedding and
     output layer) gets its diagonal, as `ggn_diagonal` computes it.
 
