@@ -88,6 +88,11 @@ def netket_vmap_chunked():
     return nkjax.vmap_chunked
 
 
+def _ours(label: str) -> bool:
+    """Whether a plotted series is chunkvmap's own."""
+    return label.startswith(("batch_", "chunkvmap", "clipped_grad", "per_example"))
+
+
 def plot_lines(path, title, xlabel, ylabel, series, *, logy=True):
     """Write a log-log line plot: `series` maps a label to (xs, ys)."""
     import matplotlib
@@ -97,14 +102,27 @@ def plot_lines(path, title, xlabel, ylabel, series, *, logy=True):
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     markers = "osD^v<>px*"
-    xs_all: set = set()
-    for k, (label, (xs, ys)) in enumerate(series.items()):
-        ax.plot(xs, ys, marker=markers[k % len(markers)], label=label)
-        xs_all.update(xs)
+    styles = ["-", "--", "-.", ":"]
+    xs_all = sorted({x for xs, _ in series.values() for x in xs})
+    # A series is drawn only where it was measured (a gap where it did not run,
+    # never a line across it); chunkvmap's own series last, on top, so that a
+    # series measuring the same values never hides it.
+    order = sorted(series, key=lambda label: _ours(label))
+    for k, label in enumerate(order):
+        xs, ys = series[label]
+        at = dict(zip(xs, ys))
+        ours = _ours(label)
+        ax.plot(
+            xs_all, [at.get(x, float("nan")) for x in xs_all],
+            marker=markers[k % len(markers)], linestyle=styles[k % len(styles)],
+            markersize=9 if ours else 6, linewidth=2.4 if ours else 1.4,
+            markerfacecolor="none" if not ours else None, label=label,
+            zorder=3 if ours else 2,
+        )  # fmt: skip
     ax.set_xscale("log")
     if logy:
         ax.set_yscale("log")
-    ticks = sorted(xs_all)
+    ticks = xs_all
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
     ax.set_xlabel(xlabel)

@@ -232,9 +232,14 @@ axes[0].hist(
 axes[0].set_xlabel("predictive entropy (nats)")
 axes[0].set_title("ensemble uncertainty")
 axes[0].legend()
-axes[1].scatter(
-    np.asarray(aleatoric), np.asarray(epistemic), c=correct, cmap="coolwarm_r", s=8
-)
+for mask, label, colour in (
+    (correct, "correct", "tab:blue"), (~correct, "wrong", "tab:red")
+):
+    axes[1].scatter(
+        np.asarray(aleatoric)[mask], np.asarray(epistemic)[mask], s=8, color=colour,
+        label=label,
+    )
+axes[1].legend(title="prediction")
 axes[1].set_xlabel("mean member entropy")
 axes[1].set_ylabel("disagreement (epistemic)")
 axes[1].set_title("where the uncertainty comes from")

@@ -133,16 +133,34 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    fig, (ax, counts) = plt.subplots(
+        2, 1, figsize=(4.8, 6.0), sharex=True, height_ratios=(3, 1.2)
+    )
     ax.plot([0, 1], [0, 1], "k:", label="perfectly calibrated")
-    for name, style in (("map", "o-"), ("laplace", "s-")):
-        conf, acc, _ = zip(*results[name]["bins"])
+    width = 0.018
+    for k, (name, style) in enumerate((("map", "o-"), ("laplace", "s-"))):
+        conf, acc, n = zip(*results[name]["bins"])
         label = f"{name.upper() if name == 'map' else 'Laplace'} (ECE "
-        ax.plot(conf, acc, style, label=label + f"{results[name]['ece']:.3f})")
-    ax.set_xlabel("confidence")
+        (line,) = ax.plot(
+            conf, acc, style, label=label + f"{results[name]['ece']:.3f})"
+        )
+        # each bin's number of held-out examples, beside its point and below
+        for c, a, m in zip(conf, acc, n):
+            ax.annotate(
+                str(m), (c, a), textcoords="offset points", xytext=(4, -10 + 16 * k),
+                fontsize=7, color=line.get_color(),
+            )  # fmt: skip
+        offset = (k - 0.5) * width
+        bars = counts.bar(
+            [c + offset for c in conf], n, width=width, color=line.get_color()
+        )
+        counts.bar_label(bars, fontsize=6, padding=1)
     ax.set_ylabel("accuracy")
     ax.set_title("Reliability on held-out digits")
     ax.legend(loc="upper left")
+    counts.set_xlabel("confidence (bin mean)")
+    counts.set_ylabel("examples per bin")
+    counts.set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -318,7 +318,8 @@ def _axis_matrix(seed, k, j, d, dim):
     """The projection's matrix of axis `j` (of `d > dim` entries) of the `k`-th
     differentiated leaf, as it is defined, in float64."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), k), j)
-    return np.asarray(jax.random.normal(key, (d, dim)), np.float64) / dim**0.5
+    draws = jax.random.normal(key, (d, dim), jnp.float32)  # (x64 on or not)
+    return np.asarray(draws, np.float64) / dim**0.5
 
 
 def preconditioned_rows(rows, shapes, curvatures, dim, damping, seed=0):

@@ -9,6 +9,10 @@ The matrix crosses five dimensions:
   the weights are sharded over;
 * the call: eager, `jax.jit`, `jax.grad`, `jax.jit(jax.grad)`, `jax.vmap` of it;
 * N: divisible by the devices (16), uneven (13), fewer than the devices (3), 1;
+* what the function holds (`HOLDINGS`): nothing more; a typed PRNG key (a fixed
+  dropout mask); a scalar that the caller's `jax.jit` traces (the transform built
+  inside the jitted step); a weight shared by every layer of a scanned stack
+  (`broadcast_to` fed to `lax.scan`); float64 throughout (x64 on);
 * the entry point: every public transform and the three adapters.
 
 Every pair of values of any two dimensions appears in some case (a greedy pairwise
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from pathlib import Path
 
 import jax
@@ -66,7 +71,8 @@ HOLDS = ("mesh=", "placed", "set_mesh", "none", "mesh= + placed", "set_mesh + pl
 KINDS = ("explicit", "auto", "2d")
 MODES = ("eager", "jit", "grad", "jit(grad)", "vmap")
 SIZES = (16, 13, 3, 1)
-DIMS = (ENTRIES, HOLDS, KINDS, MODES, SIZES)
+HOLDINGS = ("plain", "typed key", "traced scalar", "shared stack", "float64")
+DIMS = (ENTRIES, HOLDS, KINDS, MODES, SIZES, HOLDINGS)
 
 
 def _pairwise() -> list[tuple]:
@@ -119,7 +125,7 @@ def table() -> str:
     """The entry points x ways of holding a mesh, with the calls each is tested in
     (markdown; docs/sharding.md shows it)."""
     modes: dict[tuple[str, str], set[str]] = {}
-    for entry, hold, _, mode, _ in CASES:
+    for entry, hold, _, mode, *_ in CASES:
         modes.setdefault((entry, hold), set()).add(mode)
     lines = [
         "| entry point | "
@@ -154,21 +160,45 @@ def mesh_args(hold: str, kind: str, mesh) -> dict:
     return {}
 
 
-def loss(w, x):
-    return jnp.sum(jnp.tanh(x @ w) ** 2)
+_KEY = jax.random.key(11)
 
 
-def f(w, x):
-    return jnp.tanh(x @ w)
+def model(holding: str = "plain", s=1.25):
+    """`f(w, x)`: one example's output, holding what `holding` names (`s`: the
+    scalar, traced by the caller's `jax.jit` for "traced scalar")."""
+
+    def f(w, x):
+        if holding == "typed key":  # a fixed dropout mask
+            keep = jax.random.bernoulli(jax.random.fold_in(_KEY, 1), 0.7, (8,))
+            return jnp.where(keep, jnp.tanh(x @ w), 0.0)
+        if holding == "traced scalar":
+            return jnp.tanh(x @ (s * w))
+        if holding == "shared stack":  # every layer reads the same weight
+            layers = jnp.broadcast_to(w, (2, *w.shape))
+            step = lambda c, v: (c * jnp.tanh(x @ v), None)  # noqa: E731
+            return jax.lax.scan(step, jnp.tanh(x @ w), layers)[0]
+        return jnp.tanh(x @ w)
+
+    return f
 
 
-def _grads(w, x):
-    return jax.vmap(jax.grad(loss), (None, 0))(w, x)
+def loss_of(f):
+    return lambda w, x: jnp.sum(f(w, x) ** 2)
 
 
-def entry_point(entry: str, opts: dict):
+f, loss = model(), loss_of(model())
+
+
+def entry_point(entry: str, opts: dict, holding: str = "plain", s=1.25):
     """`(chunked, reference)`: functions of `(w, x)` computing the same thing, the
-    first with `entry` and `opts`, the second with `jax.vmap`."""
+    first with `entry` and `opts`, the second with `jax.vmap`; the function holds
+    what `holding` names."""
+    f = model(holding, s)
+    loss = loss_of(f)
+
+    def _grads(w, x):
+        return jax.vmap(jax.grad(loss), (None, 0))(w, x)
+
     b = dict(batch_size=2, **opts)
     if entry == "batch_vmap":
         return cv.batch_vmap(f, (None, 0), **b), jax.vmap(f, (None, 0))
@@ -179,13 +209,11 @@ def entry_point(entry: str, opts: dict):
         return chunked, lambda w, x: jax.vmap(f, (None, 0))(w, x).sum(0)
     if entry == "batch_map":
         return (
-            lambda w, x: cv.batch_map(lambda xs: jnp.tanh(xs @ w), x, **b),
+            lambda w, x: cv.batch_map(lambda xs: jax.vmap(f, (None, 0))(w, xs), x, **b),
             jax.vmap(f, (None, 0)),
         )
     if entry == "batch_vectorize":
-        vec = cv.batch_vectorize(
-            lambda w, x: jnp.tanh(x @ w), signature="(i,j),(i)->(j)", **b
-        )
+        vec = cv.batch_vectorize(f, signature="(i,j),(i)->(j)", **b)
         return (lambda w, x: vec(w[None], x)), jax.vmap(f, (None, 0))
     if entry == "per_example_grads":
         return cv.per_example_grads(loss, **b), _grads
@@ -226,15 +254,27 @@ def entry_point(entry: str, opts: dict):
             cv.ggn_diagonal(f, likelihood="gaussian", **b),
             lambda w, x: jnp.sum(jax.vmap(jax.jacfwd(f), (None, 0))(w, x) ** 2, (0, 1)),
         )
-    if entry == "kfac_factors":  # sum x x^T, and sum diag(tanh'(x w)^2)
+    if entry == "kfac_factors":  # sum x x^T, and sum diag(f'(x w)^2)
         kfac = cv.kfac_factors(f, likelihood="gaussian", **b)
-        return (
-            lambda w, x: (kfac(w, x).inputs, kfac(w, x).outputs),
-            lambda w, x: (
-                jax.vmap(jnp.outer)(x, x).sum(0),
-                jnp.diag(jnp.sum((1 - jax.vmap(f, (None, 0))(w, x) ** 2) ** 2, 0)),
-            ),
-        )
+
+        def factors(w, x):
+            k = kfac(w, x)
+            return (k.inputs, k.outputs) if isinstance(k, cv.Kronecker) else k
+
+        def oracle(w, x):
+            if holding in ("traced scalar", "shared stack"):  # w's diagonal
+                jac = jax.vmap(jax.jacfwd(f), (None, 0))(w, x)
+                return jnp.sum(jac**2, (0, 1))
+            slope = jax.vmap(jax.grad(lambda z: jnp.sum(f_of_pre(z))))(x @ w)
+            return jax.vmap(jnp.outer)(x, x).sum(0), jnp.diag(jnp.sum(slope**2, 0))
+
+        def f_of_pre(z):  # f as a function of x @ w
+            if holding == "typed key":
+                keep = jax.random.bernoulli(jax.random.fold_in(_KEY, 1), 0.7, (8,))
+                return jnp.where(keep, jnp.tanh(z), 0.0)
+            return jnp.tanh(z)
+
+        return factors, oracle
     if entry.startswith("per_example_grad_projections"):
         method = "ghost" if "ghost" in entry else "vmap"
         project = cv.per_example_grad_projections(loss, dim=4, method=method, **b)
@@ -266,10 +306,10 @@ def entry_point(entry: str, opts: dict):
     raise AssertionError(entry)
 
 
-def inputs(n: int, hold: str, mesh, kind: str):
+def inputs(n: int, hold: str, mesh, kind: str, dtype=np.float32):
     rng = np.random.default_rng(n)
-    w = (rng.normal(size=(6, 8)) / 3).astype(np.float32)
-    x = rng.normal(size=(n, 6)).astype(np.float32)
+    w = (rng.normal(size=(6, 8)) / 3).astype(dtype)
+    x = rng.normal(size=(n, 6)).astype(dtype)
     if "placed" not in hold:
         return jax.device_put(w), jax.device_put(x)
     data = "data" if n % mesh.shape["data"] == 0 else None
@@ -297,35 +337,56 @@ def called(fn, mode: str):
     return lambda w, x: jax.vmap(fn, (None, 0))(w, jnp.stack([x, 0.5 * x]))
 
 
+def _run(entry: str, opts: dict, holding: str, mode: str, which: int):
+    """`called(...)` of the chunked (`which=0`) or reference (1) computation, as a
+    function of `(w, x)`; for "traced scalar", inside a `jax.jit` that traces the
+    scalar and builds the transform there."""
+    if holding != "traced scalar":
+        return called(entry_point(entry, opts, holding)[which], mode)
+
+    def step(w, x, s):
+        return called(entry_point(entry, opts, holding, s)[which], mode)(w, x)
+
+    return lambda w, x: jax.jit(step)(w, x, jnp.asarray(1.25, w.dtype))
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_every_entry_point_wherever_the_mesh_is_held(case, opts=None):
     """`opts`: chunking options in place of those `mesh_args` gives."""
-    entry, hold, kind, mode, n = case
+    entry, hold, kind, mode, n, *rest = case
+    holding = rest[0] if rest else "plain"
+    with jax.enable_x64(holding == "float64"), warnings.catch_warnings():
+        # (a weight every layer shares, or a traced scale, is per-example there)
+        warnings.simplefilter("ignore", cv.GhostFallbackWarning)
+        _check_case(entry, hold, kind, mode, n, holding, opts)
+
+
+def _check_case(entry, hold, kind, mode, n, holding, opts) -> None:
     mesh = mesh_of(kind)
     opts = mesh_args(hold, kind, mesh) if opts is None else opts
-    chunked, reference = entry_point(entry, opts)
-    w, x = inputs(n, hold, mesh, kind)
+    dtype = np.float64 if holding == "float64" else np.float32
+    w, x = inputs(n, hold, mesh, kind, dtype)
     held = jax.set_mesh(mesh) if "set_mesh" in hold else contextlib.nullcontext()
     plain_w, plain_x = jax.device_get((w, x))
-    want = jax.jit(called(reference, mode))(plain_w, plain_x)
+    want = jax.jit(_run(entry, opts, holding, mode, 1))(plain_w, plain_x)
     with held:
         try:
-            got = called(chunked, mode)(w, x)
+            got = _run(entry, opts, holding, mode, 0)(w, x)
         except Exception as error:  # only where jax.vmap refuses it too
             with pytest.raises(type(error)):
-                called(reference, mode)(w, x)
+                _run(entry, opts, holding, mode, 1)(w, x)
             return
-    np.testing.assert_allclose(
-        *(
-            np.concatenate([np.ravel(y) for y in jax.tree.leaves(t)])
-            for t in (got, want)
-        ),
-        rtol=2e-5,
-        atol=2e-6,
+    assert {y.dtype for y in jax.tree.leaves(got)} == {
+        y.dtype for y in jax.tree.leaves(want)
+    }
+    got_flat, want_flat = (
+        np.concatenate([np.ravel(y) for y in jax.tree.leaves(t)]) for t in (got, want)
     )
+    scale = max(1.0, float(np.max(np.abs(want_flat), initial=0.0)))
+    np.testing.assert_allclose(got_flat, want_flat, rtol=2e-5, atol=2e-6 * scale)
     if entry == "batch_vmap" and mode in ("eager", "jit") and "placed" in hold:
         with held:
-            ref = called(reference, mode)(w, x)
+            ref = _run(entry, opts, holding, mode, 1)(w, x)
         assert got.sharding.spec == ref.sharding.spec, (got.sharding, ref.sharding)
 
 

@@ -79,7 +79,7 @@ def backward_vectors(
     """The output cotangents `(M, *f.shape)` of one example whose outer products
     sum to its curvature in the output (for `"mc"`, in expectation): `f` the
     output, `labels` its labels (`"empirical"`), `key` its PRNG key (`"mc"`)."""
-    f = jax.lax.stop_gradient(f.astype(jnp.promote_types(f.dtype, jnp.float32)))
+    f = jax.lax.stop_gradient(_f32(f))
     if likelihood is Likelihood.GAUSSIAN:
         if fisher is Fisher.EMPIRICAL:
             return (f - labels)[None]
@@ -652,7 +652,9 @@ def _primed(symbols: Sequence[Any]) -> list:
 
 
 def _f32(x: jax.Array) -> jax.Array:
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    # (at least float32: float64 stays, also where dtype promotion is strict)
+    wide = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.dtype(jnp.float32)
+    return x.astype(wide)
 
 
 def _gram(x: jax.Array, spec: Sequence[Any], blocks, axes) -> jax.Array:

@@ -7,8 +7,9 @@ leaf, of size `d_j > dim`, is projected by a Gaussian matrix `P_j` of shape
 kept whole. A leaf's projected gradient is `G x_0 P_0 x_1 P_1 ...` (each axis
 contracted with its matrix), flattened; the leaves' are concatenated in the order of
 `jax.tree.leaves` of the differentiated arguments. `P_j` is
-`jax.random.normal(fold_in(fold_in(key(seed), k), j), (d_j, dim)) / sqrt(dim)` for
-the `k`-th differentiated leaf (`projection_matrices`).
+`jax.random.normal(fold_in(fold_in(key(seed), k), j), (d_j, dim), float32) /
+sqrt(dim)` for the `k`-th differentiated leaf (`projection_matrices`; float32
+draws whether x64 is on or not, so that a seed means one projection).
 
 `method="ghost"` projects each use's ghost form (`ghost._forms`): a dense use's
 `sum_t a_t g_t^T` becomes `sum_t (P_in^T a_t)(P_out^T g_t)^T` (LoGra's identity, in
@@ -142,6 +143,8 @@ def _form_projection(
             specs.append((_out_symbol(j),))
         out.append(_out_symbol(j))
     operands = [_f32(a) for a in operands]
+    wide = max((a.dtype for a in operands), key=lambda d: d.itemsize)  # (f64 data)
+    operands = [a.astype(wide) for a in operands]
     return jnp.einsum(_equation(specs, out), *operands, optimize="optimal").reshape(-1)
 
 
@@ -244,7 +247,8 @@ def per_example_grad_projections(
     gradients (TRAK, TracIn with random projections); the same `seed` gives the
     same projection for every call, so a train set's and a test set's rows can be
     compared. The matrices are `jax.random.normal(fold_in(fold_in(key(seed), k),
-    j), (d, dim)) / sqrt(dim)` for axis `j` of the `k`-th differentiated leaf.
+    j), (d, dim), jnp.float32) / sqrt(dim)` for axis `j` of the `k`-th
+    differentiated leaf (float32 draws, with x64 on too).
 
     With a second batch, `project(*args, other=other_args)` is the `N x M` matrix
     of scores between the two batches' projected gradients (TracIn or TRAK-style

@@ -670,8 +670,8 @@ class _SymmetricRows(Leaf):
         # read from row i where it reached j (and i <= j or j's row did not reach
         # i), else from row j: one value for (i, j) and (j, i), read in one
         # gather whose indices XLA fuses in (no n x n temporaries).
-        i = jnp.arange(n)[:, None]
-        j = jnp.arange(n)[None, :]
+        i = jnp.arange(n, dtype=starts.dtype)[:, None]  # (int32, x64 on too)
+        j = jnp.arange(n, dtype=starts.dtype)[None, :]
         ij, ji = (j - starts[:, None]) % n, (i - starts[None, :]) % n
         mine = (ij < width) & ((i <= j) | (ji >= width))
         gram = values[jnp.where(mine, i, j), jnp.where(mine, ij, ji)]

@@ -158,7 +158,7 @@ def _basis(leaves: Sequence[Any], index: jax.Array, dtypes: Sequence[Any]) -> li
     out, offset = [], 0
     for x, dtype in zip(leaves, dtypes):
         size = int(np.size(x))
-        hot = jnp.arange(size) == index - offset
+        hot = jnp.arange(size, dtype=jnp.result_type(index)) == index - offset
         out.append(hot.astype(dtype).reshape(np.shape(x)))
         offset += size
     return out
