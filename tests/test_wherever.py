@@ -12,7 +12,9 @@ The matrix crosses five dimensions:
 * what the function holds (`HOLDINGS`): nothing more; a typed PRNG key (a fixed
   dropout mask); a scalar that the caller's `jax.jit` traces (the transform built
   inside the jitted step); a weight shared by every layer of a scanned stack
-  (`broadcast_to` fed to `lax.scan`); float64 throughout (x64 on);
+  (`broadcast_to` fed to `lax.scan`); float64 throughout (x64 on); a padded
+  buffer (every third example padding, NaN-filled: the entry points that take
+  `is_padding_example=`; their references compute the real examples alone);
 * the entry point: every public transform and the three adapters.
 
 Every pair of values of any two dimensions appears in some case (a greedy pairwise
@@ -71,7 +73,13 @@ HOLDS = ("mesh=", "placed", "set_mesh", "none", "mesh= + placed", "set_mesh + pl
 KINDS = ("explicit", "auto", "2d")
 MODES = ("eager", "jit", "grad", "jit(grad)", "vmap")
 SIZES = (16, 13, 3, 1)
-HOLDINGS = ("plain", "typed key", "traced scalar", "shared stack", "float64")
+HOLDINGS = ("plain", "typed key", "traced scalar", "shared stack", "float64", "padded")
+# The entry points that take a padded buffer (`is_padding_example=`): with "padded",
+# every third example is padding, filled with NaN.
+PADDED = {
+    "batch_vmap", "batch_map", "clipped_grad_sum", "clipped_grad_sum(ghost)",
+    "per_example_grad_norms", "per_example_grad_stats",
+}  # fmt: skip
 DIMS = (ENTRIES, HOLDS, KINDS, MODES, SIZES, HOLDINGS)
 
 
@@ -337,10 +345,86 @@ def called(fn, mode: str):
     return lambda w, x: jax.vmap(fn, (None, 0))(w, jnp.stack([x, 0.5 * x]))
 
 
+def _padding(n: int) -> np.ndarray:
+    return np.arange(n) % 3 == 1
+
+
+def padded_entry(entry: str, opts: dict):
+    """`(chunked, reference)` of `entry` over a padded buffer (`_padding`): the
+    chunked one takes the NaN-filled buffer and its flags; the reference, the
+    same buffer, computes on the real examples alone (a padding row's stacked
+    outputs zeros), its NaN never read (`where`, so that its derivatives are the
+    real examples' too)."""
+    b = dict(batch_size=2, **opts)
+
+    def clean(x):
+        pad = _padding(x.shape[0])
+        return jnp.where(pad[:, None], jnp.ones((), x.dtype), x), pad
+
+    def rows(values, pad):
+        shape = (-1,) + (1,) * (values.ndim - 1)
+        return jnp.where(pad.reshape(shape), jnp.zeros((), values.dtype), values)
+
+    def filled(x):
+        return jnp.where(_padding(x.shape[0])[:, None], jnp.nan, x)
+
+    grads = lambda w, x: jax.vmap(jax.grad(loss), (None, 0))(w, x)  # noqa: E731
+    if entry == "batch_vmap":
+        run = cv.batch_vmap(f, (None, 0), padded=True, **b)
+        chunked = lambda w, x: run(w, filled(x), is_padding_example=_padding(len(x)))  # noqa: E731
+        return chunked, lambda w, x: rows(
+            jax.vmap(f, (None, 0))(w, clean(x)[0]), clean(x)[1]
+        )
+    if entry == "batch_map":
+
+        def chunked(w, x):
+            fn = lambda xs: jax.vmap(f, (None, 0))(w, xs)  # noqa: E731
+            return cv.batch_map(fn, filled(x), is_padding_example=_padding(len(x)), **b)
+
+        return chunked, lambda w, x: rows(
+            jax.vmap(f, (None, 0))(w, clean(x)[0]), clean(x)[1]
+        )
+    if entry.startswith("clipped_grad_sum"):
+        method = "ghost" if "ghost" in entry else "vmap"
+        summed = cv.clipped_grad_sum(loss, 1.0, method=method, **b)
+
+        def reference(w, x):
+            x, pad = clean(x)
+            return clipped_sum(loss, 1.0, (w, x[~pad]))[0]
+
+        return (
+            lambda w, x: summed(w, filled(x), is_padding_example=_padding(len(x)))[0],
+            reference,
+        )
+    if entry == "per_example_grad_norms":
+        norms = cv.per_example_grad_norms(loss, **b)
+
+        def reference(w, x):
+            x, pad = clean(x)
+            return rows(jnp.sqrt(jnp.sum(grads(w, x) ** 2, axis=(1, 2))), pad)
+
+        return (
+            lambda w, x: norms(w, filled(x), is_padding_example=_padding(len(x))),
+            reference,
+        )
+    stats = cv.per_example_grad_stats(loss, **b)  # the mean over the real examples
+
+    def reference(w, x):
+        x, pad = clean(x)
+        return grads(w, x[~pad]).mean(0)
+
+    return (
+        lambda w, x: stats(w, filled(x), is_padding_example=_padding(len(x))).mean,
+        reference,
+    )
+
+
 def _run(entry: str, opts: dict, holding: str, mode: str, which: int):
     """`called(...)` of the chunked (`which=0`) or reference (1) computation, as a
     function of `(w, x)`; for "traced scalar", inside a `jax.jit` that traces the
     scalar and builds the transform there."""
+    if holding == "padded" and entry in PADDED:
+        return called(padded_entry(entry, opts)[which], mode)
     if holding != "traced scalar":
         return called(entry_point(entry, opts, holding)[which], mode)
 

@@ -71,9 +71,9 @@ class Chunks:
 
     @property
     def single(self) -> bool:
-        """Whether everything is one vmap call (no loop; a padded buffer's one
-        chunk is a loop of one, skipped where it holds padding alone)."""
-        return self.batch == self.size and self.order is None
+        """Whether everything is one vmap call (no loop; of a padded buffer,
+        skipped where it holds padding alone: `when_active`)."""
+        return self.batch == self.size
 
     @property
     def wide(self) -> bool:
@@ -182,6 +182,19 @@ class Chunks:
             return True
         real = jnp.max(self.count) if self.shared else self.count
         return lax.lt(lax.mul(i, np.array(self.batch, i.dtype)), real)
+
+    def when_active(self, evaluate: Callable[[], Any]) -> Any:
+        """`evaluate()` of the one chunk of a `single` plan; of a padded buffer,
+        zeros where it holds padding alone (a `cond`: not evaluated then, so that
+        no padding value reaches a derivative)."""
+        if self.count is None:
+            return evaluate()
+        shapes = jax.eval_shape(evaluate)
+        return lax.cond(
+            self.active(jnp.int32(0)),
+            evaluate,
+            lambda: jax.tree.map(lambda a: zeros(a.shape, a), shapes),
+        )
 
     def whole(self, leaves: Sequence[Any], axes: Sequence[int | None]) -> list[Any]:
         """The leaves restricted to the plan's N examples (one chunk, no loop)."""
@@ -563,7 +576,11 @@ class Body:
         """
         axes = self.axes
         if plan.single:
-            outs = jax.tree.leaves(self.chunk_fn(plan.whole(leaves, axes), plan.size))
+            outs = plan.when_active(
+                lambda: jax.tree.leaves(
+                    self.chunk_fn(plan.whole(leaves, axes), plan.size)
+                )
+            )
             report(0)
             return outs
         size, batch = plan.size, plan.batch
@@ -691,7 +708,9 @@ class Body:
         written at the chunk's offset (`_Fold`)."""
         chunk_fn, axes = fold.chunk_fn, fold.axes
         if plan.single:
-            result = fold.summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
+            result = plan.when_active(
+                lambda: fold.summarise(chunk_fn(plan.whole(leaves, axes), plan.size))
+            )
             report(0)
             return result
         batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
@@ -788,7 +807,9 @@ class Body:
             fold = _shares_fold(self.accumulator, shares, local, shifted, entry)
             return self._fold(fold, leaves, plan, report)
         if plan.single:
-            ys = jax.tree.leaves(shares(plan.whole(leaves, local), plan.size))
+            ys = plan.when_active(
+                lambda: jax.tree.leaves(shares(plan.whole(leaves, local), plan.size))
+            )
             report(0)
             return ys
 
