@@ -3,10 +3,12 @@
 x how it is called.
 
 What the function closes over, changed between two calls (`KINDS`): a JAX array
-rebound; a NumPy array changed in place or rebound; a Python scalar (0.0, then
--0.0); a host callback with a default argument; a `custom_jvp` or `custom_vjp`
-rule; a nested `jax.jit` closing over a JAX array or over a NumPy array changed in
-place; an Equinox module, an NNX module's weight, a linen model's variables.
+rebound; a typed PRNG key rebound; a NumPy array changed in place or rebound; a
+Python scalar (0.0, then -0.0); a host callback with a default argument; a
+`custom_jvp` or `custom_vjp` rule; a `custom_vjp` (a clipped backward pass) whose
+primal reads a rebound array through a nested `jax.jit`; a nested `jax.jit` closing
+over a JAX array or over a NumPy array changed in place; an Equinox module, an NNX
+module's weight, a linen model's variables.
 
 How it is called (`MODES`): eagerly, and under `jax.grad`, `jax.jvp` and
 `jax.vmap` with respect to a value the function closes over (the closure then
@@ -164,8 +166,27 @@ def _linen_apply(v):
     return _dense().apply(S["vars"], v)
 
 
+@jax.custom_vjp
+def _clipped_through_jit(v):
+    """A custom_vjp (a clipped backward pass) whose primal reads the closed-over
+    array through a nested `jax.jit`: its constant is hoisted in an eager program."""
+    return jax.jit(lambda y: y * S["a"])(v)
+
+
+_clipped_through_jit.defvjp(
+    lambda v: (_clipped_through_jit(v), None), lambda _, g: (jnp.clip(g, -0.1, 0.1),)
+)
+
+
 KINDS = {
     "jnp array": Kind(lambda v: v * S["a"], _rebind("a", _jnp_array)),
+    "typed key": Kind(
+        lambda v: v * jax.random.uniform(S["k"], (3,), minval=0.5),
+        _rebind("k", jax.random.key),
+    ),
+    "custom_vjp over a nested jit": Kind(
+        _clipped_through_jit, _rebind("a", _jnp_array), forward_mode=False
+    ),
     "numpy in place": Kind(lambda v: v * IN_PLACE, _in_place),
     "numpy rebound": Kind(lambda v: v * S["n"], _rebind("n", _numpy_array)),
     "scalar +-0.0": Kind(
@@ -454,8 +475,9 @@ def test_the_grid_covers_every_entry_point_kind_and_call():
         assert {e for e, _, m in CASES if m == mode} == set(ENTRIES)
         possible = {k for k in KINDS if any(valid(e, k, mode) for e in ENTRIES)}
         assert {k for _, k, m in CASES if m == mode} == possible
-    # every kind under every call, but for a custom_vjp under jvp (which JAX refuses)
-    assert {k for _, k, m in CASES if m == "jvp"} == set(KINDS) - {"custom_vjp rule"}
+    # every kind under every call, but for the custom_vjps under jvp (JAX refuses)
+    no_jvp = {"custom_vjp rule", "custom_vjp over a nested jit"}
+    assert {k for _, k, m in CASES if m == "jvp"} == set(KINDS) - no_jvp
 
 
 @pytest.mark.parametrize("entry, kind, mode", CASES)

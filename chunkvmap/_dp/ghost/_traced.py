@@ -26,10 +26,12 @@ def _one_example_sharding(aval: Any, stripped: bool) -> Any:
 
 
 def _scalar(c: Any) -> Any:
-    """A scalar constant by its value (its bits), a traced one or a typed PRNG key
-    by identity (neither is read)."""
-    if isinstance(c, jax.core.Tracer) or jnp.issubdtype(c.dtype, jax.dtypes.prng_key):
+    """A scalar constant by its value (its bits), a traced one by identity, a typed
+    PRNG key by its type alone (the analysis reads neither: `known_value`)."""
+    if isinstance(c, jax.core.Tracer):
         return _program.Held(c)
+    if jnp.issubdtype(c.dtype, jax.dtypes.prng_key):
+        return ("prng key", str(jax.typeof(c)))
     value = np.asarray(c)
     return (value.dtype.str, value.tobytes())
 
