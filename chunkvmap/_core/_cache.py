@@ -127,9 +127,10 @@ def _entries_of(owner: Any, make: bool) -> LRU | None:
         return None
     key = id(owner)
 
-    def forget(ref: weakref.ref) -> None:
-        if _MEMO.get(key, (None,))[0] is ref:
-            del _MEMO[key]
+    def forget(ref: weakref.ref, memo: dict = _MEMO) -> None:
+        # (`memo` bound now: at interpreter exit the module's globals may be gone)
+        if memo.get(key, (None,))[0] is ref:
+            del memo[key]
 
     try:
         ref = weakref.ref(owner, forget)
