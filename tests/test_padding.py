@@ -597,3 +597,28 @@ def test_two_pass_ghost_sums_nothing_to_zero(case, rng):
         )  # fmt: skip
     for fn in (run, jax.jit(run)):
         tree_allclose(fn(p, x, y), jax.tree.map(jnp.zeros_like, p))
+
+
+@pytest.mark.parametrize("entry", list(PADDING_UNDER_GRAD)[:5])
+@pytest.mark.parametrize("b", [1, 2])
+def test_a_share_of_padding_alone_never_reaches_a_derivative(
+    entry, b, rng, always_ghost
+):
+    """Over an Explicit mesh of 8 devices, a device whose share of the buffer is
+    all padding (NaN) still evaluates it beside the others' real examples: a real
+    example of another share stands in (its own padding stood in, and the
+    gradient was NaN in every weight)."""
+    p, x, y = _data(rng)
+    x, y = x[:16], y[:16]
+    pad = np.zeros(16, bool)
+    pad[[2, 3, 9]] = True  # the second device's share (examples 2, 3) all padding
+    filled = np.asarray(x).copy()
+    filled[pad] = np.nan
+    real = np.nonzero(~pad)[0]
+    oracle = PADDING_UNDER_GRAD[entry](None, {})
+    expected = jax.grad(oracle)(p, x[real], y[real], np.zeros(len(real), bool))
+    place = lambda a: jax.device_put(a, NamedSharding(MESH, P("d")))  # noqa: E731
+    run = PADDING_UNDER_GRAD[entry](b, {})
+    with jax.set_mesh(MESH):
+        got = jax.grad(run)(p, place(jnp.asarray(filled)), place(y), pad)
+    tree_allclose(got, expected, rtol=1e-4, atol=1e-6)

@@ -59,6 +59,9 @@ class Chunks:
     # value reaches the function, so none reaches a derivative either.
     flags: int | None = None
     real: Any = None
+    # Of shares: one real example of each mapped leaf (of any share: a share of
+    # padding alone has none of its own), replicated.
+    rows: Any = None
 
     @property
     def num_chunks(self) -> int:
@@ -101,7 +104,7 @@ class Chunks:
             chunk = take(leaves, axes, start, self.batch)
         return self.stand_in(chunk, leaves, axes)
 
-    def padded(self, padding: jax.Array, flags: int) -> Chunks:
+    def padded(self, padding: jax.Array, flags: int, rows: Any = None) -> Chunks:
         """This plan over a padded buffer: `padding[j]` marks example `j` as
         padding, and the leaf `flags` holds the flags. The real examples are
         evaluated first, in their order (a stable partition, `_real_first`), and
@@ -109,7 +112,8 @@ class Chunks:
         than the examples (`wide`) is evaluated as it is. Either way, the padding a
         chunk holds is evaluated on a real example's values (`stand_in`).
         `padding` of shape `(D, N)`: D shares' (`Body.run_shares`), each in its
-        own order, and a chunk is skipped where every share's is padding alone."""
+        own order, and a chunk is skipped where every share's is padding alone;
+        `rows` then holds the real example that stands in (`stand_in`)."""
         if self.wide:  # `padding`: the window's, from its first example
             first = self.offset + (self.size - self.batch)
             real = jnp.argmin(padding).astype(np.int32) + first
@@ -121,7 +125,7 @@ class Chunks:
             order, count = _real_first(padding, self.size)
             real = order[0] + self.offset
         return dataclasses.replace(
-            self, order=order, count=count, flags=flags, real=real
+            self, order=order, count=count, flags=flags, real=real, rows=rows
         )
 
     def stand_in(
@@ -139,7 +143,9 @@ class Chunks:
             if a is None or k == self.flags:
                 out.append(x)
                 continue
-            if self.shared:  # each share's own (a share of padding alone: its own)
+            if self.shared and self.rows is not None:  # one for every share
+                s = jnp.expand_dims(self.rows[k], (a - 1, a))
+            elif self.shared:  # each share's own
                 (s,) = gather([leaves[k]], [a], self.real[:, None], shared=True)
             else:
                 s = lax.dynamic_slice_in_dim(leaves[k], self.real, 1, a)
@@ -272,6 +278,33 @@ def take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length: 
         x if a is None else lax.dynamic_slice_in_dim(x, start, length, axis=a)
         for x, a in zip(leaves, axes)
     ]
+
+
+def explicit_spec(spec: Any = ()) -> Any:
+    """`spec` (a PartitionSpec or its entries) where the current mesh has Explicit
+    axes (a contraction over sharded axes must then say its output's sharding),
+    else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.explicit_axes:
+        return None
+    names = set(mesh.explicit_axes)
+
+    def keep(entry: Any) -> Any:  # axes manual here are not the output's to name
+        parts = entry if isinstance(entry, tuple) else (entry,)
+        parts = tuple(a for a in parts if a in names)
+        return parts[0] if len(parts) == 1 else (parts or None)
+
+    return jax.P(*(keep(e) for e in spec))
+
+
+def example_at(x: jax.Array, i: Any, axis: int) -> jax.Array:
+    """Example `i` (traced) of `x` along `axis`, sharded as `x`'s other axes are
+    (where the mesh has Explicit axes, the gather must say so)."""
+    x = jnp.moveaxis(x, axis, 0)
+    spec = getattr(jax.typeof(x).sharding, "spec", None)
+    rest = () if spec is None else tuple(spec)[1:]
+    out = explicit_spec((None, *rest) + (None,) * (x.ndim - 1 - len(rest)))
+    return x.at[jnp.reshape(i, (1,))].get(out_sharding=out)[0]  # (a gather)
 
 
 def zeros(shape: Sequence[int], aval: Any) -> Any:

@@ -60,6 +60,7 @@ from ._axes import Inputs, Known
 from ._loop import (
     Accumulator,
     Body,
+    example_at,
     make_plan,
     share_length,
     spec_entries,
@@ -334,10 +335,17 @@ def _split_evaluation(
             for x, a in zip(leaves, axes)
         ]
         head = _prepare(body.name, lay, inputs.paths, head, axes, 0)
+        rows = None
+        if inputs.padding is not None:  # the first real example stands in for all
+            first = jnp.argmin(head[inputs.padding])
+            rows = [
+                None if a is None else example_at(x, first, a)
+                for x, a in zip(head, axes)
+            ]
         head = [_split(x, a, lay) for x, a in zip(head, axes)]
         plan = make_plan(share, batch)
         if inputs.padding is not None:  # each share's padding, skipped where all are
-            plan = plan.padded(head[inputs.padding], inputs.padding)
+            plan = plan.padded(head[inputs.padding], inputs.padding, rows)
         report = _progress.hook(reporter, plan.num_chunks)
         split = body.run_shares(head, plan, report)
         if accumulator is not None:

@@ -28,6 +28,7 @@ from jax import lax
 
 from .._core import _accumulators, _axes, _cache, _memory, _padding
 from .._core._accumulators import Fold, Stack
+from .._core._loop import example_at
 from .._core._options import (
     Chunking,
     ClipChunking,
@@ -209,16 +210,6 @@ def clip_scale(norm: jax.Array, clip: Any, rescale_to_unit_norm: bool) -> jax.Ar
             clip_positive, scale / jnp.where(clip_positive, clip, 1), inverse
         )
     return jnp.nan_to_num(scale, nan=0.0, posinf=0.0)
-
-
-def _example(x: jax.Array, i: jax.Array, axis: int) -> jax.Array:
-    """Example `i` of `x` along `axis`, sharded as `x`'s other axes are (where the
-    mesh has Explicit axes, the gather must say so)."""
-    x = jnp.moveaxis(x, axis, 0)
-    spec = getattr(jax.typeof(x).sharding, "spec", None)
-    rest = () if spec is None else tuple(spec)[1:]
-    out = ghost.explicit_spec((None, *rest) + (None,) * (x.ndim - 1 - len(rest)))
-    return x.at[jnp.reshape(i, (1,))].get(out_sharding=out)[0]  # (a gather)
 
 
 def _nan_to_zero(x: jax.Array) -> jax.Array:
@@ -774,7 +765,7 @@ class _GhostSums(Quantity):
         stand_in = None
         if counted is not None:
             first = jnp.argmax(counted)  # (where none counts, nothing runs)
-            take = lambda a, x: _example(x, first, a)  # noqa: E731
+            take = lambda a, x: example_at(x, first, a)  # noqa: E731
             stand_in = [
                 jax.tree.map(ft.partial(take, in_axes[i]), args[i]) for i in mapped
             ]

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from ..._core._jaxprs import bind_params
+from ..._core._loop import explicit_spec as explicit_spec
 
 
 def in_context(params: dict) -> dict:
@@ -31,23 +32,6 @@ def in_context(params: dict) -> dict:
         ):
             out[key] = jax.sharding.NamedSharding(context, value.spec)
     return out
-
-
-def explicit_spec(spec: Any = ()) -> Any:
-    """`spec` (a PartitionSpec or its entries) where the current mesh has Explicit
-    axes (a contraction over sharded axes must then say its output's sharding),
-    else None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not mesh.explicit_axes:
-        return None
-    names = set(mesh.explicit_axes)
-
-    def keep(entry: Any) -> Any:  # axes manual here are not the output's to name
-        parts = entry if isinstance(entry, tuple) else (entry,)
-        parts = tuple(a for a in parts if a in names)
-        return parts[0] if len(parts) == 1 else (parts or None)
-
-    return jax.P(*(keep(e) for e in spec))
 
 
 def bind(prim: Any, operands: Sequence[Any], params: dict) -> Any:
