@@ -933,8 +933,8 @@ MUTANTS = {
     "padding: Explicit shares evaluate their padding": (
         (
             "chunkvmap/_core/_sharding.py",
-            "        if inputs.padding is not None:  # each share's padding",
-            "        if False:  # each share's padding",
+            "    if inputs.padding is None:\n        return plan\n    first =",
+            "    if True:\n        return plan\n    first =",
         ),
         ["test_padding", "test_sharding"],
     ),

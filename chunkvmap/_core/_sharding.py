@@ -278,6 +278,17 @@ def evaluate(
     return jax.jit(run)(*[leaves[i] for i in dyn])
 
 
+def _shares_plan(plan, inputs, head, split, axes) -> Any:
+    """The shares' plan over a padded buffer (each share's padding skipped where
+    every share's is; the first real example of the whole head, `head` before it
+    is `split`, stands in for the padding of all); else `plan`."""
+    if inputs.padding is None:
+        return plan
+    first = jnp.argmin(head[inputs.padding])
+    rows = [None if a is None else example_at(x, first, a) for x, a in zip(head, axes)]
+    return plan.padded(split[inputs.padding], inputs.padding, rows)
+
+
 def _out_specs(body: Body, lay: Layout, per_device: int, rem: int) -> Any:
     """`evaluate`'s output specs: stacked outputs (and an accumulator's rows, along
     axis 0) come back split over the layout; the global remainder's, from the first
@@ -335,17 +346,9 @@ def _split_evaluation(
             for x, a in zip(leaves, axes)
         ]
         head = _prepare(body.name, lay, inputs.paths, head, axes, 0)
-        rows = None
-        if inputs.padding is not None:  # the first real example stands in for all
-            first = jnp.argmin(head[inputs.padding])
-            rows = [
-                None if a is None else example_at(x, first, a)
-                for x, a in zip(head, axes)
-            ]
-        head = [_split(x, a, lay) for x, a in zip(head, axes)]
-        plan = make_plan(share, batch)
-        if inputs.padding is not None:  # each share's padding, skipped where all are
-            plan = plan.padded(head[inputs.padding], inputs.padding, rows)
+        split_head = [_split(x, a, lay) for x, a in zip(head, axes)]
+        plan = _shares_plan(make_plan(share, batch), inputs, head, split_head, axes)
+        head = split_head
         report = _progress.hook(reporter, plan.num_chunks)
         split = body.run_shares(head, plan, report)
         if accumulator is not None:
