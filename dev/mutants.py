@@ -904,7 +904,7 @@ MUTANTS = {
             "    shift = jnp.take(g, jnp.argmax(real), axis=axis)\n",
             "    shift = lax.index_in_dim(g, 0, axis, keepdims=False)\n",
         ),
-        ["test_padding", "test_statistics"],
+        ["test_padding", "test_statistics", "test_reductions"],
     ),
     "padding: ghost moments merge the padding": (
         (

@@ -213,3 +213,16 @@ def test_reduction_with_non_array_arguments():
         chunk_reduction=lambda y: y.sum(0),
     )(x, "tag", 2.0)
     tree_allclose(actual, (x * 2.0).sum())
+
+
+def test_moments_never_read_an_example_that_does_not_count():
+    """The moments of a chunk whose uncounted examples hold NaN (a padded buffer's
+    padding, where nothing stands in for it) are those of the counted examples:
+    the shift is the first counted example, never the first row."""
+    from chunkvmap._core import _accumulators
+
+    g = jnp.asarray([[jnp.nan, jnp.nan], [1.0, 2.0], [3.0, 5.0], [jnp.nan, 0.0]])
+    real = jnp.asarray([False, True, True, False])
+    shift, mean, m2 = _accumulators.moments(g, 0, real)
+    tree_allclose(shift + mean, jnp.asarray([2.0, 3.5]))
+    tree_allclose(m2, jnp.asarray([2.0, 4.5]))
