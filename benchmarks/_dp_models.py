@@ -7,7 +7,11 @@ clipping benchmarks (`bench_clipping.py` table (c), `gpu.py`).
   the same with its blocks stacked and run by `lax.scan` (each block under
   `jax.checkpoint`);
 * a CIFAR-style convnet: three 3x3 convolutions (3 -> 64 -> 128 -> 256 channels by
-  default) with ReLU and 2x2 max pooling, global average pooling, a dense head.
+  default) with ReLU and 2x2 max pooling, global average pooling, a dense head;
+* a ViT: the image cut into patches (a reshape), a dense patch embedding, a learned
+  position table, the language model's pre-norm blocks without the causal mask,
+  mean pooling, a dense head;
+* an MLP: dense layers with tanh, a squared-error loss.
 
 Each loss is one example's (a sequence of tokens, or one image and its label).
 """
@@ -22,6 +26,8 @@ from jax import lax
 
 LM = {"vocab": 2048, "width": 256, "positions": 32, "blocks": 2, "heads": 4}
 CNN = {"channels": (3, 64, 128, 256), "image": 32, "classes": 10}
+VIT = {"image": 32, "patch": 4, "width": 192, "blocks": 4, "heads": 3, "classes": 10}
+MLP = {"widths": (784, 1024, 1024, 1024, 10)}
 
 
 def _normal(rng, *shape, scale=None):
@@ -62,13 +68,14 @@ def lm_params(rng, cfg=LM, tied=False, stacked=False):
     return p
 
 
-def _block(b, h, heads):
+def _block(b, h, heads, causal=True):
     t, d = h.shape
     x = layer_norm(h, b["ln1_s"], b["ln1_b"])
     q, k, v = jnp.split(x @ b["qkv"] + b["qkv_b"], 3, axis=-1)
     q, k, v = (z.reshape(t, heads, d // heads) for z in (q, k, v))
     scores = jnp.einsum("thd,shd->hts", q, k) / np.sqrt(d // heads)
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
     o = jnp.einsum("hts,shd->thd", jax.nn.softmax(scores, -1), v).reshape(t, d)
     h = h + o @ b["o"] + b["o_b"]
     x = layer_norm(h, b["ln2_s"], b["ln2_b"])
@@ -217,3 +224,52 @@ def family_outputs(quick: bool = False) -> dict:
             lambda rng, n, f=family: f(rng, n, quick)[2],
         )
     return out
+
+
+def vit_params(rng, cfg=VIT):
+    d, s, k = cfg["width"], cfg["image"], cfg["patch"]
+    lm = {"vocab": 1, "width": d, "positions": (s // k) ** 2, "blocks": cfg["blocks"]}
+    p = lm_params(rng, lm, tied=True)
+    del p["emb"]
+    p["patch"] = _normal(rng, k * k * 3, d)
+    p["patch_b"] = jnp.zeros(d)
+    p["head"] = _normal(rng, d, cfg["classes"])
+    return p
+
+
+def vit_logits(p, image, cfg=VIT):
+    """The class logits of one image (H, W, 3)."""
+    s, k = cfg["image"], cfg["patch"]
+    patches = image.reshape(s // k, k, s // k, k, 3).transpose(0, 2, 1, 3, 4)
+    h = patches.reshape((s // k) ** 2, k * k * 3) @ p["patch"] + p["patch_b"]
+    h = h + p["pos"]
+    for b in p["blocks"]:
+        h = _block(b, h, cfg["heads"], causal=False)
+    return layer_norm(h, p["lnf_s"], p["lnf_b"]).mean(0) @ p["head"]
+
+
+def vit_loss(p, image, label, cfg=VIT):
+    return -jax.nn.log_softmax(vit_logits(p, image, cfg))[label]
+
+
+def vit_batch(rng, n, cfg=VIT):
+    return cnn_batch(rng, n, {"image": cfg["image"], "channels": (3,), **cfg})
+
+
+def mlp_params(rng, cfg=MLP):
+    w = cfg["widths"]
+    return [
+        {"w": _normal(rng, a, b), "b": jnp.zeros(b)} for a, b in zip(w[:-1], w[1:])
+    ]
+
+
+def mlp_loss(p, x, y):
+    for layer in p[:-1]:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return jnp.sum((x @ p[-1]["w"] + p[-1]["b"] - y) ** 2)
+
+
+def mlp_batch(rng, n, cfg=MLP):
+    w = cfg["widths"]
+    x = jnp.asarray(rng.normal(size=(n, w[0])), jnp.float32)
+    return x, jnp.asarray(rng.normal(size=(n, w[-1])), jnp.float32)

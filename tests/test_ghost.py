@@ -464,19 +464,30 @@ def test_ghost_runs_the_vmap_program_where_it_is_predicted_no_faster(jit):
     tree_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_the_verdict_measures_a_stacks_two_passes():
-    """Where `method="ghost"` measures its program against the vmap program before
-    running it, a scanned stack's program is its two passes: within the non-private
-    bound (the one-pass program, which keeps every layer's operands, is not)."""
-    from chunkvmap._dp.ghost import Traced
+def test_the_verdict_measures_the_programs_that_run(monkeypatch):
+    """Where `method="ghost"` checks the memory of a ghost program predicted slower
+    (on CPU), it compiles the very programs a call runs, for a chunk of 8: their
+    figures are those of `clipped_grad_sum` by each method on 8 examples. For a
+    scanned stack the ghost program is its two passes, within the non-private
+    bound; the vmap program is not."""
+    from chunkvmap._dp import _choice
 
     p, net, x, y = _scanned_stack(True)
-    traced = Traced(
-        net, [p, x, y], {}, (0,), (1, 2), strip=True, has_aux=False,
-        keep_batch_dim=False,
-    )  # fmt: skip
-    ghost, vmap = traced.chunk_memory(16)
-    assert ghost <= _private_bound(net, 16, p, x, y) < vmap
+    x, y = x[:8], y[:8]
+    seen = []
+    measure = _choice.compiled_memory
+    monkeypatch.setattr(_choice, "_needs_memory", lambda report: True)
+    monkeypatch.setattr(
+        _choice, "compiled_memory", lambda *a: seen.append(measure(*a)) or seen[-1]
+    )
+    ghost = clipped_grad_sum(net, 1.0, batch_size=8, method="ghost")
+    vmap = clipped_grad_sum(net, 1.0, batch_size=8)
+    ghost(p, x, y)
+    (figures,) = seen
+    want_ghost, want_vmap = temp_bytes(ghost, p, x, y), temp_bytes(vmap, p, x, y)
+    assert figures["ghost"] == pytest.approx(want_ghost, rel=0.02)
+    assert figures["vmap"] == pytest.approx(want_vmap, rel=0.02)
+    assert figures["ghost"] <= _private_bound(net, 8, p, x, y) < figures["vmap"]
 
 
 def test_a_weight_every_iteration_reads_keeps_its_cross_terms():

@@ -49,7 +49,7 @@ from .._transforms._grads import (
     one_example_note,
     resolve_argnums,
 )
-from . import ghost
+from . import _choice, ghost
 from ._records import Quantity, over_chunks
 
 
@@ -238,6 +238,9 @@ class Clipping:
     # Whether the norms are each differentiated leaf's (a tree like the gradient's)
     # rather than one global norm per example.
     per_leaf_norms: bool = False
+    # The program `method="ghost"` runs, where given (a measurement's); None: the
+    # one `_choice.choose` says.
+    runs: ghost.Method | None = None
 
     def norms(self, grads: Any) -> Any:
         """One example's gradient norm (global, or per leaf), as returned."""
@@ -335,12 +338,67 @@ def _sums(transform, fun, config, call, known) -> tuple:
             transform, fun, config, call.args, call.in_axes, call.kwargs, call.diff,
             call.batch_args,
         )  # fmt: skip
-        if sums.report.runs is ghost.Method.GHOST:  # (else: the per-example path)
+        runs = config.runs
+        if runs is None:
+            report = _chosen(transform, fun, config, call, sums)
+            warn_fallback(transform, fun, report)
+            runs = report.runs
+        if runs is ghost.Method.GHOST:  # (else: the per-example path)
             return (
                 *sums(call.args, call.in_axes, call.kwargs, call.padding, known),
                 call.size,
             )
     return _formed_sums(transform, fun, config, call, known)
+
+
+def _chosen(transform, fun, config, call, sums, chunk=None) -> ghost.GhostReport:
+    """The verdict a ghost call follows: on an accelerator, both programs of one
+    chunk of the call measured (`_choice`); else the plan's."""
+
+    def program(twin: Transform, method: ghost.Method) -> Callable[..., Any]:
+        forced = dataclasses.replace(config, runs=method)
+
+        def run(args: tuple, kwargs: dict) -> Any:
+            one = call._replace(
+                args=args, kwargs=kwargs, size=twin.options.batch_size, padding=None
+            )
+            total, extras, _ = _sums(twin, fun, forced, one, None)
+            return total, extras
+
+        return run
+
+    inputs = (call.args, call.kwargs, call.in_axes)
+    return _choice.choose(
+        transform, sums.report, sums.traced.memo, program, inputs, call.size, chunk
+    )
+
+
+# `ghost_report` measures (on an accelerator) chunks of this many examples.
+_REPORT_CHUNK = 64
+
+
+def report_for(
+    fun: Callable[..., Any], args: tuple, kwargs: dict, diff: tuple,
+    mapped: tuple, has_aux: bool,
+) -> ghost.GhostReport:  # fmt: skip
+    """`ghost_report`'s report of one example's arguments: the verdict of
+    `clipped_grad_sum(method="ghost")`'s choice for chunks of `_REPORT_CHUNK`
+    examples (measured on an accelerator; the model's on CPU)."""
+    name = "ghost_report"
+    transform = grad_transform(name, fun, diff, mapped, exclusive=True)
+    config = Clipping(1.0, nan_safe=False, has_aux=has_aux, method=ghost.Method.GHOST)
+    batched = tuple(
+        jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in mapped else a
+        for i, a in enumerate(args)
+    )
+    kwargs = jax.tree.map(lambda x: jnp.expand_dims(x, 0), kwargs)
+    call = _ClippedCall.of(transform, config, batched, kwargs)
+    sums = _GhostSums.of(
+        transform, fun, config, call.args, call.in_axes, call.kwargs, call.diff,
+        call.batch_args,
+    )  # fmt: skip
+    chunk = _REPORT_CHUNK if _choice.measurable(transform) else None
+    return _chosen(transform, fun, config, call, sums, chunk)
 
 
 class _ClippedCall(NamedTuple):
@@ -511,8 +569,7 @@ class _GhostSums(Quantity):
 
     def __init__(self, transform, fun, config, traced):
         self.traced = traced
-        self.report = ghost.report_of(self.traced.plan, self.traced)
-        warn_fallback(transform, fun, self.report)
+        self.report = ghost.report_of(self.traced.plan)
         self.transform, self.config = transform, config
         plan = self.traced.plan
         leaves = plan.leaves

@@ -45,7 +45,7 @@ from .._transforms._grads import (
     filtered_value_and_grad,
     grad_transform,
 )
-from . import _clipping, ghost
+from . import _choice, _clipping, ghost
 from ._records import Quantity, over_chunks
 
 
@@ -281,6 +281,17 @@ def per_example_grad_stats(
         name, fun, argnums, batch_argnums, exclusive=True, **options
     )
 
+    def moments_by(runs: ghost.Method, transform: Transform, *mapped: Any) -> tuple:
+        """`(count, mean, m2, sq_norms, aux)` of a call by the program `runs`."""
+        args, kwargs, in_axes = mapped[:3]
+        diff = transform.resolve(args)[0]
+        if runs is ghost.Method.GHOST:
+            moments = _GhostMoments.of(
+                transform, name, fun, args, kwargs, diff, in_axes, has_aux
+            )
+            return moments.run(transform, per_leaf, *mapped)
+        return _formed_moments(transform, fun, diff, has_aux, per_leaf, name, *mapped)
+
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         kwargs = dict(kwargs)
         padding = kwargs.pop("is_padding_example", None)
@@ -294,22 +305,14 @@ def per_example_grad_stats(
             )
         if padding is not None:
             padding = _padding.check(name, padding, size)
-        moments = None
-        if method is ghost.Method.GHOST:
-            moments = _GhostMoments.of(
-                transform, name, fun, args, kwargs, diff, in_axes, has_aux
+        runs = ghost.Method.VMAP
+        if method is ghost.Method.GHOST:  # (vmap: the per-example path, the same)
+            runs = _chosen(
+                transform, name, fun, has_aux, moments_by, args, kwargs, size
             )
-            report = ghost.report_of(moments.traced.plan, moments.traced)
-            _clipping.warn_fallback(transform, fun, report)
-            if report.runs is ghost.Method.VMAP:  # the per-example path (the same)
-                moments = None
-        mapped = (args, kwargs, in_axes, known, padding)
-        if moments is not None:
-            count, mean, m2, sq_norms, aux = moments.run(transform, per_leaf, *mapped)
-        else:
-            count, mean, m2, sq_norms, aux = _formed_moments(
-                transform, fun, diff, has_aux, per_leaf, name, *mapped
-            )
+        count, mean, m2, sq_norms, aux = moments_by(
+            runs, transform, args, kwargs, in_axes, known, padding
+        )
         if padding is not None:  # the padding's rows: zeros; no real example: NaN
             sq_norms, aux = _padding.zeroed(padding, (sq_norms, aux))
             mean = jax.tree.map(lambda m: jnp.where(count > 0, m, jnp.nan), mean)
@@ -322,6 +325,31 @@ def per_example_grad_stats(
         return GradStats(mean, variance, sum_sq, sq_norms, aux)
 
     return transform.public(call, fun)
+
+
+def _chosen(
+    transform: Transform, name: str, fun: Any, has_aux: bool,
+    moments_by: Callable[..., tuple], args: tuple, kwargs: dict, size: int,
+) -> ghost.Method:  # fmt: skip
+    """The program a ghost call runs (`_choice.choose`: measured on an
+    accelerator), warned where it is not the ghost program."""
+    diff, in_axes = transform.resolve(args)
+    moments = _GhostMoments.of(
+        transform, name, fun, args, kwargs, diff, in_axes, has_aux
+    )
+    report = ghost.report_of(moments.traced.plan)
+
+    def program(twin: Transform, runs: ghost.Method) -> Callable[..., Any]:
+        def run(args: tuple, kwargs: dict) -> Any:
+            return moments_by(runs, twin, args, kwargs, in_axes, None, None)
+
+        return run
+
+    report = _choice.choose(
+        transform, report, moments.traced.memo, program, (args, kwargs, in_axes), size
+    )
+    _clipping.warn_fallback(transform, fun, report)
+    return report.runs
 
 
 def _formed_moments(

@@ -13,7 +13,6 @@ from ..._core._cache import function_name
 from ..._core._options import check_callable
 from ..._transforms._grads import check_argnums, resolve_argnums
 from ._plan import (
-    _MEMORY_GAIN,
     GHOST,
     INSTANTIATED,
     PER_EXAMPLE,
@@ -50,7 +49,11 @@ class GhostReport:
         per-example path of `method="vmap"` itself (the same result).
       slower: the ghost program runs though it is predicted slower than
         `method="vmap"`'s, for the memory it saves.
-      why: the reason for `runs`, with the predicted costs.
+      why: the reason for `runs`, with the predicted (or measured) costs.
+      timing: on an accelerator, where a clipping function measured both programs
+        for a chunk of its examples: `(chunk, device, seconds, failed)`, each
+        program's seconds by method (None where it did not fit the device);
+        else None.
 
     Examples:
       >>> from chunkvmap import GhostReport
@@ -66,6 +69,8 @@ class GhostReport:
         runs: str | None = None,
         slower: bool = False,
         why: str = "",
+        timing: Any = None,
+        verdict: Any = None,
     ):
         self.rows = rows
         self.uses = uses or {}
@@ -74,6 +79,16 @@ class GhostReport:
                 Method.GHOST if any(r == GHOST for _, _, r, _ in rows) else Method.VMAP
             )
         self.runs, self.slower, self.why = Method(runs), slower, why
+        self.timing, self.verdict = timing, verdict
+
+    def replace(self, **changes: Any) -> GhostReport:
+        """This report with the verdict's fields (`runs`, `slower`, `why`,
+        `timing`) changed."""
+        fields = dict(
+            runs=self.runs, slower=self.slower, why=self.why, timing=self.timing,
+            verdict=self.verdict,
+        )  # fmt: skip
+        return GhostReport(self.rows, self.uses, **{**fields, **changes})
 
     def rule(self, path: str) -> str:
         """The rule of the leaf at key path `path` (as in `rows`)."""
@@ -134,51 +149,29 @@ class GhostReport:
     __repr__ = __str__
 
 
-# A ghost program predicted slower runs for its memory where XLA's compiled estimate
-# of a chunk of this many examples confirms it keeps at most 1 - _MEMORY_GAIN of the
-# vmap program's; a prediction that keeps under a third of the gradient entries
-# avoided is taken as it is (no compile).
-_MEASURED_CHUNK = 8
-_CLEAR_SHARE = 1 / 3
-
-
-def report_of(plan: Plan, traced: Traced | None = None) -> GhostReport:
+def report_of(plan: Plan) -> GhostReport:
     """The report of a plan: each leaf's rule and why, the kinds of its uses, and
-    the verdict; with `traced` (the plan's loss), a ghost program predicted slower
-    that is not clearly smaller is measured against the vmap program
-    (`Traced.chunk_memory`), and where it does not keep a quarter less memory, the
-    vmap program runs."""
-    runs, slower, why, kept_share, counts = plan.verdict()
-    if traced is not None and slower and kept_share > _CLEAR_SHARE:
-        measured = traced.chunk_memory(_MEASURED_CHUNK)
-        if measured is not None:
-            ghost, vmap = measured
-            sizes = (
-                f"XLA's estimate for chunks of {_MEASURED_CHUNK} examples is "
-                f"{ghost / 2**20:.3g} MiB against the vmap program's "
-                f"{vmap / 2**20:.3g} MiB"
-            )
-            if ghost <= (1 - _MEMORY_GAIN) * vmap:
-                why = f"{why} ({sizes})"
-            else:
-                runs, slower = Method.VMAP, False
-                why = (
-                    f"the ghost program is predicted no faster ({counts}) and "
-                    f"saves little memory ({sizes})"
-                )
+    the cost model's verdict (which `_choice.choose` checks: measured on an
+    accelerator, the memory of a ghost program predicted slower on CPU)."""
+    verdict = plan.verdict()
+    runs, slower, why = verdict.runs, verdict.slower, verdict.why
     if runs is Method.GHOST and plan.stack_taps():
-        why = (
-            f"{why}; a layer stack a scan reads through its xs: each dense layer's "
-            "norm is taken in the backward pass, and the clipped sum by a second "
-            "backward pass (weighted by the clip factors)"
-        )
+        why = f"{why}; {_TWO_PASSES}"
     return GhostReport(
         [(x.path, x.shape, x.rule, x.reason) for x in plan.leaves],
         {x.path: sorted({rule_kind(u) for u in x.uses}) for x in plan.leaves},
         runs,
         slower,
         why,
+        verdict=verdict,
     )
+
+
+_TWO_PASSES = (
+    "a layer stack a scan reads through its xs: each dense layer's norm is taken in "
+    "the backward pass, and the clipped sum by a second backward pass (weighted by "
+    "the clip factors)"
+)
 
 
 def ghost_report(
@@ -270,7 +263,9 @@ def ghost_report(
         keep_batch_dim=False,
     )
     check_scalar_loss(name, traced)
-    return report_of(traced.plan, traced)
+    from .. import _clipping  # (which imports this module)
+
+    return _clipping.report_for(fun, args, kwargs, diff, mapped, has_aux)
 
 
 # The options of the chunked gradient functions, which ghost_report does not take.

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._core import _axes, _memory, _program
-from ._plan import GHOST, INSTANTIATED, PER_EXAMPLE, Plan, Record
+from ..._core import _axes, _program
+from ._plan import Plan, Record
 
 
 def _one_example_sharding(aval: Any, stripped: bool) -> Any:
@@ -252,105 +252,6 @@ class Traced:
         record, outs = self.plan_here(values).backward(values, per_example, taps)
         return record, self.out_tree.unflatten(outs)
 
-    def chunk_memory(self, chunk: int) -> tuple[int, int] | None:
-        """XLA's compiled temporary memory of clipping a chunk of `chunk` examples
-        by the ghost program (its norms, then the chunk's sum from the uses'
-        operands and scaled cotangents; for a scanned layer stack, `stack_taps`,
-        the norms taken in the backward pass and the sum by a second backward
-        pass) and by the vmap program (per-example gradients, their norms, their
-        scaled sum), with this loss; None where it cannot be compiled on its own
-        (a loss closing over a traced value)."""
-        axes = [None] * len(self._avals)
-        for i in self._example_positions:
-            axes[i] = 0
-        taps = self.plan.stack_taps()
-        ghost = self._two_passes(axes, taps) if taps else self._one_pass(axes)
-        abstract = [
-            jax.ShapeDtypeStruct((chunk, *a.shape) if ax == 0 else a.shape, a.dtype)
-            for a, ax in zip(self._avals, axes)
-        ]
-        try:
-            return tuple(
-                _memory.temp_bytes("ghost", f, abstract)
-                for f in (ghost, self._per_example(axes))
-            )
-        except Exception:  # e.g. a loss closing over a traced value: not measured
-            return None
-
-    def _one_pass(self, axes: list) -> Callable[..., Any]:
-        """`chunk_memory`'s ghost program of one pass: records, norms, sums."""
-        plan = self.plan
-        ruled = plan.with_rule(GHOST, INSTANTIATED)
-        pe = plan.with_rule(PER_EXAMPLE)
-
-        def ghost(*values: Any) -> Any:
-            def one(*vals: Any) -> Any:
-                record, _ = plan.backward(list(vals), pe)
-                return _squares(record, ruled), record
-
-            sq, record = jax.vmap(one, in_axes=axes)(*values)
-            c = _unit_scale(sq)
-            record = record.replace(
-                deltas=jax.tree.map(
-                    lambda d: (
-                        d * c.reshape((-1,) + (1,) * (d.ndim - 1)).astype(d.dtype)
-                    ),
-                    record.deltas,
-                )
-            )
-            sums = [record.chunk_sum(k) for k in ruled]
-            sums += [
-                jnp.tensordot(c.astype(g.dtype), g, 1) for g in record.grads.values()
-            ]
-            return sums
-
-        return ghost
-
-    def _two_passes(self, axes: list, taps: list) -> Callable[..., Any]:
-        """`chunk_memory`'s ghost program of two passes: norms with the leaves
-        `taps` tapped, then `grad sum_i c_i L_i`."""
-        plan = self.plan
-        ruled = plan.with_rule(GHOST, INSTANTIATED)
-        pe = plan.with_rule(PER_EXAMPLE)
-        positions = plan.diff_positions
-
-        def ghost(*values: Any) -> Any:
-            def one(*vals: Any) -> Any:
-                record, _ = plan.backward(list(vals), pe, taps)
-                return _squares(record, ruled)
-
-            c = _unit_scale(jax.vmap(one, in_axes=axes)(*values))
-
-            def total(params: list) -> Any:
-                losses = jax.vmap(
-                    lambda *v: self.loss(self.at_leaves(v, params)), in_axes=axes
-                )
-                return jnp.sum(c * losses(*values))
-
-            return jax.grad(total)([values[i] for i in positions])
-
-        return ghost
-
-    def _per_example(self, axes: list) -> Callable[..., Any]:
-        """`chunk_memory`'s vmap program: per-example gradients, norms, sum."""
-        positions = self.plan.diff_positions
-
-        def vmap(*values: Any) -> Any:
-            def one(*vals: Any) -> Any:
-                return jax.grad(lambda p: self.loss(self.at_leaves(vals, p)))(
-                    [vals[i] for i in positions]
-                )
-
-            grads = jax.vmap(one, in_axes=axes)(*values)
-            sq = sum(
-                jnp.sum(jnp.square(g).reshape(g.shape[0], -1), 1).astype(jnp.float32)
-                for g in grads
-            )
-            c = _unit_scale(sq)
-            return [jnp.tensordot(c.astype(g.dtype), g, 1) for g in grads]
-
-        return vmap
-
     def at_leaves(self, values: Sequence[Any], leaves: Sequence[Any]) -> list:
         """The array leaves `values` with the differentiated ones replaced by
         `leaves` (in the plan's order)."""
@@ -399,19 +300,6 @@ class Traced:
                 )
             )
         return trees[0] if single else tuple(trees)
-
-
-def _unit_scale(sq: Any) -> Any:
-    """The clip factor at clip norm 1 of squared norms `sq`."""
-    return 1.0 / jnp.maximum(1.0, jnp.sqrt(sq))
-
-
-def _squares(record: Record, ruled: Sequence[int]) -> Any:
-    """One example's `||G||^2` (float32) from its record: the rule leaves' and the
-    formed gradients'."""
-    acc = jnp.float32
-    sq = sum((record.sq_norm(k, acc) for k in ruled), jnp.zeros((), acc))
-    return sq + sum(jnp.sum(jnp.square(g)).astype(acc) for g in record.grads.values())
 
 
 def traced_loss(

@@ -1,0 +1,183 @@
+"""Is `method="ghost"`'s choice the faster program? Six DP models, both programs timed.
+
+For each model (the GPT-style LM untied, tied and with its blocks scanned, the
+CIFAR-style convnet, a ViT and an MLP; `_dp_models.py`), one jitted
+`clipped_grad_sum` step over N examples in chunks of B is timed three ways,
+interleaved (median of `--repeats` rounds, each round running every program once):
+
+  vmap     `method="vmap"`: per-example gradients;
+  ghost    the ghost program, forced (the choice switched off);
+  chosen   `method="ghost"` as a user calls it: the program it chooses (on an
+           accelerator by measuring both programs on one chunk; on CPU by the cost
+           model), and whether it warned (`GhostFallbackWarning`).
+
+The choice is right where `chosen` takes at most 1.1x the faster program's time.
+
+    python benchmarks/bench_choice.py [--quick] [--n N] [--batch B] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import numpy as np
+
+import _dp_models as models
+import chunkvmap
+from chunkvmap._dp import _choice
+from chunkvmap._dp.ghost import _plan
+
+
+def cases(quick: bool) -> dict:
+    """name -> (params, loss, batch maker) of the six models."""
+    out = {}
+    for name, (make, loss, batch) in models.models(quick).items():
+        out[name] = (make, loss, batch)
+    vit = dict(models.VIT, width=16, blocks=1, heads=2) if quick else models.VIT
+    out[f"ViT (d={vit['width']}, {vit['blocks']} blocks, patch {vit['patch']})"] = (
+        lambda rng: models.vit_params(rng, vit),
+        lambda p, x, y: models.vit_loss(p, x, y, vit),
+        lambda rng, n: models.vit_batch(rng, n, vit),
+    )
+    mlp = {"widths": (32, 64, 10)} if quick else models.MLP
+    widths = "x".join(map(str, mlp["widths"][1:-1]))
+    out[f"MLP {widths}"] = (
+        lambda rng: models.mlp_params(rng, mlp),
+        models.mlp_loss,
+        lambda rng, n: models.mlp_batch(rng, n, mlp),
+    )
+    return out
+
+
+@contextlib.contextmanager
+def forced_ghost():
+    """The ghost program, whatever the choice would be."""
+    platforms, gain = _choice.MEASURED_PLATFORMS, _plan._GAIN
+    _choice.MEASURED_PLATFORMS, _plan._GAIN = frozenset(), -math.inf
+    try:
+        yield
+    finally:
+        _choice.MEASURED_PLATFORMS, _plan._GAIN = platforms, gain
+
+
+class Choice(logging.Handler):
+    """The program the last call chose, from the library's log."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.last = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "method='ghost' runs" in text:
+            self.last = text
+
+
+def build(loss, n_batch: int, args: tuple) -> dict:
+    """The three jitted steps, compiled (the first call of each), with what the
+    chosen one said."""
+    log = logging.getLogger("chunkvmap")
+    handler = Choice()
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    steps, notes = {}, {}
+    try:
+        for label in ("vmap", "ghost", "chosen"):
+            method = "vmap" if label == "vmap" else "ghost"
+            f = jax.jit(
+                chunkvmap.clipped_grad_sum(
+                    loss, l2_clip_norm=1.0, method=method, batch_size=n_batch
+                )
+            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with forced_ghost() if label == "ghost" else contextlib.nullcontext():
+                    jax.block_until_ready(f(*args))
+            steps[label] = f
+            if label == "chosen":
+                warned = [
+                    str(w.message)
+                    for w in caught
+                    if issubclass(w.category, chunkvmap.GhostFallbackWarning)
+                ]
+                notes = {"said": handler.last, "warned": warned}
+    finally:
+        log.removeHandler(handler)
+    return steps, notes
+
+
+def timed(steps: dict, args: tuple, repeats: int) -> dict:
+    """Median seconds per step, the programs interleaved round by round."""
+    times: dict = {k: [] for k in steps}
+    for _ in range(repeats):
+        for k, f in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--n", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    n = args.n or (16 if args.quick else 1024)
+    b = args.batch or max(1, n // 4)
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", device.platform)
+    lines = [
+        f"# method='ghost''s choice on {kind} (N={n}, B={b}, median of "
+        f"{args.repeats} interleaved rounds)",
+        "",
+        "| model | params | vmap ms | ghost ms | chosen ms | chose | chosen / "
+        "faster | warned |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    worst = 0.0
+    for name, (make, loss, batch) in cases(args.quick).items():
+        rng = np.random.default_rng(0)
+        params = make(rng)
+        data = batch(rng, n)
+        call = (params, *data)
+        steps, notes = build(loss, b, call)
+        t = timed(steps, call, args.repeats)
+        faster = min(t["vmap"], t["ghost"])
+        ratio = t["chosen"] / faster
+        worst = max(worst, ratio)
+        chose = notes["said"].split(" runs ")[1].split(":")[0] if notes["said"] else (
+            "(model)"
+        )
+        size = sum(x.size for x in jax.tree.leaves(params))
+        row = (
+            f"| {name} | {size / 1e6:.2f}M | {1e3 * t['vmap']:.2f} | "
+            f"{1e3 * t['ghost']:.2f} | {1e3 * t['chosen']:.2f} | {chose} | "
+            f"{ratio:.2f} | {'yes' if notes['warned'] else 'no'} |"
+        )
+        lines.append(row)
+        print(row, flush=True)
+        if notes["said"]:
+            print(f"    ({notes['said']})", flush=True)
+        for w in notes["warned"]:
+            print(f"    warned: {w[:300]}", flush=True)
+    lines += ["", f"Worst chosen / faster: {worst:.2f}x."]
+    print(lines[-1])
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

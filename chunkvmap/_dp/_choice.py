@@ -1,0 +1,315 @@
+"""Which program `method="ghost"` runs on an accelerator: measured, not predicted.
+
+The plan's cost model (`Plan.verdict`: floating-point operations and per-example
+gradient entries moved) was fitted on CPU, where a matrix product costs what its
+operations cost. On an accelerator the ghost program's contractions run near the
+device's peak while forming and moving per-example gradients is bound by memory
+bandwidth, and no count of operations says which wins. So off CPU both programs
+are measured as they run: the very program the call would run for one chunk of its
+examples (the call's transform and options, its loss, each argument's shape and
+type; stand-in values, as the values never decide the time), compiled and run by
+each method, and the faster one runs (the ghost program where it takes at most
+`_TIE` of the vmap program's time: it keeps less memory). A program that does not
+fit the device is never chosen. The choice is made once per transform, loss
+program, example shapes, chunk size and device, and kept with the loss's plan.
+
+Where the call cannot be measured (a loss closing over a value traced by an
+enclosing `jax.grad`, a call spread over a mesh, keys of an extended type it cannot
+stand in for) or on CPU, the cost model decides, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core import _axes
+from .._transforms._batch_vmap import Transform
+from . import ghost
+from .ghost import _plan
+
+
+logger = logging.getLogger("chunkvmap")
+
+# The ghost program runs where it takes at most this share of the vmap program's
+# time (it keeps less memory); `_RUNS` timed runs each, after one to warm up (one
+# only, where a run takes longer than `_LONG` seconds).
+_TIE = 1.05
+_RUNS = 3
+_LONG = 0.5
+
+# On CPU, a ghost program predicted slower runs for its memory where XLA's compiled
+# estimate for a chunk of this many examples shows it keeping at most
+# `1 - _MEMORY_GAIN` of the vmap program's; a prediction that keeps under
+# `_CLEAR_SHARE` of the gradient entries it avoids is taken as it is (no compile).
+_MEMORY_CHUNK = 8
+_MEMORY_GAIN = _plan._MEMORY_GAIN
+_CLEAR_SHARE = 1 / 3
+
+# Platforms whose choice is measured (the tests add "cpu" to measure there).
+MEASURED_PLATFORMS = frozenset({"tpu", "gpu", "cuda", "rocm"})
+
+
+class Timing(NamedTuple):
+    """One chunk of `chunk` examples on `device`: each program's seconds (None
+    where it does not fit the device, with the reason in `failed`)."""
+
+    chunk: int
+    device: str
+    seconds: dict
+    failed: dict
+
+
+def platform() -> str:
+    """The platform a call runs on (the default device's)."""
+    return jax.devices()[0].platform
+
+
+def measurable(transform: Transform) -> bool:
+    """Whether the choice is measured for calls of `transform`: on an accelerator,
+    unspread (a mesh's calls keep the model's choice)."""
+    options = transform.options
+    spread = options.shard or options.mesh is not None
+    return (
+        platform() in MEASURED_PLATFORMS
+        and not spread
+        and jax.sharding.get_abstract_mesh().empty
+    )
+
+
+def chunk_size(transform: Transform, size: int) -> int:
+    """The examples in one chunk of a call of `size` examples (an `"auto"` size is
+    not known before the call: its measurement takes chunks of at most 64)."""
+    b = transform.options.batch_size
+    if b is None:
+        return size
+    return min(size, b if isinstance(b, int) else 64)
+
+
+def stand_in(leaf: Any, axis: int | None, chunk: int) -> Any:
+    """A concrete array of `leaf`'s type with `chunk` examples on `axis`: small
+    finite values for floats (a loss of zero parameters may divide by zero), zeros
+    otherwise (valid indices), keys of the leaf's implementation."""
+    shape = list(np.shape(leaf))
+    if axis is not None:
+        shape[axis] = chunk
+    dtype = jnp.result_type(leaf)
+    with jax.ensure_compile_time_eval():
+        if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(leaf)
+            data = jax.random.key_data(jax.random.key(0, impl=impl))
+            zeros = np.zeros((*shape, *np.shape(data)), np.asarray(data).dtype)
+            return jax.random.wrap_key_data(zeros, impl=impl)
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return jnp.full(shape, 0.01, dtype)
+        return jnp.zeros(shape, dtype)
+
+
+def stand_ins(
+    name: str, args: tuple, kwargs: dict, in_axes: tuple, chunk: int
+) -> tuple:
+    """`(args, kwargs)` of a call of `chunk` examples, each leaf stood in for."""
+    mapped = [(a, x) for a, x in zip(args, in_axes)]
+
+    def one(root: str, arg: Any, axis: Any) -> Any:
+        def leaf(path: Any, x: Any) -> Any:
+            if axis is None or not _axes.is_array(x):
+                return stand_in(x, None, chunk) if _axes.is_array(x) else x
+            where = root + jax.tree_util.keystr(path)
+            return stand_in(
+                x, _axes.canonical_in_axis(axis, x, where, transform=name), chunk
+            )
+
+        return jax.tree_util.tree_map_with_path(leaf, arg)
+
+    new_args = tuple(one(f"args[{i}]", a, x) for i, (a, x) in enumerate(mapped))
+    new_kwargs = {k: one(f"kwargs[{k!r}]", v, 0) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def measuring(transform: Transform, chunk: int) -> Transform:
+    """A twin of `transform` that runs one chunk of `chunk` examples: its own
+    state (no `"auto"` search, no progress, no warning given in its name)."""
+    options = transform.options.replace(
+        batch_size=chunk, memory_limit=None, progress=False, reporter=None
+    )
+    return dataclasses.replace(transform, options=options)
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "OOM" in text
+
+
+def _seconds(compiled: Any, inputs: tuple) -> float:
+    """The median time of `compiled(*inputs)`, after one run to warm up."""
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*inputs))
+    first = time.perf_counter() - start
+    if first > _LONG:
+        return first
+    times = []
+    for _ in range(_RUNS):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _of_arrays(programs: dict, call: tuple) -> tuple[dict, list]:
+    """`programs` (method -> function of `(args, kwargs)`) as functions of the
+    list of `call`'s arrays (its other leaves fixed), and that list."""
+    leaves, tree = jax.tree.flatten(call)
+    arrays = [i for i, x in enumerate(leaves) if _axes.is_array(x)]
+
+    def of_arrays(program: Callable[..., Any]) -> Callable[..., Any]:
+        def run(values: list) -> Any:
+            full = list(leaves)
+            for i, v in zip(arrays, values):
+                full[i] = v
+            return program(*jax.tree.unflatten(tree, full))
+
+        return run
+
+    return {m: of_arrays(f) for m, f in programs.items()}, [leaves[i] for i in arrays]
+
+
+def time_programs(programs: dict, call: tuple, chunk: int) -> Timing | None:
+    """Each of `programs` (method -> function of `(args, kwargs)`) compiled and
+    timed on one chunk of stand-ins for `call`'s arrays; None where one cannot be
+    compiled on its own (it closes over a traced value) for a reason other than
+    memory."""
+    programs, values = _of_arrays(programs, call)
+    seconds, failed = {}, {}
+    for method, program in programs.items():
+        try:
+            compiled = jax.jit(program).lower(values).compile()
+            seconds[method] = _seconds(compiled, (values,))
+        except Exception as e:  # noqa: BLE001 (out of memory: not chosen)
+            if not _is_out_of_memory(e):
+                return None
+            seconds[method], failed[method] = None, str(e).splitlines()[0][:200]
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", device.platform)
+    return Timing(chunk, kind, seconds, failed)
+
+
+def compiled_memory(programs: dict, call: tuple) -> dict | None:
+    """XLA's compiled temporary memory of each of `programs` on `call`'s arrays
+    (abstract: nothing runs); None where one cannot be compiled on its own."""
+    programs, values = _of_arrays(programs, call)
+    abstract = [jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v)) for v in values]
+    try:
+        return {
+            m: jax.jit(f).lower(abstract).compile().memory_analysis().temp_size_in_bytes
+            for m, f in programs.items()
+        }
+    except Exception:  # noqa: BLE001 (a loss closing over a traced value)
+        return None
+
+
+def _ms(seconds: float | None) -> str:
+    return "does not fit" if seconds is None else f"{1e3 * seconds:.3g} ms"
+
+
+def measured_report(report: ghost.GhostReport, timing: Timing) -> ghost.GhostReport:
+    """`report` with the verdict of `timing`: the faster program runs, the ghost
+    program where it is within `_TIE` of the vmap program's time."""
+    g, v = timing.seconds[ghost.Method.GHOST], timing.seconds[ghost.Method.VMAP]
+    if g is None and v is None:
+        return report  # neither fits one chunk: the call itself says so
+    runs = (
+        ghost.Method.GHOST
+        if v is None or (g is not None and g <= _TIE * v)
+        else (ghost.Method.VMAP)
+    )
+    why = (
+        f"measured on {timing.device} for a chunk of {timing.chunk} examples: the "
+        f"ghost program {_ms(g)}, the vmap program {_ms(v)}"
+    )
+    return report.replace(runs=runs, slower=False, why=why, timing=timing)
+
+
+def memory_checked(report: ghost.GhostReport, figures: dict) -> ghost.GhostReport:
+    """`report`, whose ghost program is predicted slower but runs for its memory,
+    kept where XLA's estimates `figures` (bytes by method, for one chunk of
+    `_MEMORY_CHUNK` examples) show it keeping at most `1 - _MEMORY_GAIN` of the vmap
+    program's memory; else the vmap program runs. An estimate of zero bytes for the
+    vmap program shows nothing saved."""
+    g, v = figures[ghost.Method.GHOST], figures[ghost.Method.VMAP]
+    sizes = (
+        f"XLA's estimate for chunks of {_MEMORY_CHUNK} examples is {g / 2**20:.3g} "
+        f"MiB against the vmap program's {v / 2**20:.3g} MiB"
+    )
+    if v > 0 and g <= (1 - _MEMORY_GAIN) * v:
+        return report.replace(why=f"{report.why} ({sizes})")
+    counts = report.verdict.counts if report.verdict is not None else ""
+    return report.replace(
+        runs=ghost.Method.VMAP,
+        slower=False,
+        why=f"the ghost program is predicted no faster ({counts}) and saves little "
+        f"memory ({sizes})",
+    )
+
+
+def _needs_memory(report: ghost.GhostReport) -> bool:
+    """Whether the model's verdict runs a ghost program predicted slower for the
+    memory it saves, by a prediction not clear enough to take as it is."""
+    verdict = report.verdict
+    return report.slower and verdict is not None and verdict.kept_share > _CLEAR_SHARE
+
+
+def choose(
+    transform: Transform,
+    report: ghost.GhostReport,
+    memo: Callable[[Any, Callable[[], Any]], Any],
+    program: Callable[[Transform, ghost.Method], Callable[..., Any]],
+    call: tuple,
+    size: int,
+    chunk: int | None = None,
+) -> ghost.GhostReport:
+    """The report whose `runs` a call of `size` examples follows: on an accelerator,
+    the two programs measured on one chunk (of `chunk` examples where given);
+    on CPU the model's `report`, its memory checked where it runs a ghost program
+    predicted slower. `program(twin, method)` is the call's program for `method`,
+    `call` its `(args, kwargs, in_axes)`; the measurements are kept by `memo`."""
+    if not any(rule == ghost.GHOST for _, _, rule, _ in report.rows) or size == 0:
+        return report  # no leaf has a ghost norm: nothing to measure
+    timed = measurable(transform)
+    if not timed and not _needs_memory(report):
+        return report
+    if chunk is None:
+        chunk = chunk_size(transform, size) if timed else _MEMORY_CHUNK
+    device = jax.devices()[0]
+
+    def measure() -> Any:
+        twin = measuring(transform, chunk)
+        try:
+            inputs = stand_ins(transform.name, *call, chunk)
+        except Exception:  # noqa: BLE001 (a leaf it cannot stand in for)
+            return None
+        methods = (ghost.Method.GHOST, ghost.Method.VMAP)
+        programs = {m: program(twin, m) for m in methods}
+        if timed:
+            return time_programs(programs, inputs, chunk)
+        return compiled_memory(programs, inputs)
+
+    key = ("timed" if timed else "memory", chunk, device.id, device.platform)
+    measured = memo(key, measure)
+    if measured is None:
+        return report
+    if not timed:
+        return memory_checked(report, measured)
+    chosen = measured_report(report, measured)
+    logger.info(
+        "%s method='ghost' runs %s: %s", transform.name, chosen.runs, chosen.why
+    )
+    return chosen

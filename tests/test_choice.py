@@ -1,0 +1,312 @@
+"""Which program `method="ghost"` runs: on an accelerator both programs are measured
+on one chunk of the call (`_choice`), on CPU the cost model decides and the memory
+of a ghost program predicted slower is checked on the programs that run.
+
+CI has no accelerator: the measured path is exercised on CPU by adding "cpu" to the
+measured platforms, and the timings are replaced where a test needs one program to
+be the faster."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import chunkvmap
+from chunkvmap._dp import _choice
+from chunkvmap._dp.ghost import GhostReport, Method
+
+from .helpers import tree_allclose
+
+
+def _loss(p, x, y):
+    h = jnp.tanh(x @ p["w"] + p["b"])
+    return jnp.sum((h @ p["head"] - y) ** 2)
+
+
+def _problem(n=13, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def arr(*shape):
+        return jnp.asarray(rng.normal(size=shape), dtype)
+
+    p = {"w": arr(6, 32) / 3, "b": arr(32) / 10, "head": arr(32, 3) / 6}
+    return p, arr(n, 6), arr(n, 3)
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """The choice measured on CPU too; the list of timings taken, and a way to set
+    the seconds each program takes (ghost first, then vmap, per measurement)."""
+    monkeypatch.setattr(_choice, "MEASURED_PLATFORMS", frozenset({"cpu"}))
+    timings = []
+    real = _choice.time_programs
+
+    def recording(*args):
+        timings.append(real(*args))
+        return timings[-1]
+
+    monkeypatch.setattr(_choice, "time_programs", recording)
+
+    def times(ghost, vmap):
+        seconds = itertools.cycle([ghost, vmap])
+
+        def fake(compiled, inputs):
+            jax.block_until_ready(compiled(*inputs))  # it runs
+            value = next(seconds)
+            if isinstance(value, BaseException):
+                raise value
+            return value
+
+        monkeypatch.setattr(_choice, "_seconds", fake)
+
+    return timings, times
+
+
+def _report(runs="ghost"):
+    return GhostReport([("args[0]['w']", (3, 2), "ghost", "dense")], runs=runs)
+
+
+def _timing(ghost, vmap):
+    failed = {m: "out of memory" for m, s in (("ghost", ghost), ("vmap", vmap)) if s}
+    return _choice.Timing(
+        64, "TPU v5 lite", {Method.GHOST: ghost, Method.VMAP: vmap}, failed
+    )
+
+
+@pytest.mark.parametrize(
+    "ghost, vmap, runs",
+    [
+        (1.0, 4.0, "ghost"),  # faster
+        (1.04, 1.0, "ghost"),  # within the tie: it keeps less memory
+        (1.2, 1.0, "vmap"),
+        (2e-3, None, "ghost"),  # the vmap program does not fit
+        (None, 1e-3, "vmap"),  # the ghost program does not fit
+    ],
+)
+@pytest.mark.parametrize("predicted", ["ghost", "vmap"])
+def test_the_faster_measured_program_runs(ghost, vmap, runs, predicted):
+    """Whatever the model predicted, the measured verdict runs the faster program
+    (the ghost program where it takes at most 1.05x the vmap program's time), and
+    never one that does not fit; the report says what was measured."""
+    report = _choice.measured_report(_report(predicted), _timing(ghost, vmap))
+    assert report.runs == runs and not report.slower
+    assert report.why.startswith("measured on TPU v5 lite for a chunk of 64")
+    assert ("does not fit" in report.why) == (ghost is None or vmap is None)
+    assert report.timing.seconds[Method.GHOST] == ghost
+
+
+def test_nothing_fitting_leaves_the_verdict_to_the_call():
+    report = _report("ghost")
+    assert _choice.measured_report(report, _timing(None, None)) is report
+
+
+@pytest.mark.parametrize(
+    "ghost, vmap, runs",
+    [(0, 0, "vmap"), (0, 100, "ghost"), (75, 100, "ghost"), (76, 100, "vmap")],
+)
+def test_the_memory_verdict_needs_memory_shown_saved(ghost, vmap, runs):
+    """On CPU, a ghost program predicted slower runs for its memory only where
+    XLA's estimate shows it keeping at most three quarters of the vmap program's:
+    an estimate of nothing against nothing shows nothing saved."""
+    report = _report("ghost").replace(slower=True)
+    checked = _choice.memory_checked(report, {Method.GHOST: ghost, Method.VMAP: vmap})
+    assert checked.runs == runs
+    assert checked.slower == (runs == "ghost")
+    assert "XLA's estimate for chunks of 8 examples" in checked.why
+
+
+def _entries(p, x, y):
+    """(name, function, reference) of each ghost entry point as users call them."""
+    clip = dict(
+        l2_clip_norm=1.0, batch_argnums=(1, 2), batch_size=5, keep_batch_dim=False
+    )
+    return [
+        (
+            "clipped_grad_sum",
+            chunkvmap.clipped_grad_sum(_loss, 1.0, batch_size=5, method="ghost"),
+            chunkvmap.clipped_grad_sum(_loss, 1.0, batch_size=5),
+        ),
+        (
+            "clipped_grad",
+            chunkvmap.clipped_grad(_loss, method="ghost", **clip),
+            chunkvmap.clipped_grad(_loss, **clip),
+        ),
+        (
+            "per_example_grad_stats",
+            chunkvmap.per_example_grad_stats(_loss, batch_size=5, method="ghost"),
+            chunkvmap.per_example_grad_stats(_loss, batch_size=5),
+        ),
+    ]
+
+
+def _called(how, f):
+    if how == "eager":
+        return f
+    if how == "jit":
+        return jax.jit(f)
+
+    def under_grad(p, x, y):  # the gradient of the result, through the call
+        def scalar(s):
+            out = f(jax.tree.map(lambda a: a * s, p), x, y)
+            leaves = jax.tree.leaves(out)
+            return sum(
+                jnp.sum(a) for a in leaves if jnp.issubdtype(a.dtype, jnp.inexact)
+            )
+
+        return jax.grad(scalar)(jnp.ones((), x.dtype))
+
+    return under_grad
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "grad"])
+@pytest.mark.parametrize("winner", ["ghost", "vmap"])
+def test_every_entry_point_runs_the_measured_choice(measured, how, winner):
+    """clipped_grad_sum, clipped_grad and the statistics, eager, under jit and under
+    grad of the result, N = 13 in chunks of 5: one measurement of a chunk of 5 per
+    function; the program measured faster runs (the vmap program's run is the
+    vmap method's own program, warned once), and the results are the vmap
+    method's."""
+    timings, times = measured
+    times(*((1e-3, 5e-3) if winner == "ghost" else (5e-3, 1e-3)))
+    p, x, y = _problem()
+    for name, ghost, vmap in _entries(p, x, y):
+        before = len(timings)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = _called(how, ghost)(p, x, y)
+            again = _called(how, ghost)(p, x, y)
+        want = _called(how, vmap)(p, x, y)
+        tree_allclose(got, want, rtol=2e-5, atol=1e-5)
+        tree_allclose(again, got)
+        assert len(timings) == before + 1, name  # measured once
+        assert timings[-1].chunk == 5 and timings[-1].device == "cpu"
+        fallback = [
+            w for w in caught if issubclass(w.category, chunkvmap.GhostFallbackWarning)
+        ]
+        if winner == "vmap":
+            assert len(fallback) == 1 and "measured on cpu" in str(fallback[0].message)
+            assert str(jax.make_jaxpr(ghost)(p, x, y)) == str(
+                jax.make_jaxpr(vmap)(p, x, y)
+            )
+        else:
+            assert not fallback, name
+            assert str(jax.make_jaxpr(ghost)(p, x, y)) != str(
+                jax.make_jaxpr(vmap)(p, x, y)
+            )
+
+
+def test_the_measurement_is_kept_per_shapes_and_chunk(measured):
+    """A new number of examples with the same chunk reuses the measurement; a call
+    whose chunk differs (fewer examples than the batch size) or whose examples
+    have other shapes measures again."""
+    timings, times = measured
+    times(1e-3, 2e-3)
+    f = chunkvmap.clipped_grad_sum(_loss, 1.0, batch_size=5, method="ghost")
+    p, x, y = _problem(13)
+    f(p, x, y)
+    f(p, *_problem(20)[1:])
+    assert len(timings) == 1
+    f(p, *_problem(3)[1:])  # one chunk of 3
+    assert [t.chunk for t in timings] == [5, 3]
+    f(p, jnp.ones((13, 6, 1)).squeeze(-1), jnp.ones((13, 3)))  # the same shapes
+    assert len(timings) == 2
+    q = {**p, "w": jnp.ones((6, 32), jnp.float32)}
+    f(q, x, y)
+    assert len(timings) == 2
+
+
+@pytest.mark.parametrize("error", ["RESOURCE_EXHAUSTED: Out of memory", "other"])
+def test_a_program_that_does_not_fit_is_never_chosen(measured, error):
+    """A vmap program that runs out of device memory on the chunk leaves the ghost
+    program (no warning); any other failure to measure leaves the model's verdict
+    (here: the ghost program too), and nothing is raised."""
+    timings, times = measured
+    times(1.0, RuntimeError(error))
+    p, x, y = _problem()
+    f = chunkvmap.clipped_grad_sum(_loss, 1.0, batch_size=5, method="ghost")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", chunkvmap.GhostFallbackWarning)
+        total, count = f(p, x, y)
+    want, _ = chunkvmap.clipped_grad_sum(_loss, 1.0, batch_size=5)(p, x, y)
+    tree_allclose(total, want, rtol=2e-5, atol=1e-5)
+    if error == "other":
+        assert timings == [None]
+    else:
+        assert timings[0].seconds[Method.VMAP] is None
+        assert "RESOURCE_EXHAUSTED" in timings[0].failed[Method.VMAP]
+
+
+def test_a_loss_closing_over_a_traced_value_keeps_the_model(measured):
+    """Under `jax.grad` of a value the loss closes over, the program cannot be
+    compiled on its own: the model decides, the result is right."""
+    timings, _ = measured
+    p, x, y = _problem()
+
+    def outer(s):
+        f = chunkvmap.clipped_grad_sum(
+            lambda p, x, y: s * _loss(p, x, y), 1e3, batch_size=5, method="ghost"
+        )
+        return f(p, x, y)[0]["w"].sum()
+
+    got = jax.grad(outer)(jnp.float32(2.0))
+    want = jax.grad(
+        lambda s: jax.vmap(jax.grad(_loss), (None, 0, 0))(p, x, y)["w"].sum() * s
+    )(jnp.float32(2.0))
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert timings == [None]
+
+
+def test_typed_keys_and_float64_are_stood_in_for(measured):
+    """`clipped_grad(prng_argnum=...)` splits a typed key per example; float64
+    examples: the stand-ins have each leaf's type, and the result is the vmap
+    method's."""
+    timings, times = measured
+    times(1e-3, 2e-3)
+
+    def noisy(p, key, x, y):
+        return _loss(p, x, y) + jnp.sum(jax.random.normal(key, ()) * 0) * p["b"][0]
+
+    with jax.enable_x64(True):
+        p, x, y = _problem(dtype=jnp.float64)
+        key = jax.random.key(1)
+        kw = dict(
+            batch_argnums=(2, 3), prng_argnum=1, batch_size=5, keep_batch_dim=False
+        )
+        got = chunkvmap.clipped_grad(noisy, l2_clip_norm=1.0, method="ghost", **kw)(
+            p, key, x, y
+        )
+        want = chunkvmap.clipped_grad(noisy, l2_clip_norm=1.0, **kw)(p, key, x, y)
+    tree_allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert timings and timings[0] is not None
+
+
+def test_a_spread_call_keeps_the_model(measured):
+    """A call spread over a mesh (`shard=True`) keeps the model's verdict: one
+    device's chunk is not the call's program."""
+    timings, _ = measured
+    p, x, y = _problem(16)
+    mesh = jax.make_mesh((8,), ("d",), devices=jax.devices("cpu")[:8])
+    f = chunkvmap.clipped_grad_sum(
+        _loss, 1.0, batch_size=2, method="ghost", shard=True, mesh=mesh
+    )
+    total, _ = f(p, x, y)
+    want, _ = chunkvmap.clipped_grad_sum(_loss, 1.0, batch_size=2)(p, x, y)
+    tree_allclose(total, want, rtol=2e-5, atol=1e-5)
+    assert timings == []
+
+
+def test_ghost_report_measures_on_an_accelerator(measured):
+    """`ghost_report` gives the verdict the clipping functions would measure, for
+    chunks of 64 examples, where the choice is measured."""
+    timings, times = measured
+    times(5e-3, 1e-3)
+    p, x, y = _problem()
+    report = chunkvmap.ghost_report(_loss, p, x[0], y[0])
+    assert report.runs == "vmap" and report.timing.chunk == 64
+    assert "measured on cpu for a chunk of 64 examples" in str(report)
+    assert report.rule("args[0]['w']") == "ghost"
