@@ -27,10 +27,10 @@ import sys
 import time
 import warnings
 
+import _dp_models as models
 import jax
 import numpy as np
 
-import _dp_models as models
 import chunkvmap
 from chunkvmap._dp import _choice
 from chunkvmap._dp.ghost import _plan
