@@ -381,11 +381,51 @@ MUTANTS = {
     ),
     "ghost: a close call for memory taken without measuring": (
         (
-            "chunkvmap/_dp/ghost/_report.py",
-            "    if traced is not None and slower and kept_share > _CLEAR_SHARE:\n",
-            "    if False:\n",
+            "chunkvmap/_dp/_choice.py",
+            "    return report.slower and verdict is not None and verdict.kept_share > _CLEAR_SHARE\n",
+            "    return False\n",
         ),
-        GHOST_TESTS,
+        [*GHOST_TESTS, "test_choice"],
+    ),
+    "choice: the slower measured program runs": (
+        (
+            "chunkvmap/_dp/_choice.py",
+            "        if v is None or (g is not None and g <= _TIE * v)\n",
+            "        if v is None or (g is not None and g >= _TIE * v)\n",
+        ),
+        ["test_choice"],
+    ),
+    "choice: nothing against nothing taken as memory saved": (
+        (
+            "chunkvmap/_dp/_choice.py",
+            "    if v > 0 and g <= (1 - _MEMORY_GAIN) * v:\n",
+            "    if g <= (1 - _MEMORY_GAIN) * v:\n",
+        ),
+        ["test_choice"],
+    ),
+    "choice: a measurement kept for another chunk size": (
+        (
+            "chunkvmap/_dp/_choice.py",
+            '    key = ("timed" if timed else "memory", chunk, device.id, device.platform)\n',
+            '    key = ("timed" if timed else "memory", device.id, device.platform)\n',
+        ),
+        ["test_choice"],
+    ),
+    "choice: a program out of device memory chosen": (
+        (
+            "chunkvmap/_dp/_choice.py",
+            "        if v is None or (g is not None and g <= _TIE * v)",
+            "        if v is not None and (g is not None and g <= _TIE * v)",
+        ),
+        ["test_choice"],
+    ),
+    "choice: the stand-ins keep the call's number of examples": (
+        (
+            "chunkvmap/_dp/_choice.py",
+            "        shape[axis] = chunk\n",
+            "        pass\n",
+        ),
+        ["test_choice"],
     ),
     "trace: the chunk traced outside the context its loop runs in": (
         (
@@ -848,11 +888,11 @@ MUTANTS = {
         ),
         GHOST_TESTS,
     ),
-    "two passes: the verdict measures the one-pass program": (
+    "choice: the verdict measures another program than the call's": (
         (
-            "chunkvmap/_dp/ghost/_traced.py",
-            "        taps = self.plan.stack_taps()\n",
-            "        taps = []\n",
+            "chunkvmap/_dp/_clipping.py",
+            "        forced = dataclasses.replace(config, runs=method)\n",
+            "        forced = dataclasses.replace(config, runs=method, sums=False)\n",
         ),
         GHOST_TESTS,
     ),

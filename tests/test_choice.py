@@ -53,9 +53,13 @@ def measured(monkeypatch):
     monkeypatch.setattr(_choice, "time_programs", recording)
 
     def times(ghost, vmap):
+        """Each program takes the given seconds (or raises); returns the shapes
+        of the arrays each measured run was given."""
         seconds = itertools.cycle([ghost, vmap])
+        shapes = []
 
         def fake(compiled, inputs):
+            shapes.append([np.shape(a) for a in jax.tree.leaves(inputs)])
             jax.block_until_ready(compiled(*inputs))  # it runs
             value = next(seconds)
             if isinstance(value, BaseException):
@@ -63,6 +67,7 @@ def measured(monkeypatch):
             return value
 
         monkeypatch.setattr(_choice, "_seconds", fake)
+        return shapes
 
     return timings, times
 
@@ -205,10 +210,12 @@ def test_the_measurement_is_kept_per_shapes_and_chunk(measured):
     whose chunk differs (fewer examples than the batch size) or whose examples
     have other shapes measures again."""
     timings, times = measured
-    times(1e-3, 2e-3)
+    shapes = times(1e-3, 2e-3)
     f = chunkvmap.clipped_grad_sum(_loss, 1.0, batch_size=5, method="ghost")
     p, x, y = _problem(13)
     f(p, x, y)
+    # both programs run on one chunk: the parameters whole, 5 examples
+    assert shapes == [[(32,), (32, 3), (6, 32), (5, 6), (5, 3)]] * 2
     f(p, *_problem(20)[1:])
     assert len(timings) == 1
     f(p, *_problem(3)[1:])  # one chunk of 3
