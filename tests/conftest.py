@@ -1,5 +1,7 @@
 """Make mistakes loud: several CPU devices, no implicit rank or dtype promotion."""
 
+import os
+
 import pytest
 
 
@@ -13,6 +15,24 @@ def pytest_configure(config):
     jax.config.update("jax_num_cpu_devices", 8)
     jax.config.update("jax_numpy_rank_promotion", "raise")
     jax.config.update("jax_numpy_dtype_promotion", "strict")
+    if jax.default_backend() != "cpu":
+        # An accelerator's default float32 matrix product is a bfloat16 pass (three
+        # digits); the suite compares with jax.vmap and float64 oracles, at the
+        # precision of float32.
+        jax.config.update("jax_default_matmul_precision", "highest")
+        # One process at a time holds the chip: the processes tests start (scripts,
+        # examples, hosts) run on the CPU.
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _modelled_choice(monkeypatch):
+    """`method="ghost"`'s choice by the cost model on every backend (on an
+    accelerator it is measured: `test_choice.py` measures it where it runs), so
+    that a test of the model's verdict holds on the chip too."""
+    from chunkvmap._dp import _choice
+
+    monkeypatch.setattr(_choice, "MEASURED_PLATFORMS", frozenset())
 
 
 @pytest.fixture

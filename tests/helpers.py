@@ -35,11 +35,35 @@ def users_environment() -> dict[str, str]:
     XLA settings (no device count, no promotion rules), except the compile settings
     the suite runs with (the root conftest.py: the script compiles as fast)."""
     keep = ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")
-    return {
+    env = {
         k: v
         for k, v in os.environ.items()
         if k in keep or not k.startswith(("XLA_", "JAX_"))
     }
+    if jax.default_backend() != "cpu":  # one process at a time holds the chip
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def mesh_devices(n: int) -> list:
+    """`n` devices for a test's mesh: the default backend's where it has `n` (the
+    8 simulated CPU devices of `conftest.py` on CPU), else the CPU devices (on a
+    one-chip accelerator, a mesh test runs its mesh on the CPU)."""
+    devices = jax.devices()
+    if len(devices) < n:
+        devices = jax.devices("cpu")
+    return devices[:n]
+
+
+def make_mesh(shape, names, axis_types=None, *, devices=None) -> jax.sharding.Mesh:
+    """`jax.make_mesh` over `mesh_devices` (or `devices`)."""
+    n = int(np.prod(shape))
+    return jax.make_mesh(
+        shape,
+        names,
+        axis_types,
+        devices=mesh_devices(n) if devices is None else devices,
+    )
 
 
 def tree_allclose(actual: Any, expected: Any, *, rtol=1e-5, atol=1e-6) -> None:
@@ -63,8 +87,33 @@ def tree_allclose(actual: Any, expected: Any, *, rtol=1e-5, atol=1e-6) -> None:
 
 
 def temp_bytes(f, *args) -> int:
-    """XLA's compiled estimate of the temporary memory of `jax.jit(f)(*args)`."""
-    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    """XLA's compiled estimate of the temporary memory of `jax.jit(f)(*args)`, on
+    CPU: the suite's memory figures are XLA:CPU's (an accelerator's compiler
+    reports another figure under that name), so off CPU the program is compiled
+    for the CPU (arguments not already on CPU devices are placed on the first)."""
+    compiled = jax.jit(f).lower(*on_cpu(args)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def on_cpu(tree: Any) -> Any:
+    """`tree` as the CPU would hold it: each array not on CPU devices as an
+    abstract array on the first CPU device (off CPU; unchanged on CPU)."""
+    if jax.default_backend() == "cpu":
+        return tree
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+
+    def place(x: Any) -> Any:
+        if isinstance(x, jax.Array) and all(
+            d.platform == "cpu" for d in x.sharding.device_set
+        ):
+            return x
+        if isinstance(x, (jax.Array, np.ndarray)) or (
+            isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None
+        ):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu)
+        return x
+
+    return jax.tree.map(place, tree)
 
 
 def record_auto_searches(monkeypatch) -> list[dict]:

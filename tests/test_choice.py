@@ -20,7 +20,7 @@ import chunkvmap
 from chunkvmap._dp import _choice
 from chunkvmap._dp.ghost import GhostReport, Method
 
-from .helpers import tree_allclose
+from .helpers import make_mesh, tree_allclose
 
 
 def _loss(p, x, y):
@@ -42,7 +42,7 @@ def _problem(n=13, dtype=jnp.float32, seed=0):
 def measured(monkeypatch):
     """The choice measured on CPU too; the list of timings taken, and a way to set
     the seconds each program takes (ghost first, then vmap, per measurement)."""
-    monkeypatch.setattr(_choice, "MEASURED_PLATFORMS", frozenset({"cpu"}))
+    monkeypatch.setattr(_choice, "MEASURED_PLATFORMS", frozenset({_choice.platform()}))
     timings = []
     real = _choice.time_programs
 
@@ -70,6 +70,11 @@ def measured(monkeypatch):
         return shapes
 
     return timings, times
+
+
+def _device_kind():
+    device = jax.devices()[0]
+    return getattr(device, "device_kind", device.platform)
 
 
 def _report(runs="ghost"):
@@ -189,12 +194,13 @@ def test_every_entry_point_runs_the_measured_choice(measured, how, winner):
         tree_allclose(got, want, rtol=2e-5, atol=1e-5)
         tree_allclose(again, got)
         assert len(timings) == before + 1, name  # measured once
-        assert timings[-1].chunk == 5 and timings[-1].device == "cpu"
+        assert timings[-1].chunk == 5 and timings[-1].device == _device_kind()
         fallback = [
             w for w in caught if issubclass(w.category, chunkvmap.GhostFallbackWarning)
         ]
         if winner == "vmap":
-            assert len(fallback) == 1 and "measured on cpu" in str(fallback[0].message)
+            said = str(fallback[0].message)
+            assert len(fallback) == 1 and f"measured on {_device_kind()}" in said
             assert str(jax.make_jaxpr(ghost)(p, x, y)) == str(
                 jax.make_jaxpr(vmap)(p, x, y)
             )
@@ -297,7 +303,7 @@ def test_a_spread_call_keeps_the_model(measured):
     device's chunk is not the call's program."""
     timings, _ = measured
     p, x, y = _problem(16)
-    mesh = jax.make_mesh((8,), ("d",), devices=jax.devices("cpu")[:8])
+    mesh = make_mesh((8,), ("d",), devices=jax.devices("cpu")[:8])
     f = chunkvmap.clipped_grad_sum(
         _loss, 1.0, batch_size=2, method="ghost", shard=True, mesh=mesh
     )
@@ -315,5 +321,5 @@ def test_ghost_report_measures_on_an_accelerator(measured):
     p, x, y = _problem()
     report = chunkvmap.ghost_report(_loss, p, x[0], y[0])
     assert report.runs == "vmap" and report.timing.chunk == 64
-    assert "measured on cpu for a chunk of 64 examples" in str(report)
+    assert f"measured on {_device_kind()} for a chunk of 64 examples" in str(report)
     assert report.rule("args[0]['w']") == "ghost"

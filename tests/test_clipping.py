@@ -22,7 +22,7 @@ from jax_privacy import clipping as jp
 import chunkvmap
 from chunkvmap import clipped_grad, clipped_grad_sum, identity
 
-from .helpers import temp_bytes, tree_allclose
+from .helpers import make_mesh, temp_bytes, tree_allclose
 
 
 D_IN, D_OUT = 3, 2
@@ -285,7 +285,7 @@ def test_auto_and_aliases():
 
 def test_explicit_mesh_and_spmd_axis_name():
     """Examples laid out over an Explicit data axis: chunked per device."""
-    mesh = jax.make_mesh((4,), ("data",), (jax.sharding.AxisType.Explicit,))
+    mesh = make_mesh((4,), ("data",), (jax.sharding.AxisType.Explicit,))
     p, (x, y) = call_args(loss, 16)
     expected = Oracle(loss, l2_clip_norm=0.5, return_grad_norms=True)(p, (x, y))
     data = jax.sharding.NamedSharding(mesh, jax.P("data"))
@@ -295,7 +295,7 @@ def test_explicit_mesh_and_spmd_axis_name():
             loss, l2_clip_norm=0.5, return_grad_norms=True, microbatch_size=3
         )
         tree_allclose(jax.jit(g)(p, (xs, ys)), expected, rtol=1e-4, atol=1e-5)
-    mesh = jax.make_mesh((4,), ("data",), (jax.sharding.AxisType.Auto,))
+    mesh = make_mesh((4,), ("data",), (jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh):
         g = clipped_grad(
             loss,

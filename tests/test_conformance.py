@@ -42,7 +42,7 @@ import chunkvmap.eqx
 import chunkvmap.linen
 import chunkvmap.nnx
 
-from .helpers import CompileCounter, clipped_sum, temp_bytes, tree_allclose
+from .helpers import CompileCounter, clipped_sum, make_mesh, temp_bytes, tree_allclose
 
 
 D, H, K = 8, 256, 4  # input features, hidden width (the per-example work), outputs
@@ -59,7 +59,7 @@ W1 = (_rng.standard_normal((H, D)) / math.sqrt(D)).astype(np.float32)
 W2 = (_rng.standard_normal((K, H)) / math.sqrt(H)).astype(np.float32)
 # Constants the single-example functions close over (a device_put, no compilation).
 W1_J, W2_J = jnp.asarray(W1), jnp.asarray(W2)
-MESH = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+MESH = make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
 
 
 def normal(rng, *shape):

@@ -25,7 +25,7 @@ import chunkvmap
 from chunkvmap import batch_vmap, clipped_grad_sum, per_example_grads
 from chunkvmap.eqx import filter_batch_vmap
 
-from .helpers import clipped_sum, jaxpr_eqns, tree_allclose
+from .helpers import clipped_sum, jaxpr_eqns, make_mesh, mesh_devices, tree_allclose
 
 
 N, B = 7, 3  # examples in chunks of 3: two full chunks and a remainder
@@ -679,9 +679,9 @@ def test_the_check_fails_on_a_plain_scan(layout):
 # 7. Examples sharded over the 8 CPU devices.
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated CPU devices")
+@pytest.mark.skipif(len(mesh_devices(8)) < 8, reason="needs 8 simulated CPU devices")
 def test_sharded_over_a_mesh():
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    mesh = make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
     case = BY_NAME["nchw2d"]
     w, x = case.arrays(20, seed=60)  # 20 = 8 x 2 + 4: a remainder
     chunked = batch_vmap(case.f, (None, 0), batch_size=2, shard=True, mesh=mesh)
@@ -703,7 +703,7 @@ def test_sharded_over_a_mesh():
 def explicit_inputs(n=16, layout="NCHW"):
     """A mesh with an Explicit "data" axis, a kernel replicated on it and `n`
     examples sharded over it."""
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    mesh = make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
     p, (img, y) = net_params(layout), net_data(layout, n=n)
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     p = jax.device_put(p, replicated)
@@ -719,7 +719,7 @@ def nchw1(w, x):
     return y[0]
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated CPU devices")
+@pytest.mark.skipif(len(mesh_devices(8)) < 8, reason="needs 8 simulated CPU devices")
 def test_grad_on_an_explicit_mesh():
     """Reverse mode with the examples sharded over an Explicit axis. The
     kernel-gradient tangent convolution is mapped over the devices' shares; laid out
@@ -738,7 +738,7 @@ def test_grad_on_an_explicit_mesh():
         close(jax.jit(jax.grad(chunked, (0, 1)))(w, img), expected)
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated CPU devices")
+@pytest.mark.skipif(len(mesh_devices(8)) < 8, reason="needs 8 simulated CPU devices")
 def test_ghost_clipping_on_an_explicit_mesh(always_ghost):
     """method="ghost" with the examples sharded over an Explicit axis. The ghost
     chunk traces some equations under the Auto form of the mesh; bound in the

@@ -7,7 +7,7 @@ import pytest
 
 from chunkvmap import batch_vmap
 
-from .helpers import TraceCounter, jaxpr_eqns, tree_allclose
+from .helpers import TraceCounter, jaxpr_eqns, make_mesh, tree_allclose
 
 
 SIZES = [1, 7, 12, 64]  # one, prime, divisible, large
@@ -405,7 +405,7 @@ def test_later_loops_reuse_the_first_trace():
     x = jnp.ones((64, 3))
     assert traces(batch_vmap(f, batch_size=8), x) == 1
     assert traces(batch_vmap(f, batch_size="auto", memory_limit=10**6), x) <= 3
-    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     for n, most in [(9, 3), (8, 2)]:
         fn = batch_vmap(f, batch_size=2, shard="d", mesh=mesh)
         assert traces(fn, jnp.ones((n, 3))) <= most

@@ -11,7 +11,7 @@ import pytest
 import chunkvmap as cv  # noqa: E402
 from chunkvmap.eqx import filter_batch_vmap  # noqa: E402
 
-from .helpers import tree_allclose  # noqa: E402
+from .helpers import make_mesh, mesh_devices, tree_allclose  # noqa: E402
 
 
 def make_model(key):
@@ -79,7 +79,7 @@ def sum_over_examples(grads):
 
 @pytest.mark.parametrize("shard", [False, True])
 def test_per_example_gradients_summed_with_a_reduction(shard):
-    if shard and jax.device_count() < 8:
+    if shard and len(mesh_devices(8)) < 8:
         pytest.skip("needs 8 devices")
     model = make_model(jax.random.key(2))
     xs = jnp.linspace(-1.0, 1.0, 13 * 3, dtype=jnp.float32).reshape(13, 3)
@@ -247,7 +247,7 @@ def test_modules_holding_functions_on_a_mesh(entry, hold):
     """An MLP holds its activation (a function) as a field: its members, or the
     data, sharded over a mesh (placed, under jax.set_mesh, or named by mesh=) run
     as on one device, as with eqx.filter_vmap and jax.vmap(jax.grad)."""
-    if jax.device_count() < 8:
+    if len(mesh_devices(8)) < 8:
         pytest.skip("needs 8 devices")
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -255,7 +255,7 @@ def test_modules_holding_functions_on_a_mesh(entry, hold):
 
     from .helpers import clipped_sum, projected_grads
 
-    mesh = jax.make_mesh((8,), ("data",))
+    mesh = make_mesh((8,), ("data",))
 
     def placed(tree):
         if hold == "mesh=":

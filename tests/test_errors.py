@@ -9,6 +9,8 @@ import pytest
 
 from chunkvmap import batch_map, batch_vmap
 
+from .helpers import make_mesh
+
 
 X = jnp.ones((6, 3), jnp.float32)
 
@@ -153,10 +155,8 @@ def test_axis_name_with_chunking_is_an_error():
 def test_shard_and_mesh_validation():
     with pytest.raises(TypeError, match="shard must be a bool, a mesh axis name"):
         batch_vmap(jnp.sum, shard=1)  # pyright: ignore[reportArgumentType]
-    mesh1 = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
-    mesh2 = jax.make_mesh(
-        (4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2
-    )
+    mesh1 = make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh2 = make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with pytest.raises(
         ValueError,
         match=r"shard=True with a mesh of axes \('a', 'b'\).*shard='a' or "
@@ -521,3 +521,39 @@ def test_parameters_without_a_float_leaf_are_refused(entry):
     }.get(entry, lambda: fn(loss))()
     with pytest.raises(TypeError, match=r"args\[0\].*no floating-point leaf.*int32"):
         made(p, x)
+
+
+def _lacking_entries():
+    import chunkvmap
+
+    def loss(p, x):
+        return jnp.sum(jnp.abs(p["w"] * x) ** 2)
+
+    return {
+        "batch_vmap": lambda p, x: chunkvmap.batch_vmap(loss, (None, 0))(p, x),
+        "batch_map": lambda p, x: chunkvmap.batch_map(lambda q: loss(q, x[0]), p),
+        "per_example_grads": lambda p, x: chunkvmap.per_example_grads(loss)(p, x),
+        "clipped_grad_sum": lambda p, x: chunkvmap.clipped_grad_sum(loss, 1.0)(p, x),
+    }
+
+
+@pytest.mark.parametrize(
+    "entry", ["batch_vmap", "batch_map", "per_example_grads", "clipped_grad_sum"]
+)
+def test_a_dtype_the_backend_lacks_is_refused_by_name(monkeypatch, entry):
+    """A backend without complex128 (the TPU: its compiler aborts the process on
+    one) refuses such an argument at the call, naming it and the cast to make;
+    here the current backend is told it lacks complex128."""
+    import chunkvmap._transforms._batch_vmap as transforms
+
+    backend = jax.default_backend()
+    monkeypatch.setitem(transforms._MISSING_DTYPES, backend, (np.dtype(np.complex128),))
+    with jax.enable_x64(True):
+        p = {"w": jnp.ones((4, 3) if entry == "batch_map" else 3, jnp.complex128)}
+        x = jnp.ones((4, 3), jnp.complex64)
+        with pytest.raises(
+            TypeError,
+            match=rf"{entry} got args\[0\]\['w'\] of dtype complex128, which the "
+            rf"{backend} backend does not have; cast it to complex64",
+        ):
+            _lacking_entries()[entry](p, x)

@@ -15,7 +15,14 @@ import pytest
 import chunkvmap
 from chunkvmap import clipped_grad, clipped_grad_sum, ghost_report
 
-from .helpers import clip_and_sum, clipped_sum, temp_bytes, tree_allclose
+from .helpers import (
+    clip_and_sum,
+    clipped_sum,
+    make_mesh,
+    mesh_devices,
+    temp_bytes,
+    tree_allclose,
+)
 
 
 # Test data from NumPy: eager jax.random compiles one kernel per shape, which is most
@@ -311,13 +318,13 @@ def test_options_as_with_vmap():
     reported = clipped("ghost", batch_size=5, remat=False, progress=report)
     tree_allclose(jax.jit(reported)(p, x, y), expected, rtol=1e-5, atol=1e-5)
     assert calls[-1] == (5, 5)
-    explicit = jax.make_mesh((8,), ("data",), (jax.sharding.AxisType.Explicit,))
+    explicit = make_mesh((8,), ("data",), (jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(explicit):
         data = jax.sharding.NamedSharding(explicit, jax.P("data"))
         xs, ys = jax.device_put((x, y), data)
         out = jax.jit(clipped("ghost", batch_size=2))(p, xs, ys)
     tree_allclose(out, expected, rtol=1e-5, atol=1e-5)
-    auto_mesh = jax.make_mesh((8,), ("data",), (jax.sharding.AxisType.Auto,))
+    auto_mesh = make_mesh((8,), ("data",), (jax.sharding.AxisType.Auto,))
     out = clipped("ghost", batch_size=2, shard=True, mesh=auto_mesh)(p, x, y)
     tree_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -773,7 +780,7 @@ def test_grouped_convolutions_clip_in_the_non_private_memory(
         assert temp_bytes(f, p, img, y) <= bound, temp_bytes(f, p, img, y) / params
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+@pytest.mark.skipif(len(mesh_devices(8)) < 8, reason="needs 8 devices")
 @pytest.mark.parametrize(
     "hold, calls",
     [("mesh=", "eager"), ("set_mesh", "jit"), ("set_mesh + placed", "jit")],
@@ -818,7 +825,7 @@ def _clipped_wherever(hold, calls, net, p, *data, pad=None):
     )  # fmt: skip
     flags = {} if pad is None else {"is_padding_example": jnp.asarray(pad)}
     want, aux = clipped_grad(net, **opts)(p, *data, **flags)
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     shard = {} if "placed" in hold else {"shard": True}
     if hold == "mesh=":
         shard["mesh"] = mesh
@@ -835,7 +842,7 @@ def _clipped_wherever(hold, calls, net, p, *data, pad=None):
             np.testing.assert_allclose(got_aux.grad_norms, aux.grad_norms, rtol=1e-5)
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+@pytest.mark.skipif(len(mesh_devices(8)) < 8, reason="needs 8 devices")
 @pytest.mark.parametrize(
     "hold, calls",
     [("mesh=", "jit"), ("set_mesh", "eager"), ("set_mesh + placed", "eager, jit")],
@@ -979,7 +986,7 @@ def test_a_record_carries_the_plan_of_the_context_it_was_made_in():
     def loss(p, x):
         return jnp.sum(jnp.tanh(x @ p["w"]))
 
-    mesh = jax.make_mesh((2,), ("m",), (jax.sharding.AxisType.Explicit,))
+    mesh = make_mesh((2,), ("m",), (jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(mesh):
         w, x = normal(90, 4, 6), normal(91, 3, 4)
         replicated = {"w": jax.device_put(w, jax.P())}

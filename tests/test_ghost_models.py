@@ -11,7 +11,7 @@ import pytest
 
 from chunkvmap import clipped_grad, clipped_grad_sum, ghost_report
 
-from .helpers import temp_bytes, tree_allclose
+from .helpers import make_mesh, temp_bytes, tree_allclose
 from .test_ghost import filled, integers, normal
 
 
@@ -409,7 +409,7 @@ def test_model_parallel_mesh():
     y0 = rng.normal(size=(13, 3)).astype("f4")
     for axis_type in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
         explicit = axis_type == jax.sharding.AxisType.Explicit
-        mesh = jax.make_mesh((4, 2), ("data", "model"), (axis_type,) * 2)
+        mesh = make_mesh((4, 2), ("data", "model"), (axis_type,) * 2)
         n = 12 if explicit else 13
 
         def loss(p, x, y):

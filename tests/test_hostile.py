@@ -50,7 +50,7 @@ import chunkvmap.eqx
 import chunkvmap.linen
 import chunkvmap.nnx
 
-from .helpers import clipped_sum, tree_allclose
+from .helpers import clipped_sum, make_mesh, tree_allclose
 
 
 def profile(examples: int):
@@ -191,8 +191,8 @@ def is_arraylike(x: Any) -> bool:
 
 OBJ = object()  # an opaque Python object (compared by identity)
 KEYS = jax.random.split(jax.random.key(0), 9)  # typed PRNG keys
-MESH1 = jax.make_mesh((8,), ("x",))
-MESH2 = jax.make_mesh((4, 2), ("x", "y"))
+MESH1 = make_mesh((8,), ("x",))
+MESH2 = make_mesh((4, 2), ("x", "y"))
 
 # None (one jax.vmap), chunked (1, 2, 3: dividing or not), and huge sizes.
 CHUNKED = [1, 2, 3, 10**9, 2**64 + 1]

@@ -12,11 +12,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from chunkvmap import batch_map, batch_vmap, clipped_grad_sum, per_example_grads
 
-from .helpers import clipped_sum, tree_allclose
+from .helpers import clipped_sum, make_mesh, mesh_devices, tree_allclose
 
 
 pytestmark = pytest.mark.skipif(
-    jax.device_count() < 8, reason="needs 8 devices (jax_num_cpu_devices=8)"
+    len(mesh_devices(8)) < 8, reason="needs 8 devices (jax_num_cpu_devices=8)"
 )
 
 SHAPES = {"8": (8,), "2x4": (2, 4), "4x2": (4, 2)}
@@ -24,7 +24,7 @@ SHAPES = {"8": (8,), "2x4": (2, 4), "4x2": (4, 2)}
 
 def mesh_of(shape, kind=AxisType.Explicit):
     names = ("data", "model")[: len(shape)]
-    return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape))
+    return make_mesh(shape, names, axis_types=(kind,) * len(shape))
 
 
 def f(w, x):
@@ -372,7 +372,7 @@ def test_uneven_lot_on_an_explicit_mesh(jit):
 def test_fewer_examples_than_devices_under_grad():
     """3 replicated examples on 4 devices, shard=True, under jax.grad: all run after
     the (empty) split part, and the gradient is jax.vmap's."""
-    mesh = jax.make_mesh((4,), ("d",))
+    mesh = make_mesh((4,), ("d",))
     x = jax.device_put(np.array([0.1, 0.7, 1.3], np.float32), NamedSharding(mesh, P()))
 
     def total(fn):
@@ -391,7 +391,7 @@ def test_unmapped_argument_sharded_along_the_examples_axis(n):
     shard=True without a mesh (the inputs' mesh is used), eager and under jit: the
     unmapped one is placed whole on every device (jax.vmap itself refuses this on a
     one-device mesh)."""
-    mesh = jax.make_mesh((n,), ("caller",))
+    mesh = make_mesh((n,), ("caller",))
     rng = np.random.default_rng(n)
     a, b = (
         rng.normal(size=(8, 3)).astype(np.float32),
@@ -409,7 +409,7 @@ def test_unmapped_argument_sharded_along_the_examples_axis(n):
 def test_shard_true_uses_the_mesh_the_inputs_are_on():
     """shard=True without mesh= on inputs committed to a mesh over 4 of the 8
     devices: that mesh is the one meant (not all devices)."""
-    sub = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("s",))
+    sub = jax.sharding.Mesh(np.array(mesh_devices(4)), ("s",))
     x = jax.device_put(
         np.linspace(0, 1, 8, dtype=np.float32), NamedSharding(sub, P("s"))
     )

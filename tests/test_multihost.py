@@ -15,14 +15,21 @@ WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 TIMEOUT_S = 90
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int | None:
+    """A free port on the loopback, or None where no socket may be opened (the
+    machines that lend an accelerator here allow none)."""
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    except OSError:
+        return None
 
 
 def test_two_processes_get_the_single_process_answer():
     port = free_port()
+    if port is None:
+        pytest.skip("this machine allows no socket, so jax.distributed cannot run")
     env = users_environment()
     env["PYTHONPATH"] = str(WORKER.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     procs = [

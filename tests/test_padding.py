@@ -21,7 +21,7 @@ from chunkvmap import (
     per_example_grad_stats,
 )
 
-from .helpers import clipped_sum, tree_allclose
+from .helpers import clipped_sum, make_mesh, tree_allclose
 
 
 C, B = 40, 8
@@ -116,7 +116,7 @@ def test_chunks_of_padding_alone_are_not_evaluated(method, where, rng, always_gh
     )
 
 
-MESH = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+MESH = make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
 
 
 def _on_mesh(hold, fn):

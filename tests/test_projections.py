@@ -12,7 +12,7 @@ import pytest
 from chunkvmap import Kronecker, per_example_grad_projections
 
 from . import test_ghost_models as models
-from .helpers import nll, preconditioned_rows, projected_grads, temp_bytes
+from .helpers import make_mesh, nll, preconditioned_rows, projected_grads, temp_bytes
 
 
 def _close(got, expected, rtol=2e-5):
@@ -235,7 +235,7 @@ def test_projections_over_a_mesh(case, hold, method, rng):
     batch = tuple(jnp.concatenate([b, b, b])[:16] for b in batch)
     expected = projected_grads(loss, params, batch, dim=4)
     if hold == "placed":
-        mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+        mesh = make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
         placed = [jax.device_put(b, NamedSharding(mesh, P("d"))) for b in batch]
         project = per_example_grad_projections(loss, dim=4, batch_size=1, method=method)
         got = project(params, *placed)
@@ -421,7 +421,7 @@ def test_preconditioned_rows_over_a_mesh(rng):
     expected = per_example_grad_projections(loss, dim=4, batch_size=5)(
         params, x, y, precondition=factors
     )
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    mesh = make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
     opts = dict(batch_size=1, shard=True, mesh=mesh)
     sharded = kfac_factors(logits, likelihood="categorical", **opts)(params, x)
     project = per_example_grad_projections(loss, dim=4, method="ghost", **opts)

@@ -10,14 +10,14 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from chunkvmap import batch_map, batch_vmap
 
-from .helpers import TraceCounter, temp_bytes, tree_allclose
+from .helpers import TraceCounter, make_mesh, mesh_devices, temp_bytes, tree_allclose
 
 
 pytestmark = pytest.mark.skipif(
-    jax.device_count() < 8, reason="needs 8 devices (jax_num_cpu_devices=8)"
+    len(mesh_devices(8)) < 8, reason="needs 8 devices (jax_num_cpu_devices=8)"
 )
 
-MESH = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+MESH = make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
 
 
 def f(params, x):
@@ -301,24 +301,24 @@ def _mapper(entry):
 def test_input_on_another_mesh_is_moved_onto_the_mesh(entry):
     mapper = _mapper(entry)
     mesh4 = jax.sharding.Mesh(
-        np.array(jax.devices()[:4]), ("e",), axis_types=(AxisType.Auto,)
+        np.array(mesh_devices(4)), ("e",), axis_types=(AxisType.Auto,)
     )
     x = jax.device_put(data(16), NamedSharding(mesh4, P("e")))
     out = mapper(f, (None, 0), batch_size=1, shard=True, mesh=MESH)(PARAMS, x)
     tree_allclose(out, jax.vmap(f, (None, 0))(PARAMS, data(16)))
-    one = jax.device_put(data(13), jax.devices()[5])
+    one = jax.device_put(data(13), mesh_devices(8)[5])
     out = mapper(f, (None, 0), batch_size=1, shard=True, mesh=mesh4)(PARAMS, one)
     tree_allclose(out, jax.vmap(f, (None, 0))(PARAMS, data(13)))
 
 
 def explicit_other():
     """An Explicit 1-D mesh over the devices in reverse order, axis "e"."""
-    devices = np.array(jax.devices()[:8][::-1])
+    devices = np.array(mesh_devices(8)[::-1])
     return jax.sharding.Mesh(devices, ("e",), axis_types=(AxisType.Explicit,))
 
 
 def test_explicit_inputs_and_ambient_meshes():
-    explicit = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    explicit = make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
     xe = jax.device_put(data(16), NamedSharding(explicit, P("d")))
     ref = jax.vmap(f, (None, 0))(PARAMS, data(16))
     fn = batch_vmap(f, (None, 0), batch_size=1, shard=True, mesh=MESH)
@@ -371,7 +371,7 @@ def _held(how: str, x: jax.Array) -> tuple[dict, jax.Array, object]:
     return {}, jax.device_put(x, NamedSharding(MESH, P("d"))), contextlib.nullcontext()
 
 
-EXPLICIT = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+EXPLICIT = make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
 
 
 HELD = [
@@ -488,7 +488,7 @@ def test_each_trace_gives_back_the_structure_it_made():
     first = _program.Trace.of(jax.make_jaxpr(jitted(4))(x))
     retraced = _program.Retraced(first, (4, [jax.typeof(x)]), jitted, lambda: made[0])
     outside = jax.sharding.get_abstract_mesh()
-    explicit = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    explicit = make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
     for _ in range(2):
         out = retraced(first.consts, [x], 4)
         assert out.context == outside

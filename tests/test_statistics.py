@@ -27,7 +27,14 @@ from chunkvmap import (
 from chunkvmap._dp import _statistics
 
 from . import test_ghost_models as models
-from .helpers import init_mlp, mlp, projected_grads, temp_bytes, tree_allclose
+from .helpers import (
+    init_mlp,
+    make_mesh,
+    mlp,
+    projected_grads,
+    temp_bytes,
+    tree_allclose,
+)
 
 
 def mlp_loss(p, x, y):
@@ -204,7 +211,7 @@ def test_stats_and_norms_on_a_mesh():
         atol=1e-6,
     )
 
-    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     where = jax.sharding.NamedSharding(mesh, jax.P("data"))
     grads, flat = oracle_grads(mlp_loss, params, x, y)
     with jax.set_mesh(mesh):
@@ -402,7 +409,7 @@ def test_gram_of_a_batch_sharded_over_an_explicit_mesh():
     params, x, y = mlp_data(16)
     _, flat = oracle_grads(mlp_loss, params, x, y)
     x, y = np.asarray(x), np.asarray(y)
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 
     def grams(**options):
         fs = [

@@ -42,11 +42,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import chunkvmap as cv
 
-from .helpers import clipped_sum, projected_rows
+from .helpers import clipped_sum, make_mesh, mesh_devices, projected_rows
 
 
 pytestmark = pytest.mark.skipif(
-    jax.device_count() < 8, reason="needs 8 devices (jax_num_cpu_devices=8)"
+    len(mesh_devices(8)) < 8, reason="needs 8 devices (jax_num_cpu_devices=8)"
 )
 
 ENTRIES = (
@@ -151,9 +151,9 @@ def table() -> str:
 
 def mesh_of(kind: str):
     if kind == "2d":
-        return jax.make_mesh((4, 2), ("data", "model"))
+        return make_mesh((4, 2), ("data", "model"))
     axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
-    return jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    return make_mesh((8,), ("data",), axis_types=(axis_type,))
 
 
 def mesh_args(hold: str, kind: str, mesh) -> dict:
@@ -513,10 +513,10 @@ def test_eager_grad_of_a_call_sharded_under_set_mesh(entry, kind):
 
 @pytest.mark.parametrize("n", [12, 13, 3])
 def test_the_seed_call_with_a_mesh_passed(n):
-    """`batch_vmap(f, shard=True, mesh=jax.make_mesh(...))` with no mesh entered, on a
+    """`batch_vmap(f, shard=True, mesh=make_mesh(...))` with no mesh entered, on a
     plain (replicated) batch of 12, 13 or 3 examples over 4 devices: eagerly, under
     jax.jit and under jax.grad."""
-    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    mesh = make_mesh((4,), ("x",), devices=mesh_devices(4))
     f = cv.batch_vmap(jnp.sin, batch_size=2, shard=True, mesh=mesh)
     x = jax.device_put(np.linspace(0.0, 1.0, n, dtype=np.float32))
     want = np.sin(np.asarray(x))
@@ -529,7 +529,7 @@ def test_the_seed_call_with_a_mesh_passed(n):
 def test_an_unmapped_argument_sharded_over_the_examples_axis_without_set_mesh():
     """in_axes=(0, None), both arguments placed over the mesh axis the examples are
     split over, shard=True, no mesh entered: eager, jit and grad."""
-    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    mesh = make_mesh((4,), ("x",), devices=mesh_devices(4))
     rng = np.random.default_rng(0)
     a = rng.normal(size=(8, 3)).astype(np.float32)
     b = rng.normal(size=(8, 3)).astype(np.float32)

@@ -1,8 +1,9 @@
-"""`batch_size="auto"`: the fewest chunks whose compiled temporary memory fits a
-budget, each as short as they allow.
+"""`batch_size="auto"`: the fewest chunks whose compiled memory fits a budget, each
+as short as they allow.
 
 The estimate is XLA's own: `jax.jit(program).lower(...).compile().memory_analysis()`
-of the very program that will run, for the actual argument shapes. Temporary memory
+of the very program that will run, for the actual argument shapes: on CPU its
+temporary memory, elsewhere its peak less its arguments (`program_bytes`). Memory
 is close to affine in the chunk size (a fixed part plus a per-example part), so two
 probes (one example, then a few) give a first guess, which is then checked by compiling
 it and corrected until it fits; one step up is tried when the guess left room. The
@@ -24,7 +25,9 @@ from . import _program
 
 logger = logging.getLogger("chunkvmap")
 
-DEFAULT_DEVICE_FRACTION = 0.5
+# Without memory_limit, the budget is this share of the device's free memory
+# (`bytes_limit` less `bytes_in_use`, where the backend reports them).
+DEFAULT_DEVICE_FRACTION = 0.9
 _MAX_PROBES = 8
 
 _UNITS = {
@@ -75,7 +78,8 @@ def parse_memory(name: str, value: Any) -> int:
 
 
 def default_limit(name: str) -> int:
-    """A fraction of the default device's memory, where the backend reports it."""
+    """A share of the default device's free memory, where the backend reports
+    it."""
     device = jax.devices()[0]
     try:
         stats = device.memory_stats()
@@ -89,11 +93,13 @@ def default_limit(name: str) -> int:
             f"(device.memory_stats() has no 'bytes_limit'). Pass memory_limit=..., "
             f"e.g. memory_limit='2GiB'."
         )
-    return int(limit * DEFAULT_DEVICE_FRACTION)
+    free = limit - int((stats or {}).get("bytes_in_use", 0))
+    return int(max(free, 0) * DEFAULT_DEVICE_FRACTION)
 
 
 def temp_bytes(name: str, program: Callable[..., Any], abstract_args: list[Any]) -> int:
-    """XLA's compiled temporary memory of `jax.jit(program)(*abstract_args)`."""
+    """XLA's compiled memory of `jax.jit(program)(*abstract_args)` beyond its
+    arguments (`program_bytes`)."""
     try:
         compiled = jax.jit(program).lower(*abstract_args).compile()
     except jax.errors.UnexpectedTracerError as e:
@@ -110,7 +116,23 @@ def temp_bytes(name: str, program: Callable[..., Any], abstract_args: list[Any])
             f"{jax.default_backend()} backend does not provide; pass an explicit "
             f"batch_size."
         )
-    return int(analysis.temp_size_in_bytes)
+    return program_bytes(analysis)
+
+
+def program_bytes(analysis: Any) -> int:
+    """What a compiled program holds beyond its arguments, by XLA's estimate
+    (`memory_analysis()`): on CPU its temporary memory (`temp_size_in_bytes`);
+    on an accelerator its peak less its arguments (its outputs and temporaries
+    at their most), where the backend reports a peak. (XLA:TPU's temporary figure
+    reads 0 for programs whose outputs and temporaries take gigabytes, and more
+    than the device holds for programs that run.)"""
+    temp = int(analysis.temp_size_in_bytes)
+    if jax.default_backend() == "cpu":
+        return temp
+    peak = int(getattr(analysis, "peak_memory_in_bytes", 0) or 0)
+    if peak <= 0:
+        return temp
+    return max(peak - int(analysis.argument_size_in_bytes), 0)
 
 
 def choose_batch_size(

@@ -33,7 +33,7 @@ from .._core._options import (
     identity,
     takes,
 )
-from ._batch_vmap import check_outputs
+from ._batch_vmap import check_backend_dtypes, check_outputs
 
 
 @takes(MapChunking)
@@ -140,6 +140,7 @@ def batch_map(
         (options, strip_dim0),
         lambda: _cache.EagerCache(call, placement=placement),
     )
+    check_backend_dtypes(options.name, (xs,), {})
     return run((xs, is_padding_example), {})
 
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar, Unpack
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._core import (
     _axes,
@@ -174,9 +175,11 @@ def batch_vmap(
       remat: checkpoint each chunk for reverse mode: True (the default; save nothing,
         recompute the chunk), False (save every chunk's residuals), or a
         `jax.checkpoint` policy such as `jax.checkpoint_policies.dots_saveable`.
-      memory_limit: the budget of temporary memory for `batch_size="auto"`: bytes, or
-        a string such as `"2GiB"` or `"512MB"`. None means half of the device's
-        memory where the backend reports it (it is required on CPU).
+      memory_limit: the memory budget of `batch_size="auto"`: bytes, or a string
+        such as `"2GiB"` or `"512MB"`, for XLA's compiled estimate of the program
+        (on CPU its temporary memory; on an accelerator its peak less its
+        arguments). None means 90% of the device's free memory where the
+        backend reports it (it is required on CPU).
       progress: show a host-side progress bar over the chunks: False (the default),
         True (a `tqdm` bar when tqdm is installed, else a line on stderr), a
         callable `progress(done, total)` called after each chunk, or a tqdm-like
@@ -419,6 +422,7 @@ class Transform:
 
         @_cache.wraps(wrapped)
         def transformed(*args: Any, **kwargs: Any) -> Any:
+            check_backend_dtypes(self.name, args, kwargs)
             try:
                 return run(args, kwargs)
             finally:  # nothing a call's state holds outlives the call's arrays
@@ -441,6 +445,30 @@ class Transform:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+# The dtypes a backend has no arrays of (its compiler aborts the process on them).
+_MISSING_DTYPES = {"tpu": (np.dtype(np.complex128),)}
+
+
+def check_backend_dtypes(name: str, args: tuple, kwargs: dict) -> None:
+    """A clear error for an argument of a dtype the default backend lacks (the TPU
+    has no complex128), before its compiler meets it."""
+    missing = _MISSING_DTYPES.get(jax.default_backend())
+    if not missing:
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and dtype in missing:
+            where = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(
+                path[1:]
+            )
+            raise TypeError(
+                f"{name} got {where} of dtype {dtype}, which the "
+                f"{jax.default_backend()} backend does not have; cast it to "
+                f"{np.dtype(np.complex64) if dtype.kind == 'c' else 'a narrower dtype'}"
+                f" (or run on the CPU)."
+            )
 
 
 def vmap_call(
