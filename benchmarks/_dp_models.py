@@ -258,9 +258,7 @@ def vit_batch(rng, n, cfg=VIT):
 
 def mlp_params(rng, cfg=MLP):
     w = cfg["widths"]
-    return [
-        {"w": _normal(rng, a, b), "b": jnp.zeros(b)} for a, b in zip(w[:-1], w[1:])
-    ]
+    return [{"w": _normal(rng, a, b), "b": jnp.zeros(b)} for a, b in zip(w[:-1], w[1:])]
 
 
 def mlp_loss(p, x, y):

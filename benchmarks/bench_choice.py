@@ -157,8 +157,10 @@ def main(argv=None) -> None:
         faster = min(t["vmap"], t["ghost"])
         ratio = t["chosen"] / faster
         worst = max(worst, ratio)
-        chose = notes["said"].split(" runs ")[1].split(":")[0] if notes["said"] else (
-            "(model)"
+        chose = (
+            notes["said"].split(" runs ")[1].split(":")[0]
+            if notes["said"]
+            else ("(model)")
         )
         size = sum(x.size for x in jax.tree.leaves(params))
         row = (
