@@ -195,6 +195,7 @@ def time_programs(programs: dict, call: tuple, chunk: int) -> Timing | None:
             seconds[method] = _seconds(compiled, (values,))
         except Exception as e:  # noqa: BLE001 (out of memory: not chosen)
             if not _is_out_of_memory(e):
+                logger.info("the %s program could not be measured: %s", method, e)
                 return None
             seconds[method], failed[method] = None, str(e).splitlines()[0][:200]
     device = jax.devices()[0]
@@ -294,7 +295,10 @@ def choose(
         twin = measuring(transform, chunk)
         try:
             inputs = stand_ins(transform.name, *call, chunk)
-        except Exception:  # noqa: BLE001 (a leaf it cannot stand in for)
+        except Exception as e:  # noqa: BLE001 (a leaf it cannot stand in for)
+            logger.info(
+                "%s: no stand-in for the call's arguments: %s", transform.name, e
+            )
             return None
         methods = (ghost.Method.GHOST, ghost.Method.VMAP)
         programs = {m: program(twin, m) for m in methods}
