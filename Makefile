@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench bench-gpu docs diagrams clean
+.PHONY: demo test test-device bench bench-device docs diagrams clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,11 +44,12 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_statistics.py --out benchmarks/results/statistics.md
 	$(BIN)/python benchmarks/bench_families.py --out benchmarks/results/families.md
 
-# On a machine with a GPU: the headline workloads until jax.vmap runs out of memory,
-# under 4 minutes (`python benchmarks/gpu.py --quick` is the CPU smoke test).
-bench-gpu: $(VENV)/.installed
+# On a machine with an accelerator: the headline workloads until jax.vmap runs out of
+# memory, within 10 minutes, to benchmarks/results/<platform>.md (tpu.md on a TPU);
+# `python benchmarks/device.py --quick` is the CPU smoke test.
+bench-device: $(VENV)/.installed
 	mkdir -p benchmarks/results
-	$(BIN)/python benchmarks/gpu.py --out benchmarks/results/gpu.md
+	$(BIN)/python benchmarks/device.py
 
 # The documentation site (mkdocs-material + mkdocstrings), built strictly: any warning
 # (a broken link, a docstring mkdocstrings cannot parse) fails the build. Then every

@@ -1,5 +1,5 @@
 """The models DP is trained on, written the ordinary way in plain JAX, for the
-clipping benchmarks (`bench_clipping.py` table (c), `gpu.py`).
+clipping benchmarks (`bench_clipping.py` table (c), `device.py`, `bench_choice.py`).
 
 * a GPT-style language model: token and position embeddings read by indexing
   (`emb[tokens]`, a gather), pre-norm blocks with a fused QKV matrix and a 4x MLP,

@@ -34,7 +34,7 @@ def workloads(quick: bool) -> dict:
     lm = dict(models.LM, vocab=64, width=16, positions=4) if quick else models.LM
     mlp = {"widths": (32, 64, 64, 10)} if quick else models.MLP
     n_lm, n_mlp, members, shared = (
-        (4096, 32, 8, 64) if quick else (65536, 1024, 64, 65536)
+        (64, 32, 8, 64) if quick else (65536, 1024, 64, 65536)
     )
     lm_p = models.lm_params(rng, lm)
     lm_data = models.lm_batch(rng, n_lm, lm)

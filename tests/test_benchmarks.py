@@ -1,5 +1,5 @@
-"""The GPU benchmark script runs: `benchmarks/gpu.py --quick` on CPU, so that a lent
-GPU is never wasted on a script error (issue 17)."""
+"""The accelerator benchmark script runs: `benchmarks/device.py --quick` on CPU, so
+that a lent accelerator is never wasted on a script error (issue 17)."""
 
 import importlib.util
 import os
@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 
-GPU = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu.py"
+GPU = pathlib.Path(__file__).parent.parent / "benchmarks" / "device.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_gpu", GPU)
+    spec = importlib.util.spec_from_file_location("bench_device", GPU)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -52,6 +52,50 @@ def test_gpu_benchmark_quick(tmp_path):
                     assert cells[-1].startswith("n/a"), row
                     continue
                 assert float(cells[-1]) < 1e-4, row  # agrees with jax.vmap
+
+
+def test_device_benchmark_keeps_what_a_child_measured_before_it_was_cut():
+    """A child prints each row as it is measured: the rows of a child cut short
+    are kept, and the device it reported."""
+    gpu = _module()
+    printed = (
+        '{"row": {"workload": "ensemble", "method": "jax.vmap", "n": 16, '
+        '"status": "ok"}}\nsome log line\n'
+        '{"row": {"workload": "ensemble", "method": "jax.vmap", "n": 64, '
+        '"status": "OOM"}}\n{"info": {"platform": "tpu"}}\n{"row": {"wor'
+    )
+    rows, info = gpu.parse_child(printed)
+    assert [(r["n"], r["status"]) for r in rows] == [(16, "ok"), (64, "OOM")]
+    assert info == {"platform": "tpu"}
+
+
+def test_device_benchmark_sizes_follow_the_device_memory():
+    """The full sizes (for 139 GiB) scaled to a 15.75 GiB chip: powers of two, at
+    least 16; unchanged without a reported limit and for the quick sizes."""
+    gpu = _module()
+    chip = gpu.scaled(gpu.FULL, int(15.75 * 2**30))
+    assert chip["sizes"] == [128, 512, 2048, 8192]
+    assert chip["lm_sizes"] == [128, 512, 2048]
+    assert gpu.scaled(gpu.FULL, None) is gpu.FULL
+    assert gpu.scaled(gpu.QUICK, 2**30) is gpu.QUICK
+
+
+def test_device_benchmark_ratios_need_both_figures():
+    """A temp ratio where jax.vmap's figure is 0 (XLA:TPU reports 0 for programs
+    that hold gigabytes) is not a ratio: shown as –."""
+    import types
+
+    gpu = _module()
+    base = {"workload": "ensemble", "n": 64, "b": 16, "status": "ok", "run_s": 1.0}
+    base.update(compile_s=1.0, fingerprint=[[1.0, 1.0]], peak_bytes=None)
+    rows = [
+        dict(base, method="jax.vmap", temp_bytes=0, compiled_peak_bytes=2**20),
+        dict(base, method="batch_vmap", temp_bytes=3 * 2**20, compiled_peak_bytes=0),
+    ]
+    args = types.SimpleNamespace(quick=True, isolate=False)
+    text = gpu.render(rows, {"device": "x"}, gpu.QUICK, args, 1.0)
+    row = next(r for r in text.splitlines() if "| batch_vmap |" in r)
+    assert [c.strip() for c in row.strip("|").split("|")][6] == "–"
 
 
 def test_gpu_benchmark_sizes_stop_at_the_first_oom():

@@ -1,7 +1,9 @@
-"""GPU benchmark: the headline workloads as N grows until `jax.vmap` runs out of memory.
+"""Accelerator benchmark: the headline workloads as N grows until `jax.vmap` runs out
+of memory.
 
-One prepared script for a GPU that is lent for a few minutes (`make bench-gpu`, under
-4 minutes on one H200). Five workloads, each against `jax.vmap` (and
+One prepared script for an accelerator lent for a few minutes (`make bench-device`,
+within 10 minutes: `--budget` seconds, 540 by default, shared fairly among the
+workloads). Five workloads, each against `jax.vmap` (and
 `lax.map(batch_size=B)` where it applies) on the same inputs:
 
   per_example_grads  per-example gradients of an MLP, stacked (N x params):
@@ -24,11 +26,16 @@ For each workload, `jax.vmap` runs first over growing N; the sizes stop at the f
 where it runs out of memory (its error is caught and recorded as OOM), and every other
 method then runs over the same sizes. Each method is compiled (compile time), checked
 against `jax.vmap` when both ran, then timed (median of `--repeats` runs after one
-warm-up). Reported: XLA's compiled temp memory (`memory_analysis()`), the device's
-`memory_stats()["peak_bytes_in_use"]` where the backend has it (None on CPU), and
+warm-up). Reported: XLA's compiled memory (`memory_analysis()`: the temporaries, and
+the peak of arguments, outputs and temporaries live at once, which on a TPU is the
+figure that predicts what the device holds), the device's
+`memory_stats()["peak_bytes_in_use"]` where the backend has it (None on CPU; on a
+TPU it counts the buffers the process allocated, not a program's temporaries), and
 throughput in examples per second, as ratios against `jax.vmap` measured in the same
-run. Results go to `benchmarks/results/gpu.md` (or `--out`), rewritten after every
-workload so that a run cut short keeps what it measured.
+run. The sizes are those for 139 GiB of device memory (one H200), scaled to the
+device's `bytes_limit` (powers of two). Each child prints every row as soon as it
+is measured, and results go to `benchmarks/results/<platform>.md` (or `--out`),
+rewritten after every method, so that a run cut short keeps what it measured.
 
 Off CPU, each (workload, method) runs in its own process (`--isolate`), so that the
 peak-memory counter (a running maximum per process) belongs to that method alone and an
@@ -36,13 +43,14 @@ out-of-memory failure cannot disturb the next method. `--quick` runs tiny sizes,
 repeat, in one process on CPU in a few seconds: the suite runs it so that a lent GPU is
 never wasted on a script error. Nothing here needs the network.
 
-    python benchmarks/gpu.py [--quick] [--out benchmarks/results/gpu.md]
+    python benchmarks/device.py [--quick] [--out benchmarks/results/tpu.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -387,6 +395,7 @@ def measure(fn, args, repeats: int) -> dict:
     compile_s = time.perf_counter() - t0
     analysis = compiled.memory_analysis()
     temp = getattr(analysis, "temp_size_in_bytes", None)
+    compiled_peak = getattr(analysis, "peak_memory_in_bytes", None)
     result = jax.block_until_ready(compiled(*args))  # the warm-up
     times = []
     for _ in range(repeats):
@@ -398,6 +407,7 @@ def measure(fn, args, repeats: int) -> dict:
         "status": "ok",
         "compile_s": compile_s,
         "temp_bytes": temp,
+        "compiled_peak_bytes": compiled_peak,
         "peak_bytes": stats.get("peak_bytes_in_use"),
         "run_s": statistics.median(times),
         "result": result,
@@ -440,9 +450,10 @@ def fingerprint_err(a: list, b: list) -> float:
     )
 
 
-def run_method(name, method, sizes, cfg) -> list[dict]:
+def run_method(name, method, sizes, cfg, emit=lambda row: None) -> list[dict]:
     """One method of workload `name` over `sizes` (ascending); after an OOM the
-    larger sizes are recorded as OOM without running."""
+    larger sizes are recorded as OOM without running. `emit(row)` is called with
+    each row as soon as it is measured."""
     import jax
 
     make, methods = workload(name, cfg)
@@ -458,9 +469,11 @@ def run_method(name, method, sizes, cfg) -> list[dict]:
         rows.append(row)
         if failed is not None:
             row["status"] = failed
+            emit(row)
             continue
         if method.endswith("(microbatch)") and n % b:
             row["status"] = "n/a (B must divide N)"
+            emit(row)
             continue
         try:
             args = make(n)
@@ -474,6 +487,7 @@ def run_method(name, method, sizes, cfg) -> list[dict]:
                 first = (str(error).strip().splitlines() or [""])[0][:120]
                 row["status"] = f"error: {type(error).__name__}: {first}"
                 print(traceback.format_exc(), file=sys.stderr, flush=True)
+        emit(row)
     return rows
 
 
@@ -481,12 +495,36 @@ def device_info() -> dict:
     import jax
 
     device = jax.devices()[0]
+    stats = device.memory_stats() or {}
     return {
         "device": f"{device.device_kind} ({jax.default_backend()}, "
         f"{jax.device_count()} device(s))",
+        "platform": jax.default_backend(),
         "jax": jax.__version__,
-        "memory_stats": device.memory_stats() is not None,
+        "memory_stats": bool(stats),
+        "bytes_limit": stats.get("bytes_limit"),
     }
+
+
+# The full sizes are for this much device memory (one H200).
+FULL_BYTES = 139 * 2**30
+
+
+def scaled(cfg: dict, bytes_limit: int | None) -> dict:
+    """`cfg` with its sizes scaled to a device of `bytes_limit` bytes (powers of
+    two, at least 16 examples): jax.vmap then runs out of memory within them as on
+    the device they were chosen for."""
+    if not bytes_limit or cfg is QUICK:
+        return cfg
+    factor = bytes_limit / FULL_BYTES
+
+    def size(n: int) -> int:
+        return max(16, 2 ** round(math.log2(n * factor)))
+
+    out = dict(cfg)
+    for key in ("sizes", "ensemble_sizes", "lm_sizes"):
+        out[key] = sorted({size(n) for n in cfg[key]})
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -504,37 +542,75 @@ def sizes_until_oom(rows: list[dict]) -> list[int]:
 
 
 def child(args) -> None:
-    """`--child WORKLOAD METHOD`: print one JSON line per size, then the device."""
+    """`--child WORKLOAD METHOD`: print one JSON line per row as it is measured,
+    then the device; `--child info -`: the device alone."""
+    if args.child[0] == "info":
+        print(json.dumps({"info": device_info()}), flush=True)
+        return
     cfg = QUICK if args.quick else FULL
-    rows = run_method(args.child[0], args.child[1], args.sizes, cfg)
-    print(json.dumps({"rows": rows, "info": device_info()}), flush=True)
+
+    def emit(row: dict) -> None:
+        print(json.dumps({"row": row}), flush=True)
+
+    run_method(args.child[0], args.child[1], args.sizes, cfg, emit)
+    print(json.dumps({"info": device_info()}), flush=True)
+
+
+def parse_child(stdout: str) -> tuple[list[dict], dict]:
+    """The rows and the device a child printed (all it printed before it was
+    cut short)."""
+    rows, info = [], {}
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                out = json.loads(line)
+            except json.JSONDecodeError:  # the line it was printing when cut
+                continue
+            if "row" in out:
+                rows.append(out["row"])
+            info.update(out.get("info", {}))
+    return rows, info
 
 
 def run_isolated(name, method, sizes, args, deadline) -> tuple[list[dict], dict]:
+    """One method in a child process until `deadline`; the rows it measured (the
+    sizes it did not reach: cut by the time budget)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, method]
-    cmd += ["--sizes", *map(str, sizes)] + (["--quick"] if args.quick else [])
+    cmd += (["--sizes", *map(str, sizes)] if sizes else []) + (
+        ["--quick"] if args.quick else []
+    )
     left = deadline - time.monotonic()
-    skipped = [{"workload": name, "method": method, "n": n} for n in sizes]
     if left < 5:
-        return [dict(r, status="skipped (time budget)") for r in skipped], {}
+        return [
+            {"workload": name, "method": method, "n": n, "status": "skipped (time)"}
+            for n in sizes
+        ], {}
     try:
         proc = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=left,
-            cwd=HERE,
+            cmd, capture_output=True, text=True, timeout=left, cwd=HERE,
             env=args.child_env,
-        )
-    except subprocess.TimeoutExpired:
-        return [dict(r, status="timeout (time budget)") for r in skipped], {}
-    sys.stderr.write(proc.stderr)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            out = json.loads(line)
-            return out["rows"], out["info"]
-    status = "OOM" if "RESOURCE_EXHAUSTED" in proc.stderr else "crashed"
-    return [dict(r, status=f"{status} (exit {proc.returncode})") for r in skipped], {}
+        )  # fmt: skip
+        stdout, stderr, cut = proc.stdout, proc.stderr, None
+    except subprocess.TimeoutExpired as e:
+        stdout, stderr, cut = _text(e.stdout), _text(e.stderr), "cut (time budget)"
+    sys.stderr.write(stderr)
+    rows, info = parse_child(stdout)
+    if cut is None and len(rows) < len(sizes):
+        status = "OOM" if "RESOURCE_EXHAUSTED" in stderr else "crashed"
+        cut = f"{status} (exit {proc.returncode})"
+    done = {r["n"] for r in rows}
+    rows += [
+        {"workload": name, "method": method, "n": n, "status": cut}
+        for n in sizes
+        if n not in done
+    ]
+    return rows, info
+
+
+def _text(out: bytes | str | None) -> str:
+    if out is None:
+        return ""
+    return out.decode(errors="replace") if isinstance(out, bytes) else out
 
 
 def _mib(x):
@@ -555,11 +631,18 @@ def render(rows: list[dict], info: dict, cfg: dict, args, seconds: float) -> str
         "second, median of "
         f"{cfg['repeats']} run(s) after a warm-up; ratios are against `jax.vmap` "
         "at the same N in the same run (throughput / vmap > 1: faster; "
-        "temp / vmap < 1: less memory). temp: XLA's "
-        "compiled temp memory; peak: `memory_stats()['peak_bytes_in_use']` of the "
-        "process that ran the method ("
+        "temp / vmap < 1: less memory; – where either figure is 0). temp: XLA's "
+        "compiled temp memory; compiled peak: XLA's peak of arguments, outputs and "
+        "temporaries (`peak_memory_in_bytes`; on a TPU the figure that predicts "
+        "what the device holds); device peak: `memory_stats()['peak_bytes_in_use']` "
+        "of the process that ran the method ("
         + ("one process per method" if args.isolate else "one process for all")
-        + "; – where the backend has no memory stats). "
+        + "; on a TPU the buffers it allocated, not a program's temporaries; – "
+        "where the backend has no memory stats). Sizes: "
+        + ("the quick ones" if args.quick else "scaled to the device's bytes_limit")
+        + ". Float32 matrix products at the backend's default precision (on a TPU "
+        "a bfloat16 pass: the error column compares with jax.vmap at that "
+        "precision). "
         f"MLP {cfg['mlp']}, ensemble MLP {cfg['ensemble_mlp']} on "
         f"{cfg['ensemble_inputs']} shared inputs, sequence model {cfg['seq_mlp']} "
         f"over {cfg['seq_len']} steps per example.",
@@ -576,8 +659,9 @@ def render(rows: list[dict], info: dict, cfg: dict, args, seconds: float) -> str
             f"## {name}",
             "",
             "| N | B | method | status | compile s | temp MiB | temp / vmap "
-            "| peak MiB | examples/s | throughput / vmap | max rel err vs vmap |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| compiled peak MiB | device peak MiB | examples/s | throughput / vmap "
+            "| max rel err vs vmap |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted(mine, key=lambda r: r["n"]):
             ok = r.get("status") == "ok"
@@ -591,9 +675,10 @@ def render(rows: list[dict], info: dict, cfg: dict, args, seconds: float) -> str
                 r.get("status", "?"),
                 f"{r['compile_s']:.2f}" if ok else "–",
                 _mib(r.get("temp_bytes")) if ok else "–",
-                f"{r['temp_bytes'] / max(ref['temp_bytes'], 1):.3f}"
-                if ok and ref_ok and r.get("temp_bytes") is not None
+                f"{r['temp_bytes'] / ref['temp_bytes']:.3f}"
+                if ok and ref_ok and r.get("temp_bytes") and ref.get("temp_bytes")
                 else "–",
+                _mib(r.get("compiled_peak_bytes")) if ok else "–",
                 _mib(r.get("peak_bytes")) if ok else "–",
                 f"{tput:.4g}" if ok else "–",
                 f"{ref['run_s'] / r['run_s']:.2f}" if ok and ref_ok else "–",
@@ -611,7 +696,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, CPU")
     parser.add_argument(
-        "--out", default=os.path.join(HERE, "results", "gpu.md"), help="markdown file"
+        "--out", default=None, help="markdown file (default: results/<platform>.md)"
     )
     parser.add_argument("--workloads", nargs="+", default=WORKLOADS)
     parser.add_argument(
@@ -621,7 +706,7 @@ def main(argv=None) -> None:
         help="one process per method (default: on, except with --quick)",
     )
     parser.add_argument(
-        "--budget", type=float, default=220.0, help="seconds for the whole run"
+        "--budget", type=float, default=540.0, help="seconds for the whole run"
     )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
@@ -630,39 +715,45 @@ def main(argv=None) -> None:
         return child(args)
     if args.isolate is None:
         args.isolate = not args.quick
+    start = time.monotonic()
+    deadline = start + args.budget
     if args.isolate:
         # This process only orchestrates: it must never start the accelerator's
         # backend (which would take its memory from the children).
         args.child_env = dict(os.environ)
         os.environ["JAX_PLATFORMS"] = "cpu"
-    cfg = QUICK if args.quick else FULL
-    start = time.monotonic()
-    deadline = start + args.budget
-    rows: list[dict] = []
-    info: dict = {}
-    if not args.isolate:
+        _, info = run_isolated("info", "-", [], args, deadline)
+    else:
         info = device_info()
+    cfg = scaled(QUICK if args.quick else FULL, info.get("bytes_limit"))
+    out = args.out or os.path.join(
+        HERE, "results", f"{info.get('platform', 'device')}.md"
+    )
+    rows: list[dict] = []
     if jax_privacy_clipping() is None:
         info["jax_privacy"] = (
             "jax-privacy is not importable here: its `clipped_grad` rows are skipped."
         )
         print(info["jax_privacy"], flush=True)
-    for name in args.workloads:
+    for k, name in enumerate(args.workloads):
+        # a fair share of the time left for each workload still to run
+        share = (deadline - time.monotonic()) / (len(args.workloads) - k)
+        until = time.monotonic() + share
         sizes = sizes_of(name, cfg)
         for method in method_names(name, cfg):
             print(f"{name}: {method} over N = {sizes}", flush=True)
             if args.isolate:
-                got, child_info = run_isolated(name, method, sizes, args, deadline)
+                got, child_info = run_isolated(name, method, sizes, args, until)
                 info.update(child_info)
             else:
                 got = run_method(name, method, sizes, cfg)
             rows += got
             if method == "jax.vmap":
                 sizes = sizes_until_oom(got)
-        text = render(rows, info, cfg, args, time.monotonic() - start)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            fh.write(text)
+            text = render(rows, info, cfg, args, time.monotonic() - start)
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            with open(out, "w") as fh:
+                fh.write(text)
     print(text, flush=True)
 
 
