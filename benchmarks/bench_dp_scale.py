@@ -1,0 +1,233 @@
+"""DP-SGD at scale: one step of a GPT-2-small-class LM and of a ViT-B/16-class model,
+private (ghost clipping) against the non-private step, and the largest lot each
+program reaches.
+
+Models (`_dp_models.py`, bf16 compute: float32 parameters cast inside the loss):
+
+  gpt2    V=50257, d=768, 12 blocks, 12 heads, T=256, the head tied to the
+          embedding (124M parameters);
+  vit     224x224 images in 16x16 patches (196 tokens), d=768, 12 blocks, 12
+          heads, 1000 classes (86M parameters).
+
+Programs, each one jitted step over a lot of N examples:
+
+  non-private   `jax.grad` of the mean loss over the lot (one batch);
+  ghost         `clipped_grad(method="ghost", batch_size=B)`: the clipped sum;
+  vmap          `clipped_grad(method="vmap", batch_size=B)`;
+  jax.vmap      per-example gradients of the whole lot, clipped and summed;
+  jax-privacy   `jax_privacy.clipping.clipped_grad(microbatch_size=B)` (where
+                importable).
+
+Table 1: time per step and throughput against the non-private step at each N
+(interleaved rounds, median). Table 2: the largest lot each program runs (N doubled
+until the device runs out of memory, within `--budget` seconds), with XLA's
+compiled peak memory (arguments, outputs and temporaries) at each N: flat in N for
+the chunked programs.
+
+    python benchmarks/bench_dp_scale.py --model gpt2 [--quick] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+
+import _dp_models as models
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import chunkvmap
+
+
+GPT2 = {"vocab": 50257, "width": 768, "positions": 256, "blocks": 12, "heads": 12}
+VIT_B16 = {
+    "image": 224, "patch": 16, "width": 768, "blocks": 12, "heads": 12,
+    "classes": 1000,
+}  # fmt: skip
+QUICK_LM = {"vocab": 64, "width": 16, "positions": 8, "blocks": 1, "heads": 2}
+QUICK_VIT = dict(VIT_B16, image=16, patch=8, width=16, blocks=1, heads=2, classes=4)
+
+
+def _bf16(p):
+    return jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+
+
+def model(name: str, quick: bool):
+    """(params, loss of one example, batch maker)."""
+    rng = np.random.default_rng(0)
+    if name == "gpt2":
+        cfg = QUICK_LM if quick else GPT2
+
+        def loss(p, tokens, targets):
+            logits = models.lm_logits(_bf16(p), tokens, cfg["heads"])
+            logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+            return -jnp.mean(jnp.take_along_axis(logp, targets[:, None], 1))
+
+        return (
+            models.lm_params(rng, cfg, tied=True),
+            loss,
+            lambda n: models.lm_batch(rng, n, cfg),
+        )
+    cfg = QUICK_VIT if quick else VIT_B16
+
+    def vit_loss(p, image, label):
+        logits = models.vit_logits(_bf16(p), image.astype(jnp.bfloat16), cfg)
+        return -jax.nn.log_softmax(logits.astype(jnp.float32))[label]
+
+    return (
+        models.vit_params(rng, cfg),
+        vit_loss,
+        lambda n: models.vit_batch(rng, n, cfg),
+    )
+
+
+def programs(loss, b: int) -> dict:
+    """name -> step(params, *lot)."""
+
+    def non_private(p, *lot):
+        def mean(p):
+            return jnp.mean(jax.vmap(loss, (None, 0, 0))(p, *lot))
+
+        return jax.grad(mean)(p)
+
+    def jax_vmap(p, *lot):
+        grads = jax.vmap(jax.grad(loss), (None, 0, 0))(p, *lot)
+        sq = sum(
+            jnp.sum(g.reshape(g.shape[0], -1).astype(jnp.float32) ** 2, 1)
+            for g in jax.tree.leaves(grads)
+        )
+        scale = jnp.minimum(1.0, 1.0 / jnp.sqrt(sq))
+        return jax.tree.map(lambda g: jnp.tensordot(scale, g, 1), grads)
+
+    kw = dict(l2_clip_norm=1.0, batch_argnums=(1, 2), keep_batch_dim=False)
+    out = {
+        "non-private": non_private,
+        "ghost": chunkvmap.clipped_grad(loss, method="ghost", batch_size=b, **kw),
+        "vmap": chunkvmap.clipped_grad(loss, method="vmap", batch_size=b, **kw),
+        "jax.vmap": jax_vmap,
+    }
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from jax_privacy import clipping
+    except Exception:  # noqa: BLE001 (not installed here)
+        return out
+    private = clipping.clipped_grad(
+        loss, l2_clip_norm=1.0, batch_argnums=(1, 2), keep_batch_dim=False,
+        microbatch_size=b,
+    )  # fmt: skip
+
+    def jax_privacy(p, *lot):
+        with jax.numpy_dtype_promotion("standard"):
+            return private(p, *lot)
+
+    out["jax-privacy"] = jax_privacy
+    return out
+
+
+def _oom(e: BaseException) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "OOM" in text
+
+
+def compiled(step, params, lot):
+    """The compiled step and XLA's peak memory figure (None where it cannot
+    compile for memory)."""
+    try:
+        c = jax.jit(step).lower(params, *lot).compile()
+    except Exception as e:  # noqa: BLE001
+        if _oom(e):
+            return None, None
+        raise
+    return c, getattr(c.memory_analysis(), "peak_memory_in_bytes", None)
+
+
+def timed(steps: dict, params, lot, rounds: int) -> dict:
+    """Median seconds per step, interleaved; None for a program out of memory."""
+    times: dict = {k: [] for k in steps}
+    for _ in range(rounds + 1):  # the first round warms up
+        for k, c in steps.items():
+            if c is None or times[k] is None:
+                continue
+            try:
+                start = time.perf_counter()
+                jax.block_until_ready(c(params, *lot))
+                times[k].append(time.perf_counter() - start)
+            except Exception as e:  # noqa: BLE001
+                if not _oom(e):
+                    raise
+                times[k] = None
+    return {k: statistics.median(v[1:]) if v else None for k, v in times.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["gpt2", "vit"], default="gpt2")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--batch", type=int, default=None, help="chunk size B")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=500.0, help="seconds")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    b = args.batch or (4 if args.quick else 32)
+    sizes = args.sizes or ([8, 16] if args.quick else [64, 256])
+    params, loss, batch = model(args.model, args.quick)
+    steps = programs(loss, b)
+    device = jax.devices()[0]
+    size = sum(x.size for x in jax.tree.leaves(params))
+    lines = [
+        f"# DP-SGD step, {args.model} ({size / 1e6:.1f}M parameters, bf16 compute) "
+        f"on {getattr(device, 'device_kind', device.platform)}, B={b}",
+        "",
+        "| N | program | ms / step | throughput / non-private | compiled peak MiB |",
+        "|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    largest = {k: 0 for k in steps}
+    for n in sizes:
+        lot = batch(n)
+        built = {k: compiled(f, params, lot) for k, f in steps.items()}
+        t = timed({k: c for k, (c, _) in built.items()}, params, lot, args.rounds)
+        base = t.get("non-private")
+        for k, (_, peak) in built.items():
+            if t[k] is not None:
+                largest[k] = max(largest[k], n)
+            ratio = f"{base / t[k]:.2f}" if base and t[k] else "–"
+            row = (
+                f"| {n} | {k} | {'OOM' if t[k] is None else f'{1e3 * t[k]:.1f}'} | "
+                f"{ratio} | {'–' if peak is None else f'{peak / 2**20:.0f}'} |"
+            )
+            lines.append(row)
+            print(row, flush=True)
+    # The largest lot: doubling from the largest size measured, while time lasts.
+    lines += [
+        "",
+        "| program | largest lot run | first lot out of memory |",
+        "|---|---|---|",
+    ]
+    for k, f in steps.items():
+        n, failed = largest[k], None
+        while n and time.monotonic() - start < args.budget:
+            n *= 2
+            c, _ = compiled(f, params, batch(n))
+            ok = c is not None and timed({k: c}, params, batch(n), 0)[k] is not None
+            if not ok:
+                failed = n
+                break
+            largest[k] = n
+        row = f"| {k} | {largest[k]} | {failed or 'not reached (time)'} |"
+        lines.append(row)
+        print(row, flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
