@@ -387,6 +387,30 @@ MUTANTS = {
         ),
         [*GHOST_TESTS, "test_choice"],
     ),
+    "auto: an accelerator's temporary figure taken for its memory": (
+        (
+            "chunkvmap/_core/_memory.py",
+            '    if jax.default_backend() == "cpu":\n        return temp\n',
+            "    return temp\n",
+        ),
+        ["test_auto"],
+    ),
+    "auto: the budget counts memory the device already holds as free": (
+        (
+            "chunkvmap/_core/_memory.py",
+            '    free = limit - int((stats or {}).get("bytes_in_use", 0))\n',
+            "    free = limit\n",
+        ),
+        ["test_auto"],
+    ),
+    "backend: a dtype the backend lacks reaches its compiler": (
+        (
+            "chunkvmap/_transforms/_batch_vmap.py",
+            "    if not missing:\n        return\n",
+            "    return\n",
+        ),
+        ["test_errors", "test_grads"],
+    ),
     "choice: the slower measured program runs": (
         (
             "chunkvmap/_dp/_choice.py",

@@ -331,3 +331,28 @@ def test_auto_keeps_the_largest_size_where_the_shorter_one_does_not_fit():
         return 10**9 if b == 128 else 1000 * b
 
     assert _memory.choose_batch_size("test", measure, 256, 1000 * 255) == 255
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu", "gpu"])
+def test_the_figure_auto_reads_follows_the_backend(monkeypatch, backend):
+    """On CPU the compiled temporary memory; on an accelerator the compiled peak
+    less the arguments (XLA:TPU reports temporaries of 0 for programs that hold
+    gigabytes), or the temporaries where no peak is reported."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    analysis = types.SimpleNamespace(
+        temp_size_in_bytes=0, peak_memory_in_bytes=900, argument_size_in_bytes=300
+    )
+    assert _memory.program_bytes(analysis) == (0 if backend == "cpu" else 600)
+    analysis.peak_memory_in_bytes = 0
+    analysis.temp_size_in_bytes = 50
+    assert _memory.program_bytes(analysis) == 50
+
+
+def test_the_default_budget_is_a_share_of_the_free_device_memory(monkeypatch):
+    """90% of what the device has free: its limit less what it holds."""
+    fake = types.SimpleNamespace(
+        platform="tpu",
+        memory_stats=lambda: {"bytes_limit": 16 * 2**30, "bytes_in_use": 6 * 2**30},
+    )
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: [fake])
+    assert _memory.default_limit("batch_vmap") == int(0.9 * 10 * 2**30)
