@@ -819,3 +819,30 @@ def test_the_gram_of_zero_examples_is_empty(method):
     matrix, aux = gram(p, jnp.ones((3, 5)), other=(p, jnp.ones((0, 5))))
     assert matrix.shape == (3, 0) and aux.shape == (3,)
     tree_allclose(matrix, jnp.zeros((3, 0), jnp.float32))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_ghost_moments_never_merge_padding_that_nothing_stands_in_for(
+    monkeypatch, always_ghost, jit
+):
+    """Each chunk evaluates its padding on a real example's values; were that not
+    so (nothing stood in), the ghost moments would still merge a padding example
+    with weight 0 and its NaN gradient masked: the statistics are the real
+    examples' (N = 7 real of 10, chunks of 4)."""
+    from chunkvmap._core import _loop
+
+    monkeypatch.setattr(_loop.Chunks, "stand_in", lambda self, chunk, *_: chunk)
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p["w"]) ** 2)
+
+    rng = np.random.default_rng(3)
+    p = {"w": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(10, 3)), jnp.float32)
+    pad = jnp.arange(10) >= 7
+    x = jnp.where(pad[:, None], jnp.nan, x)
+    f = chunkvmap.per_example_grad_stats(loss, batch_size=4, method="ghost")
+    got = (jax.jit(f) if jit else f)(p, x, is_padding_example=pad)
+    want = chunkvmap.per_example_grad_stats(loss)(p, x[:7])
+    tree_allclose(got.mean, want.mean, rtol=1e-5, atol=1e-6)
+    tree_allclose(got.variance, want.variance, rtol=1e-4, atol=1e-6)
