@@ -323,3 +323,31 @@ def test_ghost_report_measures_on_an_accelerator(measured):
     assert report.runs == "vmap" and report.timing.chunk == 64
     assert f"measured on {_device_kind()} for a chunk of 64 examples" in str(report)
     assert report.rule("args[0]['w']") == "ghost"
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_an_equinox_model_is_measured(measured, how):
+    """An Equinox MLP (a module holding its activation functions) as the
+    parameters: the stand-ins keep what is not an array, both programs are
+    measured, and the result is the vmap method's."""
+    eqx = pytest.importorskip("equinox")
+    timings, times = measured
+    times(1e-3, 2e-3)
+    model = eqx.nn.MLP(6, 3, 16, 2, key=jax.random.key(0))
+
+    def loss(model, x, y):
+        return jnp.sum((model(x) - y) ** 2)
+
+    _, x, y = _problem()
+    ghost = chunkvmap.clipped_grad_sum(loss, 1.0, batch_size=5, method="ghost")
+    vmap = chunkvmap.clipped_grad_sum(loss, 1.0, batch_size=5)
+    wrap = eqx.filter_jit if how == "jit" else (lambda f: f)
+    got, count = wrap(ghost)(model, x, y)
+    want, _ = vmap(model, x, y)
+    tree_allclose(
+        eqx.filter(got, eqx.is_array),
+        eqx.filter(want, eqx.is_array),
+        rtol=2e-5,
+        atol=1e-5,
+    )
+    assert len(timings) == 1 and timings[0] is not None and int(count) == 13
