@@ -457,6 +457,9 @@ def check_backend_dtypes(name: str, args: tuple, kwargs: dict) -> None:
     missing = _MISSING_DTYPES.get(jax.default_backend())
     if not missing:
         return
+    leaves = jax.tree.leaves((args, kwargs))
+    if not any(getattr(x, "dtype", None) in missing for x in leaves):
+        return  # (the paths only for the message)
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and dtype in missing:
