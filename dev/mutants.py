@@ -411,6 +411,14 @@ MUTANTS = {
         ),
         ["test_errors", "test_grads"],
     ),
+    "choice: an unmeasured accelerator call warned by the CPU model": (
+        (
+            "chunkvmap/_dp/_choice.py",
+            '    if not timed and platform() != "cpu":\n        report = _unmeasured(report)\n',
+            "",
+        ),
+        ["test_choice"],
+    ),
     "choice: the slower measured program runs": (
         (
             "chunkvmap/_dp/_choice.py",

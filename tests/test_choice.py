@@ -377,3 +377,29 @@ def test_a_flax_linen_model_is_measured(measured):
     want, _ = chunkvmap.clipped_grad_sum(loss, 1.0, batch_size=5)(variables, x, y)
     tree_allclose(got, want, rtol=2e-5, atol=1e-5)
     assert len(timings) == 1 and timings[0] is not None
+
+
+def test_an_unmeasured_accelerator_call_is_not_warned_slower(monkeypatch):
+    """On an accelerator, a call the choice cannot measure (here: a mesh's, told
+    it is not measured) keeps the model's program, the ghost program it predicts
+    slower but smaller, without the CPU model's "slower" warning; on CPU the
+    warning stays."""
+    from .test_ghost import _wide_over_positions
+
+    rng = np.random.default_rng(2)
+    p = {"w": jnp.asarray(rng.normal(size=(256, 256)) / 16, jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(6, 64, 256)), jnp.float32)
+    f = chunkvmap.clipped_grad_sum(
+        _wide_over_positions, 1.0, batch_size=6, method="ghost"
+    )
+    with pytest.warns(chunkvmap.GhostFallbackWarning, match="predicted slower"):
+        f(p, x)
+    monkeypatch.setattr(_choice, "platform", lambda: "tpu")
+    g = chunkvmap.clipped_grad_sum(
+        _wide_over_positions, 1.0, batch_size=6, method="ghost"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        total, _ = g(p, x)
+    tree_allclose(total, f(p, x)[0])
+    assert str(jax.make_jaxpr(g)(p, x)) == str(jax.make_jaxpr(f)(p, x))  # ghost

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import _axes
+from .._core import _axes, _memory
 from .._transforms._batch_vmap import Transform
 from . import ghost
 from .ghost import _plan
@@ -204,13 +204,16 @@ def time_programs(programs: dict, call: tuple, chunk: int) -> Timing | None:
 
 
 def compiled_memory(programs: dict, call: tuple) -> dict | None:
-    """XLA's compiled temporary memory of each of `programs` on `call`'s arrays
-    (abstract: nothing runs); None where one cannot be compiled on its own."""
+    """XLA's compiled memory of each of `programs` on `call`'s arrays beyond the
+    arrays (`_memory.program_bytes`; abstract: nothing runs); None where one
+    cannot be compiled on its own."""
     programs, values = _of_arrays(programs, call)
     abstract = [jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v)) for v in values]
     try:
         return {
-            m: jax.jit(f).lower(abstract).compile().memory_analysis().temp_size_in_bytes
+            m: _memory.program_bytes(
+                jax.jit(f).lower(abstract).compile().memory_analysis()
+            )
             for m, f in programs.items()
         }
     except Exception:  # noqa: BLE001 (a loss closing over a traced value)
@@ -261,6 +264,20 @@ def memory_checked(report: ghost.GhostReport, figures: dict) -> ghost.GhostRepor
     )
 
 
+def _unmeasured(report: ghost.GhostReport) -> ghost.GhostReport:
+    """An accelerator's call the choice cannot measure (spread over a mesh, or
+    closing over a traced value) keeps the model's program, but not its "slower":
+    the model is the CPU's, and on an accelerator the ghost program it calls
+    slower is mostly the faster (no warning says otherwise)."""
+    if not report.slower:
+        return report
+    return report.replace(
+        slower=False,
+        why=f"{report.why} (predicted by the CPU's cost model; on this "
+        f"{platform()} backend the call is not measured)",
+    )
+
+
 def _needs_memory(report: ghost.GhostReport) -> bool:
     """Whether the model's verdict runs a ghost program predicted slower for the
     memory it saves, by a prediction not clear enough to take as it is."""
@@ -285,6 +302,8 @@ def choose(
     if not any(rule == ghost.GHOST for _, _, rule, _ in report.rows) or size == 0:
         return report  # no leaf has a ghost norm: nothing to measure
     timed = measurable(transform)
+    if not timed and platform() != "cpu":
+        report = _unmeasured(report)
     if not timed and not _needs_memory(report):
         return report
     if chunk is None:
