@@ -414,7 +414,7 @@ MUTANTS = {
     "choice: an unmeasured accelerator call warned by the CPU model": (
         (
             "chunkvmap/_dp/_choice.py",
-            '    if not timed and platform() != "cpu":\n        report = _unmeasured(report)\n',
+            '    if platform() != "cpu":\n        report = _unmeasured(report)\n',
             "",
         ),
         ["test_choice"],

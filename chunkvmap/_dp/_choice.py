@@ -285,6 +285,20 @@ def _needs_memory(report: ghost.GhostReport) -> bool:
     return report.slower and verdict is not None and verdict.kept_share > _CLEAR_SHARE
 
 
+def settled_report(report: ghost.GhostReport, timed: bool) -> Any:
+    """The report `choose` gives without measuring anything (no leaf has a ghost
+    norm; on CPU a verdict that is no close call for memory; an accelerator's call
+    it cannot measure), or None where it measures (`timed`: the call can be
+    timed)."""
+    if not any(rule == ghost.GHOST for _, _, rule, _ in report.rows):
+        return report  # no leaf has a ghost norm: nothing to measure
+    if timed:
+        return None
+    if platform() != "cpu":
+        report = _unmeasured(report)
+    return None if _needs_memory(report) else report
+
+
 def choose(
     transform: Transform,
     report: ghost.GhostReport,
@@ -299,13 +313,12 @@ def choose(
     on CPU the model's `report`, its memory checked where it runs a ghost program
     predicted slower. `program(twin, method)` is the call's program for `method`,
     `call` its `(args, kwargs, in_axes)`; the measurements are kept by `memo`."""
-    if not any(rule == ghost.GHOST for _, _, rule, _ in report.rows) or size == 0:
-        return report  # no leaf has a ghost norm: nothing to measure
-    timed = measurable(transform)
-    if not timed and platform() != "cpu":
-        report = _unmeasured(report)
-    if not timed and not _needs_memory(report):
+    if size == 0:
         return report
+    timed = measurable(transform)
+    settled = settled_report(report, timed)
+    if settled is not None:
+        return settled
     if chunk is None:
         chunk = chunk_size(transform, size) if timed else _MEMORY_CHUNK
     device = jax.devices()[0]

@@ -379,12 +379,20 @@ _REPORT_CHUNK = 64
 
 def report_for(
     fun: Callable[..., Any], args: tuple, kwargs: dict, diff: tuple,
-    mapped: tuple, has_aux: bool,
+    mapped: tuple, has_aux: bool, traced: Any,
 ) -> ghost.GhostReport:  # fmt: skip
-    """`ghost_report`'s report of one example's arguments: the verdict of
-    `clipped_grad_sum(method="ghost")`'s choice for chunks of `_REPORT_CHUNK`
-    examples (measured on an accelerator; the model's on CPU)."""
+    """`ghost_report`'s report of one example's arguments (`traced`: its loss):
+    the verdict of `clipped_grad_sum(method="ghost")`'s choice for chunks of
+    `_REPORT_CHUNK` examples (measured on an accelerator; the model's on CPU, its
+    close calls for memory compiled)."""
     name = "ghost_report"
+    timed = (
+        _choice.platform() in _choice.MEASURED_PLATFORMS
+        and jax.sharding.get_abstract_mesh().empty
+    )
+    settled = _choice.settled_report(ghost.report_of(traced.plan), timed)
+    if settled is not None:
+        return settled
     transform = grad_transform(name, fun, diff, mapped, exclusive=True)
     config = Clipping(1.0, nan_safe=False, has_aux=has_aux, method=ghost.Method.GHOST)
     batched = tuple(

@@ -265,7 +265,7 @@ def ghost_report(
     check_scalar_loss(name, traced)
     from .. import _clipping  # (which imports this module)
 
-    return _clipping.report_for(fun, args, kwargs, diff, mapped, has_aux)
+    return _clipping.report_for(fun, args, kwargs, diff, mapped, has_aux, traced)
 
 
 # The options of the chunked gradient functions, which ghost_report does not take.
