@@ -1,0 +1,130 @@
+"""The chunk loop against `jax.vmap`: throughput ratios on the default device.
+
+  forward           `batch_vmap(model, batch_size=N/16)` against `jax.vmap(model)`,
+                    for an MLP, the GPT-style LM and the CIFAR-style convnet (NHWC);
+  per-example       `per_example_grads(loss, batch_size=N/16)` against
+                    `jax.vmap(jax.grad(loss))` (the MLP);
+  clipped           `clipped_grad(method="vmap")` against
+                    `clipped_grad_sum(method="vmap")`, same chunks (the MLP).
+
+Each pair is jitted, compiled, then timed interleaved (median of `--repeats`
+rounds). With `--hlo DIR` the optimised HLO of each chunked program is written
+there, to find where the loop's time goes (copies of each chunk's slice, the
+stacking of its outputs, fusion boundaries at the loop's edge).
+
+    python benchmarks/bench_loop.py [--quick] [--n N] [--hlo DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import _dp_models as models
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import chunkvmap
+
+
+def pairs(quick: bool, n: int) -> dict:
+    """name -> (ours, reference, args)."""
+    rng = np.random.default_rng(0)
+    b = max(1, n // 16)
+    mlp = {"widths": (32, 64, 64, 10)} if quick else models.MLP
+    lm = dict(models.LM, vocab=64, width=16, positions=4) if quick else models.LM
+    cnn = dict(models.CNN, channels=(3, 4, 8), image=8) if quick else models.CNN
+    mp, (mx, my) = models.mlp_params(rng, mlp), models.mlp_batch(rng, n, mlp)
+    lp, (lt, _) = models.lm_params(rng, lm), models.lm_batch(rng, n, lm)
+    cp, (ci, _) = models.cnn_params(rng, cnn), models.cnn_batch(rng, n, cnn)
+
+    def mlp_forward(p, x):
+        for layer in p[:-1]:
+            x = jnp.tanh(x @ layer["w"] + layer["b"])
+        return x @ p[-1]["w"] + p[-1]["b"]
+
+    def lm_forward(p, tokens):
+        return models.lm_logits(p, tokens, lm["heads"])
+
+    grad = jax.grad(models.mlp_loss)
+    clip = dict(l2_clip_norm=1.0, batch_argnums=(1, 2), keep_batch_dim=False)
+    return {
+        "MLP forward": (
+            chunkvmap.batch_vmap(mlp_forward, (None, 0), batch_size=b),
+            jax.vmap(mlp_forward, (None, 0)),
+            (mp, mx),
+        ),
+        "LM forward": (
+            chunkvmap.batch_vmap(lm_forward, (None, 0), batch_size=b),
+            jax.vmap(lm_forward, (None, 0)),
+            (lp, lt),
+        ),
+        "CNN forward (NHWC)": (
+            chunkvmap.batch_vmap(models.cnn_logits, (None, 0), batch_size=b),
+            jax.vmap(models.cnn_logits, (None, 0)),
+            (cp, ci),
+        ),
+        "MLP per_example_grads": (
+            chunkvmap.per_example_grads(models.mlp_loss, batch_size=b),
+            jax.vmap(grad, (None, 0, 0)),
+            (mp, mx, my),
+        ),
+        "MLP clipped_grad vs clipped_grad_sum": (
+            chunkvmap.clipped_grad(models.mlp_loss, batch_size=b, **clip),
+            lambda p, x, y: chunkvmap.clipped_grad_sum(
+                models.mlp_loss, 1.0, batch_size=b
+            )(p, x, y)[0],
+            (mp, mx, my),
+        ),
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--n", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--hlo", default=None, help="write each chunked program's HLO")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    n = args.n or (64 if args.quick else 65536)
+    device = jax.devices()[0]
+    lines = [
+        f"# The chunk loop on {getattr(device, 'device_kind', device.platform)}: "
+        f"N={n}, B=N/16, median of {args.repeats} interleaved rounds",
+        "",
+        "| workload | ours ms | reference ms | throughput / reference |",
+        "|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for name, (ours, ref, call) in pairs(args.quick, n).items():
+        compiled = [jax.jit(f).lower(*call).compile() for f in (ours, ref)]
+        if args.hlo:
+            os.makedirs(args.hlo, exist_ok=True)
+            path = os.path.join(args.hlo, name.replace(" ", "_") + ".txt")
+            with open(path, "w") as fh:
+                fh.write(compiled[0].as_text())
+        times: list[list[float]] = [[], []]
+        for _ in range(args.repeats + 1):
+            for k, c in enumerate(compiled):
+                start = time.perf_counter()
+                jax.block_until_ready(c(*call))
+                times[k].append(time.perf_counter() - start)
+        t_ours, t_ref = (statistics.median(t[1:]) for t in times)
+        row = (
+            f"| {name} | {1e3 * t_ours:.2f} | {1e3 * t_ref:.2f} | "
+            f"{t_ref / t_ours:.2f} |"
+        )
+        lines.append(row)
+        print(row, flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
