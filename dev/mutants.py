@@ -419,6 +419,22 @@ MUTANTS = {
         ),
         ["test_choice"],
     ),
+    "choice: a failed measurement warned slower by the CPU model": (
+        (
+            "chunkvmap/_dp/_choice.py",
+            "        return _unmeasured(report)\n    logger.info(",
+            "        return report\n    logger.info(",
+        ),
+        ["test_choice"],
+    ),
+    "choice: each process of a job times its own": (
+        (
+            "chunkvmap/_dp/_choice.py",
+            "        and jax.process_count() == 1\n",
+            "",
+        ),
+        ["test_choice"],
+    ),
     "choice: the slower measured program runs": (
         (
             "chunkvmap/_dp/_choice.py",

@@ -403,3 +403,76 @@ def test_an_unmeasured_accelerator_call_is_not_warned_slower(monkeypatch):
         total, _ = g(p, x)
     tree_allclose(total, f(p, x)[0])
     assert str(jax.make_jaxpr(g)(p, x)) == str(jax.make_jaxpr(f)(p, x))  # ghost
+
+
+def test_a_measurement_that_fails_gives_no_slower_warning(measured):
+    """Where the call cannot be measured (the loss closes over a value traced by
+    an enclosing grad), a model's "predicted slower" is not said on a measured
+    platform: the model's program runs, silently."""
+    from .test_ghost import _wide_over_positions
+
+    timings, _ = measured
+    rng = np.random.default_rng(2)
+    p = {"w": jnp.asarray(rng.normal(size=(256, 256)) / 16, jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(6, 64, 256)), jnp.float32)
+
+    def outer(s):
+        f = chunkvmap.clipped_grad_sum(
+            lambda p, x: s * _wide_over_positions(p, x), 1.0, batch_size=6,
+            method="ghost",
+        )  # fmt: skip
+        return f(p, x)[0]["w"].sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.grad(outer)(jnp.float32(2.0))
+    assert timings == [None]
+
+
+def test_measuring_says_nothing_of_its_stand_ins(measured):
+    """The measured programs see chunk-sized stand-ins: a table passed whole
+    whose leading axis is the chunk's size is not taken for a batch (no warning
+    that only the stand-ins would give)."""
+    timings, times = measured
+    times(1e-3, 2e-3)
+
+    def loss(p, x, y, table):
+        return _loss(p, x, y) + jnp.sum(table) * p["b"][0]
+
+    p, x, y = _problem()
+    table = jnp.ones((5, 4))
+    kw = dict(batch_argnums=(1, 2), batch_size=5, method="ghost")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chunkvmap.per_example_grad_stats(loss, **kw)(p, x, y, table)
+        chunkvmap.clipped_grad_sum(loss, 1.0, **kw)(p, x, y, table)
+    assert len(timings) == 2
+
+
+def test_ghost_report_takes_what_it_took_before_where_it_measures(measured):
+    """Measuring for the report never refuses an argument the report takes: a
+    string option of the loss, a dict holding one, argnums overlapping the
+    examples' (a clipping call would not map them: the verdict is then the
+    model's, unmeasured)."""
+    timings, times = measured
+    times(1e-3, 2e-3)
+    p, x, _ = _problem()
+
+    def loss(p, x, cfg, mode="sum"):
+        h = jnp.tanh(x @ p["w"])
+        return jnp.sum(h) if cfg["mode"] == mode else jnp.mean(h)
+
+    report = chunkvmap.ghost_report(loss, p, x[0], {"mode": "sum"}, mode="sum")
+    assert report.rule("args[0]['w']") == "ghost" and report.timing is None
+    both = chunkvmap.ghost_report(_loss, p, x[0], x[0, :3], batch_argnums=(0, 1, 2))
+    assert isinstance(both, GhostReport) and both.timing is None
+
+
+def test_several_processes_keep_the_model(measured, monkeypatch):
+    """In a job of several processes no timing decides the program (each process
+    would time its own): the model's choice, as before."""
+    timings, _ = measured
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    p, x, y = _problem()
+    chunkvmap.clipped_grad_sum(_loss, 1.0, batch_size=5, method="ghost")(p, x, y)
+    assert timings == []

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -75,13 +76,16 @@ def platform() -> str:
 
 def measurable(transform: Transform) -> bool:
     """Whether the choice is measured for calls of `transform`: on an accelerator,
-    unspread (a mesh's calls keep the model's choice)."""
+    unspread, in a single process (a mesh's calls, and a job of several
+    processes, keep the model's choice: timings would differ between them)."""
     options = transform.options
     spread = options.shard or options.mesh is not None
     return (
         platform() in MEASURED_PLATFORMS
         and not spread
         and jax.sharding.get_abstract_mesh().empty
+        # every process must run the same program: no timing may decide it
+        and jax.process_count() == 1
     )
 
 
@@ -339,12 +343,14 @@ def choose(
         return compiled_memory(programs, inputs)
 
     key = ("timed" if timed else "memory", chunk, device.id, device.platform)
-    measured = memo(key, measure)
-    if measured is None:
-        return report
+    with warnings.catch_warnings():  # the twin's own (its stand-ins are not N)
+        warnings.simplefilter("ignore")
+        measured = memo(key, measure)
     if not timed:
-        return memory_checked(report, measured)
-    chosen = measured_report(report, measured)
+        return report if measured is None else memory_checked(report, measured)
+    chosen = report if measured is None else measured_report(report, measured)
+    if chosen is report:  # nothing measured: the model's program, not its "slower"
+        return _unmeasured(report)
     logger.info(
         "%s method='ghost' runs %s: %s", transform.name, chosen.runs, chosen.why
     )

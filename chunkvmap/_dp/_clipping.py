@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools as ft
 import numbers
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Unpack
 
@@ -385,21 +386,36 @@ def report_for(
     the verdict of `clipped_grad_sum(method="ghost")`'s choice for chunks of
     `_REPORT_CHUNK` examples (measured on an accelerator; the model's on CPU, its
     close calls for memory compiled)."""
-    name = "ghost_report"
     timed = (
         _choice.platform() in _choice.MEASURED_PLATFORMS
         and jax.sharding.get_abstract_mesh().empty
     )
-    settled = _choice.settled_report(ghost.report_of(traced.plan), timed)
+    modelled = ghost.report_of(traced.plan)
+    settled = _choice.settled_report(modelled, timed)
     if settled is not None:
         return settled
+    try:
+        with warnings.catch_warnings():  # (the clipping call's, not the report's)
+            warnings.simplefilter("ignore")
+            return _measured_report(fun, args, kwargs, diff, mapped, has_aux)
+    except Exception:  # noqa: BLE001 (arguments a clipping call would map otherwise)
+        return _choice.settled_report(modelled, False) or modelled
+
+
+def _measured_report(fun, args, kwargs, diff, mapped, has_aux) -> ghost.GhostReport:
+    """`report_for`'s measured verdict: a clipping call of the example (its arrays
+    given a batch axis of one) measured for chunks of `_REPORT_CHUNK`."""
+    name = "ghost_report"
     transform = grad_transform(name, fun, diff, mapped, exclusive=True)
     config = Clipping(1.0, nan_safe=False, has_aux=has_aux, method=ghost.Method.GHOST)
-    batched = tuple(
-        jax.tree.map(lambda x: jnp.expand_dims(x, 0), a) if i in mapped else a
-        for i, a in enumerate(args)
-    )
-    kwargs = jax.tree.map(lambda x: jnp.expand_dims(x, 0), kwargs)
+
+    def one(tree: Any) -> Any:
+        return jax.tree.map(
+            lambda x: jnp.expand_dims(x, 0) if _axes.is_array(x) else x, tree
+        )
+
+    batched = tuple(one(a) if i in mapped else a for i, a in enumerate(args))
+    kwargs = one(kwargs)
     call = _ClippedCall.of(transform, config, batched, kwargs)
     sums = _GhostSums.of(
         transform, fun, config, call.args, call.in_axes, call.kwargs, call.diff,
