@@ -74,12 +74,13 @@ def platform() -> str:
     return jax.devices()[0].platform
 
 
-def measurable(transform: Transform) -> bool:
-    """Whether the choice is measured for calls of `transform`: on an accelerator,
-    unspread, in a single process (a mesh's calls, and a job of several
-    processes, keep the model's choice: timings would differ between them)."""
-    options = transform.options
-    spread = options.shard or options.mesh is not None
+def measurable(transform: Transform | None = None) -> bool:
+    """Whether the choice is measured for calls of `transform` (or of a transform
+    with no mesh of its own): on an accelerator, unspread, in a single process (a
+    mesh's calls, and a job of several processes, keep the model's choice: timings
+    would differ between them)."""
+    options = None if transform is None else transform.options
+    spread = options is not None and (options.shard or options.mesh is not None)
     return (
         platform() in MEASURED_PLATFORMS
         and not spread
@@ -120,21 +121,23 @@ def stand_in(leaf: Any, axis: int | None, chunk: int) -> Any:
 def stand_ins(
     name: str, args: tuple, kwargs: dict, in_axes: tuple, chunk: int
 ) -> tuple:
-    """`(args, kwargs)` of a call of `chunk` examples, each leaf stood in for."""
-    mapped = [(a, x) for a, x in zip(args, in_axes)]
+    """`(args, kwargs)` of a call of `chunk` examples, each array stood in for."""
 
     def one(root: str, arg: Any, axis: Any) -> Any:
         def leaf(path: Any, x: Any) -> Any:
-            if axis is None or not _axes.is_array(x):
-                return stand_in(x, None, chunk) if _axes.is_array(x) else x
-            where = root + jax.tree_util.keystr(path)
-            return stand_in(
-                x, _axes.canonical_in_axis(axis, x, where, transform=name), chunk
-            )
+            if not _axes.is_array(x):
+                return x
+            if axis is not None:
+                where = root + jax.tree_util.keystr(path)
+                axis_here = _axes.canonical_in_axis(axis, x, where, transform=name)
+                return stand_in(x, axis_here, chunk)
+            return stand_in(x, None, chunk)
 
         return jax.tree_util.tree_map_with_path(leaf, arg)
 
-    new_args = tuple(one(f"args[{i}]", a, x) for i, (a, x) in enumerate(mapped))
+    new_args = tuple(
+        one(f"args[{i}]", a, x) for i, (a, x) in enumerate(zip(args, in_axes))
+    )
     new_kwargs = {k: one(f"kwargs[{k!r}]", v, 0) for k, v in kwargs.items()}
     return new_args, new_kwargs
 

@@ -386,10 +386,7 @@ def report_for(
     the verdict of `clipped_grad_sum(method="ghost")`'s choice for chunks of
     `_REPORT_CHUNK` examples (measured on an accelerator; the model's on CPU, its
     close calls for memory compiled)."""
-    timed = (
-        _choice.platform() in _choice.MEASURED_PLATFORMS
-        and jax.sharding.get_abstract_mesh().empty
-    )
+    timed = _choice.measurable()
     modelled = ghost.report_of(traced.plan)
     settled = _choice.settled_report(modelled, timed)
     if settled is not None:
@@ -397,14 +394,17 @@ def report_for(
     try:
         with warnings.catch_warnings():  # (the clipping call's, not the report's)
             warnings.simplefilter("ignore")
-            return _measured_report(fun, args, kwargs, diff, mapped, has_aux)
+            return _measured_report(fun, args, kwargs, diff, mapped, has_aux, timed)
     except Exception:  # noqa: BLE001 (arguments a clipping call would map otherwise)
         return _choice.settled_report(modelled, False) or modelled
 
 
-def _measured_report(fun, args, kwargs, diff, mapped, has_aux) -> ghost.GhostReport:
+def _measured_report(
+    fun, args, kwargs, diff, mapped, has_aux, timed
+) -> ghost.GhostReport:
     """`report_for`'s measured verdict: a clipping call of the example (its arrays
-    given a batch axis of one) measured for chunks of `_REPORT_CHUNK`."""
+    given a batch axis of one) measured for chunks of `_REPORT_CHUNK` (`timed`),
+    else its memory checked."""
     name = "ghost_report"
     transform = grad_transform(name, fun, diff, mapped, exclusive=True)
     config = Clipping(1.0, nan_safe=False, has_aux=has_aux, method=ghost.Method.GHOST)
@@ -421,8 +421,7 @@ def _measured_report(fun, args, kwargs, diff, mapped, has_aux) -> ghost.GhostRep
         transform, fun, config, call.args, call.in_axes, call.kwargs, call.diff,
         call.batch_args,
     )  # fmt: skip
-    chunk = _REPORT_CHUNK if _choice.measurable(transform) else None
-    return _chosen(transform, fun, config, call, sums, chunk)
+    return _chosen(transform, fun, config, call, sums, _REPORT_CHUNK if timed else None)
 
 
 class _ClippedCall(NamedTuple):

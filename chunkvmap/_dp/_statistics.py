@@ -281,11 +281,11 @@ def per_example_grad_stats(
         name, fun, argnums, batch_argnums, exclusive=True, **options
     )
 
-    def moments_by(runs: ghost.Method, transform: Transform, *mapped: Any) -> tuple:
-        """`(count, mean, m2, sq_norms, aux)` of a call by the program `runs`."""
-        args, kwargs, in_axes = mapped[:3]
-        diff = transform.resolve(args)[0]
+    def moments_by(runs: ghost.Method, transform: Transform, *call: Any) -> tuple:
+        """`(count, mean, m2, sq_norms, aux)` by `runs` (`call`: `diff`, mapped...)."""
+        diff, *mapped = call
         if runs is ghost.Method.GHOST:
+            args, kwargs, in_axes = mapped[:3]
             moments = _GhostMoments.of(
                 transform, name, fun, args, kwargs, diff, in_axes, has_aux
             )
@@ -307,11 +307,12 @@ def per_example_grad_stats(
             padding = _padding.check(name, padding, size)
         runs = ghost.Method.VMAP
         if method is ghost.Method.GHOST:  # (vmap: the per-example path, the same)
+            mapped = (args, kwargs, in_axes)
             runs = _chosen(
-                transform, name, fun, has_aux, moments_by, args, kwargs, size
+                transform, name, fun, has_aux, moments_by, diff, mapped, size
             )
         count, mean, m2, sq_norms, aux = moments_by(
-            runs, transform, args, kwargs, in_axes, known, padding
+            runs, transform, diff, args, kwargs, in_axes, known, padding
         )
         if padding is not None:  # the padding's rows: zeros; no real example: NaN
             sq_norms, aux = _padding.zeroed(padding, (sq_norms, aux))
@@ -329,11 +330,12 @@ def per_example_grad_stats(
 
 def _chosen(
     transform: Transform, name: str, fun: Any, has_aux: bool,
-    moments_by: Callable[..., tuple], args: tuple, kwargs: dict, size: int,
+    moments_by: Callable[..., tuple], diff: Any, call: tuple, size: int,
 ) -> ghost.Method:  # fmt: skip
-    """The program a ghost call runs (`_choice.choose`: measured on an
-    accelerator), warned where it is not the ghost program."""
-    diff, in_axes = transform.resolve(args)
+    """The program a ghost call (`call`: its `(args, kwargs, in_axes)`) runs
+    (`_choice.choose`: measured on an accelerator), warned where it is not the
+    ghost program."""
+    args, kwargs, in_axes = call
     moments = _GhostMoments.of(
         transform, name, fun, args, kwargs, diff, in_axes, has_aux
     )
@@ -341,13 +343,11 @@ def _chosen(
 
     def program(twin: Transform, runs: ghost.Method) -> Callable[..., Any]:
         def run(args: tuple, kwargs: dict) -> Any:
-            return moments_by(runs, twin, args, kwargs, in_axes, None, None)
+            return moments_by(runs, twin, diff, args, kwargs, in_axes, None, None)
 
         return run
 
-    report = _choice.choose(
-        transform, report, moments.traced.memo, program, (args, kwargs, in_axes), size
-    )
+    report = _choice.choose(transform, report, moments.traced.memo, program, call, size)
     _clipping.warn_fallback(transform, fun, report)
     return report.runs
 
