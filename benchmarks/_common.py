@@ -39,15 +39,25 @@ def run_seconds(exe, args, repeats):
     return statistics.median(times)
 
 
+def is_oom(error: BaseException) -> bool:
+    """Whether `error` says the device (or the host) ran out of memory."""
+    text = f"{type(error).__name__} {error}"
+    return any(
+        s in text
+        for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
+    ) or isinstance(error, MemoryError)
+
+
 def temp_bytes(fn, *args) -> int:
     """XLA's compiled temporary memory of `jax.jit(fn)(*args)` (compiled, not run)."""
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def interleaved(fns, args, repeats, values=3):
-    """Median seconds per call of each function (jitted) on `args`, the calls
-    interleaved, and the outputs of the first `values` of them."""
-    jitted = [jax.jit(f) for f in fns]
+def interleaved(fns, args, repeats, values=3, jit=True):
+    """Median seconds per call of each function (jitted, unless `jit=False`: they
+    already are) on `args`, the calls interleaved, and the outputs of the first
+    `values` of them."""
+    jitted = [jax.jit(f) if jit else f for f in fns]
     for f in jitted:
         jax.block_until_ready(f(*args))
     times = [[] for _ in fns]

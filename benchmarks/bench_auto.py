@@ -24,6 +24,7 @@ import _dp_models as models
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import is_oom
 
 import chunkvmap
 
@@ -88,9 +89,8 @@ def runs(f, args) -> bool | str:
         jax.block_until_ready(jax.jit(f)(*args))
         return True
     except Exception as e:  # noqa: BLE001
-        text = str(e)
-        if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "OOM" in text:
-            print(f"    out of memory: {text.splitlines()[0][:200]}", flush=True)
+        if is_oom(e):
+            print(f"    out of memory: {str(e).splitlines()[0][:200]}", flush=True)
             return False
         raise
 

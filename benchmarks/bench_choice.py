@@ -22,14 +22,13 @@ import argparse
 import contextlib
 import logging
 import math
-import statistics
 import sys
-import time
 import warnings
 
 import _dp_models as models
 import jax
 import numpy as np
+from _common import interleaved
 
 import chunkvmap
 from chunkvmap._dp import _choice
@@ -38,9 +37,7 @@ from chunkvmap._dp.ghost import _plan
 
 def cases(quick: bool) -> dict:
     """name -> (params, loss, batch maker) of the six models."""
-    out = {}
-    for name, (make, loss, batch) in models.models(quick).items():
-        out[name] = (make, loss, batch)
+    out = dict(models.models(quick))
     vit = dict(models.VIT, width=16, blocks=1, heads=2) if quick else models.VIT
     out[f"ViT (d={vit['width']}, {vit['blocks']} blocks, patch {vit['patch']})"] = (
         lambda rng: models.vit_params(rng, vit),
@@ -114,17 +111,6 @@ def build(loss, n_batch: int, args: tuple) -> dict:
     return steps, notes
 
 
-def timed(steps: dict, args: tuple, repeats: int) -> dict:
-    """Median seconds per step, the programs interleaved round by round."""
-    times: dict = {k: [] for k in steps}
-    for _ in range(repeats):
-        for k, f in steps.items():
-            start = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[k].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -153,7 +139,10 @@ def main(argv=None) -> None:
         data = batch(rng, n)
         call = (params, *data)
         steps, notes = build(loss, b, call)
-        t = timed(steps, call, args.repeats)
+        seconds, _ = interleaved(
+            list(steps.values()), call, args.repeats, values=0, jit=False
+        )
+        t = dict(zip(steps, seconds))
         faster = min(t["vmap"], t["ghost"])
         ratio = t["chosen"] / faster
         worst = max(worst, ratio)

@@ -39,6 +39,7 @@ import _dp_models as models
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import is_oom
 
 import chunkvmap
 
@@ -129,18 +130,13 @@ def programs(loss, b: int) -> dict:
     return out
 
 
-def _oom(e: BaseException) -> bool:
-    text = str(e)
-    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "OOM" in text
-
-
 def compiled(step, params, lot):
     """The compiled step and XLA's peak memory figure (None where it cannot
     compile for memory)."""
     try:
         c = jax.jit(step).lower(params, *lot).compile()
     except Exception as e:  # noqa: BLE001
-        if _oom(e):
+        if is_oom(e):
             return None, None
         raise
     return c, getattr(c.memory_analysis(), "peak_memory_in_bytes", None)
@@ -158,7 +154,7 @@ def timed(steps: dict, params, lot, rounds: int) -> dict:
                 jax.block_until_ready(c(params, *lot))
                 times[k].append(time.perf_counter() - start)
             except Exception as e:  # noqa: BLE001
-                if not _oom(e):
+                if not is_oom(e):
                     raise
                 times[k] = None
     return {k: statistics.median(v[1:]) if v else None for k, v in times.items()}

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import _dp_models as models
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import interleaved
 
 import chunkvmap
 
@@ -102,19 +101,12 @@ def main(argv=None) -> None:
     ]
     print("\n".join(lines), flush=True)
     for name, (ours, ref, call) in pairs(args.quick, n).items():
-        compiled = [jax.jit(f).lower(*call).compile() for f in (ours, ref)]
         if args.hlo:
             os.makedirs(args.hlo, exist_ok=True)
             path = os.path.join(args.hlo, name.replace(" ", "_") + ".txt")
             with open(path, "w") as fh:
-                fh.write(compiled[0].as_text())
-        times: list[list[float]] = [[], []]
-        for _ in range(args.repeats + 1):
-            for k, c in enumerate(compiled):
-                start = time.perf_counter()
-                jax.block_until_ready(c(*call))
-                times[k].append(time.perf_counter() - start)
-        t_ours, t_ref = (statistics.median(t[1:]) for t in times)
+                fh.write(jax.jit(ours).lower(*call).compile().as_text())
+        (t_ours, t_ref), _ = interleaved([ours, ref], call, args.repeats, values=0)
         row = (
             f"| {name} | {1e3 * t_ours:.2f} | {1e3 * t_ref:.2f} | "
             f"{t_ref / t_ours:.2f} |"

@@ -62,6 +62,9 @@ from collections.abc import Callable
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _common import is_oom  # noqa: E402
+
 
 # Sizes: (examples N, chunk size B, model). The full sizes are for one H200 (139 GiB):
 # jax.vmap's stacked gradients of the 1.6M-parameter MLP need ~6 MiB per example, so
@@ -376,14 +379,6 @@ def method_names(name: str, cfg: dict) -> list[str]:
 
 # --------------------------------------------------------------------------------------
 # Measuring one method at one size.
-
-
-def is_oom(error: BaseException) -> bool:
-    text = f"{type(error).__name__} {error}"
-    return any(
-        s in text
-        for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
-    ) or isinstance(error, MemoryError)
 
 
 def measure(fn, args, repeats: int) -> dict:
