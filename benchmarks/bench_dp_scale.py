@@ -168,6 +168,9 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget", type=float, default=500.0, help="seconds")
+    parser.add_argument(
+        "--programs", nargs="+", default=None, help="a subset of the programs"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     start = time.monotonic()
@@ -175,6 +178,11 @@ def main(argv=None) -> None:
     sizes = args.sizes or ([8, 16] if args.quick else [64, 256])
     params, loss, batch = model(args.model, args.quick)
     steps = programs(loss, b)
+    if args.programs:
+        unknown = set(args.programs) - set(steps)
+        if unknown:
+            parser.error(f"--programs: unknown {sorted(unknown)}; known {list(steps)}")
+        steps = {k: f for k, f in steps.items() if k in args.programs}
     device = jax.devices()[0]
     size = sum(x.size for x in jax.tree.leaves(params))
     lines = [

@@ -25,7 +25,7 @@ import _dp_models as models
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import interleaved
+from _common import interleaved, is_oom
 
 import chunkvmap
 
@@ -88,6 +88,7 @@ def main(argv=None) -> None:
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--hlo", default=None, help="write each chunked program's HLO")
+    parser.add_argument("--only", nargs="+", default=None, help="workloads naming")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     n = args.n or (64 if args.quick else 65536)
@@ -101,12 +102,22 @@ def main(argv=None) -> None:
     ]
     print("\n".join(lines), flush=True)
     for name, (ours, ref, call) in pairs(args.quick, n).items():
-        if args.hlo:
-            os.makedirs(args.hlo, exist_ok=True)
-            path = os.path.join(args.hlo, name.replace(" ", "_") + ".txt")
-            with open(path, "w") as fh:
-                fh.write(jax.jit(ours).lower(*call).compile().as_text())
-        (t_ours, t_ref), _ = interleaved([ours, ref], call, args.repeats, values=0)
+        if args.only and not any(w in name for w in args.only):
+            continue
+        try:
+            if args.hlo:
+                os.makedirs(args.hlo, exist_ok=True)
+                path = os.path.join(args.hlo, name.replace(" ", "_") + ".txt")
+                with open(path, "w") as fh:
+                    fh.write(jax.jit(ours).lower(*call).compile().as_text())
+            (t_ours, t_ref), _ = interleaved([ours, ref], call, args.repeats, values=0)
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            row = f"| {name} | out of memory at N={n} | | |"
+            lines.append(row)
+            print(row, flush=True)
+            continue
         row = (
             f"| {name} | {1e3 * t_ours:.2f} | {1e3 * t_ref:.2f} | "
             f"{t_ref / t_ours:.2f} |"

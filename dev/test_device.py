@@ -7,18 +7,27 @@ the chip), in groups of test files that each fit a 10-minute call.
 The files are dealt into groups by their running time on CPU
 (`tests/durations.txt`: seconds per file, from `pytest --durations=0`; a file not
 listed counts as 10 s), the longest first, each to the group with the least so far.
-Each test's outcome is printed as it finishes (`-v`), so that a call cut at its limit
-still shows how far it got and what failed. The suite's `conftest.py` sets what an
-accelerator needs (the highest matmul precision, meshes of the CPU devices on a
-one-chip machine, child processes on the CPU).
+Each test's outcome is printed as it finishes (`-v`); no test starts after
+`--deadline` seconds (the summary of failures is then printed, not lost to a cut);
+with `--progress FILE` each outcome is also appended to FILE, and `--resume` leaves
+out the tests FILE holds, so that a group is finished over several calls:
+
+    python3 dev/test_device.py --group 1/4 --progress $OUT/1.txt
+    python3 dev/test_device.py --group 1/4 --progress done/1.txt --resume
+
+The suite's `conftest.py` sets what an accelerator needs (the highest matmul
+precision, meshes of the CPU devices on a one-chip machine, child processes on the
+CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
-import subprocess
 import sys
+import time
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DURATIONS = ROOT / "tests" / "durations.txt"
@@ -49,10 +58,53 @@ def groups(count: int) -> list[list[str]]:
     return dealt
 
 
+class Progress:
+    """A pytest plugin: each finished test's id and outcome appended to `log` as it
+    finishes (so that a later call can leave out what ran: `--resume`), and the
+    session stopped cleanly (its summary printed) once `deadline` seconds have
+    passed."""
+
+    def __init__(self, log: pathlib.Path | None, deadline: float) -> None:
+        self.log, self.deadline = log, deadline
+        self.start = time.monotonic()
+
+    def pytest_runtest_logreport(self, report) -> None:
+        failed = report.failed and report.when != "call"
+        if report.when == "call" or failed or report.skipped:
+            if self.log is not None:
+                with self.log.open("a") as fh:
+                    fh.write(f"{report.outcome} {report.nodeid}\n")
+
+    def pytest_runtest_teardown(self, item) -> None:
+        if time.monotonic() - self.start > self.deadline:
+            item.session.shouldstop = f"the deadline of {self.deadline:.0f} s passed"
+
+
+def finished(log: pathlib.Path) -> set[str]:
+    """The test ids a progress log holds."""
+    if not log.exists():
+        return set()
+    return {line.split(" ", 1)[1] for line in log.read_text().splitlines() if line}
+
+
 def main(argv=None) -> int:
+    import pytest
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group", help="i/k: the i-th of k groups (from 1)")
     parser.add_argument("--list", type=int, help="print the files of k groups")
+    parser.add_argument(
+        "--deadline", type=float, default=540.0,
+        help="seconds after which no further test starts (the summary is printed)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--progress", type=pathlib.Path, default=None,
+        help="a file each finished test's outcome and id is appended to",
+    )  # fmt: skip
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="leave out the tests the --progress file holds",
+    )  # fmt: skip
     args, rest = parser.parse_known_args(argv)
     if args.list:
         for i, files in enumerate(groups(args.list), 1):
@@ -60,8 +112,28 @@ def main(argv=None) -> int:
         return 0
     i, k = (int(x) for x in (args.group or "1/1").split("/"))
     files = [f"tests/{f}" for f in groups(k)[i - 1]]
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rf"]
-    return subprocess.call(cmd + rest + files, cwd=ROOT)
+    done = finished(args.progress) if args.resume and args.progress else set()
+    plugins: list = [Progress(args.progress, args.deadline)]
+    if done:
+        plugins.append(Deselect(done))
+    # -vv over the project's -q: one line per test as it finishes
+    cmd = ["-p", "no:cacheprovider", "-vv", "-rfE", "--tb=short"]
+    os.chdir(ROOT)
+    return int(pytest.main(cmd + rest + files, plugins=plugins))
+
+
+class Deselect:
+    """A pytest plugin leaving out the tests of `ids`."""
+
+    def __init__(self, ids: set[str]) -> None:
+        self.ids = ids
+
+    def pytest_collection_modifyitems(self, items, config) -> None:
+        kept = [item for item in items if item.nodeid not in self.ids]
+        config.hook.pytest_deselected(
+            items=[item for item in items if item.nodeid in self.ids]
+        )
+        items[:] = kept
 
 
 if __name__ == "__main__":
