@@ -174,6 +174,22 @@ MUTANTS = {
         ),
         ["test_statistics"],
     ),
+    "nan_safe sum: the gradients summed as they are without the check": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "        return lax.cond(finite, as_they_are, sanitized, tree, norms, pad)\n",
+            "        return as_they_are(tree, norms, pad)\n",
+        ),
+        ["test_clipping"],
+    ),
+    "nan_safe sum: the check passes where any example is finite": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "        finite = jnp.all(jnp.isfinite(norms))\n",
+            "        finite = jnp.any(jnp.isfinite(norms))\n",
+        ),
+        ["test_clipping"],
+    ),
     "per-leaf norms: ghost's leaves in the wrong order": (
         (
             "chunkvmap/_dp/_clipping.py",

@@ -520,3 +520,75 @@ def test_python_float_parameters_and_clip_norm_zero():
             tree_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
             if check is not None:
                 assert all(check(g) for g in jax.tree.leaves(total))
+
+
+def _nan_safe_loss(w, x):
+    # log|x_0|: an example with x_0 = 0 has infinite and NaN gradient entries; one
+    # with a huge x_0 has finite entries whose squares overflow
+    return jnp.sum(jnp.tanh(x[1:] @ w) * jnp.log(jnp.abs(x[0])))
+
+
+@pytest.mark.parametrize("program", ["sanitized", "checked"])
+@pytest.mark.parametrize(
+    "case, call, dtype",
+    [
+        ("finite", "eager", "float32"),
+        ("nan", "jit", "float32"),
+        ("finite", "grad", "float64"),
+        ("overflow", "eager", "float32"),
+        ("padding", "grad", "float32"),
+        ("nan", "jit", "float64"),
+    ],
+)
+def test_nan_safe_sum_programs_agree(monkeypatch, program, case, call, dtype):
+    """A NaN-safe clipped sum by either of its chunk programs (every example's
+    non-finite entries zeroed first, CPU's; or the sum as it is where every norm in
+    the chunk is finite, the sanitized one else) equals the oracle: all finite, an
+    example with NaN and infinite entries, one whose finite entries overflow its
+    squared norm, NaN padding; eager, jitted and differentiated (where the gradient
+    of the sum is finite), N = 11 in chunks of 4, float32 and float64."""
+    from chunkvmap._dp import _clipping
+
+    from .helpers import clip_and_sum
+
+    monkeypatch.setattr(
+        _clipping, "SANITIZED_PLATFORMS", ("cpu",) if program == "sanitized" else ()
+    )
+    with jax.enable_x64(dtype == "float64"):
+        rng = np.random.default_rng(5)
+        w = jnp.asarray(rng.normal(size=(3, 2)), dtype)
+        x = rng.normal(size=(11, 4)).astype(dtype)
+        x[:, 0] = np.abs(x[:, 0]) + 0.5
+        pad = None
+        if case == "nan":
+            x[6, 0] = 0.0
+        elif case == "overflow":
+            x[6, 0] = np.finfo(dtype).max
+        elif case == "padding":
+            pad = np.arange(11) >= 8
+            x[9, 0] = 0.0  # a padding example's NaN gradient
+        x = jnp.asarray(x)
+        opts = dict(l2_clip_norm=0.7, keep_batch_dim=False, batch_size=4)
+        cg = clipped_grad(_nan_safe_loss, **opts)
+
+        def ours(w):
+            if pad is None:
+                return cg(w, x)
+            return cg(w, x, is_padding_example=jnp.asarray(pad))
+
+        def oracle(w):  # over the real examples alone
+            real = x if pad is None else x[~pad]
+            grads = jax.vmap(jax.grad(_nan_safe_loss), (None, 0))(w, real)
+            return clip_and_sum(grads, 0.7, finite_only=True)[0]
+
+        if call == "grad":  # of a function of the sum
+            ours_, oracle_ = (
+                jax.grad(lambda w, f=f: jnp.sum(f(w) ** 2)) for f in (ours, oracle)
+            )
+            got, expected = jax.jit(ours_)(w), oracle_(w)
+        else:
+            got = (jax.jit(ours) if call == "jit" else ours)(w)
+            expected = oracle(w)
+        assert bool(jnp.all(jnp.isfinite(got)))
+        tol = 1e-12 if dtype == "float64" else 1e-5
+        tree_allclose(got, expected, rtol=tol, atol=tol)

@@ -247,13 +247,21 @@ class Clipping:
         """One example's gradient norm (global, or per leaf), as returned."""
         return leaf_norms(grads) if self.per_leaf_norms else global_norm(grads)
 
+    def transformed(self, grads: Any) -> Any:
+        """One example's gradient, transformed and cast."""
+        tree = self.pre_clipping_transform(grads)
+        if self.dtype is not None:
+            tree = jax.tree.map(lambda x: jnp.asarray(x).astype(self.dtype), tree)
+        return tree
+
     def prepare(self, grads: Any, pad: Any) -> tuple[Any, jax.Array]:
         """One example's gradient, transformed, cast and made NaN-safe, and the
         factor that clips it (0 for a padding example, whose gradient is then zero
         too, even where it is NaN)."""
-        tree = self.pre_clipping_transform(grads)
-        if self.dtype is not None:
-            tree = jax.tree.map(lambda x: jnp.asarray(x).astype(self.dtype), tree)
+        return self.scaled(self.transformed(grads), pad)
+
+    def scaled(self, tree: Any, pad: Any) -> tuple[Any, jax.Array]:
+        """`prepare` of a gradient already transformed and cast."""
         if self.nan_safe:
             tree = jax.tree.map(_nan_to_zero, tree)
         scale = clip_scale(
@@ -498,12 +506,16 @@ def _formed_sums(
             config.norms(grads) if config.return_grad_norms else None,
             aux if config.has_aux else None,
         )
+        if late:  # made NaN-safe by the chunk (`_nan_safe_sum`)
+            tree = config.transformed(grads)
+            return (tree, global_norm(tree), pad), extras
         return config.prepare(grads, pad), extras
 
+    late = config.nan_safe and config.sums
     all_args = (*call.args, *([call.padding] if padded else []))
     all_axes = (*call.in_axes, *([0] if padded else []))
     if call.size == 0:  # the empty sum (a Poisson-sampled lot may be empty)
-        (grads, _), extras = jax.tree.map(
+        (grads, *_), extras = jax.tree.map(
             lambda a: jnp.zeros(a.shape, a.dtype),
             _one_example_avals(example, all_args, call.kwargs, all_axes),
         )
@@ -511,8 +523,12 @@ def _formed_sums(
         return grads, empty, call.size
 
     def chunk_sum(chunk: Any) -> Any:  # the chunk's clipped sum
+        if not config.sums:
+            return ()
+        if late:
+            return _nan_safe_sum(config, *chunk)
         grads, scales = chunk
-        return scaled_sum(scales, grads) if config.sums else ()
+        return scaled_sum(scales, grads)
 
     total, extras = transform.map(
         example, all_args, call.kwargs, all_axes, 0, known=known,
@@ -520,6 +536,39 @@ def _formed_sums(
         padding=len(call.args) if padded else None,
     )  # fmt: skip
     return total, extras, call.size
+
+
+# Where a chunk's NaN-safe clipped sum always zeroes the non-finite entries of every
+# example's gradient before its norm (`_nan_safe_sum`): on XLA:CPU that program is
+# the faster (2-4x on an MLP); elsewhere it is taken only for a chunk holding a
+# non-finite gradient, as the select over every entry keeps XLA:TPU from contracting
+# the per-example gradients into their weighted sum as products.
+SANITIZED_PLATFORMS = ("cpu",)
+
+
+def _nan_safe_sum(config: Clipping, tree: Any, norms: jax.Array, pad: Any) -> Any:
+    """A chunk's NaN-safe clipped sum of the gradients `tree` (transformed and cast,
+    stacked over the chunk's examples) of global norms `norms`: where every norm is
+    finite no entry is non-finite, and the sum of the gradients as they are is the
+    same; else (and always on `SANITIZED_PLATFORMS`) every example's non-finite
+    entries are zeroed before its norm (`Clipping.scaled`)."""
+
+    def sanitized(tree: Any, norms: jax.Array, pad: Any) -> Any:
+        grads, scales = jax.vmap(config.scaled)(tree, pad)
+        return scaled_sum(scales, grads)
+
+    def as_they_are(tree: Any, norms: jax.Array, pad: Any) -> Any:
+        scales = clip_scale(norms, config.l2_clip_norm, config.rescale_to_unit_norm)
+        if pad is not None:
+            scales = jnp.where(pad, 0, scales)
+        return scaled_sum(scales, tree)
+
+    def checked(tree: Any, norms: jax.Array, pad: Any) -> Any:
+        finite = jnp.all(jnp.isfinite(norms))
+        return lax.cond(finite, as_they_are, sanitized, tree, norms, pad)
+
+    branches = {name: sanitized for name in SANITIZED_PLATFORMS}
+    return lax.platform_dependent(tree, norms, pad, **branches, default=checked)
 
 
 class _Parts(NamedTuple):
