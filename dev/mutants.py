@@ -177,7 +177,8 @@ MUTANTS = {
     "nan_safe sum: the gradients summed as they are without the check": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "        return lax.cond(finite, as_they_are, sanitized, tree, norms, pad)\n",
+            "        return lax.cond(finite, as_they_are, sanitized, tree, norms, "
+            "pad)\n",
             "        return as_they_are(tree, norms, pad)\n",
         ),
         ["test_clipping"],

@@ -540,22 +540,37 @@ def _padding_under_grad_entries():
 PADDING_UNDER_GRAD = _padding_under_grad_entries()
 
 
-@pytest.mark.parametrize("entry", PADDING_UNDER_GRAD)
-@pytest.mark.parametrize("fill", ["nan", "zeros"])
-def test_padding_never_reaches_a_derivative(entry, fill, rng, always_ghost):
+# The layouts of test_padding_never_reaches_a_derivative: chunks of 3 (the padding
+# inside a chunk of real ones), 10 (one chunk), 16 (a window wider than the buffer),
+# and split over 8 devices; each entry takes two with one fill and the other two
+# with the other.
+_UNDER_GRAD_LAYOUTS = ((3, {}), (16, {}), (10, {}), (2, {"shard": True}))
+_UNDER_GRAD_CASES = [
+    (entry, fill, _UNDER_GRAD_LAYOUTS[2 * ((k + f) % 2) : 2 * ((k + f) % 2) + 2])
+    for k, entry in enumerate(PADDING_UNDER_GRAD)
+    for f, fill in enumerate(["nan", "zeros"])
+]
+
+
+@pytest.mark.parametrize(
+    "entry, fill, layouts", _UNDER_GRAD_CASES,
+    ids=[f"{fill}-{entry}" for entry, fill, _ in _UNDER_GRAD_CASES],
+)  # fmt: skip
+def test_padding_never_reaches_a_derivative(entry, fill, layouts, rng, always_ghost):
     """A padded buffer whose padding is non-finite for the loss (NaN, or zeros
     under a log and a normalisation) differentiates as the real examples alone do,
     eagerly and jitted: N=10 with 4 real examples, in chunks of 3 (the padding
     inside a chunk of real ones), 10 (one chunk) and 16 (a window wider than the
-    buffer), and split over 8 devices. Masking the padding's outputs alone left
-    every weight's gradient NaN."""
+    buffer), and split over 8 devices (`_UNDER_GRAD_LAYOUTS`, every layout with
+    every entry). Masking the padding's outputs alone left every weight's gradient
+    NaN."""
     p, x, y = _data(rng)
     x, y = x[:10], y[:10]
     pad = np.array([0, 1, 1, 0, 1, 0, 1, 1, 0, 1], bool)
     filled = np.asarray(x).copy()
     filled[pad] = np.nan if fill == "nan" else 0.0
     real = np.nonzero(~pad)[0]
-    for b, shard in ((3, {}), (10, {}), (16, {}), (2, {"shard": True})):
+    for b, shard in layouts:
         run = PADDING_UNDER_GRAD[entry](b, shard)
         oracle = PADDING_UNDER_GRAD[entry](None, {})
         expected = jax.grad(oracle)(p, x[real], y[real], np.zeros(len(real), bool))
