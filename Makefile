@@ -25,8 +25,7 @@ demo: $(VENV)/.demo
 
 # Two workers (pytest-xdist), the tests dealt to whichever is free: the suite is
 # compile-bound and single-threaded per test, so two cores run it in about half the
-# time (dealt a file each, the longest files left one worker idle at the end: 10:29
-# against 7:08 for the same suite).
+# time (dealt a file each, the longest files can leave one worker idle at the end).
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist load
 
