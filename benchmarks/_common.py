@@ -69,6 +69,22 @@ def interleaved(fns, args, repeats, values=3, jit=True):
     return [statistics.median(t) for t in times], [f(*args) for f in jitted[:values]]
 
 
+class Table:
+    """A results page: each line printed as soon as it is added (a run cut short
+    still shows what it measured) and the page rewritten to `out`, where given."""
+
+    def __init__(self, out: str | None, *lines: str) -> None:
+        self.out, self.lines = out, []
+        self.add(*lines)
+
+    def add(self, *lines: str) -> None:
+        self.lines += lines
+        print("\n".join(lines), flush=True)
+        if self.out:
+            with open(self.out, "w") as fh:
+                fh.write("\n".join(self.lines) + "\n")
+
+
 def machine() -> str:
     """One line naming the software and hardware the numbers come from, with the
     machine's load (its 1-minute average) when it is asked."""

@@ -24,7 +24,7 @@ import _dp_models as models
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import is_oom
+from _common import Table, is_oom
 
 import chunkvmap
 
@@ -106,7 +106,8 @@ def main(argv=None) -> None:
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
     stats = device.memory_stats() or {}
-    lines = [
+    table = Table(
+        args.out,
         f"# batch_size='auto' on {kind} (bytes_limit "
         f"{stats.get('bytes_limit', 0) / 2**30:.2f} GiB, budget "
         f"{args.memory_limit or 'the default'})",
@@ -114,8 +115,7 @@ def main(argv=None) -> None:
         "| workload | N | auto | runs | largest run | smallest OOM | auto / largest"
         " | seconds |",
         "|---|---|---|---|---|---|---|---|",
-    ]
-    print("\n".join(lines), flush=True)
+    )
     for name, (make, call, n) in workloads(args.quick).items():
         start = time.perf_counter()
         f = make("auto", args.memory_limit)
@@ -129,16 +129,11 @@ def main(argv=None) -> None:
             else:
                 failed = b
                 break
-        row = (
+        table.add(
             f"| {name} | {n} | {chosen} | {'yes' if ok else 'NO'} | {largest} | "
             f"{failed or '-'} | {chosen / max(largest, 1):.2f} | "
             f"{time.perf_counter() - start:.0f} |"
         )
-        lines.append(row)
-        print(row, flush=True)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

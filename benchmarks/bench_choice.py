@@ -28,7 +28,7 @@ import warnings
 import _dp_models as models
 import jax
 import numpy as np
-from _common import interleaved
+from _common import Table, interleaved
 
 import chunkvmap
 from chunkvmap._dp import _choice
@@ -123,15 +123,15 @@ def main(argv=None) -> None:
     b = args.batch or max(1, n // 4)
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
-    lines = [
+    table = Table(
+        args.out,
         f"# method='ghost''s choice on {kind} (N={n}, B={b}, median of "
         f"{args.repeats} interleaved rounds)",
         "",
         "| model | params | vmap ms | ghost ms | chosen ms | chose | chosen / "
         "faster | warned |",
         "|---|---|---|---|---|---|---|---|",
-    ]
-    print("\n".join(lines), flush=True)
+    )
     worst = 0.0
     for name, (make, loss, batch) in cases(args.quick).items():
         rng = np.random.default_rng(0)
@@ -152,22 +152,16 @@ def main(argv=None) -> None:
             else ("(model)")
         )
         size = sum(x.size for x in jax.tree.leaves(params))
-        row = (
+        table.add(
             f"| {name} | {size / 1e6:.2f}M | {1e3 * t['vmap']:.2f} | "
             f"{1e3 * t['ghost']:.2f} | {1e3 * t['chosen']:.2f} | {chose} | "
             f"{ratio:.2f} | {'yes' if notes['warned'] else 'no'} |"
         )
-        lines.append(row)
-        print(row, flush=True)
         if notes["said"]:
             print(f"    ({notes['said']})", flush=True)
         for w in notes["warned"]:
             print(f"    warned: {w[:300]}", flush=True)
-    lines += ["", f"Worst chosen / faster: {worst:.2f}x."]
-    print(lines[-1])
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    table.add("", f"Worst chosen / faster: {worst:.2f}x.")
 
 
 if __name__ == "__main__":

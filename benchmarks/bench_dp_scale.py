@@ -39,7 +39,7 @@ import _dp_models as models
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import is_oom
+from _common import Table, is_oom
 
 import chunkvmap
 
@@ -185,14 +185,14 @@ def main(argv=None) -> None:
         steps = {k: f for k, f in steps.items() if k in args.programs}
     device = jax.devices()[0]
     size = sum(x.size for x in jax.tree.leaves(params))
-    lines = [
+    table = Table(
+        args.out,
         f"# DP-SGD step, {args.model} ({size / 1e6:.1f}M parameters, bf16 compute) "
         f"on {getattr(device, 'device_kind', device.platform)}, B={b}",
         "",
         "| N | program | ms / step | throughput / non-private | compiled peak MiB |",
         "|---|---|---|---|---|",
-    ]
-    print("\n".join(lines), flush=True)
+    )
     largest = {k: 0 for k in steps}
     for n in sizes:
         lot = batch(n)
@@ -203,18 +203,16 @@ def main(argv=None) -> None:
             if t[k] is not None:
                 largest[k] = max(largest[k], n)
             ratio = f"{base / t[k]:.2f}" if base and t[k] else "–"
-            row = (
+            table.add(
                 f"| {n} | {k} | {'OOM' if t[k] is None else f'{1e3 * t[k]:.1f}'} | "
                 f"{ratio} | {'–' if peak is None else f'{peak / 2**20:.0f}'} |"
             )
-            lines.append(row)
-            print(row, flush=True)
     # The largest lot: doubling from the largest size measured, while time lasts.
-    lines += [
+    table.add(
         "",
         "| program | largest lot run | first lot out of memory |",
         "|---|---|---|",
-    ]
+    )
     for k, f in steps.items():
         n, failed = largest[k], None
         while n and time.monotonic() - start < args.budget:
@@ -225,12 +223,7 @@ def main(argv=None) -> None:
                 failed = n
                 break
             largest[k] = n
-        row = f"| {k} | {largest[k]} | {failed or 'not reached (time)'} |"
-        lines.append(row)
-        print(row, flush=True)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
+        table.add(f"| {k} | {largest[k]} | {failed or 'not reached (time)'} |")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import _dp_models as models
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import interleaved, is_oom
+from _common import Table, interleaved, is_oom
 
 import chunkvmap
 
@@ -93,14 +93,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     n = args.n or (64 if args.quick else 65536)
     device = jax.devices()[0]
-    lines = [
+    table = Table(
+        args.out,
         f"# The chunk loop on {getattr(device, 'device_kind', device.platform)}: "
         f"N={n}, B=N/16, median of {args.repeats} interleaved rounds",
         "",
         "| workload | ours ms | reference ms | throughput / reference |",
         "|---|---|---|---|",
-    ]
-    print("\n".join(lines), flush=True)
+    )
     for name, (ours, ref, call) in pairs(args.quick, n).items():
         if args.only and not any(w in name for w in args.only):
             continue
@@ -114,19 +114,12 @@ def main(argv=None) -> None:
         except Exception as e:  # noqa: BLE001
             if not is_oom(e):
                 raise
-            row = f"| {name} | out of memory at N={n} | | |"
-            lines.append(row)
-            print(row, flush=True)
+            table.add(f"| {name} | out of memory at N={n} | | |")
             continue
-        row = (
+        table.add(
             f"| {name} | {1e3 * t_ours:.2f} | {1e3 * t_ref:.2f} | "
             f"{t_ref / t_ours:.2f} |"
         )
-        lines.append(row)
-        print(row, flush=True)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -260,19 +260,19 @@ class Clipping:
         too, even where it is NaN)."""
         return self.scaled(self.transformed(grads), pad)
 
+    def factor(self, norm: jax.Array, pad: Any) -> jax.Array:
+        """The factor that clips a gradient of norm `norm` (0 where `pad`, if
+        given); elementwise, for one example or a chunk's."""
+        scale = clip_scale(norm, self.l2_clip_norm, self.rescale_to_unit_norm)
+        return scale if pad is None else jnp.where(pad, 0, scale)
+
     def scaled(self, tree: Any, pad: Any) -> tuple[Any, jax.Array]:
         """`prepare` of a gradient already transformed and cast."""
         if self.nan_safe:
             tree = jax.tree.map(_nan_to_zero, tree)
-        scale = clip_scale(
-            global_norm(tree), self.l2_clip_norm, self.rescale_to_unit_norm
-        )
-        if pad is not None:
-            scale = jnp.where(pad, 0, scale)
-            if not self.nan_safe:
-                tree = jax.tree.map(
-                    lambda x: jnp.where(pad, 0, x).astype(x.dtype), tree
-                )
+        scale = self.factor(global_norm(tree), pad)
+        if pad is not None and not self.nan_safe:
+            tree = jax.tree.map(lambda x: jnp.where(pad, 0, x).astype(x.dtype), tree)
         return tree, scale
 
     def clip(self, grads: Any, pad: Any) -> Any:
@@ -485,6 +485,7 @@ def _formed_sums(
     """The clipped sum from each example's formed gradient (`method="vmap"`, and
     ghost's per-example path)."""
     name, padded = transform.name, call.padding is not None
+    late = config.nan_safe and config.sums  # made NaN-safe by the chunk
     value_and_grad = filtered_value_and_grad(
         fun, call.diff, transform.args.single, config.has_aux, name,
         _note(name, fun, config),
@@ -511,7 +512,6 @@ def _formed_sums(
             return (tree, global_norm(tree), pad), extras
         return config.prepare(grads, pad), extras
 
-    late = config.nan_safe and config.sums
     all_args = (*call.args, *([call.padding] if padded else []))
     all_axes = (*call.in_axes, *([0] if padded else []))
     if call.size == 0:  # the empty sum (a Poisson-sampled lot may be empty)
@@ -558,10 +558,7 @@ def _nan_safe_sum(config: Clipping, tree: Any, norms: jax.Array, pad: Any) -> An
         return scaled_sum(scales, grads)
 
     def as_they_are(tree: Any, norms: jax.Array, pad: Any) -> Any:
-        scales = clip_scale(norms, config.l2_clip_norm, config.rescale_to_unit_norm)
-        if pad is not None:
-            scales = jnp.where(pad, 0, scales)
-        return scaled_sum(scales, tree)
+        return scaled_sum(config.factor(norms, pad), tree)
 
     def checked(tree: Any, norms: jax.Array, pad: Any) -> Any:
         finite = jnp.all(jnp.isfinite(norms))
@@ -716,11 +713,7 @@ class _GhostSums(Quantity):
         for k in self.other:
             squares[k] = record.sq_norm(k, self.acc)
         rest = ghost.total([squares[k] for k in self.other], self.acc)
-        scale = clip_scale(
-            _norm_of_square(safe_sq + rest),
-            config.l2_clip_norm,
-            config.rescale_to_unit_norm,
-        )
+        scale = config.factor(_norm_of_square(safe_sq + rest), None)
         keep = jnp.ones((), bool) if pad is None else ~pad
         finite = jnp.ones((), bool)
         if config.nan_safe and self.two_pass:  # formed apart (`_fixed_sums`)
@@ -850,11 +843,7 @@ class _GhostSums(Quantity):
                 g = one.instantiate(k)
                 raw_sq = raw_sq + _squared(g, self.acc)
                 safe_sq = safe_sq + _squared(_nan_to_zero(g), self.acc)
-            scale = clip_scale(
-                _norm_of_square(safe_sq),
-                config.l2_clip_norm,
-                config.rescale_to_unit_norm,
-            )
+            scale = config.factor(_norm_of_square(safe_sq), None)
             return None, (_norm_of_square(raw_sq), scale)
 
         _, (raw_norms, scales) = lax.scan(norms, None, (kept, parts.safe_sq, parts.raw))
@@ -954,9 +943,7 @@ class _GhostSums(Quantity):
             )
             grads = [_nan_to_zero(g) for g in grads]
             sq = ghost.total([_squared(g, self.acc) for g in grads], self.acc)
-            c = clip_scale(
-                _norm_of_square(sq), config.l2_clip_norm, config.rescale_to_unit_norm
-            )
+            c = config.factor(_norm_of_square(sq), None)
             return [
                 jnp.where(inputs[n], jnp.zeros((), g.dtype), g * c.astype(g.dtype))
                 for g in grads
