@@ -24,7 +24,8 @@ until the device runs out of memory, within `--budget` seconds), with XLA's
 compiled peak memory (arguments, outputs and temporaries) at each N: flat in N for
 the chunked programs.
 
-    python benchmarks/bench_dp_scale.py --model gpt2 [--quick] [--out FILE]
+    python benchmarks/bench_dp_scale.py --model gpt2 [--quick] [--profile DIR]
+                                        [--out FILE]
 """
 
 from __future__ import annotations
@@ -160,6 +161,24 @@ def timed(steps: dict, params, lot, rounds: int) -> dict:
     return {k: statistics.median(v[1:]) if v else None for k, v in times.items()}
 
 
+def profile(folder: str, built: dict, params, lot) -> None:
+    """Two runs of each compiled step under the profiler, one trace per program
+    (`folder/<program>/`), beside its optimised HLO (`folder/<program>.hlo.txt`: the
+    trace's events are named by its instructions)."""
+    import os
+
+    os.makedirs(folder, exist_ok=True)
+    for k, (c, _) in built.items():
+        if c is None:
+            continue
+        with open(f"{folder}/{k.replace(' ', '_')}.hlo.txt", "w") as fh:
+            fh.write(c.as_text())
+        jax.block_until_ready(c(params, *lot))
+        with jax.profiler.trace(f"{folder}/{k.replace(' ', '_')}"):
+            for _ in range(2):
+                jax.block_until_ready(c(params, *lot))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["gpt2", "vit"], default="gpt2")
@@ -170,6 +189,9 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=500.0, help="seconds")
     parser.add_argument(
         "--programs", nargs="+", default=None, help="a subset of the programs"
+    )
+    parser.add_argument(
+        "--profile", default=None, help="write a profile of each step to this folder"
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -199,6 +221,8 @@ def main(argv=None) -> None:
         built = {k: compiled(f, params, lot) for k, f in steps.items()}
         t = timed({k: c for k, (c, _) in built.items()}, params, lot, args.rounds)
         base = t.get("non-private")
+        if args.profile and n == sizes[0]:
+            profile(args.profile, built, params, lot)
         for k, (_, peak) in built.items():
             if t[k] is not None:
                 largest[k] = max(largest[k], n)

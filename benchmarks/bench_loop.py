@@ -30,16 +30,29 @@ from _common import Table, interleaved, is_oom
 import chunkvmap
 
 
+def fitting(n: int, example_bytes: int) -> int:
+    """`n` halved until the outputs of one program (`example_bytes` an example) take
+    at most 40% of the device's memory (unchanged where none is reported)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    while limit and n > 16 and n * example_bytes > 0.4 * limit:
+        n //= 2
+    return n
+
+
 def pairs(quick: bool, n: int) -> dict:
-    """name -> (ours, reference, args)."""
+    """name -> (ours, reference, args), each workload at the largest N <= `n` whose
+    outputs fit (its N is `args`' leading dimension), in chunks of N/16."""
     rng = np.random.default_rng(0)
-    b = max(1, n // 16)
     mlp = {"widths": (32, 64, 64, 10)} if quick else models.MLP
     lm = dict(models.LM, vocab=64, width=16, positions=4) if quick else models.LM
     cnn = dict(models.CNN, channels=(3, 4, 8), image=8) if quick else models.CNN
-    mp, (mx, my) = models.mlp_params(rng, mlp), models.mlp_batch(rng, n, mlp)
-    lp, (lt, _) = models.lm_params(rng, lm), models.lm_batch(rng, n, lm)
-    cp, (ci, _) = models.cnn_params(rng, cnn), models.cnn_batch(rng, n, cnn)
+    mp, lp, cp = (
+        models.mlp_params(rng, mlp),
+        models.lm_params(rng, lm),
+        models.cnn_params(rng, cnn),
+    )
+    mlp_size = sum(x.size for x in jax.tree.leaves(mp))
 
     def mlp_forward(p, x):
         for layer in p[:-1]:
@@ -49,35 +62,45 @@ def pairs(quick: bool, n: int) -> dict:
     def lm_forward(p, tokens):
         return models.lm_logits(p, tokens, lm["heads"])
 
+    def mlp_data(k):
+        return models.mlp_batch(rng, fitting(n, k), mlp)
+
     grad = jax.grad(models.mlp_loss)
     clip = dict(l2_clip_norm=1.0, batch_argnums=(1, 2), keep_batch_dim=False)
+    mx, _ = mlp_data(4 * mlp["widths"][-1])
+    lt, _ = models.lm_batch(rng, fitting(n, 4 * lm["positions"] * lm["vocab"]), lm)
+    ci, _ = models.cnn_batch(rng, n, cnn)
+    gx, gy = mlp_data(4 * mlp_size)
+    cx, cy = mlp_data(4 * mlp["widths"][-1])
     return {
         "MLP forward": (
-            chunkvmap.batch_vmap(mlp_forward, (None, 0), batch_size=b),
+            chunkvmap.batch_vmap(mlp_forward, (None, 0), batch_size=len(mx) // 16),
             jax.vmap(mlp_forward, (None, 0)),
             (mp, mx),
         ),
         "LM forward": (
-            chunkvmap.batch_vmap(lm_forward, (None, 0), batch_size=b),
+            chunkvmap.batch_vmap(lm_forward, (None, 0), batch_size=len(lt) // 16),
             jax.vmap(lm_forward, (None, 0)),
             (lp, lt),
         ),
         "CNN forward (NHWC)": (
-            chunkvmap.batch_vmap(models.cnn_logits, (None, 0), batch_size=b),
+            chunkvmap.batch_vmap(
+                models.cnn_logits, (None, 0), batch_size=len(ci) // 16
+            ),
             jax.vmap(models.cnn_logits, (None, 0)),
             (cp, ci),
         ),
         "MLP per_example_grads": (
-            chunkvmap.per_example_grads(models.mlp_loss, batch_size=b),
+            chunkvmap.per_example_grads(models.mlp_loss, batch_size=len(gx) // 16),
             jax.vmap(grad, (None, 0, 0)),
-            (mp, mx, my),
+            (mp, gx, gy),
         ),
         "MLP clipped_grad vs clipped_grad_sum": (
-            chunkvmap.clipped_grad(models.mlp_loss, batch_size=b, **clip),
+            chunkvmap.clipped_grad(models.mlp_loss, batch_size=len(cx) // 16, **clip),
             lambda p, x, y: chunkvmap.clipped_grad_sum(
-                models.mlp_loss, 1.0, batch_size=b
+                models.mlp_loss, 1.0, batch_size=len(cx) // 16
             )(p, x, y)[0],
-            (mp, mx, my),
+            (mp, cx, cy),
         ),
     }
 
@@ -96,14 +119,16 @@ def main(argv=None) -> None:
     table = Table(
         args.out,
         f"# The chunk loop on {getattr(device, 'device_kind', device.platform)}: "
-        f"N={n}, B=N/16, median of {args.repeats} interleaved rounds",
+        f"N <= {n} (the largest whose outputs fit), B=N/16, median of "
+        f"{args.repeats} interleaved rounds",
         "",
-        "| workload | ours ms | reference ms | throughput / reference |",
-        "|---|---|---|---|",
+        "| workload | N | ours ms | reference ms | throughput / reference |",
+        "|---|---|---|---|---|",
     )
     for name, (ours, ref, call) in pairs(args.quick, n).items():
         if args.only and not any(w in name for w in args.only):
             continue
+        size = len(jax.tree.leaves(call[1])[0])
         try:
             if args.hlo:
                 os.makedirs(args.hlo, exist_ok=True)
@@ -114,10 +139,10 @@ def main(argv=None) -> None:
         except Exception as e:  # noqa: BLE001
             if not is_oom(e):
                 raise
-            table.add(f"| {name} | out of memory at N={n} | | |")
+            table.add(f"| {name} | {size} | out of memory | | |")
             continue
         table.add(
-            f"| {name} | {1e3 * t_ours:.2f} | {1e3 * t_ref:.2f} | "
+            f"| {name} | {size} | {1e3 * t_ours:.2f} | {1e3 * t_ref:.2f} | "
             f"{t_ref / t_ours:.2f} |"
         )
 

@@ -174,22 +174,21 @@ MUTANTS = {
         ),
         ["test_statistics"],
     ),
-    "nan_safe sum: the gradients summed as they are without the check": (
+    "ghost norms: a bf16 record's centred part left uncentred": (
         (
-            "chunkvmap/_dp/_clipping.py",
-            "        return lax.cond(finite, as_they_are, sanitized, tree, norms, "
-            "pad)\n",
-            "        return as_they_are(tree, norms, pad)\n",
+            "chunkvmap/_dp/ghost/_forms.py",
+            "    centred = (a.astype(acc) - mean).astype(kept[0])\n",
+            "    centred = a.astype(kept[0])\n",
         ),
-        ["test_clipping"],
+        ["test_ghost"],
     ),
-    "nan_safe sum: the check passes where any example is finite": (
+    "ghost gradients: records of two types einsummed as they are": (
         (
-            "chunkvmap/_dp/_clipping.py",
-            "        finite = jnp.all(jnp.isfinite(norms))\n",
-            "        finite = jnp.any(jnp.isfinite(norms))\n",
+            "chunkvmap/_dp/ghost/_forms.py",
+            "            *_common_type(arrays),\n",
+            "            *arrays,\n",
         ),
-        ["test_clipping"],
+        ["test_ghost"],
     ),
     "per-leaf norms: ghost's leaves in the wrong order": (
         (

@@ -3,6 +3,7 @@ the chip), in groups of test files that each fit a 10-minute call.
 
     python3 dev/test_device.py --group 1/4      # the first of four groups
     python3 dev/test_device.py --list 4         # which files each group holds
+    python3 dev/test_device.py tests/test_statistics.py   # named files or tests
 
 The files are dealt into groups by their running time on CPU
 (`tests/durations.txt`: seconds per file, from `pytest --durations=0`; a file not
@@ -58,11 +59,16 @@ def groups(count: int) -> list[list[str]]:
     return dealt
 
 
+# The lines of a failure's report printed (and kept in `<progress>.failures`) as the
+# test fails.
+FAILURE_LINES = 25
+
+
 class Progress:
     """A pytest plugin: each finished test's id and outcome appended to `log` as it
-    finishes (so that a later call can leave out what ran: `--resume`), and the
-    session stopped cleanly (its summary printed) once `deadline` seconds have
-    passed."""
+    finishes (so that a later call can leave out what ran: `--resume`), a failure's
+    report printed at once (and appended to `<log>.failures`), and the session
+    stopped cleanly (its summary printed) once `deadline` seconds have passed."""
 
     def __init__(self, log: pathlib.Path | None, deadline: float) -> None:
         self.log, self.deadline = log, deadline
@@ -74,6 +80,13 @@ class Progress:
             if self.log is not None:
                 with self.log.open("a") as fh:
                     fh.write(f"{report.outcome} {report.nodeid}\n")
+        if report.failed:  # its reason now, not only in a summary a cut would lose
+            tail = "\n".join(report.longreprtext.splitlines()[-FAILURE_LINES:])
+            text = f"\n=== {report.nodeid} ({report.when})\n{tail}\n"
+            print(text, flush=True)
+            if self.log is not None:
+                with self.log.with_name(self.log.name + ".failures").open("a") as fh:
+                    fh.write(text)
 
     def pytest_runtest_teardown(self, item) -> None:
         if time.monotonic() - self.start > self.deadline:
@@ -112,6 +125,8 @@ def main(argv=None) -> int:
         return 0
     i, k = (int(x) for x in (args.group or "1/1").split("/"))
     files = [f"tests/{f}" for f in groups(k)[i - 1]]
+    if any(os.path.exists(r.split("::")[0]) for r in rest):  # tests named instead
+        files = []
     done = finished(args.progress) if args.resume and args.progress else set()
     plugins: list = [Progress(args.progress, args.deadline)]
     if done:

@@ -269,6 +269,37 @@ def test_bfloat16_parameters():
     }
 
 
+@pytest.mark.parametrize("zero_sum", [True, False])
+def test_bfloat16_records_with_a_large_common_part(zero_sum):
+    """bf16 activations sharing a large part over 16 positions (30 + noise), their
+    cotangents summing to zero over the positions (a softmax over them) or not: the
+    ghost norms, whose bf16 records are centred in f32 and kept in bf16, match the
+    norms of the f32 gradients of the same bf16 values to bf16 precision."""
+
+    def loss(w, x):  # x: (T, D) bf16 values, the product accumulated in f32
+        h = jnp.dot(x, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+        if zero_sum:
+            return -jax.nn.log_softmax(h[:, 0])[3] + jnp.sum(h[:, 1:] ** 2) * 0
+        return jnp.sum(jnp.tanh(h) * jnp.arange(1.0, h.shape[1] + 1)[None, :])
+
+    w = normal(70, 64, 64, scale=0.02)
+    x = (30.0 + normal(71, 5, 16, 64)).astype(jnp.bfloat16)
+    ghost = clipped_grad(
+        loss, l2_clip_norm=jnp.inf, return_grad_norms=True, method="ghost",
+        keep_batch_dim=False, batch_size=3,
+    )  # fmt: skip
+    with warnings.catch_warnings():  # ghost runs for its memory here
+        warnings.simplefilter("ignore", chunkvmap.GhostFallbackWarning)
+        norms = jax.jit(ghost)(w, x)[1].grad_norms
+
+    def f32_loss(w, x):  # the same values, in float32 throughout
+        return loss(w, x.astype(jnp.float32).astype(jnp.bfloat16))
+
+    grads = jax.vmap(jax.grad(f32_loss), (None, 0))(w, x)
+    expected = jnp.sqrt(jnp.sum(grads.astype(jnp.float32) ** 2, (1, 2)))
+    np.testing.assert_allclose(norms, expected, rtol=1e-2)
+
+
 # -- bad input -------------------------------------------------------------------------
 
 

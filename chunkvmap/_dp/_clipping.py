@@ -247,27 +247,19 @@ class Clipping:
         """One example's gradient norm (global, or per leaf), as returned."""
         return leaf_norms(grads) if self.per_leaf_norms else global_norm(grads)
 
-    def transformed(self, grads: Any) -> Any:
-        """One example's gradient, transformed and cast."""
-        tree = self.pre_clipping_transform(grads)
-        if self.dtype is not None:
-            tree = jax.tree.map(lambda x: jnp.asarray(x).astype(self.dtype), tree)
-        return tree
-
-    def prepare(self, grads: Any, pad: Any) -> tuple[Any, jax.Array]:
-        """One example's gradient, transformed, cast and made NaN-safe, and the
-        factor that clips it (0 for a padding example, whose gradient is then zero
-        too, even where it is NaN)."""
-        return self.scaled(self.transformed(grads), pad)
-
     def factor(self, norm: jax.Array, pad: Any) -> jax.Array:
         """The factor that clips a gradient of norm `norm` (0 where `pad`, if
         given); elementwise, for one example or a chunk's."""
         scale = clip_scale(norm, self.l2_clip_norm, self.rescale_to_unit_norm)
         return scale if pad is None else jnp.where(pad, 0, scale)
 
-    def scaled(self, tree: Any, pad: Any) -> tuple[Any, jax.Array]:
-        """`prepare` of a gradient already transformed and cast."""
+    def prepare(self, grads: Any, pad: Any) -> tuple[Any, jax.Array]:
+        """One example's gradient, transformed, cast and made NaN-safe, and the
+        factor that clips it (0 for a padding example, whose gradient is then zero
+        too, even where it is NaN)."""
+        tree = self.pre_clipping_transform(grads)
+        if self.dtype is not None:
+            tree = jax.tree.map(lambda x: jnp.asarray(x).astype(self.dtype), tree)
         if self.nan_safe:
             tree = jax.tree.map(_nan_to_zero, tree)
         scale = self.factor(global_norm(tree), pad)
@@ -485,7 +477,6 @@ def _formed_sums(
     """The clipped sum from each example's formed gradient (`method="vmap"`, and
     ghost's per-example path)."""
     name, padded = transform.name, call.padding is not None
-    late = config.nan_safe and config.sums  # made NaN-safe by the chunk
     value_and_grad = filtered_value_and_grad(
         fun, call.diff, transform.args.single, config.has_aux, name,
         _note(name, fun, config),
@@ -507,9 +498,6 @@ def _formed_sums(
             config.norms(grads) if config.return_grad_norms else None,
             aux if config.has_aux else None,
         )
-        if late:  # made NaN-safe by the chunk (`_nan_safe_sum`)
-            tree = config.transformed(grads)
-            return (tree, global_norm(tree), pad), extras
         return config.prepare(grads, pad), extras
 
     all_args = (*call.args, *([call.padding] if padded else []))
@@ -525,8 +513,6 @@ def _formed_sums(
     def chunk_sum(chunk: Any) -> Any:  # the chunk's clipped sum
         if not config.sums:
             return ()
-        if late:
-            return _nan_safe_sum(config, *chunk)
         grads, scales = chunk
         return scaled_sum(scales, grads)
 
@@ -536,36 +522,6 @@ def _formed_sums(
         padding=len(call.args) if padded else None,
     )  # fmt: skip
     return total, extras, call.size
-
-
-# Where a chunk's NaN-safe clipped sum always zeroes the non-finite entries of every
-# example's gradient before its norm (`_nan_safe_sum`): on XLA:CPU that program is
-# the faster (2-4x on an MLP); elsewhere it is taken only for a chunk holding a
-# non-finite gradient, as the select over every entry keeps XLA:TPU from contracting
-# the per-example gradients into their weighted sum as products.
-SANITIZED_PLATFORMS = ("cpu",)
-
-
-def _nan_safe_sum(config: Clipping, tree: Any, norms: jax.Array, pad: Any) -> Any:
-    """A chunk's NaN-safe clipped sum of the gradients `tree` (transformed and cast,
-    stacked over the chunk's examples) of global norms `norms`: where every norm is
-    finite no entry is non-finite, and the sum of the gradients as they are is the
-    same; else (and always on `SANITIZED_PLATFORMS`) every example's non-finite
-    entries are zeroed before its norm (`Clipping.scaled`)."""
-
-    def sanitized(tree: Any, norms: jax.Array, pad: Any) -> Any:
-        grads, scales = jax.vmap(config.scaled)(tree, pad)
-        return scaled_sum(scales, grads)
-
-    def as_they_are(tree: Any, norms: jax.Array, pad: Any) -> Any:
-        return scaled_sum(config.factor(norms, pad), tree)
-
-    def checked(tree: Any, norms: jax.Array, pad: Any) -> Any:
-        finite = jnp.all(jnp.isfinite(norms))
-        return lax.cond(finite, as_they_are, sanitized, tree, norms, pad)
-
-    branches = {name: sanitized for name in SANITIZED_PLATFORMS}
-    return lax.platform_dependent(tree, norms, pad, **branches, default=checked)
 
 
 class _Parts(NamedTuple):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -14,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import opt_einsum
 
 from ._chains import _boxes_disjoint
@@ -134,7 +136,7 @@ class EinsumForm(Form):
         specs = [(EXAMPLE, *sp) if batched else sp for sp in self.specs]
         g = jnp.einsum(
             _equation(specs, out),
-            *arrays,
+            *_common_type(arrays),
             optimize="optimal",
             out_sharding=explicit_spec(out_spec),
         )
@@ -324,12 +326,15 @@ def _einsum_term(u: EinsumForm, au: list, v: EinsumForm, av: list, acc: Any) -> 
     for us, ua in centred_u:
         for vs, va in centred_v:
             vs = _rename(vs, _all_symbols(us))
+            ops = [*ua, *va]
+            if len({x.dtype for x in ops}) > 1:  # (one bf16, one wider: in acc)
+                ops = [x.astype(acc) for x in ops]
             terms.append(
                 jnp.einsum(
                     _equation([*us, *vs]),
-                    *ua,
-                    *va,
+                    *ops,
                     optimize="optimal",
+                    preferred_element_type=acc,
                     out_sharding=explicit_spec(),
                 )
             )
@@ -340,23 +345,52 @@ def _centred(specs: list, arrays: list, acc: Any) -> list[tuple[list, list]]:
     """A two-operand einsum form `G = sum_p B(a_p, d_p)` over its positions `p`
     (the private symbols both operands carry) as two forms of the same sum:
     `sum_p B(a_p - mean_p a, d_p)` and `B(mean_p a, sum_p d_p)` (exact, as `B` is
-    bilinear), in `acc`. Other forms come as they are."""
-    arrays = [x.astype(acc) for x in arrays]
+    bilinear), the means and sums in `acc`. A 16-bit float array (a bfloat16
+    record) keeps its type in the first form, centred in `acc` and rounded back: its
+    products are exact in `acc`, which the einsum accumulates in, and the records
+    it reads stay half the size (on a TPU the norms of a bf16 GPT-2 read f32 copies
+    of every record). Other forms come as they are."""
+    kept = [_narrow(x.dtype, acc) for x in arrays]
     if len(specs) != 2:
-        return [(list(specs), arrays)]
+        return [(list(specs), [x.astype(k) for x, k in zip(arrays, kept)])]
     (sa, sd), (a, d) = specs, arrays
     positions = [s for s in sa if isinstance(s, Private) and s in sd]
     if not positions:
-        return [(list(specs), arrays)]
+        return [(list(specs), [x.astype(k) for x, k in zip(arrays, kept)])]
     ia = tuple(sa.index(s) for s in positions)
     idd = tuple(sd.index(s) for s in positions)
-    mean = jnp.mean(a, ia, keepdims=True)
+    mean = jnp.mean(a.astype(acc), ia, keepdims=True)
     rest = (
         tuple(s for s in sa if s not in positions),
         tuple(s for s in sd if s not in positions),
     )
-    parts = [jnp.squeeze(mean, ia), jnp.sum(d, idd)]
-    return [(list(specs), [a - mean, d]), (list(rest), parts)]
+    parts = [jnp.squeeze(mean, ia), jnp.sum(d.astype(acc), idd)]
+    centred = (a.astype(acc) - mean).astype(kept[0])
+    return [(list(specs), [centred, d.astype(kept[1])]), (list(rest), parts)]
+
+
+def _common_type(arrays: Sequence[Any]) -> list[Any]:
+    """`arrays` in the type they promote to (a bf16 activation meeting the f32
+    cotangent of a product accumulated in f32), whatever the promotion mode."""
+    types = {x.dtype for x in arrays}
+    if len(types) < 2:
+        return list(arrays)
+    with jax.numpy_dtype_promotion("standard"):
+        common = functools.reduce(jnp.promote_types, types)
+    return [x.astype(common) for x in arrays]
+
+
+def _narrow(dtype: Any, acc: Any) -> Any:
+    """`dtype` where it is a 16-bit float type and `acc` a wider real one (whose
+    products it is exact in), else `acc`."""
+    dtype, acc = np.dtype(dtype), np.dtype(acc)
+    if (
+        jnp.issubdtype(dtype, jnp.floating)
+        and jnp.issubdtype(acc, jnp.floating)
+        and dtype.itemsize == 2 < acc.itemsize
+    ):
+        return dtype
+    return acc
 
 
 def _rows_cost(u: RowsForm, v: RowsForm) -> float | None:
