@@ -95,6 +95,45 @@ def temp_bytes(f, *args) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+class HostLog(list):
+    """A list that host callbacks (`jax.debug.callback`) append to, read only after
+    every callback issued so far has run (`jax.effects_barrier`): on an accelerator
+    they run asynchronously to the program, and may not all have run when its
+    result is back."""
+
+    def __len__(self) -> int:
+        jax.effects_barrier()
+        return super().__len__()
+
+    def __iter__(self):
+        jax.effects_barrier()
+        return super().__iter__()
+
+    def __getitem__(self, k):
+        jax.effects_barrier()
+        return super().__getitem__(k)
+
+    def __eq__(self, other) -> bool:
+        jax.effects_barrier()
+        return super().__eq__(other)
+
+    __hash__ = None
+
+    def clear(self) -> None:
+        jax.effects_barrier()
+        super().clear()
+
+
+def program_bytes(f, *args) -> int:
+    """The figure `batch_size="auto"` holds to its budget for `jax.jit(f)(*args)` on
+    the default backend (XLA's temporaries on CPU; its peak less the arguments on an
+    accelerator): for tests of the choice itself, which hold on any backend."""
+    from chunkvmap._core import _memory
+
+    compiled = jax.jit(f).lower(*args).compile()
+    return _memory.program_bytes(compiled.memory_analysis())
+
+
 def on_cpu(tree: Any) -> Any:
     """`tree` as the CPU would hold it: each array not on CPU devices as an
     abstract array on the first CPU device (off CPU; unchanged on CPU)."""

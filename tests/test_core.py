@@ -7,7 +7,7 @@ import pytest
 
 from chunkvmap import batch_vmap
 
-from .helpers import TraceCounter, jaxpr_eqns, make_mesh, tree_allclose
+from .helpers import HostLog, TraceCounter, jaxpr_eqns, make_mesh, tree_allclose
 
 
 SIZES = [1, 7, 12, 64]  # one, prime, divisible, large
@@ -270,7 +270,7 @@ def test_chunk_reduction_without_reduction_post_processes_full_output(rng):
 def test_remainder_window_sees_only_real_examples():
     """No padding reaches f: the last chunk is the window [N - B, N) of real examples,
     so 10 examples in chunks of 4 evaluate 0-3, 4-7, 6-9 (two recomputed)."""
-    seen = []
+    seen = HostLog()
 
     def f(v):
         jax.debug.callback(lambda val: seen.append(np.asarray(val).copy()), v)

@@ -9,7 +9,7 @@ import pytest
 
 from chunkvmap import batch_jacfwd, batch_jacrev
 
-from .helpers import TraceCounter, temp_bytes, tree_allclose
+from .helpers import HostLog, TraceCounter, temp_bytes, tree_allclose
 
 
 BATCH_SIZES = [None, 1, 3, 4, 100]
@@ -95,7 +95,7 @@ def test_jacrev_allow_int():
 
 @pytest.mark.parametrize("ours", [batch_jacfwd, batch_jacrev])
 def test_linearises_once(ours):
-    runs = []
+    runs = HostLog()
 
     def f(x):
         jax.debug.callback(lambda: runs.append(1))

@@ -10,7 +10,14 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from chunkvmap import batch_map, batch_vmap
 
-from .helpers import TraceCounter, make_mesh, mesh_devices, temp_bytes, tree_allclose
+from .helpers import (
+    HostLog,
+    TraceCounter,
+    make_mesh,
+    mesh_devices,
+    temp_bytes,
+    tree_allclose,
+)
 
 
 pytestmark = pytest.mark.skipif(
@@ -142,7 +149,7 @@ def test_work_is_split_and_the_global_remainder_runs_once(n, b):
     remainder is evaluated by one device, not once per device, in chunks of the
     shares' length (fewer examples than that: one window of that length ending
     with them, which evaluates the last examples before them again)."""
-    seen = []
+    seen = HostLog()
 
     def g(v):
         jax.debug.callback(lambda i: seen.append(int(i)), v[0])

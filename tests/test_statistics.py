@@ -28,9 +28,11 @@ from chunkvmap._dp import _statistics
 
 from . import test_ghost_models as models
 from .helpers import (
+    HostLog,
     init_mlp,
     make_mesh,
     mlp,
+    program_bytes,
     projected_grads,
     temp_bytes,
     tree_allclose,
@@ -255,7 +257,7 @@ def test_gram_matches_vmap(batch, other_batch, method):
 def counted(loss):
     """`loss` with a host counter of its evaluations (under jax.vmap the callback
     sees the batch's examples together: it counts them)."""
-    calls = []
+    calls = HostLog()
 
     def fn(p, x, y):
         jax.debug.callback(lambda v: calls.extend([1] * np.size(v)), jnp.sum(x))
@@ -306,8 +308,14 @@ def test_gram_evaluates_fewer_gradients_as_its_memory_grows():
     _, flat = oracle_grads(mlp_loss, params, x, y)
     expected = flat @ flat.T
     atol = 1e-5 * float(np.abs(expected).max())
+
+    def figure(b):  # the program's memory by the figure auto compares
+        return program_bytes(per_example_grad_gram(mlp_loss, batch_size=b), *data)
+
+    data = (params, x, y)
     counts, sizes = [], []
-    for limit in (60_000, 150_000, 400_000):
+    for b in (3, 8, 16):  # limits where chunks of b fit and of b + 1 do not
+        limit = (figure(b) + figure(b + 1)) // 2
         loss, calls = counted(mlp_loss)
         gram = per_example_grad_gram(loss, batch_size="auto", memory_limit=limit)
         np.testing.assert_allclose(gram(params, x, y), expected, atol=atol)
@@ -454,21 +462,23 @@ def test_gram_with_aux_and_auto():
         np.testing.assert_allclose(gram, expected, atol=atol)
         np.testing.assert_array_equal(aux["y"], y)
 
-    limit = 100_000  # chunks of 4 fit (73 kB), of 8 do not (145 kB)
+    def figure(**kw):  # the program's memory by the figure auto compares
+        return program_bytes(per_example_grad_gram(mlp_loss, **kw), params, x, y)
+
+    # chunks of 4 fit, of 8 do not (on CPU: 73 and 145 kB of temporaries)
+    limit = (figure(batch_size=4) + figure(batch_size=8)) // 2
     joint = per_example_grad_gram(mlp_loss, batch_size="auto", memory_limit=limit)
     np.testing.assert_allclose(joint(params, x, y), expected, atol=atol)
     b = last_batch_size(joint)
     assert 4 <= b < 8, b
-    chosen, over = (per_example_grad_gram(mlp_loss, batch_size=c) for c in (b, b + 1))
-    assert temp_bytes(chosen, params, x, y) <= limit < temp_bytes(over, params, x, y)
+    assert figure(batch_size=b) <= limit < figure(batch_size=b + 1)
 
     rows = per_example_grad_gram(
         mlp_loss, batch_size="auto", other_batch_size=2, memory_limit=limit
     )
     np.testing.assert_allclose(jax.jit(rows)(params, x, y), expected, atol=atol)
     b = last_batch_size(rows)
-    fixed = per_example_grad_gram(mlp_loss, batch_size=b, other_batch_size=2)
-    assert 2 <= b < 24 and temp_bytes(fixed, params, x, y) <= limit, b
+    assert 2 <= b < 24 and figure(batch_size=b, other_batch_size=2) <= limit, b
 
 
 def test_ghost_stats_on_the_dp_models_with_aux():
