@@ -25,6 +25,26 @@ def pytest_configure(config):
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """On an accelerator with fewer devices than a test's mesh needs, the test runs
+    again from its start with the CPU as the default device (its mesh is then of
+    the CPU devices, and its arrays meet it there: `helpers.RunOnCpu`)."""
+    import jax
+
+    from .helpers import RunOnCpu  # (imported on CPU too: an error shows in CI)
+
+    if jax.default_backend() == "cpu":
+        return None  # pytest calls the test as always
+    args = {k: pyfuncitem.funcargs[k] for k in pyfuncitem._fixtureinfo.argnames}
+    try:
+        pyfuncitem.obj(**args)
+    except RunOnCpu:
+        with jax.default_device(jax.devices("cpu")[0]):
+            pyfuncitem.obj(**args)
+    return True
+
+
 @pytest.fixture(autouse=True)
 def _modelled_choice(monkeypatch):
     """`method="ghost"`'s choice by the cost model on every backend, as on CPU (on

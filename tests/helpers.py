@@ -45,14 +45,23 @@ def users_environment() -> dict[str, str]:
     return env
 
 
+class RunOnCpu(Exception):
+    """Raised by `mesh_devices` on an accelerator with fewer devices than a test's
+    mesh needs: `conftest.py` runs the test again from its start with the CPU as
+    the default device, so that its arrays and its mesh (of the CPU devices) meet."""
+
+
 def mesh_devices(n: int) -> list:
     """`n` devices for a test's mesh: the default backend's where it has `n` (the
-    8 simulated CPU devices of `conftest.py` on CPU), else the CPU devices (on a
-    one-chip accelerator, a mesh test runs its mesh on the CPU)."""
+    8 simulated CPU devices of `conftest.py` on CPU), else the CPU devices, the
+    whole test then running on the CPU (on a one-chip accelerator; `RunOnCpu`)."""
     devices = jax.devices()
-    if len(devices) < n:
-        devices = jax.devices("cpu")
-    return devices[:n]
+    if len(devices) >= n:
+        return devices[:n]
+    default = jax.config.jax_default_device
+    if getattr(default, "platform", default) != "cpu":
+        raise RunOnCpu(f"a mesh of {n} devices, the default backend has {len(devices)}")
+    return jax.devices("cpu")[:n]
 
 
 def make_mesh(shape, names, axis_types=None, *, devices=None) -> jax.sharding.Mesh:

@@ -48,3 +48,30 @@ def test_jaxpr_eqns_walks_into_every_sub_jaxpr():
     names = [e.primitive.name for e in jaxpr_eqns(jaxpr)]
     assert "sin" not in [e.primitive.name for e in jaxpr.eqns]  # only nested
     assert names.count("sin") == 1 and names.count("cos") == 1, names
+
+
+def test_a_mesh_test_on_a_one_device_accelerator_runs_again_on_the_cpu(monkeypatch):
+    """Where the default backend (here posed as a one-chip TPU) has fewer devices
+    than a test's mesh, `make_mesh` stops the test and `conftest.py` runs it again
+    from its start with the CPU as the default device, its mesh of CPU devices."""
+    import types
+
+    from . import conftest, helpers
+
+    real = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda *a: real(*a) if a else real()[:1])
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    runs = []
+
+    def a_mesh_test():
+        runs.append(jax.config.jax_default_device)
+        mesh = helpers.make_mesh((4,), ("data",))
+        assert {d.platform for d in mesh.devices.flat} == {"cpu"}
+
+    item = types.SimpleNamespace(
+        obj=a_mesh_test, funcargs={}, _fixtureinfo=types.SimpleNamespace(argnames=())
+    )
+    assert conftest.pytest_pyfunc_call(item) is True
+    assert len(runs) == 2 and runs[0] is None
+    assert getattr(runs[1], "platform", runs[1]) == "cpu"
+    assert jax.config.jax_default_device is None  # restored after the test
