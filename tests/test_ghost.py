@@ -300,6 +300,40 @@ def test_bfloat16_records_with_a_large_common_part(zero_sum):
     np.testing.assert_allclose(norms, expected, rtol=1e-2)
 
 
+@pytest.mark.parametrize("call", ["eager", "jit"])
+def test_padding_with_infinite_gradients_leaves_a_per_example_leaf_out(
+    always_ghost, call
+):
+    """A ghost program with a per-example leaf (`s`, used through `s**2`) beside a
+    ghost one (`w`), its chunk sum one contraction per leaf: padding examples whose
+    gradients would be infinite and NaN (`x_0 = 0`) never reach the sum, without
+    nan_safe; N = 11 in chunks of 4, eager and jitted."""
+
+    def loss(p, x):
+        h = jnp.tanh(x[1:] @ p["w"]) * jnp.log(jnp.abs(x[0]))
+        return jnp.sum(h * p["s"] ** 2)
+
+    rng = np.random.default_rng(8)
+    p = {"w": normal(80, 3, 16, scale=0.3), "s": normal(81, 16)}
+    x = rng.normal(size=(11, 4)).astype(np.float32)
+    x[:, 0] = np.abs(x[:, 0]) + 0.5
+    pad = np.arange(11) >= 8
+    x[9, 0] = 0.0  # a padding example's infinite and NaN gradient
+    cg = clipped_grad(
+        loss, l2_clip_norm=0.7, keep_batch_dim=False, batch_size=4, nan_safe=False,
+        method="ghost",
+    )  # fmt: skip
+    run = cg if call == "eager" else jax.jit(cg)
+    with pytest.warns(chunkvmap.GhostFallbackWarning, match="per-example gradients"):
+        got = run(p, jnp.asarray(x), is_padding_example=jnp.asarray(pad))
+    assert ghost_report(loss, p, jnp.asarray(x[0])).as_dict() == {
+        "args[0]['s']": "per-example",
+        "args[0]['w']": "ghost",
+    }
+    grads = jax.vmap(jax.grad(loss), (None, 0))(p, jnp.asarray(x[~pad]))
+    tree_allclose(got, clip_and_sum(grads, 0.7)[0], rtol=1e-5, atol=1e-6)
+
+
 # -- bad input -------------------------------------------------------------------------
 
 

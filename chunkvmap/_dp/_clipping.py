@@ -750,8 +750,10 @@ class _GhostSums(Quantity):
         for k, arrays in kept.forms.items():  # scaled through each use's cotangent
             arrs = [[*a[:-1], scaled(a[-1])] for a in arrays]
             totals[k] = plan.gradient_of(k, arrs, batched=True)
-        for k, g in kept.grads.items():
-            totals[k] = scaled(g).sum(0)
+        counted = jnp.where(parts.counted, scale, jnp.zeros((), scale.dtype))
+        for k, g in kept.grads.items():  # one contraction each (`scaled_sum`)
+            g = jnp.where(mask(g, parts.counted), g, jnp.zeros((), g.dtype))
+            totals[k] = scaled_sum(counted, g)
         for k, leaf in enumerate(plan.leaves):
             if totals[k] is None:  # unused: a zero gradient
                 totals[k] = jnp.zeros(leaf.shape, leaf.dtype)
