@@ -166,6 +166,34 @@ def test_ghost_stats_where_no_leaf_has_a_ghost_rule():
         np.testing.assert_allclose(stats.sq_norms, (g**2).sum(1), rtol=1e-5)
 
 
+@pytest.mark.parametrize("call", ["eager", "jit"])
+def test_ghost_stats_of_a_per_example_leaf_beside_ghost_ones(always_ghost, call):
+    """A leaf used through `w**2` (per-example) beside ghost layers: the ghost
+    program's moments of its formed gradients (reduced along their examples, moved
+    last) equal the oracle's, N = 11 in chunks of 4 (the last window's examples
+    counted once)."""
+
+    def loss(p, x, y):
+        h = jnp.tanh(x @ p["w"] ** 2)
+        return jnp.sum((jnp.tanh(h @ p["v"]) - y) ** 2)
+
+    rng = np.random.default_rng(9)
+    p = {
+        "w": jnp.asarray(rng.normal(size=(6, 12)), jnp.float32),
+        "v": jnp.asarray(rng.normal(size=(12, 3)), jnp.float32),
+    }
+    x, y = (jnp.asarray(rng.normal(size=(11, k)), jnp.float32) for k in (6, 3))
+    grads, flat = oracle_grads(loss, p, x, y)
+    stats = per_example_grad_stats(loss, batch_size=4, method="ghost")
+    with pytest.warns(chunkvmap.GhostFallbackWarning, match="per-example gradients"):
+        got = (stats if call == "eager" else jax.jit(stats))(p, x, y)
+    tree_allclose(got.mean, jax.tree.map(lambda g: g.mean(0), grads))
+    tree_allclose(
+        got.variance, jax.tree.map(lambda g: g.var(0), grads), rtol=1e-4, atol=1e-6
+    )
+    np.testing.assert_allclose(got.sq_norms, (flat**2).sum(1), rtol=1e-5)
+
+
 def test_bf16_parameters_give_float32_statistics():
     params, x, y = mlp_data(6)
     params16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)

@@ -463,7 +463,8 @@ class _GhostMoments(Quantity):
         # each leaf's squared norm per example (zero for a leaf no use reaches)
         sq_norms = [jnp.zeros(ones.shape, self.acc) for _ in range(n)]
         for k, g in record.grads.items():  # formed per example: axis 0
-            shifts[k], means[k], m2s[k] = moments_of(g, 0, real)
+            # (moved last: the reductions contiguous, as `_formed_moments`' are)
+            shifts[k], means[k], m2s[k] = moments_of(jnp.moveaxis(g, 0, -1), -1, real)
             sq_norms[k] = _sq_norm(g, self.acc, rows=True)
         ruled = [k for k in self.ruled if self.leaves[k].uses]
         uses = record.replace(grads={})
