@@ -200,3 +200,25 @@ def test_family_benchmark_runs(tmp_path):
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[2:5]), row
         assert float(cells[7]) > 0, row
+
+
+def test_runner_paths_benchmark_runs(tmp_path):
+    """`benchmarks/bench_runner_paths.py --quick` on its MLP: the ghost program with
+    every leaf forced per-example, checked equal to `method="vmap"` before both
+    are timed, a row per quantity."""
+    script = GPU.parent / "bench_runner_paths.py"
+    out = tmp_path / "paths.md"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--repeats", "1", "--only", "MLP",
+         "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| MLP")]
+    assert [r.split("|")[2].strip() for r in rows] == ["clipped sum", "statistics"]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[2:])

@@ -348,8 +348,7 @@ def _centred(specs: list, arrays: list, acc: Any) -> list[tuple[list, list]]:
     bilinear), the means and sums in `acc`. A 16-bit float array (a bfloat16
     record) keeps its type in the first form, centred in `acc` and rounded back: its
     products are exact in `acc`, which the einsum accumulates in, and the records
-    it reads stay half the size (on a TPU the norms of a bf16 GPT-2 read f32 copies
-    of every record). Other forms come as they are."""
+    it reads stay half the size. Other forms come as they are."""
     kept = [_narrow(x.dtype, acc) for x in arrays]
     if len(specs) != 2:
         return [(list(specs), [x.astype(k) for x, k in zip(arrays, kept)])]
