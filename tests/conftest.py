@@ -28,20 +28,31 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """On an accelerator with fewer devices than a test's mesh needs, the test runs
-    again from its start with the CPU as the default device (its mesh is then of
-    the CPU devices, and its arrays meet it there: `helpers.RunOnCpu`)."""
+    with the CPU as the default device, so that its arrays meet its mesh of CPU
+    devices: from its start where its module's constants or its fixtures hold such
+    a mesh, else again from its start once it asks for one (`helpers.RunOnCpu`)."""
     import jax
 
-    from .helpers import RunOnCpu  # (imported on CPU too: an error shows in CI)
+    from . import helpers  # (imported on CPU too: an error shows in CI)
 
     if jax.default_backend() == "cpu":
         return None  # pytest calls the test as always
     args = {k: pyfuncitem.funcargs[k] for k in pyfuncitem._fixtureinfo.argnames}
+    cpu = jax.devices("cpu")[0]
+    module = getattr(pyfuncitem, "module", None)
+    held = [*vars(module).values()] if module is not None else []
+    if helpers.holds_cpu_mesh([*held, *args.values()]):
+        with jax.default_device(cpu):
+            pyfuncitem.obj(**args)
+        return True
+    token = helpers.IN_TEST.set(True)
     try:
         pyfuncitem.obj(**args)
-    except RunOnCpu:
-        with jax.default_device(jax.devices("cpu")[0]):
+    except helpers.RunOnCpu:
+        with jax.default_device(cpu):
             pyfuncitem.obj(**args)
+    finally:
+        helpers.IN_TEST.reset(token)
     return True
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools as ft
 import os
 from typing import Any
@@ -46,9 +47,15 @@ def users_environment() -> dict[str, str]:
 
 
 class RunOnCpu(Exception):
-    """Raised by `mesh_devices` on an accelerator with fewer devices than a test's
-    mesh needs: `conftest.py` runs the test again from its start with the CPU as
-    the default device, so that its arrays and its mesh (of the CPU devices) meet."""
+    """Raised by `mesh_devices` inside a test on an accelerator with fewer devices
+    than the test's mesh needs: `conftest.py` runs the test again from its start
+    with the CPU as the default device, so that its arrays and its mesh (of the CPU
+    devices) meet."""
+
+
+# Whether a test function is running (set by `conftest.py` on an accelerator):
+# outside one (a module's constants, a fixture) `mesh_devices` never raises.
+IN_TEST = contextvars.ContextVar("in_test", default=False)
 
 
 def mesh_devices(n: int) -> list:
@@ -59,9 +66,23 @@ def mesh_devices(n: int) -> list:
     if len(devices) >= n:
         return devices[:n]
     default = jax.config.jax_default_device
-    if getattr(default, "platform", default) != "cpu":
+    if IN_TEST.get() and getattr(default, "platform", default) != "cpu":
         raise RunOnCpu(f"a mesh of {n} devices, the default backend has {len(devices)}")
     return jax.devices("cpu")[:n]
+
+
+def holds_cpu_mesh(values: Any) -> bool:
+    """Whether `values` (a module's constants, a test's fixtures) hold a mesh of CPU
+    devices, directly or in a list, tuple or dict."""
+    for v in values:
+        if isinstance(v, (list, tuple)) and holds_cpu_mesh(v):
+            return True
+        if isinstance(v, dict) and holds_cpu_mesh(v.values()):
+            return True
+        if isinstance(v, jax.sharding.Mesh) and v.devices.size:
+            if v.devices.flat[0].platform == "cpu":
+                return True
+    return False
 
 
 def make_mesh(shape, names, axis_types=None, *, devices=None) -> jax.sharding.Mesh:

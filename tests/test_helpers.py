@@ -50,10 +50,12 @@ def test_jaxpr_eqns_walks_into_every_sub_jaxpr():
     assert names.count("sin") == 1 and names.count("cos") == 1, names
 
 
-def test_a_mesh_test_on_a_one_device_accelerator_runs_again_on_the_cpu(monkeypatch):
+def test_a_mesh_test_on_a_one_device_accelerator_runs_on_the_cpu(monkeypatch):
     """Where the default backend (here posed as a one-chip TPU) has fewer devices
-    than a test's mesh, `make_mesh` stops the test and `conftest.py` runs it again
-    from its start with the CPU as the default device, its mesh of CPU devices."""
+    than a test's mesh: a test asking for one inside is stopped by `make_mesh` and
+    run again from its start with the CPU as the default device, its mesh of CPU
+    devices; a test whose module holds such a mesh (made at import, where
+    `make_mesh` never stops anything) runs on the CPU from its start."""
     import types
 
     from . import conftest, helpers
@@ -68,10 +70,21 @@ def test_a_mesh_test_on_a_one_device_accelerator_runs_again_on_the_cpu(monkeypat
         mesh = helpers.make_mesh((4,), ("data",))
         assert {d.platform for d in mesh.devices.flat} == {"cpu"}
 
-    item = types.SimpleNamespace(
-        obj=a_mesh_test, funcargs={}, _fixtureinfo=types.SimpleNamespace(argnames=())
-    )
-    assert conftest.pytest_pyfunc_call(item) is True
+    def item(test, module=None):
+        info = types.SimpleNamespace(argnames=())
+        return types.SimpleNamespace(
+            obj=test, funcargs={}, _fixtureinfo=info, module=module
+        )
+
+    assert conftest.pytest_pyfunc_call(item(a_mesh_test)) is True
     assert len(runs) == 2 and runs[0] is None
     assert getattr(runs[1], "platform", runs[1]) == "cpu"
     assert jax.config.jax_default_device is None  # restored after the test
+
+    module = types.SimpleNamespace(MESH=helpers.make_mesh((8,), ("d",)))  # no raise
+    runs.clear()
+    test = lambda: runs.append(jax.config.jax_default_device)  # noqa: E731
+    assert conftest.pytest_pyfunc_call(item(test, module)) is True
+    assert len(runs) == 1 and getattr(runs[0], "platform", runs[0]) == "cpu"
+    assert helpers.holds_cpu_mesh(vars(module).values())
+    assert not helpers.holds_cpu_mesh([jax.sharding.AbstractMesh((2,), ("d",))])
