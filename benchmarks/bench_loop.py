@@ -67,11 +67,10 @@ def pairs(quick: bool, n: int) -> dict:
 
     grad = jax.grad(models.mlp_loss)
     clip = dict(l2_clip_norm=1.0, batch_argnums=(1, 2), keep_batch_dim=False)
-    mx, _ = mlp_data(4 * mlp["widths"][-1])
+    mx, my = mlp_data(4 * mlp["widths"][-1])
     lt, _ = models.lm_batch(rng, fitting(n, 4 * lm["positions"] * lm["vocab"]), lm)
     ci, _ = models.cnn_batch(rng, n, cnn)
     gx, gy = mlp_data(4 * mlp_size)
-    cx, cy = mlp_data(4 * mlp["widths"][-1])
     return {
         "MLP forward": (
             chunkvmap.batch_vmap(mlp_forward, (None, 0), batch_size=len(mx) // 16),
@@ -96,11 +95,11 @@ def pairs(quick: bool, n: int) -> dict:
             (mp, gx, gy),
         ),
         "MLP clipped_grad vs clipped_grad_sum": (
-            chunkvmap.clipped_grad(models.mlp_loss, batch_size=len(cx) // 16, **clip),
+            chunkvmap.clipped_grad(models.mlp_loss, batch_size=len(mx) // 16, **clip),
             lambda p, x, y: chunkvmap.clipped_grad_sum(
-                models.mlp_loss, 1.0, batch_size=len(cx) // 16
+                models.mlp_loss, 1.0, batch_size=len(mx) // 16
             )(p, x, y)[0],
-            (mp, cx, cy),
+            (mp, mx, my),
         ),
     }
 

@@ -177,7 +177,7 @@ MUTANTS = {
     "ghost norms: a bf16 record's centred part left uncentred": (
         (
             "chunkvmap/_dp/ghost/_forms.py",
-            "    centred = (a.astype(acc) - mean).astype(kept[0])\n",
+            "    centred = (wide - mean).astype(kept[0])\n",
             "    centred = a.astype(kept[0])\n",
         ),
         ["test_ghost"],

@@ -326,13 +326,10 @@ def _einsum_term(u: EinsumForm, au: list, v: EinsumForm, av: list, acc: Any) -> 
     for us, ua in centred_u:
         for vs, va in centred_v:
             vs = _rename(vs, _all_symbols(us))
-            ops = [*ua, *va]
-            if len({x.dtype for x in ops}) > 1:  # (one bf16, one wider: in acc)
-                ops = [x.astype(acc) for x in ops]
             terms.append(
                 jnp.einsum(
                     _equation([*us, *vs]),
-                    *ops,
+                    *_common_type([*ua, *va]),  # (a bf16 record beside acc ones)
                     optimize="optimal",
                     preferred_element_type=acc,
                     out_sharding=explicit_spec(),
@@ -358,13 +355,14 @@ def _centred(specs: list, arrays: list, acc: Any) -> list[tuple[list, list]]:
         return [(list(specs), [x.astype(k) for x, k in zip(arrays, kept)])]
     ia = tuple(sa.index(s) for s in positions)
     idd = tuple(sd.index(s) for s in positions)
-    mean = jnp.mean(a.astype(acc), ia, keepdims=True)
+    wide = a.astype(acc)
+    mean = jnp.mean(wide, ia, keepdims=True)
     rest = (
         tuple(s for s in sa if s not in positions),
         tuple(s for s in sd if s not in positions),
     )
     parts = [jnp.squeeze(mean, ia), jnp.sum(d.astype(acc), idd)]
-    centred = (a.astype(acc) - mean).astype(kept[0])
+    centred = (wide - mean).astype(kept[0])
     return [(list(specs), [centred, d.astype(kept[1])]), (list(rest), parts)]
 
 
