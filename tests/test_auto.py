@@ -20,6 +20,7 @@ from .helpers import (
     check_auto_choice,
     init_mlp,
     mlp,
+    program_bytes,
     record_auto_searches,
     temp_bytes,
     tree_allclose,
@@ -30,6 +31,7 @@ PARAMS = init_mlp(jax.random.key(0), (32, 256, 256, 10))
 X = jnp.linspace(-1.0, 1.0, 2000 * 32, dtype=jnp.float32).reshape(2000, 32)
 
 
+@pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 @pytest.mark.parametrize("limit", ["256KiB", 3_000_000])
 def test_chosen_size_fits_the_budget_by_the_same_estimate(limit, monkeypatch):
     searches = record_auto_searches(monkeypatch)
@@ -52,6 +54,25 @@ def test_chosen_size_fits_the_budget_by_the_same_estimate(limit, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("examples", [25, 400])
+def test_chosen_size_fits_a_budget_by_the_backends_figure(examples, monkeypatch):
+    """The same guarantees on whatever backend runs (the chip's peak less the
+    arguments off CPU, XLA:CPU's temporaries on CPU): a budget of so many examples'
+    chunk, by that backend's own figure, is met and not needlessly small."""
+    searches = record_auto_searches(monkeypatch)
+
+    def figure(b):
+        return program_bytes(batch_vmap(mlp, (None, 0), batch_size=b), PARAMS, X)
+
+    budget = figure(examples)
+    fn = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit=budget)
+    tree_allclose(fn(PARAMS, X), jax.vmap(mlp, (None, 0))(PARAMS, X), rtol=1e-5)
+    chosen = last_batch_size(fn)
+    assert chosen >= examples // 2, (chosen, examples)
+    (search,) = searches
+    check_auto_choice(search, chosen, X.shape[0], budget, figure)
+
+
 def test_generous_budget_picks_everything(monkeypatch):
     searches = record_auto_searches(monkeypatch)
     fn = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit="1GiB")
@@ -68,8 +89,7 @@ def test_budget_too_small_for_one_example():
         ValueError, match="cannot fit even one example in memory_limit=64"
     ):
         fn(PARAMS, X)
-
-
+@pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_choice_is_cached_per_shapes(monkeypatch):
     calls = []
     original = _memory.temp_bytes
@@ -87,8 +107,7 @@ def test_choice_is_cached_per_shapes(monkeypatch):
     assert len(calls) == probes
     fn(PARAMS, X[:1000])  # new shapes: probes again
     assert len(calls) > probes
-
-
+@pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_auto_under_jit_grad_and_with_reduction(monkeypatch):
     searches = record_auto_searches(monkeypatch)
     reduce = dict(reduction=jnp.add, chunk_reduction=lambda y: (y**2).sum(0))
@@ -121,8 +140,7 @@ def test_auto_under_jit_grad_and_with_reduction(monkeypatch):
             batch_vmap(mlp, (None, 0), batch_size=b, **reduce), PARAMS, X
         ),
     )
-
-
+@pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_batch_map_auto(monkeypatch):
     searches = record_auto_searches(monkeypatch)
 
@@ -178,8 +196,7 @@ def test_parse_memory(text, expected):
 def test_bad_memory_limit(value, exc, match):
     with pytest.raises(exc, match=match):
         batch_vmap(mlp, batch_size="auto", memory_limit=value)
-
-
+@pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_memory_limit_needs_auto_and_auto_needs_a_limit_on_cpu():
     with pytest.raises(ValueError, match="only used with batch_size='auto'"):
         batch_vmap(mlp, batch_size=4, memory_limit="1GiB")
@@ -203,8 +220,7 @@ def test_default_limit_is_a_fraction_of_device_memory(monkeypatch):
 def test_last_batch_size_of_unknown_function_is_none():
     assert last_batch_size(lambda x: x) is None
     assert chunkvmap.last_batch_size(batch_vmap(mlp, batch_size=3)) is None
-
-
+@pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_each_transform_keeps_its_own_choice():
     """The choice belongs to the transform that made it: two transforms of the same
     function with different budgets report their own, and the argument-free form the
@@ -218,8 +234,7 @@ def test_each_transform_keeps_its_own_choice():
     assert 1 <= last_batch_size(tight) < 64
     assert last_batch_size() == last_batch_size(tight)
     assert last_batch_size(mlp) is None  # the function itself holds nothing
-
-
+@pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_batch_map_auto_with_a_builtin_function(monkeypatch):
     searches = record_auto_searches(monkeypatch)
     out = batch_map(jnp.sin, X, "auto", memory_limit="1MiB")
@@ -235,8 +250,7 @@ def test_batch_map_auto_with_a_builtin_function(monkeypatch):
         2**20,
         lambda b: temp_bytes(lambda xs: batch_map(jnp.sin, xs, b), X),
     )
-
-
+@pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_auto_cache_accounts_for_static_arguments(monkeypatch):
     searches = record_auto_searches(monkeypatch)
     x = jnp.ones((256, 64), jnp.float32)
@@ -264,8 +278,7 @@ def test_auto_cache_accounts_for_static_arguments(monkeypatch):
                 lambda a: batch_vmap(g, (0, None), batch_size=b)(a, n), x
             ),
         )
-
-
+@pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_auto_finds_the_largest_size_below_one_that_does_not_fit(monkeypatch):
     # One chunk of all N examples drops the loop and needs far more memory than
     # N - 1 examples in chunks; the search used to stop at the size it had

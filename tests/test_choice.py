@@ -21,6 +21,7 @@ from chunkvmap._dp import _choice
 from chunkvmap._dp.ghost import GhostReport, Method
 
 from .helpers import make_mesh, tree_allclose
+from .test_ghost import _wide_over_positions
 
 
 def _loss(p, x, y):
@@ -384,8 +385,6 @@ def test_an_unmeasured_accelerator_call_is_not_warned_slower(monkeypatch):
     it is not measured) keeps the model's program, the ghost program it predicts
     slower but smaller, without the CPU model's "slower" warning; on CPU the
     warning stays."""
-    from .test_ghost import _wide_over_positions
-
     rng = np.random.default_rng(2)
     p = {"w": jnp.asarray(rng.normal(size=(256, 256)) / 16, jnp.float32)}
     x = jnp.asarray(rng.normal(size=(6, 64, 256)), jnp.float32)
@@ -409,8 +408,6 @@ def test_a_measurement_that_fails_gives_no_slower_warning(measured):
     """Where the call cannot be measured (the loss closes over a value traced by
     an enclosing grad), a model's "predicted slower" is not said on a measured
     platform: the model's program runs, silently."""
-    from .test_ghost import _wide_over_positions
-
     timings, _ = measured
     rng = np.random.default_rng(2)
     p = {"w": jnp.asarray(rng.normal(size=(256, 256)) / 16, jnp.float32)}

@@ -344,6 +344,7 @@ CHECKS: dict[str, Callable[[Page], None]] = {
 PAGES_WITH_CODE = [page for page in PAGES if blocks(page)]
 
 
+@pytest.mark.runs_on_cpu("the pages show the CPU's output, over its 8 devices")
 @pytest.mark.parametrize("page", PAGES_WITH_CODE)
 def test_page_snippets_run_and_print_what_they_show(page):
     run = run_page(page)

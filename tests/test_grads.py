@@ -384,6 +384,7 @@ def test_python_float_parameters_are_differentiated_like_jax_grad():
     np.testing.assert_allclose(gram, flat @ flat.T, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budget")
 @pytest.mark.parametrize("limit", [16 * 2**10])  # all 64 examples do not fit
 def test_auto_batch_size_is_chosen_once_and_reported(limit, monkeypatch):
     from chunkvmap import last_batch_size

@@ -70,21 +70,51 @@ def test_a_mesh_test_on_a_one_device_accelerator_runs_on_the_cpu(monkeypatch):
         mesh = helpers.make_mesh((4,), ("data",))
         assert {d.platform for d in mesh.devices.flat} == {"cpu"}
 
-    def item(test, module=None):
+    def item(test, module=None, marked=False):
         info = types.SimpleNamespace(argnames=())
+        mark = pytest.mark.runs_on_cpu("its subject is the CPU's").mark
         return types.SimpleNamespace(
-            obj=test, funcargs={}, _fixtureinfo=info, module=module
-        )
+            obj=test, funcargs={}, _fixtureinfo=info, module=module,
+            get_closest_marker=lambda name: mark if marked else None,
+        )  # fmt: skip
 
     assert conftest.pytest_pyfunc_call(item(a_mesh_test)) is True
     assert len(runs) == 2 and runs[0] is None
     assert getattr(runs[1], "platform", runs[1]) == "cpu"
     assert jax.config.jax_default_device is None  # restored after the test
 
-    module = types.SimpleNamespace(MESH=helpers.make_mesh((8,), ("d",)))  # no raise
+    token = helpers.IN_TEST.set(False)  # as at a module's import (on a real chip
+    try:  # too, where this test itself runs as a test)
+        module = types.SimpleNamespace(MESH=helpers.make_mesh((8,), ("d",)))  # no raise
+    finally:
+        helpers.IN_TEST.reset(token)
     runs.clear()
     test = lambda: runs.append(jax.config.jax_default_device)  # noqa: E731
     assert conftest.pytest_pyfunc_call(item(test, module)) is True
     assert len(runs) == 1 and getattr(runs[0], "platform", runs[0]) == "cpu"
     assert helpers.holds_cpu_mesh(vars(module).values())
     assert not helpers.holds_cpu_mesh([jax.sharding.AbstractMesh((2,), ("d",))])
+
+    runs.clear()  # a test marked runs_on_cpu: on the CPU from its start
+    assert conftest.pytest_pyfunc_call(item(test, marked=True)) is True
+    assert len(runs) == 1 and getattr(runs[0], "platform", runs[0]) == "cpu"
+
+
+def test_accelerator_comparisons_follow_the_backend():
+    """Off CPU, `np.testing.assert_allclose` (as `conftest.py` wraps it there) takes
+    a float32 or 16-bit comparison to the accelerator's precision, relative and as a
+    share of the largest expected magnitude, and leaves float64 to the test's own."""
+    from .conftest import BACKEND_TOLERANCE, _backend_allclose
+
+    check = _backend_allclose(np.testing.assert_allclose)
+    want = np.array([0.5, -0.25, 1e-3], np.float32)
+    near = want + np.float32(0.5 * BACKEND_TOLERANCE[4]) * np.float32(0.5)
+    check(near, want, rtol=1e-6)  # within the float32 figure
+    with pytest.raises(AssertionError):
+        check(want * 1.01, want, rtol=1e-6)  # beyond it
+    with pytest.raises(AssertionError):
+        check(near.astype(np.float64), want.astype(np.float64), rtol=1e-6)
+    check(near, want.astype(np.float64), rtol=1e-6)  # the narrower type decides
+    half = want.astype(jnp.bfloat16)
+    check(half * 1.02, half, rtol=1e-6)
+    check(np.array([np.nan, 1.0], np.float32), [np.nan, 1.0])  # NaN where expected

@@ -211,9 +211,10 @@ def test_bf16_parameters_give_float32_statistics():
         assert leaf.dtype == jnp.float32
     tree_allclose(ghost.variance, stats.variance, rtol=2e-2, atol=2e-3)
     # bfloat16 gradients (8 bits of mantissa) round differently when XLA fuses the
-    # chunked program differently: equal to bfloat16's precision
+    # chunked program differently: equal to bfloat16's precision (two of its steps
+    # at the largest entries, ~0.7: seen on a TPU)
     tree_allclose(
-        stats.mean, jax.tree.map(lambda g: g.mean(0), grads), rtol=2e-2, atol=2e-3
+        stats.mean, jax.tree.map(lambda g: g.mean(0), grads), rtol=2e-2, atol=8e-3
     )
     tree_allclose(stats.sum_sq, jax.tree.map(lambda g: (g**2).sum(0), grads), rtol=2e-2)
     norms = per_example_grad_norms(loss, batch_size=4)(params16, x, y)
@@ -329,6 +330,7 @@ def test_gram_of_a_batch_with_itself_evaluates_about_half_of_it(n, batch, method
         assert evaluated < len(calls)
 
 
+@pytest.mark.runs_on_cpu("XLA:CPU's figures grow with the chunk; a TPU's, tiled, need not")
 def test_gram_evaluates_fewer_gradients_as_its_memory_grows():
     """`batch_size="auto"`: a larger `memory_limit` holds longer chunks of rows, so
     fewer chunks each dot their gradients with half of the batch."""
