@@ -50,7 +50,9 @@ def _backend_allclose(check):
     @functools.wraps(check)
     def allclose(actual, desired, rtol=1e-7, atol=0, *args, **kwargs):
         a, d = np.asarray(actual), np.asarray(desired)
-        sizes = [x.dtype.itemsize for x in (a, d) if jnp.issubdtype(x.dtype, jnp.floating)]
+        sizes = [
+            x.dtype.itemsize for x in (a, d) if jnp.issubdtype(x.dtype, jnp.floating)
+        ]
         tol = BACKEND_TOLERANCE.get(min(sizes, default=8), 0.0)  # the narrower
         if tol and d.size:
             scale = float(np.nanmax(np.abs(d.astype(np.float64)), initial=0.0))

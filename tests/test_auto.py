@@ -89,6 +89,8 @@ def test_budget_too_small_for_one_example():
         ValueError, match="cannot fit even one example in memory_limit=64"
     ):
         fn(PARAMS, X)
+
+
 @pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_choice_is_cached_per_shapes(monkeypatch):
     calls = []
@@ -107,6 +109,8 @@ def test_choice_is_cached_per_shapes(monkeypatch):
     assert len(calls) == probes
     fn(PARAMS, X[:1000])  # new shapes: probes again
     assert len(calls) > probes
+
+
 @pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_auto_under_jit_grad_and_with_reduction(monkeypatch):
     searches = record_auto_searches(monkeypatch)
@@ -140,6 +144,8 @@ def test_auto_under_jit_grad_and_with_reduction(monkeypatch):
             batch_vmap(mlp, (None, 0), batch_size=b, **reduce), PARAMS, X
         ),
     )
+
+
 @pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_batch_map_auto(monkeypatch):
     searches = record_auto_searches(monkeypatch)
@@ -196,6 +202,8 @@ def test_parse_memory(text, expected):
 def test_bad_memory_limit(value, exc, match):
     with pytest.raises(exc, match=match):
         batch_vmap(mlp, batch_size="auto", memory_limit=value)
+
+
 @pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_memory_limit_needs_auto_and_auto_needs_a_limit_on_cpu():
     with pytest.raises(ValueError, match="only used with batch_size='auto'"):
@@ -220,6 +228,8 @@ def test_default_limit_is_a_fraction_of_device_memory(monkeypatch):
 def test_last_batch_size_of_unknown_function_is_none():
     assert last_batch_size(lambda x: x) is None
     assert chunkvmap.last_batch_size(batch_vmap(mlp, batch_size=3)) is None
+
+
 @pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_each_transform_keeps_its_own_choice():
     """The choice belongs to the transform that made it: two transforms of the same
@@ -234,6 +244,8 @@ def test_each_transform_keeps_its_own_choice():
     assert 1 <= last_batch_size(tight) < 64
     assert last_batch_size() == last_batch_size(tight)
     assert last_batch_size(mlp) is None  # the function itself holds nothing
+
+
 @pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_batch_map_auto_with_a_builtin_function(monkeypatch):
     searches = record_auto_searches(monkeypatch)
@@ -250,6 +262,8 @@ def test_batch_map_auto_with_a_builtin_function(monkeypatch):
         2**20,
         lambda b: temp_bytes(lambda xs: batch_map(jnp.sin, xs, b), X),
     )
+
+
 @pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_auto_cache_accounts_for_static_arguments(monkeypatch):
     searches = record_auto_searches(monkeypatch)
@@ -278,6 +292,8 @@ def test_auto_cache_accounts_for_static_arguments(monkeypatch):
                 lambda a: batch_vmap(g, (0, None), batch_size=b)(a, n), x
             ),
         )
+
+
 @pytest.mark.runs_on_cpu("XLA:CPU's temporary figures set its budgets")
 def test_auto_finds_the_largest_size_below_one_that_does_not_fit(monkeypatch):
     # One chunk of all N examples drops the loop and needs far more memory than

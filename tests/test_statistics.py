@@ -330,7 +330,9 @@ def test_gram_of_a_batch_with_itself_evaluates_about_half_of_it(n, batch, method
         assert evaluated < len(calls)
 
 
-@pytest.mark.runs_on_cpu("XLA:CPU's figures grow with the chunk; a TPU's, tiled, need not")
+@pytest.mark.runs_on_cpu(
+    "XLA:CPU's figures grow with the chunk; a TPU's, tiled, need not"
+)
 def test_gram_evaluates_fewer_gradients_as_its_memory_grows():
     """`batch_size="auto"`: a larger `memory_limit` holds longer chunks of rows, so
     fewer chunks each dot their gradients with half of the batch."""
