@@ -78,11 +78,26 @@ def cases(quick: bool):
         (params, x, y),
         None,
     )
+    yield (
+        "per_example_grads built anew at every call (as written inside a loop)",
+        lambda *a: per_example_grads(loss, batch_size=64)(*a),
+        jax.vmap(jax.grad(loss), (None, 0, 0)),
+        (params, x, y),
+        2.0,
+    )
     ghost = clipped_grad_sum(_xent, 1.0, batch_size=64, method="ghost")
     vmap = clipped_grad_sum(_xent, 1.0, batch_size=64, method="vmap")
     yield (
         'clipped_grad_sum, method="ghost" (reference: method="vmap"), MLP',
         ghost,
+        vmap,
+        (params, x, y),
+        1.5,
+    )
+    yield (
+        'clipped_grad_sum, method="ghost" built anew at every call (reference: '
+        'method="vmap" held), MLP',
+        lambda *a: clipped_grad_sum(_xent, 1.0, batch_size=64, method="ghost")(*a),
         vmap,
         (params, x, y),
         1.5,
@@ -173,7 +188,9 @@ def main() -> None:
         f"Machine: {machine()}. Median of {args.repeats} interleaved calls after two "
         "warm-ups, chunks of 64 (4 ensemble members). `eager`: the chunkvmap "
         "transform called outside `jax.jit` (it traces its program every call, so a "
-        "changed closure is seen, and reuses the compiled program); `jit`: the same "
+        "changed closure is seen, and reuses the compiled program; a transform "
+        "built anew at every call reuses the program of an earlier one that "
+        "computes the same); `jit`: the same "
         "transform under `jax.jit` (the compiled program alone, no trace); the "
         "reference is called eagerly.",
         "",

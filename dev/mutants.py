@@ -1289,6 +1289,31 @@ MUTANTS = {
         ),
         ["test_ghost", "test_statistics"],
     ),
+    "eager cache: a ghost quantity's settings left out of its key": (
+        (
+            "chunkvmap/_dp/_records.py",
+            "        made = tuple(_program.Held(x) for x in self.made_with())\n",
+            "        made = ()\n",
+        ),
+        ["test_cache"],
+    ),
+    "eager cache: ghost quantities of one type taken as alike": (
+        (
+            "chunkvmap/_core/_program.py",
+            "    return type(a) is type(b) and _keyed(a) and "
+            "a.program_key() == b.program_key()\n",
+            "    return type(a) is type(b) and _keyed(a)\n",
+        ),
+        ["test_cache"],
+    ),
+    "choice: a measurement kept whatever its programs compute": (
+        (
+            "chunkvmap/_dp/_choice.py",
+            "        measured = MEASURED.get_or_build((quantity.program_key(), key), measure)\n",
+            "        measured = MEASURED.get_or_build(key, measure)\n",
+        ),
+        ["test_choice"],
+    ),
     "statistics: float32 merge weights": (
         (
             "chunkvmap/_core/_accumulators.py",

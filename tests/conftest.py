@@ -103,9 +103,13 @@ def _modelled_choice(monkeypatch):
     an accelerator it is measured, and an unmeasured call drops the model's
     "slower": `test_choice.py` tests both where it runs), so that a test of the
     model's verdict holds on the chip too."""
+    from chunkvmap._core import _program
     from chunkvmap._dp import _choice
 
     monkeypatch.setattr(_choice, "MEASURED_PLATFORMS", frozenset())
+    # each test measures its own choices (kept by what they compute, they would
+    # otherwise be an earlier test's)
+    monkeypatch.setattr(_choice, "MEASURED", _program.LRU())
     monkeypatch.setattr(_choice, "platform", lambda: "cpu")
 
 

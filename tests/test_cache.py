@@ -594,3 +594,88 @@ def test_a_transform_built_inline_compiles_once(entry):
         counts.append(compiles.count)
         tree_allclose(got, oracle(p)(*args), rtol=2e-5, atol=2e-5)
     assert counts[1:] == [0, 0, 0], counts
+
+
+def _ghost_entries():
+    """Ghost entry points built with one of two settings each: `make(s)` builds the
+    transform, called with `(p, x, y)` (the models' with `(p, x)` and labels
+    where `fisher="empirical"` takes them)."""
+    import chunkvmap as cv
+
+    def loss(p, x, y):
+        return jnp.sum((jnp.tanh(x @ p["w"]) - y) ** 2)
+
+    def model(p, x):  # x: (positions, features)
+        return jnp.tanh(x @ p["w"])
+
+    def with_labels(f):  # the empirical Fisher reads the labels
+        return lambda s: lambda p, x, y: f(s)(p, x, **({"labels": y} if s else {}))
+
+    return {
+        "clipped_grad_sum": (
+            lambda s: cv.clipped_grad_sum(loss, s, batch_size=4, method="ghost"),
+            (1.0, 0.05),
+        ),
+        "per_example_grad_norms": (
+            lambda s: cv.per_example_grad_norms(loss, batch_size=s, method="ghost"),
+            (4, 4),
+        ),
+        "per_example_grad_stats": (
+            lambda s: cv.per_example_grad_stats(
+                loss, batch_size=4, method="ghost", argnums=s
+            ),
+            (0, 0),
+        ),
+        "ggn_diagonal": (
+            with_labels(
+                lambda s: cv.ggn_diagonal(
+                    model,
+                    likelihood="gaussian",
+                    batch_size=4,
+                    method="ghost",
+                    fisher="empirical" if s else "exact",
+                )  # fmt: skip
+            ),
+            (False, True),
+        ),
+        "kfac_factors": (
+            lambda s: (
+                lambda p, x, y: cv.kfac_factors(
+                    model, likelihood="gaussian", batch_size=4, variant=s
+                )(p, x)
+            ),
+            ("expand", "reduce"),
+        ),
+        "per_example_grad_projections": (
+            lambda s: cv.per_example_grad_projections(
+                loss, batch_size=4, method="ghost", dim=4, seed=s
+            ),
+            (0, 1),
+        ),
+    }
+
+
+@pytest.mark.parametrize("entry", list(_ghost_entries()))
+def test_a_ghost_transform_built_inline_compiles_once(entry, always_ghost):
+    """The ghost quantities too: a transform built anew at every call, alternating
+    between two settings (a clipping norm, a Fisher, a KFAC variant, a projection's
+    seed), compiles once per setting, and each call computes what a transform held
+    for its setting computes (a program of one setting never serves the other)."""
+    make, settings = _ghost_entries()[entry]
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(10, 3, 6)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(10, 3, 6)), jnp.float32)
+    held = {s: make(s) for s in settings}
+    counts = []
+    for step in range(6):
+        s = settings[step % 2]
+        p = {"w": jnp.asarray(rng.normal(size=(6, 6)) / 3, jnp.float32)}
+        with CompileCounter() as compiles:
+            got = make(s)(p, x, y)
+        counts.append(compiles.count)
+        tree_allclose(got, held[s](p, x, y), rtol=1e-6, atol=1e-7)
+    assert counts[2:] == [0, 0, 0, 0], counts
+    if settings[0] != settings[1]:  # the two settings compute differently
+        p = {"w": jnp.asarray(rng.normal(size=(6, 6)) / 3, jnp.float32)}
+        a, b = (jax.tree.leaves(held[s](p, x, y)) for s in settings)
+        assert any(bool(jnp.any(u != v)) for u, v in zip(a, b) if u.shape == v.shape)

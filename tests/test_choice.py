@@ -234,6 +234,27 @@ def test_the_measurement_is_kept_per_shapes_and_chunk(measured):
     assert len(timings) == 2
 
 
+def test_a_transform_built_at_every_call_measures_once(measured):
+    """Written inside a loop, a transform is built anew at every call: the choice
+    is measured at the first call only (measurements are kept by what the programs
+    compute), and another clipping norm or loss is measured again."""
+    timings, times = measured
+    times(1e-3, 2e-3)
+    p, x, y = _problem(13)
+    for _ in range(3):
+        chunkvmap.clipped_grad_sum(_loss, 1.0, batch_size=5, method="ghost")(p, x, y)
+        chunkvmap.per_example_grad_stats(_loss, batch_size=5, method="ghost")(p, x, y)
+    assert len(timings) == 2
+    chunkvmap.clipped_grad_sum(_loss, 0.5, batch_size=5, method="ghost")(p, x, y)
+    assert len(timings) == 3
+
+    def other(p, x, y):
+        return _loss(p, x, y) * 2.0
+
+    chunkvmap.clipped_grad_sum(other, 1.0, batch_size=5, method="ghost")(p, x, y)
+    assert len(timings) == 4
+
+
 @pytest.mark.parametrize("error", ["RESOURCE_EXHAUSTED: Out of memory", "other"])
 def test_a_program_that_does_not_fit_is_never_chosen(measured, error):
     """A vmap program that runs out of device memory on the chunk leaves the ghost

@@ -425,9 +425,10 @@ def interchangeable(a: Any, b: Any, depth: int = 0) -> bool:
     and lists in the closure of JAX's own functions by their items), that never
     rebind their closure (`nonlocal`); partials and bound methods of
     interchangeable functions (a method of the same object, a built-in one by its
-    name); JAX's own frozen
-    dataclasses (and chunkvmap's) with interchangeable fields. Anything else only
-    by identity."""
+    name); JAX's own frozen dataclasses (and chunkvmap's, and its named tuples)
+    with interchangeable fields; chunkvmap's objects that say what they compute
+    (`program_key`, as a ghost quantity does) by that. Anything else only by
+    identity."""
     if a is b:
         return True
     if type(a) is not type(b) or depth > 8:
@@ -436,8 +437,8 @@ def interchangeable(a: Any, b: Any, depth: int = 0) -> bool:
         return a == b
     if isinstance(a, (float, complex, np.generic)):
         return _bits(a) == _bits(b)
-    if type(a) is tuple:
-        return len(a) == len(b) and _all(a, b, depth)
+    if type(a) is tuple or (isinstance(a, tuple) and _module(a) == "chunkvmap"):
+        return len(a) == len(b) and _all(a, b, depth)  # (chunkvmap's named tuples)
     if isinstance(a, types.FunctionType):
         return _same_function(a, b, depth)
     if isinstance(a, ft.partial):
@@ -449,9 +450,11 @@ def interchangeable(a: Any, b: Any, depth: int = 0) -> bool:
     if isinstance(a, types.BuiltinMethodType):  # `some_list.append`, `max`
         return a.__self__ is b.__self__ and a.__name__ == b.__name__
     if isinstance(a, types.MethodType):
-        return a.__self__ is b.__self__ and interchangeable(
+        return _same_owner(a.__self__, b.__self__) and interchangeable(
             a.__func__, b.__func__, depth + 1
         )
+    if _keyed(a):
+        return _same_owner(a, b)
     if dataclasses.is_dataclass(a) and _module(a) in ("jax", "chunkvmap"):
         frozen = type(a).__dataclass_params__.frozen  # pyright: ignore
         fields = [f.name for f in dataclasses.fields(a)]
@@ -464,6 +467,22 @@ def interchangeable(a: Any, b: Any, depth: int = 0) -> bool:
         except Exception:  # noqa: BLE001 (an array's elementwise ==)
             return False
     return False
+
+
+def _keyed(value: Any) -> bool:
+    """Whether `value` is one of chunkvmap's objects that says what it computes
+    (`program_key`: a ghost quantity, `_records.Quantity`)."""
+    return _module(value) == "chunkvmap" and callable(
+        getattr(type(value), "program_key", None)
+    )
+
+
+def _same_owner(a: Any, b: Any) -> bool:
+    """Whether the methods of `a` and `b` are interchangeable: the same object, or
+    two of chunkvmap's objects of one type that say they compute alike."""
+    if a is b:
+        return True
+    return type(a) is type(b) and _keyed(a) and a.program_key() == b.program_key()
 
 
 def _all(a: Sequence[Any], b: Sequence[Any], depth: int) -> bool:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import _axes, _memory
+from .._core import _axes, _memory, _program
 from .._transforms._batch_vmap import Transform
 from . import ghost
 from .ghost import _plan
@@ -306,10 +306,16 @@ def settled_report(report: ghost.GhostReport, timed: bool) -> Any:
     return None if _needs_memory(report) else report
 
 
+# The measurements of the programs of `choose`, by what the programs compute (the
+# ghost quantity's `program_key`) and how they were measured: a transform built
+# anew at every call measures once.
+MEASURED = _program.LRU()
+
+
 def choose(
     transform: Transform,
     report: ghost.GhostReport,
-    memo: Callable[[Any, Callable[[], Any]], Any],
+    quantity: Any,
     program: Callable[[Transform, ghost.Method], Callable[..., Any]],
     call: tuple,
     size: int,
@@ -319,7 +325,8 @@ def choose(
     the two programs measured on one chunk (of `chunk` examples where given);
     on CPU the model's `report`, its memory checked where it runs a ghost program
     predicted slower. `program(twin, method)` is the call's program for `method`,
-    `call` its `(args, kwargs, in_axes)`; the measurements are kept by `memo`."""
+    `call` its `(args, kwargs, in_axes)`; the measurements are kept (`MEASURED`)
+    by `quantity`'s `program_key` (the ghost program's quantity)."""
     if size == 0:
         return report
     timed = measurable(transform)
@@ -348,7 +355,7 @@ def choose(
     key = ("timed" if timed else "memory", chunk, device.id, device.platform)
     with warnings.catch_warnings():  # the twin's own (its stand-ins are not N)
         warnings.simplefilter("ignore")
-        measured = memo(key, measure)
+        measured = MEASURED.get_or_build((quantity.program_key(), key), measure)
     if not timed:
         return report if measured is None else memory_checked(report, measured)
     chosen = report if measured is None else measured_report(report, measured)

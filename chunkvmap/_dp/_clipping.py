@@ -370,7 +370,7 @@ def _chosen(transform, fun, config, call, sums, chunk=None) -> ghost.GhostReport
 
     inputs = (call.args, call.kwargs, call.in_axes)
     return _choice.choose(
-        transform, sums.report, sums.traced.memo, program, inputs, call.size, chunk
+        transform, sums.report, sums, program, inputs, call.size, chunk
     )
 
 
@@ -629,6 +629,10 @@ class _GhostSums(Quantity):
             self.other = [k for k in self.ruled if k not in self.formed]
         taps = [k for k in taps if k in self.other]
         self.taps = taps if self.two_pass or not (config.sums or safe) else []
+
+    def made_with(self) -> tuple:
+        transform = self.transform
+        return (self.config, transform.options, transform.args, transform.axis_name)
 
     def _kept_and_squares(self, g: jax.Array) -> tuple[Any, Any, Any]:
         """`g` as a chunk keeps it (non-finite entries zeroed with nan_safe), and

@@ -410,8 +410,12 @@ class _GhostDiagonal(Quantity):
     arrays: each entry of its gradient is one product, nothing summed); any
     other leaf is formed per cotangent and squared."""
 
+    def made_with(self) -> tuple:
+        return (self.settings, self.rows)
+
     def __init__(self, traced: ghost.Traced, settings: _Curvature, rows: bool):
         plan = traced.plan
+        self.traced = traced
         self.settings, self.rows = settings, rows
         self.per_example = plan.with_rule(ghost.PER_EXAMPLE)
         self.outer = [_outer_product(x) for x in plan.leaves]
@@ -702,8 +706,12 @@ class _KFAC(Quantity):
     (`Plan.pullback`). A leaf whose uses give no factors gets its diagonal, as
     `ggn_diagonal` computes it."""
 
+    def made_with(self) -> tuple:
+        return (self.settings, self.variant)
+
     def __init__(self, traced: ghost.Traced, settings: _Curvature, variant: Variant):
         plan = traced.plan
+        self.traced = traced
         self.settings, self.variant = settings, variant
         self.leaves = plan.leaves
         self.layouts = [

@@ -152,8 +152,12 @@ class _GhostProjections(Quantity):
     """Each example's projected gradient from its ghost record (an accumulator on
     the record, `_records`): the uses' forms contracted with the matrices."""
 
+    def made_with(self) -> tuple:
+        return (self.dim, self.seed)
+
     def __init__(self, traced: ghost.Traced, dim: int, seed: int):
         self.traced = traced
+        self.seed = seed
         plan = traced.plan
         self.leaves = plan.leaves
         self.mats = leaf_matrices([x.shape for x in self.leaves], dim, seed)
@@ -190,6 +194,14 @@ class _GhostProjections(Quantity):
 class _Scored(Quantity):
     """A quantity's per-example rows turned by `post` (one example's row to its
     scores against another batch), as they are made: the rows are never stacked."""
+
+    def made_with(self) -> tuple:
+        # (`post` is read by `keep` alone: the chunk's trace shows what it does)
+        return (self.inner,)
+
+    @property
+    def traced(self) -> ghost.Traced:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.inner.traced
 
     def __init__(self, inner: _GhostProjections, post: Callable[[Any], Any]):
         self.inner, self.post = inner, post

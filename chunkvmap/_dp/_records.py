@@ -22,14 +22,17 @@ example (the curvature's) pulls them back through one linearised evaluation
 (`Plan.pullback`).
 
 `over_chunks` runs one over a call's examples. Adding a quantity is writing one
-such class.
+such class, with `made_with()`: what it was made with besides its loss (its
+options), so that two transforms built alike (one built anew at every call) share
+one compiled program (`program_key`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from .._core import _program
 from .._core._loop import Accumulator
 from . import ghost
 
@@ -42,6 +45,22 @@ class Quantity:
     taps: Sequence[int] = ()  # the leaves whose norms are taken in the backward pass
     combine: Callable[[Any, Any], Any] | None = None  # None: summaries are added
     uncount: Callable[[Any, Any], Any] | None = None
+
+    traced: ghost.Traced
+
+    def made_with(self) -> tuple:
+        """What the quantity was made with besides its loss (`traced`): every value
+        its methods read that the loss's plan does not determine."""
+        raise NotImplementedError
+
+    def program_key(self) -> Hashable:
+        """What the quantity computes: its type, its loss's plan (`Traced.key`) and
+        what it was `made_with` (held: each compared as
+        `_program.interchangeable` does).
+        Two quantities of equal keys compute alike, so an eager program of either
+        serves both (`_program.interchangeable` compares them by it)."""
+        made = tuple(_program.Held(x) for x in self.made_with())
+        return (type(self), self.traced.key(), made)
 
     def keep(self, record: ghost.Record, out: Any, *extra: Any) -> Any:
         raise NotImplementedError

@@ -347,7 +347,7 @@ def _chosen(
 
         return run
 
-    report = _choice.choose(transform, report, moments.traced.memo, program, call, size)
+    report = _choice.choose(transform, report, moments, program, call, size)
     _clipping.warn_fallback(transform, fun, report)
     return report.runs
 
@@ -409,6 +409,9 @@ class _GhostMoments(Quantity):
             strip=True, has_aux=has_aux, keep_batch_dim=False,
         )  # fmt: skip
         return traced.memo("moments", lambda: cls(traced))
+
+    def made_with(self) -> tuple:
+        return ()
 
     def __init__(self, traced: ghost.Traced):
         self.traced = traced

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -175,7 +175,12 @@ class Param:
 
 class Plan:
     """The ghost plan of one example's loss: a jaxpr, a rule for every leaf, and the
-    instrumented evaluation."""
+    instrumented evaluation.
+
+    `key`, where given, says what the plan is made from (`Traced.key` and where it
+    is used): two plans of equal keys are equal, so that the programs that hold one
+    (a chunk of `Record`s holds its plan in its structure) are the same program.
+    Without one, a plan is equal to itself alone."""
 
     def __init__(
         self,
@@ -183,7 +188,9 @@ class Plan:
         diff_positions: Sequence[int],
         example_positions: Sequence[int],
         leaf_paths: Sequence[str],
+        key: Hashable | None = None,
     ):
+        self.key = key
         self.closed = closed
         jaxpr = closed.jaxpr
         self.diff_positions = list(diff_positions)
@@ -223,6 +230,16 @@ class Plan:
         self.touched = {p[:n] for p in self.probe_paths for n in range(1, len(p) + 1)}
 
     # -- classification --------------------------------------------------------------
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (
+            isinstance(other, Plan) and self.key is not None and self.key == other.key
+        )
+
+    def __hash__(self) -> int:
+        return id(self) if self.key is None else hash(self.key)
 
     def _flag(self, leaf: Param, reason: str) -> None:
         if leaf.rule != PER_EXAMPLE:

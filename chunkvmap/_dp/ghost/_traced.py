@@ -115,6 +115,7 @@ class Traced:
             x for x in jax.tree.leaves((args, kwargs)) if not _axes.is_array(x)
         ]
         self._quantities: dict[Hashable, Any] = {}
+        self._key: Hashable | None = None
 
     def memo(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """`build()`, kept with this loss for `key`: what a quantity derives from
@@ -128,16 +129,25 @@ class Traced:
     def plan(self) -> Plan:
         """The loss's ghost plan (analysed on first use)."""
         if self._plan is None:
-            self._plan = Plan(self.closed, *self._plan_args)
             here = jax.sharding.get_abstract_mesh()
-            self._plans = {(here, tuple(self._leaf_types(self._avals))): self._plan}
+            types = tuple(jax.typeof(self._avals[i]) for i in self._plan_args[0])
+            self._plan = Plan(
+                self.closed, *self._plan_args, key=(self.key(), here, types)
+            )
+            self._plans = {(here, types): self._plan}
         return self._plan
 
     def key(self) -> Hashable:
         """What the plan depends on: the loss's program (`_program.Trace`), the
         types of what it reads and the values of its scalars among them (a
         constant scale between a leaf and its use is part of the use), the
-        arguments' structure and non-array values, the mesh."""
+        arguments' structure and non-array values, the mesh. (Computed once: a
+        loss adopted later has the same key.)"""
+        if self._key is None:
+            self._key = self._computed_key()
+        return self._key
+
+    def _computed_key(self) -> Hashable:
         trace = _program.Trace.of(self.closed)
         return (
             trace.key,
@@ -230,7 +240,7 @@ class Traced:
         plan = self._plans.get(key)
         if plan is None:
             closed = jax.make_jaxpr(self._one)(list(values))
-            plan = Plan(closed, *self._plan_args)
+            plan = Plan(closed, *self._plan_args, key=(self.key(), *key))
             if [(x.rule, [u.key for u in x.uses]) for x in plan.leaves] != [
                 (x.rule, [u.key for u in x.uses]) for x in self.plan.leaves
             ]:
