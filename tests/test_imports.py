@@ -206,19 +206,3 @@ def test_an_entry_point_names_itself_for_a_keyword_it_does_not_take():
         chunkvmap.clipped_grad(jnp.sum, l2_clip_norm=1.0, microbatch=2)
     f = chunkvmap.batch_map(jnp.sin, jnp.ones(3), 2, progress=False)
     assert f.shape == (3,)
-
-
-def test_entry_points_show_their_own_source_and_every_keyword():
-    """`inspect.getsource` of an entry point is its own definition (the keyword
-    check wrapping it keeps `__wrapped__`), and its signature lists the chunking
-    keywords it takes."""
-    import inspect
-
-    import chunkvmap
-
-    for name in ("batch_vmap", "clipped_grad_sum", "per_example_grad_stats"):
-        fn = getattr(chunkvmap, name)
-        assert f"def {name}(" in inspect.getsource(fn)
-        params = inspect.signature(fn).parameters
-        assert "batch_size" in params and "memory_limit" in params
-        assert not any(p.kind is p.VAR_KEYWORD for p in params.values())

@@ -283,9 +283,8 @@ def takes(kind: type) -> Callable[[Any], Any]:
                     )
             return fn(*args, **kwargs)
 
-        # (`__wrapped__` kept: `inspect.getsource` shows the entry point itself;
-        # `inspect.signature` stops at `__signature__`, the keywords listed)
         checked.__signature__ = sig.replace(parameters=own + extra)  # pyright: ignore
+        del checked.__wrapped__  # (tools that unwrap see this signature)
         return checked
 
     return decorate
