@@ -33,7 +33,12 @@ def every_leaf_per_example():
     """While tracing: every leaf of a ghost plan per-example, the ghost program
     chosen whatever the cost model says."""
     choose, verdict = _plan.Plan._choose, _plan.Plan.verdict
-    _plan.Plan._choose = lambda self, leaf: self._flag(leaf, "forced per-example")
+
+    def forced(self, leaf):  # as a leaf the analysis leaves per-example: no uses
+        self._flag(leaf, "forced per-example")
+        leaf.uses = []
+
+    _plan.Plan._choose = forced
     _plan.Plan.verdict = lambda self: _plan.Verdict(_plan.Method.GHOST, False, "forced")
     try:
         with warnings.catch_warnings():

@@ -496,7 +496,9 @@ class _GhostMoments(Quantity):
         zeros = [jnp.zeros_like(s) for s in shift]
         init = (jnp.zeros((), ones.dtype), zeros, zeros)
         examples = uses if real is None else (uses, real)
-        (_, rule_means, rule_m2s), sq = lax.scan(step, init, examples)
+        rule_means, rule_m2s, sq = [], [], []
+        if ruled:  # (else every leaf came formed: nothing to scan)
+            (_, rule_means, rule_m2s), sq = lax.scan(step, init, examples)
         for k, rows in zip(ruled, sq):
             sq_norms[k] = rows
         for k, *parts in zip(ruled, shift, rule_means, rule_m2s):
