@@ -1289,6 +1289,22 @@ MUTANTS = {
         ),
         ["test_ghost", "test_statistics"],
     ),
+    "eager cache: a bound method's instance left out of the key": (
+        (
+            "chunkvmap/_core/_program.py",
+            "        return _same_owner(a.__self__, b.__self__) and interchangeable(\n",
+            "        return True and interchangeable(\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "eager cache: a held partial's keywords left out of the key": (
+        (
+            "chunkvmap/_core/_program.py",
+            "            and _same_dict(a.keywords, b.keywords, depth)\n",
+            "            and True\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
     "eager cache: a ghost quantity's settings left out of its key": (
         (
             "chunkvmap/_dp/_records.py",

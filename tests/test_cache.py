@@ -679,3 +679,39 @@ def test_a_ghost_transform_built_inline_compiles_once(entry, always_ghost):
         p = {"w": jnp.asarray(rng.normal(size=(6, 6)) / 3, jnp.float32)}
         a, b = (jax.tree.leaves(held[s](p, x, y)) for s in settings)
         assert any(bool(jnp.any(u != v)) for u, v in zip(a, b) if u.shape == v.shape)
+
+
+def _scaled_on_host(x, *, scale):
+    return np.asarray(x) * np.float32(scale)
+
+
+@pytest.mark.parametrize("held", ["keyword", "bound method"])
+def test_a_held_callbacks_state_is_read_at_every_call(held):
+    """A host callback the traced program holds (its text shows nothing of it): a
+    partial whose keyword changed, or a bound method of another instance, between
+    two calls of one held transform is a new program, never the first call's."""
+
+    class Host:
+        def __init__(self, scale):
+            self.scale = scale
+
+        def __call__(self, x):
+            return np.asarray(x) * np.float32(self.scale)
+
+        def run(self, x):
+            return self(x)
+
+    state = {}
+
+    def f(v):
+        shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        return jax.pure_callback(state["cb"], shape, v, vmap_method="sequential")
+
+    fn = batch_vmap(f, batch_size=2)
+    x = jnp.arange(6.0, dtype=jnp.float32)
+    for scale in (2.0, 3.0, 2.0):
+        if held == "keyword":
+            state["cb"] = ft.partial(_scaled_on_host, scale=scale)
+        else:
+            state["cb"] = Host(scale).run
+        np.testing.assert_array_equal(fn(x), np.asarray(x) * scale)
