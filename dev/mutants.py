@@ -1325,7 +1325,8 @@ MUTANTS = {
     "choice: a measurement kept whatever its programs compute": (
         (
             "chunkvmap/_dp/_choice.py",
-            "        measured = MEASURED.get_or_build((quantity.program_key(), key), measure)\n",
+            "        measured = MEASURED.get_or_build("
+            "(quantity.program_key(), key), measure)\n",
             "        measured = MEASURED.get_or_build(key, measure)\n",
         ),
         ["test_choice"],
