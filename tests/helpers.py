@@ -161,7 +161,9 @@ def program_bytes(f, *args) -> int:
     from chunkvmap._core import _memory
 
     compiled = jax.jit(f).lower(*args).compile()
-    return _memory.program_bytes(compiled.memory_analysis())
+    return _memory.program_bytes(
+        compiled.memory_analysis(), _memory.platform_of(compiled)
+    )
 
 
 def on_cpu(tree: Any) -> Any:

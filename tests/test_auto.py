@@ -377,6 +377,30 @@ def test_the_figure_auto_reads_follows_the_backend(monkeypatch, backend):
     assert _memory.program_bytes(analysis) == 50
 
 
+def test_a_program_on_the_cpu_is_measured_as_the_cpus_beside_an_accelerator(
+    monkeypatch,
+):
+    """On a machine whose default backend is an accelerator (posed here), a
+    program whose arrays are on the CPU devices is measured by the CPU's figure
+    (its temporaries), as `batch_size="auto"` then measures it."""
+    compiled = jax.jit(batch_vmap(mlp, (None, 0), batch_size=8)).lower(PARAMS, X)
+    compiled = compiled.compile()
+    assert _memory.platform_of(compiled) == "cpu"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    analysis = compiled.memory_analysis()
+    got = _memory.program_bytes(analysis, _memory.platform_of(compiled))
+    assert got == analysis.temp_size_in_bytes
+    searches = record_auto_searches(monkeypatch)
+    budget = 4 * got
+    fn = batch_vmap(mlp, (None, 0), batch_size="auto", memory_limit=budget)
+    tree_allclose(fn(PARAMS, X), jax.vmap(mlp, (None, 0))(PARAMS, X), rtol=1e-5)
+    (search,) = searches
+    check_auto_choice(
+        search, last_batch_size(fn), X.shape[0], budget,
+        lambda b: temp_bytes(batch_vmap(mlp, (None, 0), batch_size=b), PARAMS, X),
+    )  # fmt: skip
+
+
 def test_the_default_budget_is_a_share_of_the_free_device_memory(monkeypatch):
     """90% of what the device has free: its limit less what it holds."""
     fake = types.SimpleNamespace(

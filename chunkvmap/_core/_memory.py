@@ -116,18 +116,35 @@ def temp_bytes(name: str, program: Callable[..., Any], abstract_args: list[Any])
             f"{jax.default_backend()} backend does not provide; pass an explicit "
             f"batch_size."
         )
-    return program_bytes(analysis)
+    return program_bytes(analysis, platform_of(compiled))
 
 
-def program_bytes(analysis: Any) -> int:
+def platform_of(compiled: Any) -> str:
+    """The platform a compiled program runs on (its outputs' devices, else its
+    arguments'; the default backend's where it shows none): the CPU's on a machine
+    with an accelerator when the call's arrays are on the CPU."""
+    for part in ("output_shardings", "input_shardings"):
+        try:  # (a program of unusual arguments may not show its shardings)
+            shardings = jax.tree.leaves(getattr(compiled, part))
+        except Exception:  # noqa: BLE001
+            continue
+        for sharding in shardings:
+            devices = getattr(sharding, "device_set", None)
+            if devices:
+                return next(iter(devices)).platform
+    return jax.default_backend()
+
+
+def program_bytes(analysis: Any, platform: str | None = None) -> int:
     """What a compiled program holds beyond its arguments, by XLA's estimate
     (`memory_analysis()`): on CPU its temporary memory (`temp_size_in_bytes`);
     on an accelerator its peak less its arguments (its outputs and temporaries
     at their most), where the backend reports a peak. (XLA:TPU's temporary figure
     reads 0 for programs whose outputs and temporaries take gigabytes, and more
-    than the device holds for programs that run.)"""
+    than the device holds for programs that run.) `platform`: the program's
+    (`platform_of`; by default the default backend's)."""
     temp = int(analysis.temp_size_in_bytes)
-    if jax.default_backend() == "cpu":
+    if (platform or jax.default_backend()) == "cpu":
         return temp
     peak = int(getattr(analysis, "peak_memory_in_bytes", 0) or 0)
     if peak <= 0:

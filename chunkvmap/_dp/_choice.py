@@ -217,11 +217,12 @@ def compiled_memory(programs: dict, call: tuple) -> dict | None:
     programs, values = _of_arrays(programs, call)
     abstract = [jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v)) for v in values]
     try:
+        compiled = {
+            m: jax.jit(f).lower(abstract).compile() for m, f in programs.items()
+        }
         return {
-            m: _memory.program_bytes(
-                jax.jit(f).lower(abstract).compile().memory_analysis()
-            )
-            for m, f in programs.items()
+            m: _memory.program_bytes(c.memory_analysis(), _memory.platform_of(c))
+            for m, c in compiled.items()
         }
     except Exception:  # noqa: BLE001 (a loss closing over a traced value)
         return None
