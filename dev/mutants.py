@@ -406,8 +406,16 @@ MUTANTS = {
     "auto: an accelerator's temporary figure taken for its memory": (
         (
             "chunkvmap/_core/_memory.py",
-            '    if jax.default_backend() == "cpu":\n        return temp\n',
+            '    if (platform or jax.default_backend()) == "cpu":\n        return temp\n',
             "    return temp\n",
+        ),
+        ["test_auto"],
+    ),
+    "auto: a program on the CPU measured by the default backend's rule": (
+        (
+            "chunkvmap/_core/_memory.py",
+            "    return program_bytes(analysis, platform_of(compiled))\n",
+            "    return program_bytes(analysis)\n",
         ),
         ["test_auto"],
     ),
