@@ -406,7 +406,8 @@ MUTANTS = {
     "auto: an accelerator's temporary figure taken for its memory": (
         (
             "chunkvmap/_core/_memory.py",
-            '    if (platform or jax.default_backend()) == "cpu":\n        return temp\n',
+            '    if (platform or jax.default_backend()) == "cpu":\n'
+            "        return temp\n",
             "    return temp\n",
         ),
         ["test_auto"],
