@@ -11,7 +11,8 @@ listed counts as 10 s), the longest first, each to the group with the least so f
 Each test's outcome is printed as it finishes (`-v`); no test starts after
 `--deadline` seconds (the summary of failures is then printed, not lost to a cut);
 with `--progress FILE` each outcome is also appended to FILE, and `--resume` leaves
-out the tests FILE holds, so that a group is finished over several calls:
+out the tests FILE holds as passed or skipped (a failed one runs again), so that a
+group is finished over several calls:
 
     python3 dev/test_device.py --group 1/4 --progress $OUT/1.txt
     python3 dev/test_device.py --group 1/4 --progress done/1.txt --resume
@@ -94,10 +95,16 @@ class Progress:
 
 
 def finished(log: pathlib.Path) -> set[str]:
-    """The test ids a progress log holds."""
+    """The test ids a progress log holds as passed or skipped (by their latest
+    outcome): a failed test runs again on `--resume`."""
     if not log.exists():
         return set()
-    return {line.split(" ", 1)[1] for line in log.read_text().splitlines() if line}
+    latest: dict[str, str] = {}
+    for line in log.read_text().splitlines():
+        if line:
+            outcome, nodeid = line.split(" ", 1)
+            latest[nodeid] = outcome
+    return {t for t, outcome in latest.items() if outcome in ("passed", "skipped")}
 
 
 def main(argv=None) -> int:
@@ -116,7 +123,7 @@ def main(argv=None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--resume", action="store_true",
-        help="leave out the tests the --progress file holds",
+        help="leave out the tests the --progress file holds as passed or skipped",
     )  # fmt: skip
     args, rest = parser.parse_known_args(argv)
     if args.list:

@@ -222,3 +222,25 @@ def test_runner_paths_benchmark_runs(tmp_path):
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[2:])
+
+
+def test_the_chip_suites_resume_runs_failures_again(tmp_path):
+    """`dev/test_device.py --resume` leaves out what passed or was skipped, by each
+    test's latest outcome: a failure (fixed since) runs again."""
+    import importlib.util
+
+    path = GPU.parents[1] / "dev" / "test_device.py"
+    spec = importlib.util.spec_from_file_location("test_device_runner", path)
+    assert spec is not None and spec.loader is not None
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    log = tmp_path / "progress.txt"
+    log.write_text(
+        "passed tests/a.py::one\nfailed tests/a.py::two\nskipped tests/a.py::three\n"
+        "failed tests/a.py::four\npassed tests/a.py::four\n"
+        "passed tests/a.py::five\nfailed tests/a.py::five\n"
+    )
+    assert runner.finished(log) == {
+        "tests/a.py::one", "tests/a.py::three", "tests/a.py::four"
+    }  # fmt: skip
+    assert runner.finished(tmp_path / "missing.txt") == set()
