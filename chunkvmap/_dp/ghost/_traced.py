@@ -130,7 +130,7 @@ class Traced:
         """The loss's ghost plan (analysed on first use)."""
         if self._plan is None:
             here = jax.sharding.get_abstract_mesh()
-            types = tuple(jax.typeof(self._avals[i]) for i in self._plan_args[0])
+            types = tuple(self._leaf_types(self._avals))
             self._plan = Plan(
                 self.closed, *self._plan_args, key=(self.key(), here, types)
             )
@@ -228,7 +228,8 @@ class Traced:
         return avals, positions, paths, example_positions
 
     def _leaf_types(self, values: Sequence[Any]) -> list[Any]:
-        return [jax.typeof(values[i]) for i in self.plan.diff_positions]
+        # (the plan's `diff_positions`, known before the plan is made)
+        return [jax.typeof(values[i]) for i in self._plan_args[0]]
 
     def plan_here(self, values: Sequence[Any]) -> Plan:
         """The plan for one example's `values` in the current mesh context. A jaxpr
