@@ -35,13 +35,20 @@ throughput in examples per second, as ratios against `jax.vmap` measured in the 
 run. The sizes are those for 139 GiB of device memory (one H200), scaled to the
 device's `bytes_limit` (powers of two). Each child prints every row as soon as it
 is measured, and results go to `benchmarks/results/<platform>.md` (or `--out`),
-rewritten after every method, so that a run cut short keeps what it measured.
+rewritten after every workload, so that a run cut short keeps what it measured.
 
-Off CPU, each (workload, method) runs in its own process (`--isolate`), so that the
-peak-memory counter (a running maximum per process) belongs to that method alone and an
-out-of-memory failure cannot disturb the next method. `--quick` runs tiny sizes, one
-repeat, in one process on CPU in a few seconds: the suite runs it so that a lent GPU is
-never wasted on a script error. Nothing here needs the network.
+Time: each workload gets a fair share of the budget left, and within it each method a
+fair share of the workload's time left (a method whose share is spent skips its larger
+sizes), so that one slow method cannot leave the others unmeasured; chunkvmap's methods
+run right after `jax.vmap`, before the other comparators.
+
+Off CPU, each workload runs in its own process (`--isolate`), so that the peak-memory
+counter (a running maximum per process) belongs to that workload and an out-of-memory
+failure cannot disturb the next workload. (Not one process per method: on a TPU v5e,
+starting and stopping the runtime costs tens of seconds a process, which left most
+methods of a 540-second run unmeasured.) `--quick` runs tiny sizes, one repeat, in one
+process on CPU in a few seconds: the suite runs it so that a lent accelerator is never
+wasted on a script error. Nothing here needs the network.
 
     python benchmarks/device.py [--quick] [--out benchmarks/results/tpu.md]
 """
@@ -373,8 +380,11 @@ def workload(name: str, cfg: dict) -> tuple[Callable[[int], tuple], dict]:
 
 
 def method_names(name: str, cfg: dict) -> list[str]:
-    """The methods of a workload, `jax.vmap` first (it decides the sizes)."""
-    return list(workload(name, cfg)[1])
+    """The methods of a workload: `jax.vmap` first (it decides the sizes), then
+    chunkvmap's, then the other comparators (a run short of time measures what the
+    table is for first)."""
+    names = list(workload(name, cfg)[1])
+    return sorted(names, key=lambda m: (m != "jax.vmap", not m.startswith("chunkvmap")))
 
 
 # --------------------------------------------------------------------------------------
@@ -445,10 +455,13 @@ def fingerprint_err(a: list, b: list) -> float:
     )
 
 
-def run_method(name, method, sizes, cfg, emit=lambda row: None) -> list[dict]:
+def run_method(
+    name, method, sizes, cfg, emit=lambda row: None, until=math.inf
+) -> list[dict]:
     """One method of workload `name` over `sizes` (ascending); after an OOM the
-    larger sizes are recorded as OOM without running. `emit(row)` is called with
-    each row as soon as it is measured."""
+    larger sizes are recorded as OOM without running, and after `until` (a
+    `time.monotonic()` value) as skipped. `emit(row)` is called with each row as
+    soon as it is measured."""
     import jax
 
     make, methods = workload(name, cfg)
@@ -462,6 +475,8 @@ def run_method(name, method, sizes, cfg, emit=lambda row: None) -> list[dict]:
     for n in sizes:
         row = {"workload": name, "method": method, "n": n, "b": b}
         rows.append(row)
+        if failed is None and time.monotonic() > until:
+            failed = "skipped (time)"
         if failed is not None:
             row["status"] = failed
             emit(row)
@@ -536,19 +551,35 @@ def sizes_until_oom(rows: list[dict]) -> list[int]:
     return out
 
 
+def run_workload(name, cfg, emit, deadline) -> list[dict]:
+    """Every method of workload `name`, `jax.vmap` first over the workload's sizes
+    (it decides them: up to its first OOM), then the others over those sizes, each
+    with a fair share of the time left until `deadline` (`time.monotonic()`)."""
+    sizes = sizes_of(name, cfg)
+    methods = method_names(name, cfg)
+    rows: list[dict] = []
+    for j, method in enumerate(methods):
+        print(f"{name}: {method} over N = {sizes}", file=sys.stderr, flush=True)
+        until = time.monotonic() + (deadline - time.monotonic()) / (len(methods) - j)
+        got = run_method(name, method, sizes, cfg, emit, until)
+        rows += got
+        if method == "jax.vmap":
+            sizes = sizes_until_oom(got)
+    return rows
+
+
 def child(args) -> None:
-    """`--child WORKLOAD METHOD`: print one JSON line per row as it is measured,
-    then the device; `--child info -`: the device alone."""
-    if args.child[0] == "info":
-        print(json.dumps({"info": device_info()}), flush=True)
-        return
-    cfg = QUICK if args.quick else FULL
+    """`--child WORKLOAD`: print the device, then one JSON line per row as it is
+    measured, stopping by `--until` (a `time.monotonic()` value: the clock is the
+    system's, shared with the parent)."""
+    info = device_info()
+    print(json.dumps({"info": info}), flush=True)
+    cfg = QUICK if args.quick else scaled(FULL, info.get("bytes_limit"))
 
     def emit(row: dict) -> None:
         print(json.dumps({"row": row}), flush=True)
 
-    run_method(args.child[0], args.child[1], args.sizes, cfg, emit)
-    print(json.dumps({"info": device_info()}), flush=True)
+    run_workload(args.child, cfg, emit, args.until)
 
 
 def parse_child(stdout: str) -> tuple[list[dict], dict]:
@@ -567,19 +598,17 @@ def parse_child(stdout: str) -> tuple[list[dict], dict]:
     return rows, info
 
 
-def run_isolated(name, method, sizes, args, deadline) -> tuple[list[dict], dict]:
-    """One method in a child process until `deadline`; the rows it measured (the
-    sizes it did not reach: cut by the time budget)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, method]
-    cmd += (["--sizes", *map(str, sizes)] if sizes else []) + (
-        ["--quick"] if args.quick else []
-    )
+def run_isolated(name, cfg, args, deadline) -> tuple[list[dict], dict]:
+    """Workload `name` in a child process until `deadline`; the rows it measured
+    and the device it reported (the rows it did not reach: cut by the time
+    budget, or by the crash that ended it)."""
     left = deadline - time.monotonic()
     if left < 5:
-        return [
-            {"workload": name, "method": method, "n": n, "status": "skipped (time)"}
-            for n in sizes
-        ], {}
+        return _missing(name, cfg, [], "skipped (time)"), {}
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name]
+    # the child stops starting sizes a little before the parent's hard limit
+    cmd += ["--until", repr(deadline - min(15.0, left / 10))]
+    cmd += ["--quick"] if args.quick else []
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=left, cwd=HERE,
@@ -590,16 +619,30 @@ def run_isolated(name, method, sizes, args, deadline) -> tuple[list[dict], dict]
         stdout, stderr, cut = _text(e.stdout), _text(e.stderr), "cut (time budget)"
     sys.stderr.write(stderr)
     rows, info = parse_child(stdout)
-    if cut is None and len(rows) < len(sizes):
+    if cut is None:
         status = "OOM" if "RESOURCE_EXHAUSTED" in stderr else "crashed"
         cut = f"{status} (exit {proc.returncode})"
-    done = {r["n"] for r in rows}
-    rows += [
-        {"workload": name, "method": method, "n": n, "status": cut}
-        for n in sizes
-        if n not in done
+    if info and not args.quick:
+        cfg = scaled(FULL, info.get("bytes_limit"))
+    return rows + _missing(name, cfg, rows, cut), info
+
+
+def _missing(name, cfg, rows, status) -> list[dict]:
+    """Rows of `status` for the (method, N) of workload `name` absent from `rows`
+    (`jax.vmap` decides the others' sizes: up to its first OOM)."""
+    sizes = sizes_of(name, cfg)
+    seen = {(r["method"], r["n"]) for r in rows}
+    vmap = [r for r in rows if r["method"] == "jax.vmap"]
+    if any(r.get("status") == "OOM" for r in vmap):
+        others = sizes_until_oom(sorted(vmap, key=lambda r: r["n"]))
+    else:
+        others = sizes
+    return [
+        {"workload": name, "method": m, "n": n, "status": status}
+        for m in method_names(name, cfg)
+        for n in (sizes if m == "jax.vmap" else others)
+        if (m, n) not in seen
     ]
-    return rows, info
 
 
 def _text(out: bytes | str | None) -> str:
@@ -631,7 +674,12 @@ def render(rows: list[dict], info: dict, cfg: dict, args, seconds: float) -> str
         "temporaries (`peak_memory_in_bytes`; on a TPU the figure that predicts "
         "what the device holds); device peak: `memory_stats()['peak_bytes_in_use']` "
         "of the process that ran the method ("
-        + ("one process per method" if args.isolate else "one process for all")
+        + (
+            "one process per workload: a running maximum, so that a method's figure "
+            "includes the methods run before it in that workload"
+            if args.isolate
+            else "one process for all: a running maximum"
+        )
         + "; on a TPU the buffers it allocated, not a program's temporaries; – "
         "where the backend has no memory stats). Sizes: "
         + ("the quick ones" if args.quick else "scaled to the device's bytes_limit")
@@ -698,13 +746,13 @@ def main(argv=None) -> None:
         "--isolate",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="one process per method (default: on, except with --quick)",
+        help="one process per workload (default: on, except with --quick)",
     )
     parser.add_argument(
         "--budget", type=float, default=540.0, help="seconds for the whole run"
     )
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--until", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
@@ -717,13 +765,10 @@ def main(argv=None) -> None:
         # backend (which would take its memory from the children).
         args.child_env = dict(os.environ)
         os.environ["JAX_PLATFORMS"] = "cpu"
-        _, info = run_isolated("info", "-", [], args, deadline)
+        info: dict = {}
     else:
         info = device_info()
     cfg = scaled(QUICK if args.quick else FULL, info.get("bytes_limit"))
-    out = args.out or os.path.join(
-        HERE, "results", f"{info.get('platform', 'device')}.md"
-    )
     rows: list[dict] = []
     if jax_privacy_clipping() is None:
         info["jax_privacy"] = (
@@ -732,23 +777,24 @@ def main(argv=None) -> None:
         print(info["jax_privacy"], flush=True)
     for k, name in enumerate(args.workloads):
         # a fair share of the time left for each workload still to run
-        share = (deadline - time.monotonic()) / (len(args.workloads) - k)
-        until = time.monotonic() + share
-        sizes = sizes_of(name, cfg)
-        for method in method_names(name, cfg):
-            print(f"{name}: {method} over N = {sizes}", flush=True)
-            if args.isolate:
-                got, child_info = run_isolated(name, method, sizes, args, until)
-                info.update(child_info)
-            else:
-                got = run_method(name, method, sizes, cfg)
-            rows += got
-            if method == "jax.vmap":
-                sizes = sizes_until_oom(got)
-            text = render(rows, info, cfg, args, time.monotonic() - start)
-            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            with open(out, "w") as fh:
-                fh.write(text)
+        until = time.monotonic() + (deadline - time.monotonic()) / (
+            len(args.workloads) - k
+        )
+        print(f"{name}: until {until - start:.0f} s", flush=True)
+        if args.isolate:
+            got, child_info = run_isolated(name, cfg, args, until)
+            info.update(child_info)
+            cfg = scaled(FULL, info.get("bytes_limit"))
+        else:
+            got = run_workload(name, cfg, lambda row: None, until)
+        rows += got
+        text = render(rows, info, cfg, args, time.monotonic() - start)
+        out = args.out or os.path.join(
+            HERE, "results", f"{info.get('platform', 'device')}.md"
+        )
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as fh:
+            fh.write(text)
     print(text, flush=True)
 
 

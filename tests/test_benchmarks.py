@@ -69,6 +69,28 @@ def test_device_benchmark_keeps_what_a_child_measured_before_it_was_cut():
     assert info == {"platform": "tpu"}
 
 
+def test_device_benchmark_marks_what_a_cut_child_did_not_reach():
+    """The (method, N) a workload's child never reported are rows of the reason it
+    stopped, over `jax.vmap`'s sizes up to its first OOM (the others' sizes); a
+    method past its share of the time skips its sizes without running them."""
+    gpu = _module()
+    cfg = dict(gpu.QUICK, ensemble_sizes=[8, 16, 32])
+    sizes = gpu.sizes_of("ensemble", cfg)
+    rows = [
+        {"workload": "ensemble", "method": "jax.vmap", "n": sizes[0], "status": "ok"},
+        {"workload": "ensemble", "method": "jax.vmap", "n": sizes[1], "status": "OOM"},
+    ]
+    missing = gpu._missing("ensemble", cfg, rows, "cut (time budget)")
+    methods = gpu.method_names("ensemble", cfg)
+    assert methods[0] == "jax.vmap" and methods[1].startswith("chunkvmap")
+    want = {(m, n) for m in methods[1:] for n in sizes[:2]}
+    want |= {("jax.vmap", n) for n in sizes[2:]}
+    assert {(r["method"], r["n"]) for r in missing} == want
+    assert {r["status"] for r in missing} == {"cut (time budget)"}
+    skipped = gpu.run_method("ensemble", "jax.vmap", sizes, cfg, until=0.0)
+    assert [r["status"] for r in skipped] == ["skipped (time)"] * len(sizes)
+
+
 def test_device_benchmark_sizes_follow_the_device_memory():
     """The full sizes (for 139 GiB) scaled to a 15.75 GiB chip: powers of two, at
     least 16; unchanged without a reported limit and for the quick sizes."""
