@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar, Unpack
+from typing import Any, NamedTuple, TypeVar, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -392,11 +392,12 @@ class Transform:
         be). `arg_names` names the arguments in messages, and `out_names(out)` the
         leaves of `f`'s output `out` (default `out_paths`); `known`: what the call
         knows (`_cache.Known`)."""
-        return vmap_call(
-            f, args, kwargs, in_axes, out_axes, self.axis_name, self.axis_size,
-            options or self.options, self.auto, arg_names, self.spmd_axis_name,
-            out_names, known, accumulator, check_unmapped, padding,
+        call = Mapping(
+            f, in_axes, out_axes, options or self.options, self.axis_name,
+            self.axis_size, self.spmd_axis_name, arg_names, out_names, accumulator,
+            check_unmapped, padding,
         )  # fmt: skip
+        return vmap_call(call, args, kwargs, self.auto, known)
 
     def cache(self, call: _cache.Call, whole: bool = False) -> _cache.EagerCache:
         """`call` run under each call's mesh (`whole`: see `_cache.EagerCache`)."""
@@ -474,65 +475,86 @@ def check_backend_dtypes(name: str, args: tuple, kwargs: dict) -> None:
             )
 
 
-def vmap_call(
-    f: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
-    in_axes: Any,
-    out_axes: Any,
-    axis_name: Any,
-    axis_size: int | None,
-    options: ChunkOptions,
-    auto: _memory.AutoBatch | None,
-    arg_names: Any = None,
-    spmd_axis_name: Any = None,
-    out_names: Callable[[Any], list[str]] | None = None,
-    known: _cache.Known | None = None,
-    accumulator: Any = None,
-    check_unmapped: bool = True,
-    padding: int | None = None,
-) -> Any:
-    """`jax.vmap(f, in_axes, out_axes)(*args, **kwargs)`, chunked by `options`.
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+    """One chunked `jax.vmap(f, in_axes, out_axes)` as `Transform.map` was asked
+    for it: built once per call and handed whole down the pipeline (`vmap_call`,
+    `_ChunkTrace`).
 
     `in_axes` and `out_axes` are checked specs (`out_axes` may also be a function of
     the output's abstract pytree returning the spec, for adapters whose output axes
-    depend on the output); keyword arguments are mapped over their leading axis.
-    `arg_names` names the positional arguments in messages (default `args[i]`),
-    `out_names(out)` the leaves of an output `out` of `f` (default `out_paths`:
-    adapters whose `f` wraps the user's function name the user's outputs);
-    `spmd_axis_name` is `jax.vmap`'s (each chunk's mapped axis is sharded over it);
-    `known`: the concrete shardings of an eager call's arguments (`_cache.Call`).
-    A front end's own `accumulator` (`_loop.Accumulator`, or `_accumulators.compose`d:
-    clipping's sums, the statistics' rows) combines the chunks' outputs instead of
-    the user's reduction, unchecked; `check_unmapped=False` skips the check that
-    outputs given out_axes None do not vary across examples (a front end's own,
-    unmapped by construction). `padding`: the positional argument (a boolean
-    vector, mapped along axis 0) that marks examples of a padded buffer as padding:
-    with an accumulator, chunks of padding alone are then skipped at run time.
+    depend on the output), chunked by `options`; `axis_name`, `axis_size` and
+    `spmd_axis_name` are `jax.vmap`'s (each chunk's mapped axis is sharded over the
+    last). `arg_names` names the positional arguments in messages (default
+    `args[i]`), `out_names(out)` the leaves of an output `out` of `f` (default
+    `out_paths`: adapters whose `f` wraps the user's function name the user's
+    outputs). A front end's own `accumulator` (`_loop.Accumulator`, or
+    `_accumulators.compose`d: clipping's sums, the statistics' rows) combines the
+    chunks' outputs instead of the user's reduction, unchecked; `check_unmapped=False`
+    skips the check that outputs given out_axes None do not vary across examples (a
+    front end's own, unmapped by construction). `padding`: the positional argument
+    (a boolean vector, mapped along axis 0) that marks examples of a padded buffer
+    as padding: with an accumulator, chunks of padding alone are then skipped at
+    run time.
     """
-    name = options.name
-    out_names = out_names or out_paths
+
+    f: Callable[..., Any]
+    in_axes: Any
+    out_axes: Any
+    options: ChunkOptions
+    axis_name: Any = None
+    axis_size: int | None = None
+    spmd_axis_name: Any = None
+    arg_names: Any = None
+    out_names: Callable[[Any], list[str]] | None = None
+    accumulator: Any = None
+    check_unmapped: bool = True
+    padding: int | None = None
+
+    @property
+    def name(self) -> str:
+        """The public function's name, as messages give it."""
+        return self.options.name
+
+    def names_of(self, out: Any) -> list[str]:
+        """The names of the leaves of an output `out` of `f`, in messages."""
+        return (self.out_names or out_paths)(out)
+
+    @property
+    def vmap_args(self) -> dict:
+        """`jax.vmap`'s own keywords besides the axes."""
+        return dict(
+            axis_name=self.axis_name,
+            axis_size=self.axis_size,
+            spmd_axis_name=self.spmd_axis_name,
+        )
+
+
+class _Flat(NamedTuple):
+    """A call's arguments as leaves: each leaf's mapped axis (`axes`), the leaves
+    that are arguments of the jitted chunk (`dyn`: arrays and every mapped leaf),
+    and the structure of `(args, kwargs)`."""
+
+    leaves: list
+    axes: list
+    dyn: list
+    treedef: Any
+
+
+def vmap_call(
+    call: Mapping, args: tuple, kwargs: dict, auto: Any, known: Any = None
+) -> Any:
+    """`jax.vmap(call.f, call.in_axes, call.out_axes)(*args, **kwargs)`, chunked by
+    `call.options`; keyword arguments are mapped over their leading axis. `auto`:
+    the transform's `"auto"` chunk-size state; `known`: the concrete shardings of an
+    eager call's arguments (`_cache.Call`)."""
+    name, options = call.name, call.options
     leaves, paths, axes, treedef = _flatten_inputs(
-        name, in_axes, args, kwargs, arg_names, options.axes_arg
+        name, call.in_axes, args, kwargs, call.arg_names, options.axes_arg
     )
-    size = _axes.mapped_size(paths, leaves, axes, axis_size, transform=name)
-    if options.plain and accumulator is None and not callable(out_axes):
-        # One jax.vmap, with the chunked path's checks of f's output (made while
-        # jax.vmap traces f, so they cost no extra trace; an output left unmapped
-        # is checked first, by a trace of its own).
-        checked = _checked(f, name, out_axes)
-        vmap_args = dict(
-            axis_name=axis_name, axis_size=axis_size, spmd_axis_name=spmd_axis_name
-        )
-        if _has_none(out_axes):
-            _check_unmapped_plain(
-                name, f, checked, (in_axes, out_axes), vmap_args, out_names, args,
-                kwargs,
-            )  # fmt: skip
-        out = jax.vmap(checked, in_axes, out_axes, **vmap_args)(*args, **kwargs)
-        return (
-            out if options.chunk_reduction is identity else options.chunk_reduction(out)
-        )
+    size = _axes.mapped_size(paths, leaves, axes, call.axis_size, transform=name)
+    if options.plain and call.accumulator is None and not callable(call.out_axes):
+        return _plain(call, args, kwargs)
     # Array leaves (and every mapped leaf) become arguments of one jitted function;
     # everything else (Python scalars, strings, objects with in_axes=None) is closed
     # over unchanged, exactly as jax.vmap hands it to f.
@@ -545,108 +567,145 @@ def vmap_call(
         raise _chunked.zero_examples(name)
     key = (treedef, tuple((jax.typeof(leaves[i]), axes[i]) for i in dyn))
     key += (_static_key(leaves, dyn),)
-    padded = None if padding is None else len(jax.tree.leaves(args[:padding]))
+    padded = None
+    if call.padding is not None:
+        padded = len(jax.tree.leaves(args[: call.padding]))
     inputs = _axes.Inputs(
         leaves, paths, dyn, size, key, known or _axes.NOTHING_KNOWN, padded
     )
     lay = _chunked.layout(options, inputs, axes)
     with _chunked.tracing(lay):
         chunk = _chunked.chunk_types(options, inputs, axes, lay)
-        body = _trace(
-            f, leaves, axes, dyn, treedef, (out_axes, out_names, check_unmapped),
-            (axis_name, spmd_axis_name), chunk, options, accumulator,
-        )  # fmt: skip
-    return _chunked.evaluate(body, inputs, options, auto, lay, axis_name)
+        body = _ChunkTrace(call, _Flat(leaves, axes, dyn, treedef)).body(chunk)
+    return _chunked.evaluate(body, inputs, options, auto, lay, call.axis_name)
 
 
-def _trace(
-    f, leaves, axes, dyn, treedef, outs, axis_names, chunk, options, accumulator
-) -> _loop.Body:
-    """One chunk of `jax.vmap(f)`, traced once (at the length and
-    types the loop's chunks will have: `chunk`, `_chunked.chunk_types`) to learn
-    its outputs, as a `_loop.Body` whose chunk function reuses that trace (`outs`
-    is `(out_axes, out_names, check_unmapped)` and `accumulator` the front end's,
-    of `vmap_call`; `axis_names` the pair `(axis_name, spmd_axis_name)` of
-    `jax.vmap`)."""
-    name, axis_name, out_box = options.name, axis_names[0], []
-    out_axes, out_names, check_unmapped = outs
-
-    @_cache.wraps(f)  # named after it, so that JAX's own messages point at it
-    def f_tree(*dyn_leaves):
-        full = list(leaves)
-        for i, x in zip(dyn, dyn_leaves):
-            full[i] = x
-        f_args, f_kwargs = jax.tree.unflatten(treedef, full)
-        out = f(*f_args, **f_kwargs)
-        check_outputs(name, f, out)
-        out_box[:] = [jax.tree.structure(out)]
-        return out
-
-    f_flat = _cache.wraps(f)(lambda *dyn_leaves: jax.tree.leaves(f_tree(*dyn_leaves)))
-    dyn_axes = tuple(axes[i] for i in dyn)
-
-    vmap_flat = _GroupedVmap(f, dyn_axes, axis_names)
-    # One chunk is `jax.vmap(f_flat)` at the loop's length, traced once (`first`);
-    # the loop evaluates that trace, the arrays it reads passed in as unmapped
-    # inputs (`Body.params`), so that a compiled program holds none of them. With
-    # every output along axis 0 (the usual case) the chunk is traced directly, and
-    # so it is with other axes given as a prefix that leaves no output unmapped
-    # (or needs no check of one): `jax.vmap` broadcasts the prefix itself
-    # (`_direct`). Otherwise the output axes are known only from the output's
-    # structure: `f_flat` is then jitted on its own (inlined) and traced on one
-    # example first, so that the chunk, its unmapped outputs left unmapped,
-    # batches that cached trace instead of tracing `f` again. Another length, or
-    # inputs with other sharding types, is traced again, the first trace's arrays
-    # standing for its own where it reads them.
-    all_zero = isinstance(out_axes, int) and out_axes == 0
-    inner = f_flat if all_zero else jax.jit(f_flat, inline=True)
-
-    def mapped_at(length: int, leading: Any = 0, fn: Any = inner) -> Callable[..., Any]:
-        return _cache.wraps(f)(vmap_flat(fn, leading, length))
-
-    # At the length the loop's chunks will have, in plain shapes but where the
-    # loop's chunks carry sharding types (Explicit axes: the mapped leaves' own,
-    # their examples' axis unsharded; an unmapped leaf's with the examples' mesh
-    # axes removed, as the loop lays it out: `_sharding.chunk_type`).
-    length, chunk_avals = chunk
-    direct = not (all_zero or axis_name is not None or callable(out_axes))
-    direct = direct and not (_has_none(out_axes) and check_unmapped)
-    if all_zero or axis_name is not None:
-        first, mapped_avals = _program.traced(mapped_at(length), chunk_avals)
-        out_avals = [_axes.per_example(a) for a in mapped_avals]
-    elif direct:
-        first, out_avals = _direct(
-            name, vmap_flat, f_tree, out_axes, length, chunk_avals
-        )
-    else:  # one example's outputs first (collectives need the vmap's axis name)
-        example = [_axes.sized(leaves[i], None, 0) for i in dyn]
-        example = [_axes.unmapped(x, a) for x, a in zip(example, dyn_axes)]
-        out_avals = _program.traced(inner, example)[1]
-    flat_axes = _flat_out_axes(name, out_axes, out_box[0], out_avals)
-    if None in flat_axes and check_unmapped:  # before jax.vmap is asked
-        probe, batched = _batched_probe()
-        probed = vmap_flat(lambda *xs: probe(inner(*xs)), 0, length)
-        jax.eval_shape(probed, *chunk_avals)
-        names = out_names(out_box[0].unflatten(out_avals))
-        _check_unmapped(name, f, flat_axes, batched, names)
-    signature = _loop.Signature(out_box[0], out_avals, flat_axes)
-    leading = [None if a is None else 0 for a in flat_axes]
-    if not (all_zero or direct):  # the chunk, its unmapped outputs left unmapped
-        first = _program.traced(mapped_at(length, leading), chunk_avals)[0]
-    # (a retrace, in the loop's context, traces `f` there: not the cached trace of
-    # another context, so that what `f` does per context (ghost's plans) happens)
-    retraced = _program.Retraced(
-        _program.Trace.of(first),
-        (length, tuple(first.in_avals)),
-        lambda length: jax.jit(mapped_at(length, leading, f_flat), inline=True),
-        lambda: out_box[0],
+def _plain(call: Mapping, args: tuple, kwargs: dict) -> Any:
+    """A plain call (nothing to chunk, fold or report): one `jax.vmap`, with the
+    chunked path's checks of f's output (made while `jax.vmap` traces f, so they
+    cost no extra trace; an output left unmapped is checked first, by a trace of
+    its own)."""
+    checked = _checked(call.f, call.name, call.out_axes)
+    if _has_none(call.out_axes):
+        _check_unmapped_plain(call, checked, args, kwargs)
+    out = jax.vmap(checked, call.in_axes, call.out_axes, **call.vmap_args)(
+        *args, **kwargs
     )
-    chunk_fn = _chunk_fn(f, retraced, dyn, flat_axes)
-    convolutions = _conv.has_convolution(first)
-    return _chunked.body(
-        options, accumulator, chunk_fn, axes, signature, length, convolutions,
-        retraced,
-    )  # fmt: skip
+    reduce = call.options.chunk_reduction
+    return out if reduce is identity else reduce(out)
+
+
+class _ChunkTrace:
+    """One chunk of `jax.vmap(f)` for `call` over the leaves `flat`, traced once (at
+    the length and types the loop's chunks will have: `_chunked.chunk_types`) to
+    learn its outputs, as a `_loop.Body` whose chunk function reuses that trace
+    (`body`).
+
+    One chunk is `jax.vmap(f_flat)` at the loop's length, traced once (`first`);
+    the loop evaluates that trace, the arrays it reads passed in as unmapped inputs
+    (`Body.params`), so that a compiled program holds none of them. With every
+    output along axis 0 (the usual case) the chunk is traced directly, and so it is
+    with other axes given as a prefix that leaves no output unmapped (or needs no
+    check of one): `jax.vmap` broadcasts the prefix itself (`_direct`). Otherwise
+    the output axes are known only from the output's structure: `f_flat` is then
+    jitted on its own (inlined) and traced on one example first, so that the chunk,
+    its unmapped outputs left unmapped, batches that cached trace instead of
+    tracing `f` again. Another length, or inputs with other sharding types, is
+    traced again, the first trace's arrays standing for its own where it reads
+    them.
+    """
+
+    def __init__(self, call: Mapping, flat: _Flat) -> None:
+        self.call, self.flat, self.out_box = call, flat, []
+        f = call.f
+
+        @_cache.wraps(f)  # named after it, so that JAX's own messages point at it
+        def f_tree(*dyn_leaves):
+            full = list(flat.leaves)
+            for i, x in zip(flat.dyn, dyn_leaves):
+                full[i] = x
+            f_args, f_kwargs = jax.tree.unflatten(flat.treedef, full)
+            out = f(*f_args, **f_kwargs)
+            check_outputs(call.name, f, out)
+            self.out_box[:] = [jax.tree.structure(out)]
+            return out
+
+        self.f_tree = f_tree
+        self.f_flat = _cache.wraps(f)(lambda *leaves: jax.tree.leaves(f_tree(*leaves)))
+        self.dyn_axes = tuple(flat.axes[i] for i in flat.dyn)
+        self.vmap_flat = _GroupedVmap(
+            f, self.dyn_axes, (call.axis_name, call.spmd_axis_name)
+        )
+        self.all_zero = isinstance(call.out_axes, int) and call.out_axes == 0
+        self.inner = self.f_flat if self.all_zero else jax.jit(self.f_flat, inline=True)
+
+    def mapped_at(self, length: int, leading: Any = 0, fn: Any = None) -> Any:
+        """`jax.vmap` of `fn` (default the traced function `inner`) at `length`
+        examples, its outputs along `leading`."""
+        mapped = self.vmap_flat(self.inner if fn is None else fn, leading, length)
+        return _cache.wraps(self.call.f)(mapped)
+
+    def body(self, chunk: tuple) -> _loop.Body:
+        """The chunk as the loop's `_loop.Body`, `chunk` its `(length, types)`."""
+        call, length = self.call, chunk[0]
+        first, flat_axes, signature = self.first(chunk)
+        leading = [None if a is None else 0 for a in flat_axes]
+        # (a retrace, in the loop's context, traces `f` there: not the cached trace
+        # of another context, so that what `f` does per context (ghost's plans)
+        # happens)
+        retraced = _program.Retraced(
+            _program.Trace.of(first),
+            (length, tuple(first.in_avals)),
+            lambda n: jax.jit(self.mapped_at(n, leading, self.f_flat), inline=True),
+            lambda: self.out_box[0],
+        )
+        chunk_fn = _chunk_fn(call.f, retraced, self.flat.dyn, flat_axes)
+        convolutions = _conv.has_convolution(first)
+        return _chunked.body(
+            call.options, call.accumulator, chunk_fn, self.flat.axes, signature,
+            length, convolutions, retraced,
+        )  # fmt: skip
+
+    def first(self, chunk: tuple) -> tuple[Any, list, _loop.Signature]:
+        """The chunk's first trace, each flat output's axis and the outputs'
+        `_loop.Signature`, the unmapped ones checked. At the length the loop's
+        chunks will have, in plain shapes but where the loop's chunks carry
+        sharding types (Explicit axes: the mapped leaves' own, their examples' axis
+        unsharded; an unmapped leaf's with the examples' mesh axes removed, as the
+        loop lays it out: `_sharding.chunk_type`)."""
+        call, (length, chunk_avals) = self.call, chunk
+        out_axes, all_zero = call.out_axes, self.all_zero
+        direct = not (all_zero or call.axis_name is not None or callable(out_axes))
+        direct = direct and not (_has_none(out_axes) and call.check_unmapped)
+        if all_zero or call.axis_name is not None:
+            first, mapped_avals = _program.traced(self.mapped_at(length), chunk_avals)
+            out_avals = [_axes.per_example(a) for a in mapped_avals]
+        elif direct:
+            first, out_avals = _direct(
+                call.name, self.vmap_flat, self.f_tree, out_axes, length, chunk_avals
+            )
+        else:  # one example's outputs first (collectives need the vmap's axis name)
+            example = [_axes.sized(self.flat.leaves[i], None, 0) for i in self.flat.dyn]
+            example = [_axes.unmapped(x, a) for x, a in zip(example, self.dyn_axes)]
+            out_avals = _program.traced(self.inner, example)[1]
+        flat_axes = _flat_out_axes(call.name, out_axes, self.out_box[0], out_avals)
+        if None in flat_axes and call.check_unmapped:  # before jax.vmap is asked
+            self.check_unmapped(flat_axes, out_avals, chunk)
+        signature = _loop.Signature(self.out_box[0], out_avals, flat_axes)
+        if not (all_zero or direct):  # the chunk, its unmapped outputs unmapped
+            leading = [None if a is None else 0 for a in flat_axes]
+            first = _program.traced(self.mapped_at(length, leading), chunk_avals)[0]
+        return first, flat_axes, signature
+
+    def check_unmapped(self, flat_axes: list, out_avals: list, chunk: tuple) -> None:
+        """`_check_unmapped` of the outputs `flat_axes` leaves unmapped, by a
+        shape-only trace of the chunk."""
+        length, chunk_avals = chunk
+        probe, batched = _batched_probe()
+        probed = self.vmap_flat(lambda *xs: probe(self.inner(*xs)), 0, length)
+        jax.eval_shape(probed, *chunk_avals)
+        names = self.call.names_of(self.out_box[0].unflatten(out_avals))
+        _check_unmapped(self.call.name, self.call.f, flat_axes, batched, names)
 
 
 def _direct(
@@ -818,11 +877,11 @@ def _batched_probe() -> tuple[Callable[[list], list], list[bool]]:
 
 
 def _check_unmapped_plain(
-    name, f, checked, specs, vmap_args, out_names, args, kwargs
+    call: Mapping, checked: Callable[..., Any], args: tuple, kwargs: dict
 ) -> None:
-    """`_check_unmapped` for one plain `jax.vmap(checked, *specs)` of `args`: a
-    shape-only trace of its own."""
-    in_axes, out_axes = specs
+    """`_check_unmapped` for one plain `jax.vmap(checked)` of `call`'s axes over
+    `args`: a shape-only trace of its own."""
+    name, f, out_axes = call.name, call.f, call.out_axes
     probe, batched = _batched_probe()
     out_box: list[Any] = []
 
@@ -831,10 +890,11 @@ def _check_unmapped_plain(
         out_box[:] = [tree, [jax.typeof(jnp.asarray(y)) for y in leaves]]
         return probe(leaves)
 
-    jax.eval_shape(jax.vmap(probed, in_axes, 0, **vmap_args), *args, **kwargs)
+    mapped = jax.vmap(probed, call.in_axes, 0, **call.vmap_args)
+    jax.eval_shape(mapped, *args, **kwargs)
     tree, avals = out_box
     flat_axes = _flat_out_axes(name, out_axes, tree, avals)
-    _check_unmapped(name, f, flat_axes, batched, out_names(tree.unflatten(avals)))
+    _check_unmapped(name, f, flat_axes, batched, call.names_of(tree.unflatten(avals)))
 
 
 def _check_unmapped(
