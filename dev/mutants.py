@@ -546,8 +546,8 @@ MUTANTS = {
     "trace: the global remainder chunked at its own length, not the shares'": (
         (
             "chunkvmap/_core/_sharding.py",
-            "        plan = window(n, length, offset)",
-            "        plan = make_plan(n, batch, offset)",
+            "        plan = window(n, self.length, offset)",
+            "        plan = make_plan(n, self.batch, offset)",
         ),
         ["test_sharding"],
     ),

@@ -211,71 +211,90 @@ def evaluate(
     `(summary, rows)`."""
     if lay.explicit:
         return _typed(body, inputs, lay, batch, reporter)
-    size, dyn, axes = inputs.size, inputs.dyn, lay.axes
-    num_devices = lay.size
-    rem = size % num_devices
-    prefix = size - rem
-    per_device = prefix // num_devices
-    accumulator = body.accumulator
-    reduced = accumulator is not None
-    leaves = _prepare(body.name, lay, inputs.paths, inputs.leaves, body.axes, rem)
-    in_specs = [P() if rem else lay.spec(body.axes[i]) for i in dyn]
-    # The global remainder in chunks of the shares' length (`window`): one trace.
-    length = share_length(size, num_devices, batch)
+    manual = _Manual(body, inputs, lay, batch, reporter)
+    in_specs = [P() if manual.rem else lay.spec(body.axes[i]) for i in inputs.dyn]
+    out_specs = _out_specs(body, lay, manual.per_device, manual.rem)
 
-    def local(full: list[Any], n: int, offset: Any, report: bool) -> Any:
-        # Progress: only the first device of the layout reports, and only its own
-        # chunks (the global remainder is reported only when nothing else runs).
-        plan = window(n, length, offset)
+    def run(*values):
+        outs = jax.shard_map(
+            manual.shard_body, mesh=lay.mesh, in_specs=(in_specs,),
+            out_specs=out_specs, axis_names=set(lay.axes), check_vma=False,
+        )(list(values))  # fmt: skip
+        if body.accumulator is not None:
+            summary, rows = outs
+            return summary, _assemble_rows(rows, lay)
+        return _assemble(outs, body.out_axes, lay)
+
+    return jax.jit(run)(*[manual.leaves[i] for i in inputs.dyn])
+
+
+class _Manual:
+    """`evaluate` over manual (`Auto`) mesh axes: what each device runs inside
+    `shard_map` (`shard_body`), its share of the N - N % D examples and, on the
+    first device, the global remainder (in chunks of the shares' length: one
+    trace)."""
+
+    def __init__(self, body, inputs, lay, batch, reporter) -> None:
+        self.body, self.inputs, self.lay, self.reporter = body, inputs, lay, reporter
+        size, num_devices = inputs.size, lay.size
+        self.rem = size % num_devices
+        self.prefix = size - self.rem
+        self.per_device = self.prefix // num_devices
+        self.leaves = _prepare(
+            body.name, lay, inputs.paths, inputs.leaves, body.axes, self.rem
+        )
+        self.batch, self.length = batch, share_length(size, num_devices, batch)
+
+    def local(self, full: list[Any], n: int, offset: Any, report: bool) -> Any:
+        """This device's `n` examples from `offset` of the leaves `full`.
+        Progress: only the first device of the layout reports, and only its own
+        chunks (the global remainder is reported only when nothing else runs)."""
+        inputs, axes = self.inputs, self.lay.axes
+        plan = window(n, self.length, offset)
         if inputs.padding is not None:  # this device's padding
             flags = full[inputs.padding]
             first = offset + min(0, n - plan.batch)  # (a wide window's start)
             mine = lax.dynamic_slice_in_dim(flags, first, max(n, plan.batch))
             plan = plan.padded(mine, inputs.padding)
         hook = _progress.hook(
-            reporter if report else None,
+            self.reporter if report else None,
             plan.num_chunks,
             lambda: lax.axis_index(axes) == 0,
         )
-        return body.run(full, plan, hook)
+        return self.body.run(full, plan, hook)
 
-    def shard_body(values):
-        # With a global remainder the inputs arrive whole (N does not split evenly, so
-        # they are replicated anyway) and every device reads its examples in place
-        # through the plan's offset: no per-device copy of its slice or the remainder.
-        full = list(leaves)
-        for i, v in zip(dyn, values):
+    def shard_body(self, values: list[Any]) -> Any:
+        """One device's outputs. With a global remainder the inputs arrive whole (N
+        does not split evenly, so they are replicated anyway) and every device
+        reads its examples in place through the plan's offset: no per-device copy
+        of its slice or the remainder."""
+        axes, rem, per_device = self.lay.axes, self.rem, self.per_device
+        full = list(self.leaves)
+        for i, v in zip(self.inputs.dyn, values):
             full[i] = v
         outs = {}
         if per_device:
             start = lax.axis_index(axes) * per_device if rem else 0
-            outs["local"] = local(full, per_device, start, True)
+            outs["local"] = self.local(full, per_device, start, True)
         if rem:
-            shapes = jax.eval_shape(lambda: local(full, rem, prefix, False))
-            outs["rem"] = lax.cond(
-                lax.axis_index(axes) == 0,
-                lambda: local(full, rem, prefix, not per_device),
-                lambda: jax.tree.map(lambda s: zeros(s.shape, s), shapes),
-            )
-            outs["rem"] = jax.tree.map(lambda y: jnp.expand_dims(y, 0), outs["rem"])
-        if reduced:  # every device folds all the summaries, in device order
+            outs["rem"] = self.remainder(full)
+        if self.body.accumulator is not None:  # every device folds all summaries
             summaries = {k: v[0] for k, v in outs.items()}
             rows = {k: v[1] for k, v in outs.items()}
-            return _fold_devices(accumulator, summaries, axes), rows
+            return _fold_devices(self.body.accumulator, summaries, axes), rows
         return outs
 
-    def run(*values):
-        outs = jax.shard_map(
-            shard_body, mesh=lay.mesh, in_specs=(in_specs,),
-            out_specs=_out_specs(body, lay, per_device, rem), axis_names=set(axes),
-            check_vma=False,
-        )(list(values))  # fmt: skip
-        if reduced:
-            summary, rows = outs
-            return summary, _assemble_rows(rows, lay)
-        return _assemble(outs, body.out_axes, lay)
-
-    return jax.jit(run)(*[leaves[i] for i in dyn])
+    def remainder(self, full: list[Any]) -> Any:
+        """The global remainder's outputs, run on the layout's first device (zeros
+        elsewhere), with a leading axis of one."""
+        rem, prefix, per_device = self.rem, self.prefix, self.per_device
+        shapes = jax.eval_shape(lambda: self.local(full, rem, prefix, False))
+        out = lax.cond(
+            lax.axis_index(self.lay.axes) == 0,
+            lambda: self.local(full, rem, prefix, not per_device),
+            lambda: jax.tree.map(lambda s: zeros(s.shape, s), shapes),
+        )
+        return jax.tree.map(lambda y: jnp.expand_dims(y, 0), out)
 
 
 def _shares_plan(plan, inputs, head, split, axes) -> Any:
@@ -332,59 +351,62 @@ def _split_evaluation(
     inputs are then replicated: an Explicit sharding is even), the last N % D
     examples run on every device after the split part, and a stacked output is
     replicated, as `jax.vmap`'s is for replicated inputs."""
-    size, axes, accumulator = inputs.size, body.axes, body.accumulator
-    num_devices = lay.size
-    rem = size % num_devices
-    prefix, share = size - rem, size // num_devices
-    leaves = list(inputs.leaves)
-    # the remainder in chunks of the shares' length (`window`): one trace
-    length = share_length(size, num_devices, batch)
+    size, num_devices = inputs.size, lay.size
+    rem, share = size % num_devices, size // num_devices
     pieces = {}
     if share:
-        head = [
-            x if a is None or not rem else lax.slice_in_dim(x, 0, prefix, axis=a)
-            for x, a in zip(leaves, axes)
-        ]
-        head = _prepare(body.name, lay, inputs.paths, head, axes, 0)
-        split_head = [_split(x, a, lay) for x, a in zip(head, axes)]
-        plan = _shares_plan(make_plan(share, batch), inputs, head, split_head, axes)
-        head = split_head
-        report = _progress.hook(reporter, plan.num_chunks)
-        split = body.run_shares(head, plan, report)
-        if accumulator is not None:
-            summaries, rows = split
-            pieces["head"] = (
-                _fold_shares(accumulator, summaries, lay),
-                jax.tree.map(lambda y: _merge(y, 0, lay), rows),
-            )
-        else:
-            pieces["head"] = [
-                y if a is None else _merge(y, a, lay)
-                for y, a in zip(split, body.out_axes)
-            ]
+        pieces["head"] = _split_head(body, inputs, lay, batch, reporter)
     if rem:
+        # the remainder in chunks of the shares' length (`window`): one trace
+        length = share_length(size, num_devices, batch)
         reporting = reporter if not share else None
         pieces["tail"] = _typed_remainder(body, inputs, lay, length, reporting)
     if len(pieces) == 1:
         return next(iter(pieces.values()))
+    return _joined(body, lay, pieces["head"], pieces["tail"])
+
+
+def _split_head(
+    body: Body, inputs: Inputs, lay: Layout, batch: int | None, reporter: Any
+) -> Any:
+    """`_split_evaluation`'s first N - N % D examples, split into the D devices'
+    shares and run together (`Body.run_shares`): the stacked outputs merged back
+    along their axes, or the accumulator's folded summary and merged rows."""
+    axes, accumulator = body.axes, body.accumulator
+    rem = inputs.size % lay.size
+    prefix, share = inputs.size - rem, inputs.size // lay.size
+    head = [
+        x if a is None or not rem else lax.slice_in_dim(x, 0, prefix, axis=a)
+        for x, a in zip(inputs.leaves, axes)
+    ]
+    head = _prepare(body.name, lay, inputs.paths, head, axes, 0)
+    split_head = [_split(x, a, lay) for x, a in zip(head, axes)]
+    plan = _shares_plan(make_plan(share, batch), inputs, head, split_head, axes)
+    split = body.run_shares(split_head, plan, _progress.hook(reporter, plan.num_chunks))
     if accumulator is not None:
-        (head_summary, head_rows), (tail_summary, tail_rows) = (
-            pieces["head"],
-            pieces["tail"],
+        summaries, rows = split
+        return (
+            _fold_shares(accumulator, summaries, lay),
+            jax.tree.map(lambda y: _merge(y, 0, lay), rows),
         )
+    return [y if a is None else _merge(y, a, lay) for y, a in zip(split, body.out_axes)]
+
+
+def _joined(body: Body, lay: Layout, head: Any, tail: Any) -> Any:
+    """The split head's result and the remainder's, in example order: summaries
+    merged and rows concatenated, or the stacked outputs concatenated along their
+    axes (replicated over the layout, as `jax.vmap`'s output for such inputs)."""
+    if body.accumulator is not None:
+        (head_summary, head_rows), (tail_summary, tail_rows) = head, tail
         rows = jax.tree.map(
             lambda h, t: jnp.concatenate([_without(h, lay), t], axis=0),
             head_rows,
             tail_rows,
         )
-        return accumulator.merge(head_summary, tail_summary), rows
-    if "head" not in pieces:
-        return pieces["tail"]
-    if "tail" not in pieces:
-        return pieces["head"]
-    return [  # replicated over the layout, as jax.vmap's output for such inputs
+        return body.accumulator.merge(head_summary, tail_summary), rows
+    return [
         t if a is None else jnp.concatenate([_without(h, lay), t], axis=a)
-        for h, t, a in zip(pieces["head"], pieces["tail"], body.out_axes)
+        for h, t, a in zip(head, tail, body.out_axes)
     ]
 
 
