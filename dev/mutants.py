@@ -1186,9 +1186,8 @@ MUTANTS = {
     "eager programs: a body known without its chunk's trace": (
         (
             "chunkvmap/_core/_chunked.py",
-            "            traced.first.key, length, convolutions, tuple(axes), "
-            "out_tree,\n",
-            "            length, convolutions, tuple(axes), out_tree,\n",
+            "        traced.first.key, length, convolutions, tuple(axes), out_tree,\n",
+            "        length, convolutions, tuple(axes), out_tree,\n",
         ),
         ["test_cache", "test_closures"],
     ),

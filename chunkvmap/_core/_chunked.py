@@ -39,6 +39,7 @@ def body(
     chunk_fn: _loop.ChunkFn,
     axes: Sequence[int | None],
     signature: _loop.Signature,
+    *,
     length: int,
     convolutions: bool,
     traced: _program.Retraced,
@@ -53,6 +54,26 @@ def body(
     (`traced.params`) first, then the chunk's leaves mapped along `axes`: the
     body's `params`, unmapped."""
     own = accumulator
+    accumulator = _resolved(options, accumulator, signature, length)
+    post = options.chunk_reduction if accumulator is None else identity
+    # Every chunk's convolutions in the layout XLA:CPU runs fast inside a loop (a
+    # chunk without one is left as it is: re-evaluating it would cost a trace).
+    if convolutions:
+        chunk_fn = _conv.canonical(chunk_fn)
+    params = traced.params
+    key = _body_key(options, own, traced, signature, (length, convolutions, axes))
+    return _loop.Body(
+        options.name, chunk_fn, (*[None] * len(params), *axes), signature,
+        accumulator, post, options.remat, params, key, lambda: traced.kept,
+    )  # fmt: skip
+
+
+def _resolved(
+    options: ChunkOptions, accumulator: Any, signature: _loop.Signature, length: int
+) -> Any:
+    """The accumulator that combines the chunks: a front end's own, else the
+    user's reduction (`_accumulators.Fold`), else None (stacked); a composed one
+    resolved against `signature` for chunks of `length`."""
     if accumulator is None and options.reduction is not None:
         accumulator = _accumulators.compose(
             _accumulators.Fold(
@@ -61,32 +82,34 @@ def body(
         )
     if isinstance(accumulator, _accumulators.Composed):
         accumulator = accumulator.resolve(signature, length)
-    post = options.chunk_reduction if accumulator is None else identity
-    # Every chunk's convolutions in the layout XLA:CPU runs fast inside a loop (a
-    # chunk without one is left as it is: re-evaluating it would cost a trace).
-    if convolutions:
-        chunk_fn = _conv.canonical(chunk_fn)
-    params = traced.params
-    out_tree, out_avals, out_axes = signature
-    # Known by its chunk's trace where nothing else runs the user's code: no
-    # reduction of the user's (folding or post-processing), no front end's
-    # accumulator that computes from more than the chunks' outputs.
+    return accumulator
+
+
+def _body_key(
+    options: ChunkOptions,
+    own: Any,
+    traced: _program.Retraced,
+    signature: _loop.Signature,
+    shape: tuple,
+) -> Any:
+    """The body's program key (`_loop.Body.key`), `shape` its `(length,
+    convolutions, axes)`: known by its chunk's trace where nothing else runs the
+    user's code (no reduction of the user's, folding or post-processing; no front
+    end's accumulator `own` that computes from more than the chunks' outputs), else
+    None."""
     known = (
         traced.kept
         and options.reduction is None
         and options.chunk_reduction is identity
         and (own is None or own.pure)
     )
-    key = None
-    if known:
-        key = (
-            traced.first.key, length, convolutions, tuple(axes), out_tree,
-            tuple(out_avals), tuple(out_axes), _program.Held(options),
-            _program.Held(own),
-        )  # fmt: skip
-    return _loop.Body(
-        options.name, chunk_fn, (*[None] * len(params), *axes), signature,
-        accumulator, post, options.remat, params, key, lambda: traced.kept,
+    if not known:
+        return None
+    length, convolutions, axes = shape
+    out_tree, out_avals, out_axes = signature
+    return (
+        traced.first.key, length, convolutions, tuple(axes), out_tree,
+        tuple(out_avals), tuple(out_axes), _program.Held(options), _program.Held(own),
     )  # fmt: skip
 
 
@@ -179,23 +202,11 @@ def evaluate(
         leaves = _sharding.unlaid(lay, inputs.leaves)
         inputs = dataclasses.replace(inputs, leaves=leaves)
     if lay is not None and lay.size > 1:
-        if axis_name is not None:
-            raise ValueError(
-                f"{name} got axis_name={axis_name!r} with examples split over the "
-                f"mesh axes {lay.axes}: collectives over {axis_name!r} inside f would "
-                f"only see one device's examples. Drop axis_name, or gather the "
-                f"inputs first."
-            )
-        local = inputs.size // lay.size or inputs.size
-        batch = _batch_size(body, inputs, options, auto, local, lay)
-
-        def run(leaves: list[Any]) -> Any:
-            laid = dataclasses.replace(inputs, leaves=leaves)
-            return _sharding.evaluate(body, laid, lay, batch, options.reporter)
-
+        batch, run = _split_run(body, inputs, options, auto, lay, axis_name)
     else:
         batch = _batch_size(body, inputs, options, auto, inputs.size, None)
         plan = _loop.make_plan(inputs.size, batch)
+        run = _loop_run(body, inputs, options, plan, lay if one_device else None)
         if axis_name is not None and not plan.single:
             raise ValueError(
                 f"{name} got axis_name={axis_name!r} with {options.batch_arg}="
@@ -204,18 +215,47 @@ def evaluate(
                 f"examples. Use {options.batch_arg}=None (or >= {inputs.size}) with "
                 f"axis_name."
             )
-
-        def run(leaves: list[Any]) -> Any:
-            report = _progress.hook(options.reporter, plan.num_chunks)
-            here = plan
-            if inputs.padding is not None:
-                here = plan.padded(leaves[inputs.padding], inputs.padding)
-            result = body.run(leaves, here, report)
-            return _sharding.laid_result(lay, body, result) if one_device else result
-
     programs = None if auto is None else auto.programs
     key = (lay, batch, axis_name, inputs.padding)
     return _compiled(body, inputs, programs, key, lambda xs: body.finish(run(xs)))
+
+
+def _split_run(body, inputs, options, auto, lay, axis_name) -> tuple[Any, Any]:
+    """`evaluate` over a layout of several devices: the chunk size of each
+    device's share and the run of the laid-out leaves."""
+    if axis_name is not None:
+        raise ValueError(
+            f"{options.name} got axis_name={axis_name!r} with examples split over "
+            f"the mesh axes {lay.axes}: collectives over {axis_name!r} inside f "
+            f"would only see one device's examples. Drop axis_name, or gather the "
+            f"inputs first."
+        )
+    local = inputs.size // lay.size or inputs.size
+    batch = _batch_size(body, inputs, options, auto, local, lay)
+
+    def run(leaves: list[Any]) -> Any:
+        laid = dataclasses.replace(inputs, leaves=leaves)
+        return _sharding.evaluate(body, laid, lay, batch, options.reporter)
+
+    return batch, run
+
+
+def _loop_run(body, inputs, options, plan, one_device) -> Callable[..., Any]:
+    """`evaluate` on one device: the loop of `plan` (a padded buffer's chunks of
+    padding alone skipped); `one_device`: the one-device layout whose sharding
+    stacked outputs get back (None: none)."""
+
+    def run(leaves: list[Any]) -> Any:
+        report = _progress.hook(options.reporter, plan.num_chunks)
+        here = plan
+        if inputs.padding is not None:
+            here = plan.padded(leaves[inputs.padding], inputs.padding)
+        result = body.run(leaves, here, report)
+        if one_device is None:
+            return result
+        return _sharding.laid_result(one_device, body, result)
+
+    return run
 
 
 def _with_params(inputs: Inputs, params: Sequence[Any]) -> Inputs:

@@ -289,5 +289,6 @@ def _trace(fun, leaves, axes, treedef, probe, options) -> _loop.Body:
     signature = _loop.Signature(out_tree, out_avals, [0] * len(out_avals))
     convolutions = _conv.has_convolution(first)
     return _chunked.body(
-        options, None, chunk_fn, axes, signature, probe, convolutions, retraced
-    )
+        options, None, chunk_fn, axes, signature, length=probe,
+        convolutions=convolutions, traced=retraced,
+    )  # fmt: skip

@@ -663,7 +663,7 @@ class _ChunkTrace:
         convolutions = _conv.has_convolution(first)
         return _chunked.body(
             call.options, call.accumulator, chunk_fn, self.flat.axes, signature,
-            length, convolutions, retraced,
+            length=length, convolutions=convolutions, traced=retraced,
         )  # fmt: skip
 
     def first(self, chunk: tuple) -> tuple[Any, list, _loop.Signature]:
