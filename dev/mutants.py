@@ -1166,8 +1166,8 @@ MUTANTS = {
     "shares: every leaf, functions too, through the vmap over the shares": (
         (
             "chunkvmap/_core/_loop.py",
-            "                if a is not None or isinstance(x, ARRAY_TYPES)\n",
-            "                if True\n",
+            "            if a is not None or isinstance(x, ARRAY_TYPES)\n",
+            "            if True\n",
         ),
         ["test_eqx", "test_wherever"],
     ),

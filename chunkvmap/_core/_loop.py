@@ -421,16 +421,75 @@ def _write_chunks(
             for b, y, axis in zip(buffers, ys, out_axes)
         ], None
 
-    buffers = []
-    for aval, axis in zip(chunk_avals, out_axes):
-        shape = list(aval.shape)
-        if axis is not None:
-            shape[axis] = plan.size
-        buffers.append(zeros(shape, aval))
+    buffers = _buffers(chunk_avals, out_axes, plan.size)
     with jax.named_scope("chunkvmap"):
         buffers, _ = lax.scan(
             body, buffers, jnp.arange(plan.num_chunks, dtype=np.int32)
         )
+    return buffers
+
+
+def _scanned_stacked(
+    evaluate: Callable[[Any], list[Any]],
+    out_axes: Sequence[int | None],
+    chunk_avals: Sequence[Any],
+    plan: Chunks,
+    report: Callable[[Any], None],
+) -> list[Any]:
+    """`Body.stacked` when every mapped output is along axis 0 and `B` divides
+    `N`: the mapped outputs are the scan's `ys`, reshaped to `(N, ...)` (free); an
+    unmapped output is carried, keeping the last chunk's value."""
+    mapped = [k for k, a in enumerate(out_axes) if a is not None]
+    unmapped = [k for k, a in enumerate(out_axes) if a is None]
+
+    def body(carry, i):
+        ys = evaluate(i)
+        report(i)
+        return [ys[k] for k in unmapped], [ys[k] for k in mapped]
+
+    init = [zeros(chunk_avals[k].shape, chunk_avals[k]) for k in unmapped]
+    with jax.named_scope("chunkvmap"):
+        last, stacked = lax.scan(
+            body, init, jnp.arange(plan.num_chunks, dtype=np.int32)
+        )
+    outs: list[Any] = [None] * len(out_axes)
+    for k, y in zip(mapped, stacked):
+        outs[k] = y.reshape(plan.size, *y.shape[2:])
+    for k, y in zip(unmapped, last):
+        outs[k] = y
+    return outs
+
+
+def _summary_of_chunk(
+    fold: _Fold, leaves: Sequence[Any], plan: Chunks
+) -> Callable[[Any], Any]:
+    """`Body._fold`'s `(summary, rows)` of chunk `i`: of the last window when `B`
+    does not divide `N`, only the rows no earlier chunk covered."""
+    batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
+    remainder = _remainder_summary(fold, batch, rem)
+
+    def evaluate(i):
+        ys = fold.chunk_fn(plan.chunk(leaves, fold.axes, i), batch)
+        if rem == 0 or fold.windows:
+            return fold.summarise(ys)
+        if fold.counted is not None:  # the window, its covered rows uncounted
+            return fold.counted(ys, plan.fresh(i))
+        if plan.wide:  # its one chunk is the window: no branch to trace
+            return remainder(ys)
+        return lax.cond(i == last, lambda: remainder(ys), lambda: fold.summarise(ys))
+
+    return evaluate
+
+
+def _buffers(chunk_avals: Sequence[Any], out_axes: Sequence[Any], size: int) -> list:
+    """Zeros of each chunk output's type (`chunk_avals`), `size` examples long
+    along its mapped axis (`out_axes`; an unmapped output: one chunk's)."""
+    buffers = []
+    for aval, axis in zip(chunk_avals, out_axes):
+        shape = list(aval.shape)
+        if axis is not None:
+            shape[axis] = size
+        buffers.append(zeros(shape, aval))
     return buffers
 
 
@@ -616,7 +675,7 @@ class Body:
             )
             report(0)
             return outs
-        size, batch = plan.size, plan.batch
+        batch = plan.batch
         chunk_fn, out_axes, out_avals = self.chunk_fn, self.out_axes, self.out_avals
         if (
             plan.order is None
@@ -639,32 +698,12 @@ class Body:
                 stacked_type(a, x, batch) for a, x in zip(out_avals, out_axes)
             ]
 
-        mapped = [k for k, a in enumerate(out_axes) if a is not None]
-        unmapped = [k for k, a in enumerate(out_axes) if a is None]
-
         if (
             plan.order is None
             and plan.rem == 0
-            and all(out_axes[k] == 0 for k in mapped)
+            and all(a in (0, None) for a in out_axes)
         ):
-
-            def body(carry, i):
-                ys = evaluate(i)
-                report(i)
-                return [ys[k] for k in unmapped], [ys[k] for k in mapped]
-
-            init = [zeros(chunk_avals[k].shape, chunk_avals[k]) for k in unmapped]
-            with jax.named_scope("chunkvmap"):
-                last, stacked = lax.scan(
-                    body, init, jnp.arange(plan.num_chunks, dtype=np.int32)
-                )
-            outs: list[Any] = [None] * len(out_axes)
-            for k, y in zip(mapped, stacked):
-                outs[k] = y.reshape(size, *y.shape[2:])
-            for k, y in zip(unmapped, last):
-                outs[k] = y
-            return outs
-
+            return _scanned_stacked(evaluate, out_axes, chunk_avals, plan, report)
         return _write_chunks(evaluate, out_axes, chunk_avals, plan, report)
 
     def _split_stacked(
@@ -746,22 +785,7 @@ class Body:
             )
             report(0)
             return result
-        batch, rem, last = plan.batch, plan.rem, plan.num_chunks - 1
-        remainder = _remainder_summary(fold, batch, rem)
-
-        @ft.partial(checkpointed, remat=self.remat)
-        def evaluate(i):
-            ys = chunk_fn(plan.chunk(leaves, axes, i), batch)
-            if rem == 0 or fold.windows:
-                return fold.summarise(ys)
-            if fold.counted is not None:  # the window, its covered rows uncounted
-                return fold.counted(ys, plan.fresh(i))
-            if plan.wide:  # its one chunk is the window: no branch to trace
-                return remainder(ys)
-            return lax.cond(
-                i == last, lambda: remainder(ys), lambda: fold.summarise(ys)
-            )
-
+        evaluate = checkpointed(_summary_of_chunk(fold, leaves, plan), self.remat)
         write = _row_writer(plan, fold.row_axis)
 
         def step(carry, i):
@@ -796,46 +820,17 @@ class Body:
         as `(D, n)` at their mapped axes; with an accumulator, one summary per share
         (a leading axis of D), each folded in its share's order, and the rows split
         as `(D, n)` at axis 0."""
-        axes, out_axes = self.axes, self.out_axes
-        local = [None if a is None else a + 1 for a in axes]
-        shifted = [None if o is None else o + 1 for o in out_axes]
-
+        local = [None if a is None else a + 1 for a in self.axes]
+        shifted = [None if o is None else o + 1 for o in self.out_axes]
         # The shares' sharding (of their axis, at each mapped input's axis). A value
         # that does not depend on the examples comes back from the vmap over the
         # shares broadcast, unsharded; it takes this sharding, as every other has.
         entry = next(
             spec_entries(x)[a]
-            for x, a in zip(leaves, axes)
+            for x, a in zip(leaves, self.axes)
             if a is not None and isinstance(x, jax.Array)
         )
-
-        def shares(part: list[Any], length: int) -> Any:
-            # Only arrays go through the vmap over the shares; anything else (a
-            # function an Equinox module holds, say) is closed over as it is.
-            mapped = [
-                k for k, (x, a) in enumerate(zip(part, axes))
-                if a is not None or isinstance(x, ARRAY_TYPES)
-            ]  # fmt: skip
-            tree: list[Any] = []  # the structure of this trace's outputs
-
-            def one(values: list[Any]) -> list[Any]:
-                full = list(part)
-                for k, v in zip(mapped, values):
-                    full[k] = v
-                leaves, structure = jax.tree.flatten(self.chunk_fn(full, length))
-                tree[:] = [structure]
-                return leaves
-
-            ys = jax.vmap(
-                one, in_axes=([axes[k] for k in mapped],), out_axes=list(out_axes)
-            )([part[k] for k in mapped])
-            return tree[0].unflatten(
-                [
-                    y if o is None else _with_entry(y, o, entry)
-                    for y, o in zip(ys, out_axes)
-                ]
-            )
-
+        shares = ft.partial(self._over_shares, entry=entry)
         if self.accumulator is not None:
             fold = _shares_fold(self.accumulator, shares, local, shifted, entry)
             return self._fold(fold, leaves, plan, report)
@@ -852,6 +847,33 @@ class Body:
 
         types = jax.eval_shape(evaluate, jnp.int32(0))
         return _write_chunks(evaluate, shifted, types, plan, report)
+
+    def _over_shares(self, part: list[Any], length: int, entry: Any) -> Any:
+        """The chunk function vmapped over the shares of the leaves `part` (each
+        share's chunk of `length`), the outputs' shares axis sharded as `entry`.
+        Only arrays go through the vmap over the shares; anything else (a function
+        an Equinox module holds, say) is closed over as it is."""
+        axes, out_axes = self.axes, self.out_axes
+        mapped = [
+            k for k, (x, a) in enumerate(zip(part, axes))
+            if a is not None or isinstance(x, ARRAY_TYPES)
+        ]  # fmt: skip
+        tree: list[Any] = []  # the structure of this trace's outputs
+
+        def one(values: list[Any]) -> list[Any]:
+            full = list(part)
+            for k, v in zip(mapped, values):
+                full[k] = v
+            leaves, structure = jax.tree.flatten(self.chunk_fn(full, length))
+            tree[:] = [structure]
+            return leaves
+
+        ys = jax.vmap(
+            one, in_axes=([axes[k] for k in mapped],), out_axes=list(out_axes)
+        )([part[k] for k in mapped])
+        return tree[0].unflatten(
+            [y if o is None else _with_entry(y, o, entry) for y, o in zip(ys, out_axes)]
+        )
 
     def finish(self, result: Any) -> Any:
         """The caller's output from `run`'s: the stacked outputs' tree (`post`

@@ -184,6 +184,32 @@ def choose_batch_size(
             f"example needs {one} bytes of temporary memory. Raise memory_limit, or "
             f"reduce the per-example cost."
         )
+    best = _largest_fitting(probe, seen, size, limit)
+    chunks = -(-size // best)
+    balanced = -(-size // chunks)
+    if probe(balanced) > limit:  # the estimate is not monotone in B
+        balanced = best
+    logger.info(
+        "%s batch_size='auto': chose %d of %d examples (%d chunks; up to %d fit) "
+        "for a budget of %d bytes (probes: %s)",
+        name,
+        balanced,
+        size,
+        chunks,
+        best,
+        limit,
+        dict(sorted(seen.items())),
+    )
+    return balanced
+
+
+def _largest_fitting(
+    probe: Callable[[int], int], seen: dict[int, int], size: int, limit: int
+) -> int:
+    """The largest chunk size found to fit `limit` (`probe(b)`: its measured
+    memory, memoised in `seen`, which holds `probe(1)`), searched by extrapolating
+    the probes' slope, at most `_MAX_PROBES` probes."""
+    one = seen[1]
     second = min(size, 16)
     # The answer lies in [best, fail): `best` fits, `fail` (or anything larger) did not.
     best, fail = (second, size + 1) if probe(second) <= limit else (1, second)
@@ -210,22 +236,7 @@ def choose_batch_size(
             fits = seen[best]
             local = (used - fits) / (guess - best)
             guess = best + int((limit - fits) / local)
-    chunks = -(-size // best)
-    balanced = -(-size // chunks)
-    if probe(balanced) > limit:  # the estimate is not monotone in B
-        balanced = best
-    logger.info(
-        "%s batch_size='auto': chose %d of %d examples (%d chunks; up to %d fit) "
-        "for a budget of %d bytes (probes: %s)",
-        name,
-        balanced,
-        size,
-        chunks,
-        best,
-        limit,
-        dict(sorted(seen.items())),
-    )
-    return balanced
+    return best
 
 
 # --------------------------------------------------------------------------------------
