@@ -134,3 +134,45 @@ def always_ghost(monkeypatch):
     from chunkvmap._dp.ghost import _plan
 
     monkeypatch.setattr(_plan, "_GAIN", -math.inf)
+
+
+# The hostile cases' outcomes, tallied where the test reports are collected (the
+# xdist controller: the cases run on several workers), checked at the end.
+_HOSTILE_TALLY: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "teardown":  # (a test's properties, the fixtures' included)
+        return
+    for name, value in report.user_properties:
+        if name == "hostile_outcome":
+            entry, outcome, count = value
+            _HOSTILE_TALLY[entry, outcome] = _HOSTILE_TALLY.get((entry, outcome), 0)
+            _HOSTILE_TALLY[entry, outcome] += count
+        elif name == "hostile_check":
+            _HOSTILE_TALLY["checked"] = True
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under xdist, in the controller: every entry point whose hostile cases ran had
+    cases of both outcomes, when `test_hostile.test_every_entry_point_matched_and_
+    raised` ran (on any worker); else the session fails, saying which."""
+    if getattr(session.config, "workerinput", None) is not None:
+        return  # a worker: the controller tallies every worker's cases
+    if not _HOSTILE_TALLY.pop("checked", False):
+        return  # one process (the test checked its own tally), or not selected
+    entries = sorted({entry for entry, _ in _HOSTILE_TALLY})
+    tally = {e: [_HOSTILE_TALLY.get((e, o), 0) for o in ("matched", "raised")]
+             for e in entries}  # fmt: skip
+    bad = [e for e in entries if 0 in tally[e]]
+    if bad:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        line = (
+            f"FAILED test_hostile.py::test_every_entry_point_matched_and_raised: "
+            f"entry points whose cases ran without both outcomes: {bad} "
+            f"((matched, raised): {tally})"
+        )
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(line, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

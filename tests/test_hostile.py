@@ -102,6 +102,21 @@ ENTRY_POINTS = (
 COUNTS: collections.Counter = collections.Counter()
 
 
+@pytest.fixture(autouse=True)
+def _tally(record_property):
+    """Each test's cases' outcomes, as a property of its report: the process that
+    collects the reports (the xdist controller, or this one) tallies them for
+    `test_every_entry_point_matched_and_raised` (`conftest.pytest_sessionfinish`),
+    wherever each case ran."""
+    before = COUNTS.copy()
+    yield
+    for key, count in (COUNTS - before).items():
+        record_property(HOSTILE_PROPERTY, [*key, count])
+
+
+HOSTILE_PROPERTY = "hostile_outcome"
+
+
 @dataclasses.dataclass
 class Case:
     """One malformed call: `call()` runs chunkvmap, `oracle()` the reference (or
@@ -2464,14 +2479,30 @@ def test_formerly_known_bugs(which, batch_size):
 # --------------------------------------------------------------------------------------
 
 
-def test_every_entry_point_matched_and_raised():
-    """Runs last: every entry point whose tests ran had cases of both outcomes."""
-    ran = {name for name, _ in COUNTS}
-    if not ran:
+def test_every_entry_point_matched_and_raised(request):
+    """Every entry point whose cases ran had cases of both outcomes. In one process
+    this test, collected last, checks the tally itself; under xdist, where the cases
+    run on several workers, it asks the controller to check the workers' tallies
+    together at the session's end (`conftest.pytest_sessionfinish`, which fails the
+    session where an entry point lacks an outcome)."""
+    if hasattr(request.config, "workerinput"):
+        request.node.user_properties.append(("hostile_check", True))
+        return
+    summary = missing_outcomes(COUNTS)
+    if summary is None:
         pytest.skip("no hostile case ran (test selection)")
+    assert not summary[1], summary[0]
+
+
+def missing_outcomes(counts) -> tuple[dict, list[str]] | None:
+    """`(summary, names)`: the (matched, raised) tally of every entry point, and
+    those whose cases ran without both outcomes; None where no case ran."""
+    ran = {name for name, _ in counts}
+    if not ran:
+        return None
     summary = {
-        name: (COUNTS[name, "matched"], COUNTS[name, "raised"]) for name in ENTRY_POINTS
+        name: (counts[name, "matched"], counts[name, "raised"]) for name in ENTRY_POINTS
     }
     print("\nhostile cases (matched, raised):", summary)
-    for name in ran:
-        assert COUNTS[name, "matched"] > 0 and COUNTS[name, "raised"] > 0, summary
+    bad = [n for n in ran if not (counts[n, "matched"] > 0 and counts[n, "raised"] > 0)]
+    return summary, bad

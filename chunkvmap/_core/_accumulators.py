@@ -359,6 +359,16 @@ def checked_summary(
     structure, shapes and dtypes, as a fold carry must. `outs`: the outputs it
     folds, a tree of `_Out`. Returns the types of one chunk's summary.
     """
+    first = _summary_type(name, chunk_reduction, outs, lengths)
+    _check_fold(name, reduction, first)
+    return first
+
+
+def _summary_type(
+    name: str, chunk_reduction: Callable[[Any], Any], outs: Any, lengths: Sequence[int]
+) -> Any:
+    """`checked_summary`'s first check: the types of `chunk_reduction` of a chunk,
+    the same for chunks of every length in `lengths` (and one more)."""
     lengths = sorted(set(lengths))
     if len(lengths) == 1:
         lengths.append(lengths[0] + 1)
@@ -383,6 +393,13 @@ def checked_summary(
                 f"{_aval_str(first)}, for {length} examples {_aval_str(other)}.{hint}"
             )
 
+    return first
+
+
+def _check_fold(name: str, reduction: Callable[[Any, Any], Any], first: Any) -> None:
+    """`checked_summary`'s second check: `reduction` of two summaries of the types
+    `first` is traceable and of those types."""
+
     def combine(a: Any, b: Any) -> Any:
         out = _loop.fold(reduction, a, b)
         for leaf in jax.tree.leaves(out):
@@ -406,4 +423,3 @@ def checked_summary(
             f"structure, shapes and dtypes (it is applied leaf by leaf), but on "
             f"{_aval_str(first)} it returns {_aval_str(folded)}."
         )
-    return first

@@ -156,21 +156,7 @@ def canonical_in_axis(
     """Make a mapped input axis non-negative and check it is in range."""
     if axis is None:
         return None
-    unmap = {  # how a value is passed unmapped, by the option that maps it
-        "in_axes": (
-            "pass it positionally with in_axes=None at its position, or bind it "
-            "with functools.partial (keyword arguments are always mapped over axis "
-            "0, as in jax.vmap)"
-            if path.startswith("kwargs")
-            else "give it in_axes=None"
-        ),
-        "batch_argnums": (
-            "pass it positionally, outside batch_argnums (keyword arguments are "
-            "always mapped)"
-            if path.startswith("kwargs")
-            else "leave its argument out of batch_argnums"
-        ),
-    }.get(arg, "pass it unmapped")
+    unmap = _how_to_unmap(path, arg)
     if not is_arraylike(leaf):
         raise TypeError(
             f"{transform} {arg} maps {path} along axis {axis}, but it is not an "
@@ -190,6 +176,26 @@ def canonical_in_axis(
             f"{-ndim}..{ndim - 1})."
         )
     return axis % ndim
+
+
+def _how_to_unmap(path: str, arg: str) -> str:
+    """How a value at `path` is passed unmapped, by the option `arg` that maps it,
+    for messages."""
+    return {
+        "in_axes": (
+            "pass it positionally with in_axes=None at its position, or bind it "
+            "with functools.partial (keyword arguments are always mapped over axis "
+            "0, as in jax.vmap)"
+            if path.startswith("kwargs")
+            else "give it in_axes=None"
+        ),
+        "batch_argnums": (
+            "pass it positionally, outside batch_argnums (keyword arguments are "
+            "always mapped)"
+            if path.startswith("kwargs")
+            else "leave its argument out of batch_argnums"
+        ),
+    }.get(arg, "pass it unmapped")
 
 
 def canonical_out_axis(

@@ -109,6 +109,30 @@ def check_bools(name: str, **flags: Any) -> None:
         check_bool(name, arg, value)
 
 
+def _batch_option(
+    name: str, batch_size: Any, chunk_size: Any, microbatch_size: Any
+) -> tuple[str, Any]:
+    """The chunk size's option as the user gave it (`batch_size` or one of its
+    aliases: at most one) and its checked value."""
+    given = {
+        arg: value
+        for arg, value in (
+            ("batch_size", batch_size),
+            ("chunk_size", chunk_size),
+            ("microbatch_size", microbatch_size),
+        )
+        if value is not None
+    }
+    if len(given) > 1:
+        (a, value_a), (b, value_b) = list(given.items())[:2]
+        raise TypeError(
+            f"{name} got both {a}={value_a!r} and its alias {b}={value_b!r}; pass "
+            f"only one."
+        )
+    arg, value = next(iter(given.items()), ("batch_size", None))
+    return arg, _check_batch_size(name, arg, value)
+
+
 def _check_batch_size(name: str, arg: str, value: Any) -> int | str | None:
     if isinstance(value, str):
         if value == "auto":
@@ -326,23 +350,7 @@ class ChunkOptions:
         microbatch_size, reduction = o["microbatch_size"], o["reduction"]
         chunk_reduction, remat, shard = o["chunk_reduction"], o["remat"], o["shard"]
         mesh, memory_limit, progress = o["mesh"], o["memory_limit"], o["progress"]
-        given = {
-            arg: value
-            for arg, value in (
-                ("batch_size", batch_size),
-                ("chunk_size", chunk_size),
-                ("microbatch_size", microbatch_size),
-            )
-            if value is not None
-        }
-        if len(given) > 1:
-            (a, value_a), (b, value_b) = list(given.items())[:2]
-            raise TypeError(
-                f"{name} got both {a}={value_a!r} and its alias {b}={value_b!r}; pass "
-                f"only one."
-            )
-        arg, batch_size = next(iter(given.items()), ("batch_size", None))
-        batch_size = _check_batch_size(name, arg, batch_size)
+        arg, batch_size = _batch_option(name, batch_size, chunk_size, microbatch_size)
         check_callable(name, "reduction", reduction, allow_none=True)
         check_callable(name, "chunk_reduction", chunk_reduction)
         _check_remat(name, remat)
