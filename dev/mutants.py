@@ -262,7 +262,7 @@ MUTANTS = {
     "ghost: a cond inside a scan records the scan's axes": (
         (
             "chunkvmap/_dp/ghost/_primitives.py",
-            "avals = by_key[key].record_avals(depth)",
+            "avals = by_key[key].record_avals(at.depth)",
             "avals = by_key[key].record_avals(0)",
         ),
         GHOST_TESTS,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from ._chains import layout_of
 from ._context import bind
 from ._forms import all_finite, maskable, pair, sanitize
-from ._primitives import PLAIN, Info, handler, known_value
+from ._primitives import PLAIN, Info, RunState, handler, known_value
 from ._rules import Tap, Use, UseKind, rule_kind
 
 
@@ -522,11 +522,9 @@ class Plan:
     def run(self, invals: Sequence[Any], probes: dict) -> tuple[list, dict]:
         """The jaxpr's outputs at `invals`, with `probes[path]` added to the output
         of each use, and the operands each use records (`{use.key: [arrays]}`)."""
-        records: dict = {}
-        outs = self.run_jaxpr(
-            self.closed.jaxpr, self.closed.consts, invals, probes, (), 0, records
-        )
-        return outs, records
+        at = RunState(probes, 0, {})
+        outs = self.run_jaxpr(self.closed.jaxpr, self.closed.consts, invals, (), at)
+        return outs, at.records
 
     def inside(self, prefix: tuple, probes: dict) -> tuple[list, list]:
         """The probe paths under `prefix`, and the keys of the uses there that
@@ -546,9 +544,10 @@ class Plan:
         outs = bind(eqn.primitive, ins, eqn.params)
         return list(outs) if eqn.primitive.multiple_results else [outs]
 
-    def run_jaxpr(self, jaxpr, consts, args, probes, path, depth, records) -> list:
+    def run_jaxpr(self, jaxpr, consts, args, path, at: RunState) -> list:
         """`jaxpr` at `args`; each equation that is, or holds, a use goes to its
-        primitive's handler (`depth`: the scans around `jaxpr`)."""
+        primitive's handler (`at`: the run's state, `at.depth` the scans around
+        `jaxpr`)."""
         env: dict[Any, Any] = {}
 
         def read(v: Any) -> Any:
@@ -560,7 +559,7 @@ class Plan:
             here = (*path, k)
             ins = [read(v) for v in eqn.invars]
             if here in self.touched:
-                outs = handler(eqn).run(self, eqn, ins, probes, here, depth, records)
+                outs = handler(eqn).run(self, eqn, ins, here, at)
             else:
                 outs = self.bind(eqn, ins)
             for v, x in zip(eqn.outvars, outs):

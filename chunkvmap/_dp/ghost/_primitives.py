@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.extend.core.primitives as prims
@@ -56,25 +56,36 @@ class Info:
 PLAIN = Info()
 
 
+class RunState(NamedTuple):
+    """Where the instrumented run is (`Plan.run_jaxpr`): the probes added to the
+    uses' outputs (by path), the scans around (`depth`), and the operands each use
+    has recorded so far (`{use.key: [arrays]}`, written as the run goes)."""
+
+    probes: dict
+    depth: int
+    records: dict
+
+
 class Primitive:
     """How the plan treats one primitive (the default: an unruled first-order one).
 
     `walk(plan, eqn, ins, here, record)` gets the `Info` of the equation's inputs
     (at least one of them a leaf's chain) and returns its outputs'; with `record`
-    it notes uses and fallbacks on `plan`. `run(plan, eqn, ins, probes, here,
-    depth, records)` evaluates an equation at `here` that is, or holds, a use
-    (`depth`: the scans around it); the others are bound as they are."""
+    it notes uses and fallbacks on `plan`. `run(plan, eqn, ins, here, at)`
+    evaluates an equation at `here` that is, or holds, a use (`at`: the run's
+    `RunState`, its probes, the scans around and the records); the others are
+    bound as they are."""
 
     def walk(self, plan: Plan, eqn, ins, here, record) -> list[Info]:
         return _walk_first_order(plan, eqn, ins, here, record, None)
 
-    def run(self, plan: Plan, eqn, ins, probes, here, depth, records) -> list:
-        if isinstance(probes[here], Tap):
-            return [plan.tap(here, eqn, ins, probes[here].zero)]
+    def run(self, plan: Plan, eqn, ins, here, at: RunState) -> list:
+        if isinstance(at.probes[here], Tap):
+            return [plan.tap(here, eqn, ins, at.probes[here].zero)]
         outs = plan.bind(eqn, ins)
-        outs = [outs[0] + probes[here]]
+        outs = [outs[0] + at.probes[here]]
         for use in plan.uses_at[here]:
-            records[use.key] = [ins[i] for i in use.record]
+            at.records[use.key] = [ins[i] for i in use.record]
         return outs
 
 
@@ -108,30 +119,29 @@ class Inline(Primitive):
         sub, sub_consts = call_jaxpr(eqn)
         return plan.walk(sub, sub_consts, ins, (*here, 0), record)
 
-    def run(self, plan, eqn, ins, probes, here, depth, records):
+    def run(self, plan, eqn, ins, here, at):
         sub, sub_consts = call_jaxpr(eqn)
-        return plan.run_jaxpr(sub, sub_consts, ins, probes, (*here, 0), depth, records)
+        return plan.run_jaxpr(sub, sub_consts, ins, (*here, 0), at)
 
 
 class Remat(Inline):
     """`jax.checkpoint`: run as a checkpoint with its policy, the probes passed in
     and the records returned."""
 
-    def run(self, plan, eqn, ins, probes, here, depth, records):
+    def run(self, plan, eqn, ins, here, at):
         sub, sub_consts = call_jaxpr(eqn)
-        paths, keys = plan.inside((*here, 0), probes)
+        paths, keys = plan.inside((*here, 0), at.probes)
 
         def body(ins: list, prs: list) -> Any:
-            recs: dict = {}
-            prs = dict(zip(paths, prs))
-            outs = plan.run_jaxpr(sub, sub_consts, ins, prs, (*here, 0), depth, recs)
-            return outs, [recs[k] for k in keys]
+            inner = RunState(dict(zip(paths, prs)), at.depth, {})
+            outs = plan.run_jaxpr(sub, sub_consts, ins, (*here, 0), inner)
+            return outs, [inner.records[k] for k in keys]
 
         p = eqn.params
         outs, recs = jax.checkpoint(
             body, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy")
-        )(list(ins), [probes[q] for q in paths])
-        records.update(zip(keys, recs))
+        )(list(ins), [at.probes[q] for q in paths])
+        at.records.update(zip(keys, recs))
         return outs
 
 
@@ -162,32 +172,31 @@ class Scan(Primitive):
             plan.flag_all(outs, "returned from a scan body")
         return [Info(tainted=o.tainted) for o in outs]
 
-    def run(self, plan, eqn, ins, probes, here, depth, records):
+    def run(self, plan, eqn, ins, here, at):
         p = eqn.params
         nc, ncar = p["num_consts"], p["num_carry"]
         body, body_consts = open_jaxpr(p["jaxpr"])
         consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
         sub = (*here, 0)
-        paths, keys = plan.inside(sub, probes)
+        paths, keys = plan.inside(sub, at.probes)
 
         def step(carry: list, x: Any) -> Any:
             xs_i, prs = x
-            recs: dict = {}
+            inner = RunState(dict(zip(paths, prs)), at.depth + 1, {})
             outs = plan.run_jaxpr(
-                body, body_consts, [*consts, *carry, *xs_i], dict(zip(paths, prs)),
-                sub, depth + 1, recs,
-            )  # fmt: skip
-            return outs[:ncar], (outs[ncar:], [recs[k] for k in keys])
+                body, body_consts, [*consts, *carry, *xs_i], sub, inner
+            )
+            return outs[:ncar], (outs[ncar:], [inner.records[k] for k in keys])
 
         carry, (ys, recs) = lax.scan(
             step,
             list(init),
-            (list(xs), [probes[q] for q in paths]),
+            (list(xs), [at.probes[q] for q in paths]),
             length=p["length"],
             reverse=p["reverse"],
             unroll=p["unroll"],
         )
-        records.update(zip(keys, recs))
+        at.records.update(zip(keys, recs))
         return [*carry, *ys]
 
 
@@ -211,9 +220,9 @@ class Cond(Primitive):
             for outs in zip(*branch_outs)
         ]
 
-    def run(self, plan, eqn, ins, probes, here, depth, records):
+    def run(self, plan, eqn, ins, here, at):
         index, ops = ins[0], ins[1:]
-        paths, keys = plan.inside(here, probes)
+        paths, keys = plan.inside(here, at.probes)
         by_key = {u.key: u for u in plan.uses}
         branches = eqn.params["branches"]
 
@@ -221,17 +230,14 @@ class Cond(Primitive):
             sub, sub_consts = open_jaxpr(branches[b])
 
             def fn(ops: list, prs: list) -> Any:
-                recs: dict = {}
-                outs = plan.run_jaxpr(
-                    sub, sub_consts, ops, dict(zip(paths, prs)), (*here, b), depth,
-                    recs,
-                )  # fmt: skip
+                inner = RunState(dict(zip(paths, prs)), at.depth, {})
+                outs = plan.run_jaxpr(sub, sub_consts, ops, (*here, b), inner)
                 full = []
                 for key in keys:
-                    if key in recs:
-                        full.append(recs[key])
+                    if key in inner.records:
+                        full.append(inner.records[key])
                     else:  # another branch's use: zeros
-                        avals = by_key[key].record_avals(depth)
+                        avals = by_key[key].record_avals(at.depth)
                         full.append([jnp.zeros(a.shape, a.dtype) for a in avals])
                 return outs, full
 
@@ -241,9 +247,9 @@ class Cond(Primitive):
             index,
             [branch(b) for b in range(len(branches))],
             list(ops),
-            [probes[q] for q in paths],
+            [at.probes[q] for q in paths],
         )
-        records.update(zip(keys, recs))
+        at.records.update(zip(keys, recs))
         return outs
 
 
