@@ -360,7 +360,7 @@ def train(args: argparse.Namespace) -> float:
     acc = float(accuracy(params, x_test, y_test))
     _report_training(args, q, lot_sizes, shapes, seconds, acc)
     _padded_against_exact(
-        add_buffer, clipped, params, (x_train, y_train), lot_sizes, capacity, args
+        add_buffer, clipped, params, (x_train, y_train), lot_sizes, capacity, args=args
     )
     return acc
 
@@ -405,7 +405,7 @@ def _report_training(
 
 def _padded_against_exact(
     add_buffer: Any, clipped: Any, params: Any, data: tuple, lot_sizes: list,
-    capacity: int, args: argparse.Namespace,
+    capacity: int, *, args: argparse.Namespace,
 ) -> None:  # fmt: skip
     """The step time of the padded program against programs compiled for exactly
     the smallest and the largest lot trained on (their compile time too)."""

@@ -278,6 +278,7 @@ def batch_vmap(
     split_rngs: Mapping[Any, bool] = FrozenDict(),
     in_axes: Any = 0,
     out_axes: Any = 0,
+    *,
     axis_size: int | None = None,
     axis_name: Any = None,
     methods: Any = None,

@@ -361,9 +361,17 @@ def _ghost_dots(loss, params, x, chunk):
     """The Gram's ghost evaluation of `loss(params, x)` for chunks of `chunk` rows:
     which leaves keep their ghost terms (`_GhostDots.ghost`)."""
     traced = _statistics.ghost.traced_loss(
-        lambda key, build: build(), "gram", loss, (params, x), {}, (0,), [1],
-        strip=True, has_aux=False, keep_batch_dim=False,
-    )  # fmt: skip
+        lambda key, build: build(),
+        "gram",
+        loss,
+        (params, x),
+        {},
+        (0,),
+        mapped=[1],
+        strip=True,
+        has_aux=False,
+        keep_batch_dim=False,
+    )
     return _statistics._GhostDots(traced, chunk)
 
 

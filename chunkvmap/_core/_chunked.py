@@ -129,9 +129,14 @@ def layout(
     if not inputs.size:
         return None
     return _sharding.layout(
-        options.name, options.shard, options.mesh, inputs.paths, inputs.leaves, axes,
-        inputs.known,
-    )  # fmt: skip
+        options.name,
+        options.shard,
+        options.mesh,
+        inputs.paths,
+        inputs.leaves,
+        axes,
+        known=inputs.known,
+    )
 
 
 def chunk_types(

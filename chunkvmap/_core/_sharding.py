@@ -135,6 +135,7 @@ def layout(
     paths: Sequence[str],
     leaves: Sequence[Any],
     axes: Sequence[int | None],
+    *,
     known: Known,
 ) -> Layout | None:
     """The call's layout: requested by `shard`, else visible on the mapped inputs

@@ -320,6 +320,7 @@ def choose(
     program: Callable[[Transform, ghost.Method], Callable[..., Any]],
     call: tuple,
     size: int,
+    *,
     chunk: int | None = None,
 ) -> ghost.GhostReport:
     """The report whose `runs` a call of `size` examples follows: on an accelerator,

@@ -335,10 +335,7 @@ def clipped_sums(
 def _sums(transform, fun, config, call, known) -> tuple:
     """`clipped_sums` of a checked call, by the method that runs."""
     if config.method is ghost.Method.GHOST and call.size > 0:
-        sums = _GhostSums.of(
-            transform, fun, config, call.args, call.in_axes, call.kwargs, call.diff,
-            call.batch_args,
-        )  # fmt: skip
+        sums = _GhostSums.of(transform, fun, config, call)
         runs = config.runs
         if runs is None:
             report = _chosen(transform, fun, config, call, sums)
@@ -370,7 +367,7 @@ def _chosen(transform, fun, config, call, sums, chunk=None) -> ghost.GhostReport
 
     inputs = (call.args, call.kwargs, call.in_axes)
     return _choice.choose(
-        transform, sums.report, sums, program, inputs, call.size, chunk
+        transform, sums.report, sums, program, inputs, call.size, chunk=chunk
     )
 
 
@@ -380,7 +377,7 @@ _REPORT_CHUNK = 64
 
 def report_for(
     fun: Callable[..., Any], args: tuple, kwargs: dict, diff: tuple,
-    mapped: tuple, has_aux: bool, traced: Any,
+    mapped: tuple, has_aux: bool, *, traced: Any,
 ) -> ghost.GhostReport:  # fmt: skip
     """`ghost_report`'s report of one example's arguments (`traced`: its loss):
     the verdict of `clipped_grad_sum(method="ghost")`'s choice for chunks of
@@ -394,13 +391,15 @@ def report_for(
     try:
         with warnings.catch_warnings():  # (the clipping call's, not the report's)
             warnings.simplefilter("ignore")
-            return _measured_report(fun, args, kwargs, diff, mapped, has_aux, timed)
+            return _measured_report(
+                fun, args, kwargs, diff, mapped, has_aux, timed=timed
+            )
     except Exception:  # noqa: BLE001 (arguments a clipping call would map otherwise)
         return _choice.settled_report(modelled, False) or modelled
 
 
 def _measured_report(
-    fun, args, kwargs, diff, mapped, has_aux, timed
+    fun, args, kwargs, diff, mapped, has_aux, *, timed
 ) -> ghost.GhostReport:
     """`report_for`'s measured verdict: a clipping call of the example (its arrays
     given a batch axis of one) measured for chunks of `_REPORT_CHUNK` (`timed`),
@@ -417,10 +416,7 @@ def _measured_report(
     batched = tuple(one(a) if i in mapped else a for i, a in enumerate(args))
     kwargs = one(kwargs)
     call = _ClippedCall.of(transform, config, batched, kwargs)
-    sums = _GhostSums.of(
-        transform, fun, config, call.args, call.in_axes, call.kwargs, call.diff,
-        call.batch_args,
-    )  # fmt: skip
+    sums = _GhostSums.of(transform, fun, config, call)
     return _chosen(transform, fun, config, call, sums, _REPORT_CHUNK if timed else None)
 
 
@@ -570,10 +566,12 @@ class _GhostSums(Quantity):
     them, and the sum is a second backward pass (`_weighted_sums`)."""
 
     @classmethod
-    def of(cls, transform, fun, config, args, in_axes, kwargs, diff, batch_args):
-        """The ghost sums of a call: its loss traced, and the plan of an earlier
-        call of the transform with the same loss program (`Traced.key`) kept, so
-        that an eager call does not plan again."""
+    def of(cls, transform, fun, config, call: _ClippedCall):
+        """The ghost sums of a checked call: its loss traced, and the plan of an
+        earlier call of the transform with the same loss program (`Traced.key`)
+        kept, so that an eager call does not plan again."""
+        args, in_axes, kwargs, diff = call.args, call.in_axes, call.kwargs, call.diff
+        batch_args = call.batch_args
         name = transform.name
         note = _note(name, fun, config)
 
@@ -583,13 +581,20 @@ class _GhostSums(Quantity):
 
         with _single_example_hint(name, config):
             traced = ghost.traced_loss(
-                transform.memo, name, noted, args, kwargs, diff,
+                transform.memo,
+                name,
+                noted,
+                args,
+                kwargs,
+                diff,
                 # the examples' arguments, and the per-example keys of prng_argnum
                 # (split into one key per example, but passed without a batch axis)
-                [i for i, a in enumerate(in_axes) if a is not None],
-                strip=True, has_aux=config.has_aux,
-                keep_batch_dim=config.keep_batch_dim, expand=batch_args,
-            )  # fmt: skip
+                mapped=[i for i, a in enumerate(in_axes) if a is not None],
+                strip=True,
+                has_aux=config.has_aux,
+                keep_batch_dim=config.keep_batch_dim,
+                expand=batch_args,
+            )
         return traced.memo("sums", lambda: cls(transform, fun, config, traced))
 
     def __init__(self, transform, fun, config, traced):
@@ -816,7 +821,14 @@ class _GhostSums(Quantity):
         # (the sums and the stacked norms are not independent here: an example whose
         # non-finite terms are fixed gets its norm from the fix)
         totals, extras = over_chunks(
-            self.transform, self.traced, self, args, in_axes, kwargs, known, padding
+            self.transform,
+            self.traced,
+            self,
+            args,
+            in_axes,
+            kwargs,
+            known=known,
+            padding=padding,
         )
         if not self.config.sums:
             return None, extras

@@ -358,15 +358,22 @@ def ggn_diagonal(
     def call(args: tuple, kwargs: dict, known: Any) -> Any:
         diff, in_axes, args, kwargs, extra = settings.prepare(transform, args, kwargs)
         if method is ghost.Method.GHOST:
-            traced = _traced(transform, name, fun, args, kwargs, diff, in_axes)
+            traced = _traced(transform, name, fun, args, kwargs, diff, in_axes=in_axes)
             quantity = traced.memo(
                 ("ggn diagonal", settings, per_example),
                 lambda: _GhostDiagonal(traced, settings, per_example),
             )
             summary, rows = over_chunks(
-                transform, traced, quantity, args, in_axes, kwargs, known,
-                extra=extra, extra_axes=settings.extra_axes(),
-            )  # fmt: skip
+                transform,
+                traced,
+                quantity,
+                args,
+                in_axes,
+                kwargs,
+                known=known,
+                extra=extra,
+                extra_axes=settings.extra_axes(),
+            )
             return traced.grads_tree(
                 rows if per_example else summary, transform.args.single
             )
@@ -393,14 +400,23 @@ def ggn_diagonal(
     return transform.public(call, fun)
 
 
-def _traced(transform, name, fun, args, kwargs, diff, in_axes) -> ghost.Traced:
+def _traced(transform, name, fun, args, kwargs, diff, *, in_axes) -> ghost.Traced:
     """The model of one example traced, with its ghost plan (`traced_loss`, its
     output checked to be a real array)."""
     mapped = [i for i, a in enumerate(in_axes) if a is not None]
     return ghost.traced_loss(
-        transform.memo, name, fun, args, kwargs, diff, mapped,
-        strip=True, has_aux=False, keep_batch_dim=False, check=_check_output,
-    )  # fmt: skip
+        transform.memo,
+        name,
+        fun,
+        args,
+        kwargs,
+        diff,
+        mapped=mapped,
+        strip=True,
+        has_aux=False,
+        keep_batch_dim=False,
+        check=_check_output,
+    )
 
 
 class _GhostDiagonal(Quantity):
@@ -915,14 +931,21 @@ def kfac_factors(
 
     def call(args: tuple, kwargs: dict, known: Any) -> Any:
         diff, in_axes, args, kwargs, extra = settings.prepare(transform, args, kwargs)
-        traced = _traced(transform, name, fun, args, kwargs, diff, in_axes)
+        traced = _traced(transform, name, fun, args, kwargs, diff, in_axes=in_axes)
         quantity = traced.memo(
             ("kfac", settings, variant), lambda: _KFAC(traced, settings, variant)
         )
         factors, _ = over_chunks(
-            transform, traced, quantity, args, in_axes, kwargs, known,
-            extra=extra, extra_axes=settings.extra_axes(),
-        )  # fmt: skip
+            transform,
+            traced,
+            quantity,
+            args,
+            in_axes,
+            kwargs,
+            known=known,
+            extra=extra,
+            extra_axes=settings.extra_axes(),
+        )
         return traced.grads_tree(factors, transform.args.single)
 
     return transform.public(call, fun)

@@ -344,7 +344,17 @@ def per_example_grad_projections(
 
     def rows_of(args: tuple, kwargs: dict, known: Any, post: Any) -> tuple:
         return _rows(
-            transform, fun, name, has_aux, dim, seed, method, args, kwargs, known, post
+            transform,
+            fun,
+            name,
+            has_aux,
+            dim=dim,
+            seed=seed,
+            method=method,
+            args=args,
+            kwargs=kwargs,
+            known=known,
+            post=post,
         )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
@@ -390,12 +400,19 @@ def _preconditioner(
     diff, in_axes = transform.resolve(args)
     args = differentiable_floats(args, diff, in_axes)
     return _whitening(
-        name, args, diff, transform.args.single, precondition, dim, seed, damping
+        name,
+        args,
+        diff,
+        transform.args.single,
+        precondition,
+        dim,
+        seed=seed,
+        damping=damping,
     )
 
 
 def _rows(
-    transform: Transform, fun: Any, name: str, has_aux: bool, dim: int, seed: int,
+    transform: Transform, fun: Any, name: str, has_aux: bool, *, dim: int, seed: int,
     method: Any, args: tuple, kwargs: dict, known: Any, post: Any,
 ) -> tuple:  # fmt: skip
     """Each example's row (`post` of it, where given) and aux, by `method`."""
@@ -404,10 +421,17 @@ def _rows(
     rows = None
     if method is ghost.Method.GHOST:
         traced = ghost.traced_loss(
-            transform.memo, name, fun, args, kwargs, diff,
-            [i for i, a in enumerate(in_axes) if a is not None],
-            strip=True, has_aux=has_aux, keep_batch_dim=False,
-        )  # fmt: skip
+            transform.memo,
+            name,
+            fun,
+            args,
+            kwargs,
+            diff,
+            mapped=[i for i, a in enumerate(in_axes) if a is not None],
+            strip=True,
+            has_aux=has_aux,
+            keep_batch_dim=False,
+        )
         if any(x.rule == ghost.GHOST for x in traced.plan.leaves):
             quantity = traced.memo(
                 ("projections", dim, seed),
@@ -416,18 +440,28 @@ def _rows(
             if post is not None:
                 quantity = _Scored(quantity, post)
             _, (rows, aux) = over_chunks(
-                transform, traced, quantity, args, in_axes, kwargs, known
+                transform, traced, quantity, args, in_axes, kwargs, known=known
             )
     if rows is None:
         rows, aux = _formed(
-            transform, fun, diff, has_aux, name, dim, seed, post, args, kwargs,
-            in_axes, known,
-        )  # fmt: skip
+            transform,
+            fun,
+            diff,
+            has_aux,
+            name,
+            dim=dim,
+            seed=seed,
+            post=post,
+            args=args,
+            kwargs=kwargs,
+            in_axes=in_axes,
+            known=known,
+        )
     return rows, aux
 
 
 def _formed(
-    transform: Transform, fun: Any, diff: Any, has_aux: bool, name: str, dim: int,
+    transform: Transform, fun: Any, diff: Any, has_aux: bool, name: str, *, dim: int,
     seed: int, post: Any, args: tuple, kwargs: dict, in_axes: tuple, known: Any,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The projections of each chunk's formed gradients (`post` of each, where
@@ -557,7 +591,7 @@ def _diagonal_whitening(
 
 def _whitening(
     name: str, args: Sequence[Any], diff: Sequence[int], single: bool,
-    precondition: Any, dim: int, seed: int, damping: float,
+    precondition: Any, dim: int, *, seed: int, damping: float,
 ) -> Callable[[Any], Any]:  # fmt: skip
     """One example's projected row to its whitened row: each leaf's part times
     `(P^T F P + lambda)^(-1/2)`, `F` the leaf's block of `precondition` (a

@@ -76,7 +76,7 @@ class Quantity:
 
 def over_chunks(
     transform: Any, traced: ghost.Traced, quantity: Quantity, args: tuple,
-    in_axes: tuple, kwargs: dict, known: Any, padding: Any = None,
+    in_axes: tuple, kwargs: dict, *, known: Any, padding: Any = None,
     extra: Sequence[Any] = (), extra_axes: Sequence[Any] | None = None,
 ) -> Any:  # fmt: skip
     """`quantity`'s `(summary, rows)` over a call's examples (`args` mapped along

@@ -283,14 +283,18 @@ def per_example_grad_stats(
 
     def moments_by(runs: ghost.Method, transform: Transform, *call: Any) -> tuple:
         """`(count, mean, m2, sq_norms, aux)` by `runs` (`call`: `diff`, mapped...)."""
-        diff, *mapped = call
+        diff, args, kwargs, in_axes, known, padding = call
+        batch = dict(args=args, kwargs=kwargs, in_axes=in_axes, known=known)
         if runs is ghost.Method.GHOST:
-            args, kwargs, in_axes = mapped[:3]
             moments = _GhostMoments.of(
-                transform, name, fun, args, kwargs, diff, in_axes, has_aux
-            )
-            return moments.run(transform, per_leaf, *mapped)
-        return _formed_moments(transform, fun, diff, has_aux, per_leaf, name, *mapped)
+                transform, name, fun, args=args, kwargs=kwargs, diff=diff,
+                in_axes=in_axes, has_aux=has_aux,
+            )  # fmt: skip
+            return moments.run(transform, per_leaf, **batch, padding=padding)
+        return _formed_moments(
+            transform, fun, diff, has_aux, per_leaf, name=name, **batch,
+            padding=padding,
+        )  # fmt: skip
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         kwargs = dict(kwargs)
@@ -309,7 +313,14 @@ def per_example_grad_stats(
         if method is ghost.Method.GHOST:  # (vmap: the per-example path, the same)
             mapped = (args, kwargs, in_axes)
             runs = _chosen(
-                transform, name, fun, has_aux, moments_by, diff, mapped, size
+                transform,
+                name,
+                fun,
+                has_aux,
+                moments_by,
+                diff=diff,
+                call=mapped,
+                size=size,
             )
         count, mean, m2, sq_norms, aux = moments_by(
             runs, transform, diff, args, kwargs, in_axes, known, padding
@@ -330,15 +341,16 @@ def per_example_grad_stats(
 
 def _chosen(
     transform: Transform, name: str, fun: Any, has_aux: bool,
-    moments_by: Callable[..., tuple], diff: Any, call: tuple, size: int,
+    moments_by: Callable[..., tuple], *, diff: Any, call: tuple, size: int,
 ) -> ghost.Method:  # fmt: skip
     """The program a ghost call (`call`: its `(args, kwargs, in_axes)`) runs
     (`_choice.choose`: measured on an accelerator), warned where it is not the
     ghost program."""
     args, kwargs, in_axes = call
     moments = _GhostMoments.of(
-        transform, name, fun, args, kwargs, diff, in_axes, has_aux
-    )
+        transform, name, fun, args=args, kwargs=kwargs, diff=diff, in_axes=in_axes,
+        has_aux=has_aux,
+    )  # fmt: skip
     report = ghost.report_of(moments.traced.plan)
 
     def program(twin: Transform, runs: ghost.Method) -> Callable[..., Any]:
@@ -354,7 +366,7 @@ def _chosen(
 
 def _formed_moments(
     transform: Transform, fun: Callable[..., Any], diff: Any, has_aux: bool,
-    per_leaf: bool, name: str, args: tuple, kwargs: dict, in_axes: tuple, known: Any,
+    per_leaf: bool, *, name: str, args: tuple, kwargs: dict, in_axes: tuple, known: Any,
     padding: Any,
 ) -> tuple:  # fmt: skip
     """`(count, mean, m2, sq_norms, aux)` from each chunk's formed gradients (of the
@@ -399,15 +411,22 @@ class _GhostMoments(Quantity):
 
     @classmethod
     def of(
-        cls, transform: Transform, name: str, fun: Any, args: tuple, kwargs: dict,
+        cls, transform: Transform, name: str, fun: Any, *, args: tuple, kwargs: dict,
         diff: tuple, in_axes: tuple, has_aux: bool,
     ) -> _GhostMoments:  # fmt: skip
         """The moments of a call's loss (`ghost.traced_loss`: planned once)."""
         traced = ghost.traced_loss(
-            transform.memo, name, fun, args, kwargs, diff,
-            [i for i, a in enumerate(in_axes) if a is not None],
-            strip=True, has_aux=has_aux, keep_batch_dim=False,
-        )  # fmt: skip
+            transform.memo,
+            name,
+            fun,
+            args,
+            kwargs,
+            diff,
+            mapped=[i for i, a in enumerate(in_axes) if a is not None],
+            strip=True,
+            has_aux=has_aux,
+            keep_batch_dim=False,
+        )
         return traced.memo("moments", lambda: cls(traced))
 
     def made_with(self) -> tuple:
@@ -421,13 +440,20 @@ class _GhostMoments(Quantity):
         self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])
 
     def run(
-        self, transform: Transform, per_leaf: bool, args: tuple, kwargs: dict,
+        self, transform: Transform, per_leaf: bool, *, args: tuple, kwargs: dict,
         in_axes: tuple, known: Any, padding: Any,
     ) -> tuple:  # fmt: skip
         """`(count, mean, m2, sq_norms, aux)` over the (real) examples, chunk by
         chunk."""
         state, (sq_norms, aux) = over_chunks(
-            transform, self.traced, self, args, in_axes, kwargs, known, padding
+            transform,
+            self.traced,
+            self,
+            args,
+            in_axes,
+            kwargs,
+            known=known,
+            padding=padding,
         )
         count, mean, m2 = unshifted(state)
         single = transform.args.single
@@ -589,16 +615,23 @@ class _GhostDots:
 
     @classmethod
     def of(
-        cls, transform: Transform, name: str, fun: Any, args: tuple, diff: tuple,
+        cls, transform: Transform, name: str, fun: Any, *, args: tuple, diff: tuple,
         in_axes: tuple, has_aux: bool, chunk: int,
     ) -> _GhostDots:  # fmt: skip
         """The dot products of a call's loss (`ghost.traced_loss`: planned once)
         for chunks of `chunk` rows."""
         traced = ghost.traced_loss(
-            transform.memo, name, fun, args, {}, diff,
-            [i for i, a in enumerate(in_axes) if a is not None],
-            strip=True, has_aux=has_aux, keep_batch_dim=False,
-        )  # fmt: skip
+            transform.memo,
+            name,
+            fun,
+            args,
+            {},
+            diff,
+            mapped=[i for i, a in enumerate(in_axes) if a is not None],
+            strip=True,
+            has_aux=has_aux,
+            keep_batch_dim=False,
+        )
         return traced.memo(("dots", chunk), lambda: cls(traced, chunk))
 
     def __init__(self, traced: ghost.Traced, chunk: int):
@@ -843,9 +876,16 @@ def per_example_grad_gram(
     placed = {k: v for k, v in options.items() if k in ("shard", "mesh", "remat")}
     placed["progress"] = options.get("progress", False)
     gram = _Gram(
-        name, fun, argnums, batch_argnums, has_aux, method, placed, transform,
-        other_batch_size,
-    )  # fmt: skip
+        name,
+        fun,
+        argnums,
+        batch_argnums,
+        has_aux,
+        method=method,
+        options=placed,
+        transform=transform,
+        other_batch_size=other_batch_size,
+    )
     return transform.public(gram.call, fun)
 
 
@@ -856,7 +896,7 @@ class _Gram:
 
     def __init__(
         self, name: str, fun: Callable[..., Any], argnums: Any, batch_argnums: Any,
-        has_aux: bool, method: Any, options: dict, transform: Transform,
+        has_aux: bool, *, method: Any, options: dict, transform: Transform,
         other_batch_size: int | None,
     ) -> None:  # fmt: skip
         self.name, self.fun, self.has_aux, self.method = name, fun, has_aux, method
@@ -893,8 +933,8 @@ class _Gram:
         if self.method is ghost.Method.GHOST:
             chunk = _chunk_length(rows, args, in_axes)[1]
             dots = _GhostDots.of(
-                self.transform, self.name, self.fun, args, diff, in_axes,
-                self.has_aux, chunk,
+                self.transform, self.name, self.fun, args=args, diff=diff,
+                in_axes=in_axes, has_aux=self.has_aux, chunk=chunk,
             )  # fmt: skip
             return dots.parts, dots.dot
         grad = filtered_value_and_grad(
@@ -917,7 +957,7 @@ class _Gram:
         diff, in_axes, other_axes = resolved
         rep, dot = self.parts(rows, args, diff, in_axes)
         if other is None:
-            return self.symmetric(rows, inner_size, args, known, in_axes, rep, dot)
+            return self.symmetric(rows, inner_size, args, known, in_axes, rep, dot=dot)
         axes = (None, *other_axes)
         other = tuple(_whole_examples(a, ax) for a, ax in zip(other, other_axes))
 
@@ -935,13 +975,13 @@ class _Gram:
 
     def symmetric(
         self, rows: Transform, inner_size: Any, args: tuple, known: Any,
-        in_axes: tuple, rep: Callable[..., Any], dot: Callable[..., Any],
+        in_axes: tuple, rep: Callable[..., Any], *, dot: Callable[..., Any],
     ) -> Any:  # fmt: skip
         """The batch against itself (`_SymmetricRows`): each chunk of rows holds
         its examples' `rep` and dots them with half of the batch."""
         size, batch = _chunk_length(rows, args, in_axes)
         width = min(size, size // 2 + batch)
-        columns = _columns(rep, dot, args, in_axes, size, width, inner_size)
+        columns = _columns(rep, dot, args, in_axes, size, width, inner_size=inner_size)
 
         def row(index: Any, *example: Any) -> Any:
             mine, aux = rep(*example)
@@ -1047,7 +1087,7 @@ def _empty_gram(
 
 def _columns(
     rep: Callable[..., Any], dot: Callable[..., Any], args: tuple, in_axes: tuple,
-    size: int, width: int, inner_size: Any,
+    size: int, width: int, *, inner_size: Any,
 ) -> Callable[..., Any]:  # fmt: skip
     """`columns(mine, start)`: a chunk's dot products with the `width` examples
     from `start` (cyclically) of the whole batch `args`."""

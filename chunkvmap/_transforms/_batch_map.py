@@ -132,7 +132,7 @@ def batch_map(
         fun_ref = lambda: fun  # noqa: E731
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
-        return _map_call(fun_ref(), *args, options, strip_dim0, auto, known)
+        return _map_call(fun_ref(), *args, options, strip_dim0, auto, known=known)
 
     placement = _cache.Placement(options.shard, options.mesh)
     run = _cache.memo(
@@ -151,6 +151,7 @@ def _map_call(
     options: ChunkOptions,
     strip_dim0: bool,
     auto: _memory.AutoBatch | None,
+    *,
     known: _cache.Known,
 ) -> Any:
     name = options.name

@@ -236,6 +236,7 @@ def vmap_transform(
     axis_name: Any,
     axis_size: Any,
     options: ChunkOptions,
+    *,
     padded: bool = False,
 ) -> Any:
     """The function `batch_vmap` returns, for validated `options` (errors name
@@ -252,14 +253,16 @@ def vmap_transform(
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         if padded:
-            return _padded_call(transform, f, args, kwargs, in_axes, out_axes, known)
+            return _padded_call(
+                transform, f, args, kwargs, in_axes, out_axes, known=known
+            )
         return transform.map(f, args, kwargs, in_axes, out_axes, known=known)
 
     # A plain vmap (nothing to chunk, fold or report) runs eagerly, as jax.vmap does.
     return transform.public(call, f)
 
 
-def _padded_call(transform, f, args, kwargs, in_axes, out_axes, known) -> Any:
+def _padded_call(transform, f, args, kwargs, in_axes, out_axes, *, known) -> Any:
     """A `padded` call: the flags `is_padding_example=` become one more mapped
     argument, which marks the padding for the loop (`Transform.map(padding=)`), and
     each flagged example's outputs are zeros."""

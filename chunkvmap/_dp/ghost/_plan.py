@@ -367,7 +367,7 @@ class Plan:
             if info.origin is not None:
                 self._flag(self.leaves[info.origin[0]], reason)
 
-    def add_use(self, k, path, eqn, slot, chain, levels, rule) -> None:
+    def add_use(self, k, path, eqn, slot, chain, levels, *, rule) -> None:
         """A use of leaf `k`: operand `slot` of `eqn` at `path`, by `rule`."""
         x = self.leaves[k]
         record = rule.record(eqn, slot)

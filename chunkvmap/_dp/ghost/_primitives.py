@@ -314,7 +314,7 @@ def _walk_first_order(plan: Plan, eqn, ins, here, record, rule) -> list[Info]:
         if reason is not None:
             plan.flag_leaf(leaf, reason)
             continue
-        plan.add_use(leaf, here, eqn, slot, chain, lv, rule)
+        plan.add_use(leaf, here, eqn, slot, chain, lv, rule=rule)
     return plain
 
 

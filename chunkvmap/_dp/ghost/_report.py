@@ -66,6 +66,7 @@ class GhostReport:
         self,
         rows: list[tuple[str, tuple, str, str]],
         uses: dict[str, list[str]] | None = None,
+        *,
         runs: str | None = None,
         slower: bool = False,
         why: str = "",
@@ -160,9 +161,9 @@ def report_of(plan: Plan) -> GhostReport:
     return GhostReport(
         [(x.path, x.shape, x.rule, x.reason) for x in plan.leaves],
         {x.path: sorted({rule_kind(u) for u in x.uses}) for x in plan.leaves},
-        runs,
-        slower,
-        why,
+        runs=runs,
+        slower=slower,
+        why=why,
         verdict=verdict,
     )
 
@@ -265,7 +266,7 @@ def ghost_report(
     check_scalar_loss(name, traced)
     from .. import _clipping  # (which imports this module)
 
-    return _clipping.report_for(fun, args, kwargs, diff, mapped, has_aux, traced)
+    return _clipping.report_for(fun, args, kwargs, diff, mapped, has_aux, traced=traced)
 
 
 # The options of the chunked gradient functions, which ghost_report does not take.

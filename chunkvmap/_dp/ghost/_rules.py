@@ -433,9 +433,15 @@ def _conv_build(use: Use, patch_shape: tuple) -> Callable[..., list]:
 
     def patches(x):
         pt = _patches(
-            x, window, out_spatial, p["window_strides"], p["padding"],
-            p["lhs_dilation"], p["rhs_dilation"], dn.lhs_spec,
-        )  # fmt: skip
+            x,
+            window,
+            out_spatial,
+            p["window_strides"],
+            p["padding"],
+            p["lhs_dilation"],
+            rhs_dil=p["rhs_dilation"],
+            lhs_spec=dn.lhs_spec,
+        )
         return pt.reshape(patch_shape[n_lead:])
 
     def build(recorded, delta):
@@ -669,7 +675,10 @@ class Windows:
         g = self.groups
         x = x.transpose((*range(lead), *(lead + a for a in self.dn.lhs_spec)))
         c = x.shape[lead + 1]
-        view = _offset_view(x, lead, self.out_spatial, *self.geometry)
+        strides, padding, lhs_dil, rhs_dil = self.geometry
+        view = _offset_view(
+            x, lead, self.out_spatial, strides, padding, lhs_dil, rhs_dil=rhs_dil
+        )
 
         def grouped(offset):
             xs = view(offset)
@@ -824,7 +833,7 @@ def _unmasked(mask, delta):
     return columns, jnp.where(features, jnp.zeros((), delta.dtype), delta)
 
 
-def _offset_view(x, lead, out_spatial, strides, padding, lhs_dil, rhs_dil):
+def _offset_view(x, lead, out_spatial, strides, padding, lhs_dil, *, rhs_dil):
     """`view(offset)`: the view of the input `x` `(lead..., n, c, spatial...)` that
     a convolution's window offset (static or traced) reads, `(lead..., n, c, out
     spatial...)`."""
@@ -845,13 +854,13 @@ def _offset_view(x, lead, out_spatial, strides, padding, lhs_dil, rhs_dil):
     return view
 
 
-def _patches(x, window, out_spatial, strides, padding, lhs_dil, rhs_dil, lhs_spec):
+def _patches(x, window, out_spatial, strides, padding, lhs_dil, *, rhs_dil, lhs_spec):
     """The patches a convolution reads: `(n, out spatial..., channels, window...)`,
     by slicing the padded (and lhs-dilated) input once per window offset. Exact:
     no entry is multiplied (`lax.conv_general_dilated_patches`, a convolution with a
     one-hot kernel, spreads a non-finite input to every offset through `NaN * 0`)."""
     x = x.transpose(lhs_spec)  # (n, c, spatial...)
-    view = _offset_view(x, 0, out_spatial, strides, padding, lhs_dil, rhs_dil)
+    view = _offset_view(x, 0, out_spatial, strides, padding, lhs_dil, rhs_dil=rhs_dil)
     pieces = [view(o) for o in itertools.product(*(range(w) for w in window))]
     pt = jnp.stack(pieces, -1).reshape((*pieces[0].shape, *window))
     spatial = len(window)

@@ -320,6 +320,7 @@ def traced_loss(
     args: Sequence[Any],
     kwargs: dict,
     diff: Sequence[int],
+    *,
     mapped: Sequence[int],
     check: Callable[[str, Traced], None] = check_scalar_loss,
     **options: Any,
