@@ -208,10 +208,33 @@ def test_every_mutant_edits_one_place_of_the_source():
     assert {name: n for name, n in counts.items() if n != 1} == {}
 
 
+def _dev(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "dev" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_no_function_of_the_library_is_longer_than_sixty_lines_of_code():
-    spec = importlib.util.spec_from_file_location(
-        "function_lengths", ROOT / "dev" / "function_lengths.py"
-    )
-    lengths = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lengths)
-    assert [(n, where) for n, where in lengths.lengths() if n > 60] == []
+    assert [
+        (n, where) for n, where in _dev("function_lengths").lengths() if n > 60
+    ] == []
+
+
+def test_no_function_of_the_core_path_is_longer_than_forty_lines_of_code():
+    """The core path (`_core`, and `batch_vmap`'s front end every entry point
+    reuses) reads one room at a time."""
+    core = ("chunkvmap/_core/", "chunkvmap/_transforms/_batch_vmap.py")
+    long = [
+        (n, where)
+        for n, where in _dev("function_lengths").lengths()
+        if n > 40 and where.startswith(core)
+    ]
+    assert long == []
+
+
+def test_no_function_of_the_library_takes_more_than_six_positional_parameters():
+    """Beyond six, parameters are keyword-only (or a value that holds them), so
+    that a call site names what it passes."""
+    rows = _dev("positional").positional()
+    assert rows and [(n, where) for n, where in rows if n > 6] == []

@@ -367,10 +367,7 @@ def _ghost_dots(loss, params, x, chunk):
         (params, x),
         {},
         (0,),
-        mapped=[1],
-        strip=True,
-        has_aux=False,
-        keep_batch_dim=False,
+        in_axes=(None, 0),
     )
     return _statistics._GhostDots(traced, chunk)
 

@@ -589,8 +589,7 @@ class _GhostSums(Quantity):
                 diff,
                 # the examples' arguments, and the per-example keys of prng_argnum
                 # (split into one key per example, but passed without a batch axis)
-                mapped=[i for i, a in enumerate(in_axes) if a is not None],
-                strip=True,
+                in_axes=in_axes,
                 has_aux=config.has_aux,
                 keep_batch_dim=config.keep_batch_dim,
                 expand=batch_args,

@@ -403,20 +403,10 @@ def ggn_diagonal(
 def _traced(transform, name, fun, args, kwargs, diff, *, in_axes) -> ghost.Traced:
     """The model of one example traced, with its ghost plan (`traced_loss`, its
     output checked to be a real array)."""
-    mapped = [i for i, a in enumerate(in_axes) if a is not None]
     return ghost.traced_loss(
-        transform.memo,
-        name,
-        fun,
-        args,
-        kwargs,
-        diff,
-        mapped=mapped,
-        strip=True,
-        has_aux=False,
-        keep_batch_dim=False,
+        transform.memo, name, fun, args, kwargs, diff, in_axes=in_axes,
         check=_check_output,
-    )
+    )  # fmt: skip
 
 
 class _GhostDiagonal(Quantity):

@@ -427,10 +427,8 @@ def _rows(
             args,
             kwargs,
             diff,
-            mapped=[i for i, a in enumerate(in_axes) if a is not None],
-            strip=True,
+            in_axes=in_axes,
             has_aux=has_aux,
-            keep_batch_dim=False,
         )
         if any(x.rule == ghost.GHOST for x in traced.plan.leaves):
             quantity = traced.memo(

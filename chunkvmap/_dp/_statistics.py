@@ -313,30 +313,31 @@ def per_example_grad_stats(
         if method is ghost.Method.GHOST:  # (vmap: the per-example path, the same)
             mapped = (args, kwargs, in_axes)
             runs = _chosen(
-                transform,
-                name,
-                fun,
-                has_aux,
-                moments_by,
-                diff=diff,
-                call=mapped,
+                transform, name, fun, has_aux, moments_by, diff=diff, call=mapped,
                 size=size,
-            )
-        count, mean, m2, sq_norms, aux = moments_by(
+            )  # fmt: skip
+        moments = moments_by(
             runs, transform, diff, args, kwargs, in_axes, known, padding
         )
-        if padding is not None:  # the padding's rows: zeros; no real example: NaN
-            sq_norms, aux = _padding.zeroed(padding, (sq_norms, aux))
-            mean = jax.tree.map(lambda m: jnp.where(count > 0, m, jnp.nan), mean)
-        variance = jax.tree.map(lambda s: s / count.astype(s.dtype), m2)
-        sum_sq = jax.tree.map(
-            lambda s, m: s + count.astype(s.dtype) * jnp.real(m * jnp.conj(m)),
-            m2,
-            mean,
-        )
-        return GradStats(mean, variance, sum_sq, sq_norms, aux)
+        return _grad_stats(moments, padding)
 
     return transform.public(call, fun)
+
+
+def _grad_stats(moments: tuple, padding: Any) -> GradStats:
+    """The `GradStats` of a call's `(count, mean, m2, sq_norms, aux)` (the
+    padding's rows zeros; with no real example, the mean NaN)."""
+    count, mean, m2, sq_norms, aux = moments
+    if padding is not None:
+        sq_norms, aux = _padding.zeroed(padding, (sq_norms, aux))
+        mean = jax.tree.map(lambda m: jnp.where(count > 0, m, jnp.nan), mean)
+    variance = jax.tree.map(lambda s: s / count.astype(s.dtype), m2)
+    sum_sq = jax.tree.map(
+        lambda s, m: s + count.astype(s.dtype) * jnp.real(m * jnp.conj(m)),
+        m2,
+        mean,
+    )
+    return GradStats(mean, variance, sum_sq, sq_norms, aux)
 
 
 def _chosen(
@@ -422,10 +423,8 @@ class _GhostMoments(Quantity):
             args,
             kwargs,
             diff,
-            mapped=[i for i, a in enumerate(in_axes) if a is not None],
-            strip=True,
+            in_axes=in_axes,
             has_aux=has_aux,
-            keep_batch_dim=False,
         )
         return traced.memo("moments", lambda: cls(traced))
 
@@ -627,10 +626,8 @@ class _GhostDots:
             args,
             {},
             diff,
-            mapped=[i for i, a in enumerate(in_axes) if a is not None],
-            strip=True,
+            in_axes=in_axes,
             has_aux=has_aux,
-            keep_batch_dim=False,
         )
         return traced.memo(("dots", chunk), lambda: cls(traced, chunk))
 

@@ -321,18 +321,25 @@ def traced_loss(
     kwargs: dict,
     diff: Sequence[int],
     *,
-    mapped: Sequence[int],
+    in_axes: Sequence[Any],
+    has_aux: bool = False,
+    keep_batch_dim: bool = False,
+    expand: Sequence[int] | None = None,
     check: Callable[[str, Traced], None] = check_scalar_loss,
-    **options: Any,
 ) -> Traced:
     """The ghost evaluation's set-up, for every quantity made from it (clipped
-    sums, norms, moments, dot products): one example's loss traced (`Traced`, with
-    `options`), checked to be a real scalar, and the plan of an earlier call with
-    the same loss program (`Traced.key`) kept by `memo(key, build)` (a transform's)
-    and made to evaluate this call's loss, so that an eager call plans once.
-    A quantity built from it is kept with it (`Traced.memo`). `check` checks what
-    `fun` returns (a real scalar loss, by default)."""
-    traced = Traced(fun, list(args), kwargs, diff, mapped, **options)
+    sums, norms, moments, dot products, curvature): one example's loss traced
+    (`Traced`: the arguments `in_axes` maps are the examples', their examples' axis
+    stripped), checked, and the plan of an earlier call with the same loss program
+    (`Traced.key`) kept by `memo(key, build)` (a transform's) and made to evaluate
+    this call's loss, so that an eager call plans once. A quantity built from it is
+    kept with it (`Traced.memo`). `check` checks what `fun` returns (a real scalar
+    loss, by default); `has_aux`, `keep_batch_dim` and `expand` are `Traced`'s."""
+    mapped = [i for i, a in enumerate(in_axes) if a is not None]
+    traced = Traced(
+        fun, list(args), kwargs, diff, mapped, strip=True, has_aux=has_aux,
+        keep_batch_dim=keep_batch_dim, expand=expand,
+    )  # fmt: skip
     check(name, traced)
     key = traced.key()
     kept = memo(("ghost loss", key), lambda: traced)
