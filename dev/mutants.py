@@ -576,6 +576,14 @@ MUTANTS = {
         ),
         ["test_cache", *GHOST_TESTS],
     ),
+    "ghost: a later call evaluated by the first call's program": (
+        (
+            "chunkvmap/_dp/ghost/_traced.py",
+            "        self.closed = other.closed\n",
+            "        self.closed = self.closed\n",
+        ),
+        ["test_cache", "test_closures", *GHOST_TESTS],
+    ),
     "gram: per-share starts gathered, not rolled": (
         (
             "chunkvmap/_dp/_statistics.py",

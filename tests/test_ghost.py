@@ -1074,7 +1074,8 @@ def test_a_record_carries_the_plan_of_the_context_it_was_made_in():
             records, scanned, total = jax.jit(chunk)(params, x)
             plans.append(records.plan)
             assert scanned.plan is records.plan
-            assert records.plan is traced.plan_here(traced.arrays([params, x[0]], {}))
+            here = traced.plan_here(traced.arrays([params, x[0]], {}))[0]
+            assert records.plan is here
             sums.append(total)
         assert plans[0] is not plans[1]
         expected = jax.grad(lambda w: sum(loss({"w": w}, xi) for xi in x))(w)
@@ -1126,3 +1127,57 @@ def test_ghost_never_reads_a_traced_or_key_constant(loss, entry, always_ghost):
         warnings.simplefilter("ignore", chunkvmap.GhostFallbackWarning)
         got, want = jax.jit(run)(p, x, y, jnp.float32(1.5))
     tree_allclose(got, want, rtol=2e-5, atol=1e-5)
+
+
+def test_a_plan_is_made_once_and_never_changed_by_a_call(rng):
+    """A loss's ghost plan is made once per program and is a value: a later call of
+    the same program (another closed-over array, read by a nested `jax.jit`) is
+    evaluated by passing its own program to the plan, so that no attribute of
+    the plan changes, none holds a call's program, and each call's value is its
+    own."""
+    from chunkvmap._dp import ghost as _ghost
+
+    kept: dict = {}
+
+    def memo(key, build):
+        if key not in kept:
+            kept[key] = build()
+        return kept[key]
+
+    w = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+
+    def loss_with(scale):
+        inner = jax.jit(lambda h: h * scale)  # the closed array, nested
+
+        def loss(p, xi):
+            return jnp.sum(inner(jnp.tanh(xi @ p["w"])) ** 2)
+
+        return loss
+
+    def norms(loss):
+        traced = _ghost.traced_loss(memo, "test", loss, ({"w": w}, x), {}, (0,),
+                                    in_axes=(None, 0))  # fmt: skip
+
+        def one(xi):
+            values = traced.arrays([{"w": w}, xi], {})
+            record, _ = traced.record(values, [])
+            plan = record.plan
+            acc = jnp.float32
+            return sum(plan.sq_norm(k, record.records, record.deltas, acc)
+                       for k in range(len(plan.leaves)))  # fmt: skip
+
+        return traced.plan, jax.vmap(one)(x)
+
+    # (an array, not a scalar: a closed scalar's value is part of the plan's key)
+    plan, first = norms(loss_with(jnp.full((2,), 1.0, jnp.float32)))
+    attributes = {k: id(v) for k, v in vars(plan).items()}
+    again, second = norms(loss_with(jnp.full((2,), 2.0, jnp.float32)))
+    assert again is plan and {k: id(v) for k, v in vars(plan).items()} == attributes
+    assert not any(
+        isinstance(v, jax.extend.core.ClosedJaxpr) for v in vars(plan).values()
+    )
+    for scale, got in ((1.0, first), (2.0, second)):
+        loss = loss_with(jnp.full((2,), scale, jnp.float32))
+        grads = jax.vmap(jax.grad(loss), (None, 0))({"w": w}, x)
+        tree_allclose(got, jnp.sum(grads["w"] ** 2, axis=(1, 2)), rtol=1e-5)

@@ -44,7 +44,7 @@ def per_example(loss, params, *data):
         values = traced.arrays([params, *example], {})
 
         def probed(probes):
-            outs, records = plan.run(values, probes)
+            outs, records = plan.run(traced.closed, values, probes)
             return outs[0], records
 
         deltas, records = jax.grad(probed, has_aux=True)(plan.probes())

@@ -453,8 +453,8 @@ def _pulled(name, traced, values, per_example, settings, extra) -> tuple:
     gradients for each of its cotangents and per-example leaves' gradients (one
     per cotangent, leading): `Plan.pullback` once, pulled back `jax.vmap`-ed over
     `settings.vectors` of the output."""
-    plan = traced.plan_here(values)
-    outs, records, pull = plan.pullback(values, per_example)
+    plan, closed = traced.plan_here(values)
+    outs, records, pull = plan.pullback(closed, values, per_example)
     f = outs[0]
     _check_model_output(name, f)
     deltas, pe = jax.vmap(pull)(settings.vectors(f, extra).astype(f.dtype))

@@ -174,8 +174,10 @@ class Param:
 
 
 class Plan:
-    """The ghost plan of one example's loss: a jaxpr, a rule for every leaf, and the
-    instrumented evaluation.
+    """The ghost plan of one example's loss: a rule for every leaf, and the
+    instrumented evaluation. Immutable once made: it holds the analysis of the
+    program it was made from, never a call's program (the structure is the key's;
+    each call passes its own, with the arrays it reads: `backward`, `pullback`).
 
     `key`, where given, says what the plan is made from (`Traced.key` and where it
     is used): two plans of equal keys are equal, so that the programs that hold one
@@ -191,7 +193,6 @@ class Plan:
         key: Hashable | None = None,
     ):
         self.key = key
-        self.closed = closed
         jaxpr = closed.jaxpr
         self.diff_positions = list(diff_positions)
         invars = [jaxpr.invars[i] for i in diff_positions]
@@ -473,7 +474,7 @@ class Plan:
         return tapped(list(ins), zero)
 
     def backward(
-        self, values: Sequence[Any], per_example: Sequence[int], taps=()
+        self, closed: Any, values: Sequence[Any], per_example: Sequence[int], taps=()
     ) -> tuple[Record, list]:
         """One example's ghost evaluation at `values`: its loss evaluated with zero
         probes and differentiated once, giving every use's recorded operands and
@@ -481,7 +482,7 @@ class Plan:
         `Record`), and the loss's outputs: `pullback` at the cotangent 1. The
         leaves `taps` (each `tappable`) get their squared norms instead
         (`Record.squares`)."""
-        outs, records, pull = self.pullback(values, per_example, taps)
+        outs, records, pull = self.pullback(closed, values, per_example, taps)
         deltas, grads = pull(jnp.ones_like(outs[0]))
         squares = {
             k: jnp.sum(deltas.pop(self.leaves[k].uses[0].path).zero) for k in taps
@@ -489,11 +490,12 @@ class Plan:
         return Record(self, records, deltas, grads, {}, squares), outs
 
     def pullback(
-        self, values: Sequence[Any], per_example: Sequence[int], taps=()
+        self, closed: Any, values: Sequence[Any], per_example: Sequence[int], taps=()
     ) -> tuple:
-        """One example's evaluation at `values` with zero probes, linearised: the
-        outputs, the operands each use records, and `pull(cotangent)` of the
-        outputs' first leaf giving `(deltas, grads)`: every use's output cotangent
+        """One example's evaluation of the call's program `closed` (of the plan's
+        structure) at `values` with zero probes, linearised: the outputs, the
+        operands each use records, and `pull(cotangent)` of the outputs' first
+        leaf giving `(deltas, grads)`: every use's output cotangent
         (by `use.path`) and the gradients of the leaves `per_example` (by leaf
         index). A quantity of several cotangents per example (the curvature's)
         maps `pull` over them: the forward pass is made once."""
@@ -503,7 +505,7 @@ class Plan:
             vals = list(values)
             for k, v in zip(per_example, pe_values):
                 vals[positions[k]] = v
-            outs, records = self.run(vals, probes)
+            outs, records = self.run(closed, vals, probes)
             return outs[0], (outs, records)
 
         pe = [values[positions[k]] for k in per_example]
@@ -519,11 +521,14 @@ class Plan:
         """The indices of the leaves whose rule is one of `rules`."""
         return [k for k, x in enumerate(self.leaves) if x.rule in rules]
 
-    def run(self, invals: Sequence[Any], probes: dict) -> tuple[list, dict]:
-        """The jaxpr's outputs at `invals`, with `probes[path]` added to the output
-        of each use, and the operands each use records (`{use.key: [arrays]}`)."""
+    def run(
+        self, closed: Any, invals: Sequence[Any], probes: dict
+    ) -> tuple[list, dict]:
+        """The outputs of `closed` (a call's program: the plan's own structure,
+        the call's arrays) at `invals`, with `probes[path]` added to the output of
+        each use, and the operands each use records (`{use.key: [arrays]}`)."""
         at = RunState(probes, 0, {})
-        outs = self.run_jaxpr(self.closed.jaxpr, self.closed.consts, invals, (), at)
+        outs = self.run_jaxpr(closed.jaxpr, closed.consts, invals, (), at)
         return outs, at.records
 
     def inside(self, prefix: tuple, probes: dict) -> tuple[list, list]:

@@ -134,7 +134,7 @@ class Traced:
             self._plan = Plan(
                 self.closed, *self._plan_args, key=(self.key(), here, types)
             )
-            self._plans = {(here, types): self._plan}
+            self._plans = {(here, types): (self._plan, None)}
         return self._plan
 
     def key(self) -> Hashable:
@@ -166,11 +166,10 @@ class Traced:
     def adopt(self, other: Traced) -> None:
         """Evaluate `other`'s loss (a later call's, of the same `key`) with this
         plan: its jaxpr (the arrays it reads) and its function."""
-        plan = self.plan
-        plan.closed = self.closed = other.closed
+        self.closed = other.closed
         self._one = other._one
         here = jax.sharding.get_abstract_mesh()
-        self._plans = {(here, tuple(self._leaf_types(self._avals))): plan}
+        self._plans = {(here, tuple(self._leaf_types(self._avals))): (self.plan, None)}
 
     def release(self) -> None:
         """Let go of the arrays of the call that made or adopted this loss (its
@@ -180,10 +179,8 @@ class Traced:
         self.closed = None  # pyright: ignore[reportAttributeAccessIssue]
         self._one = None  # pyright: ignore[reportAttributeAccessIssue]
         if self._plan is not None:
-            for plan in self._plans.values():
-                plan.closed = None
-            here = next(k for k, v in self._plans.items() if v is self._plan)
-            self._plans = {here: self._plan}
+            here = next(k for k, (v, _) in self._plans.items() if v is self._plan)
+            self._plans = {here: (self._plan, None)}
 
     def _flatten(self, args, kwargs, mapped, strip) -> tuple[list, ...]:
         """The types of one example's array leaves (the jaxpr's inputs), the
@@ -231,26 +228,29 @@ class Traced:
         # (the plan's `diff_positions`, known before the plan is made)
         return [jax.typeof(values[i]) for i in self._plan_args[0]]
 
-    def plan_here(self, values: Sequence[Any]) -> Plan:
-        """The plan for one example's `values` in the current mesh context. A jaxpr
-        carries the mesh and the shardings it was traced with; inside a `shard_map`
-        (some axes manual) the loss is traced again, on `values` there, with the
-        same"""
+    def plan_here(self, values: Sequence[Any]) -> tuple[Plan, Any]:
+        """The plan for one example's `values` in the current mesh context, and
+        the call's program it evaluates (`Plan.backward`). A jaxpr carries the mesh
+        and the shardings it was traced with; inside a `shard_map` (some axes
+        manual) the loss is traced again, on `values` there, with the same plan's
+        rules (checked)."""
         mesh = jax.sharding.get_abstract_mesh()
         key = (mesh, tuple(self._leaf_types(values)))
-        plan = self._plans.get(key)
-        if plan is None:
-            closed = jax.make_jaxpr(self._one)(list(values))
-            plan = Plan(closed, *self._plan_args, key=(self.key(), *key))
-            if [(x.rule, [u.key for u in x.uses]) for x in plan.leaves] != [
-                (x.rule, [u.key for u in x.uses]) for x in self.plan.leaves
-            ]:
-                raise RuntimeError(
-                    "ghost clipping: the loss traces differently under the mesh "
-                    f"{mesh}; use method='vmap' here."
-                )
-            self._plans[key] = plan
-        return plan
+        found = self._plans.get(key)
+        if found is not None:
+            plan, closed = found
+            return plan, self.closed if closed is None else closed
+        closed = jax.make_jaxpr(self._one)(list(values))
+        plan = Plan(closed, *self._plan_args, key=(self.key(), *key))
+        if [(x.rule, [u.key for u in x.uses]) for x in plan.leaves] != [
+            (x.rule, [u.key for u in x.uses]) for x in self.plan.leaves
+        ]:
+            raise RuntimeError(
+                "ghost clipping: the loss traces differently under the mesh "
+                f"{mesh}; use method='vmap' here."
+            )
+        self._plans[key] = (plan, closed)
+        return plan, closed
 
     def record(
         self, values: Sequence[Any], per_example: Sequence[int], taps=()
@@ -260,7 +260,8 @@ class Traced:
         gradients of the leaves `per_example` formed as they are, the norms of
         the leaves `taps` taken in the backward pass), and the loss's
         `(value, aux)`. Every quantity's examples are evaluated here."""
-        record, outs = self.plan_here(values).backward(values, per_example, taps)
+        plan, closed = self.plan_here(values)
+        record, outs = plan.backward(closed, values, per_example, taps)
         return record, self.out_tree.unflatten(outs)
 
     def at_leaves(self, values: Sequence[Any], leaves: Sequence[Any]) -> list:
