@@ -137,23 +137,6 @@ def test_composed_leaves_match_vmap(n, batch):
     tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n, batch", [(12, 5), (3, 8)])
-def test_keep_first_keeps_an_unmapped_output_beside_a_sum(n, batch):
-    x = jax.random.normal(jax.random.key(3), (n, 2))
-
-    def example(x):
-        return x**2, jnp.arange(3.0)  # the second: the same for every example
-
-    spec = (acc.Fold(jnp.add, lambda s: s.sum(0)), acc.KeepFirst())
-    body = _body(example, x, acc.compose(spec), out_axes=[0, None], batch=batch)
-    assert not body.accumulator.sums
-    total, kept = _run(body, x, batch)
-    np.testing.assert_allclose(total, (x**2).sum(0), rtol=1e-6)
-    np.testing.assert_array_equal(kept, jnp.arange(3.0))
-    with pytest.raises(AssertionError, match="unmapped outputs only"):
-        _body(example, x, acc.compose((acc.KeepFirst(), acc.KeepFirst())), batch=2)
-
-
 @pytest.mark.parametrize("n, batch, remat", [(12, 5, True), (7, 3, False)])
 def test_composed_leaves_under_grad(n, batch, remat):
     x = jax.random.normal(jax.random.key(1), (n, 2))

@@ -10,8 +10,6 @@ by a prefix tree whose leaves are these accumulators:
   outputs folded over the chunks, in order, by `reduction` leaf by leaf (a sum when
   `reduction` is one of `_loop.SUMS`: devices' summaries are then added by one
   all-reduce);
-* `KeepFirst()`: the first chunk's outputs, for outputs that are the same for every
-  example (unmapped);
 * `Moments()`: the examples' count, mean and centred sum of squares, leaf by leaf.
 
 `compose(spec)` is the accumulator of the whole output: resolved by the core against the
@@ -96,26 +94,6 @@ class Fold(Leaf):
 
     def combine(self, a: Any, b: Any) -> Any:
         return _loop.fold(self.reduction, a, b)
-
-    def finish(self, summary: Any, rows: Any) -> Any:
-        return summary
-
-
-@dataclasses.dataclass(frozen=True)
-class KeepFirst(Leaf):
-    sums: bool = False
-    pure: bool = True
-
-    def resolve(self, outs: Any, length: int) -> Leaf:
-        if any(o.axis is not None for o in jax.tree.leaves(outs)):
-            raise AssertionError("KeepFirst keeps unmapped outputs only")
-        return self
-
-    def summarise(self, out: Any) -> tuple[Any, Any]:
-        return out, ()
-
-    def combine(self, a: Any, b: Any) -> Any:
-        return a
 
     def finish(self, summary: Any, rows: Any) -> Any:
         return summary
