@@ -138,19 +138,33 @@ def always_ghost(monkeypatch):
 
 # The hostile cases' outcomes, tallied where the test reports are collected (the
 # xdist controller: the cases run on several workers), checked at the end.
+HOSTILE_OUTCOME = "hostile_outcome"  # a report's property: [entry, outcome, count]
+HOSTILE_CHECK = "hostile_check"  # the report of the test that asks for the check
 _HOSTILE_TALLY: dict = {}
+_HOSTILE_CHECKED: list = []
+
+
+def lacking_outcome(tally: dict) -> tuple[dict, list[str]]:
+    """`(summary, entries)`: each entry point's `[matched, raised]` count in `tally`
+    (keyed `(entry, outcome)`), and those whose cases ran without both outcomes."""
+    entries = sorted({entry for entry, _ in tally})
+    summary = {
+        e: [tally.get((e, o), 0) for o in ("matched", "raised")] for e in entries
+    }
+    return summary, [e for e in entries if 0 in summary[e]]
 
 
 def pytest_runtest_logreport(report):
     if report.when != "teardown":  # (a test's properties, the fixtures' included)
         return
     for name, value in report.user_properties:
-        if name == "hostile_outcome":
+        if name == HOSTILE_OUTCOME:
             entry, outcome, count = value
-            _HOSTILE_TALLY[entry, outcome] = _HOSTILE_TALLY.get((entry, outcome), 0)
-            _HOSTILE_TALLY[entry, outcome] += count
-        elif name == "hostile_check":
-            _HOSTILE_TALLY["checked"] = True
+            _HOSTILE_TALLY[entry, outcome] = count + _HOSTILE_TALLY.get(
+                (entry, outcome), 0
+            )
+        elif name == HOSTILE_CHECK:
+            _HOSTILE_CHECKED.append(True)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -159,18 +173,15 @@ def pytest_sessionfinish(session, exitstatus):
     raised` ran (on any worker); else the session fails, saying which."""
     if getattr(session.config, "workerinput", None) is not None:
         return  # a worker: the controller tallies every worker's cases
-    if not _HOSTILE_TALLY.pop("checked", False):
+    if not _HOSTILE_CHECKED:
         return  # one process (the test checked its own tally), or not selected
-    entries = sorted({entry for entry, _ in _HOSTILE_TALLY})
-    tally = {e: [_HOSTILE_TALLY.get((e, o), 0) for o in ("matched", "raised")]
-             for e in entries}  # fmt: skip
-    bad = [e for e in entries if 0 in tally[e]]
+    summary, bad = lacking_outcome(_HOSTILE_TALLY)
     if bad:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         line = (
             f"FAILED test_hostile.py::test_every_entry_point_matched_and_raised: "
             f"entry points whose cases ran without both outcomes: {bad} "
-            f"((matched, raised): {tally})"
+            f"((matched, raised): {summary})"
         )
         if reporter is not None:
             reporter.ensure_newline()

@@ -50,6 +50,7 @@ import chunkvmap.eqx
 import chunkvmap.linen
 import chunkvmap.nnx
 
+from .conftest import HOSTILE_CHECK, HOSTILE_OUTCOME, lacking_outcome
 from .helpers import clipped_sum, make_mesh, tree_allclose
 
 
@@ -87,18 +88,6 @@ INTERNAL = (
 )
 PRIVATE_LOCALS = re.compile(r"(?<![\w.])_\w+\.<locals>")
 
-ENTRY_POINTS = (
-    "batch_vmap",
-    "batch_map",
-    "per_example_grads",
-    "clipped_grad_sum",
-    "batch_jacfwd",
-    "batch_jacrev",
-    "batch_vectorize",
-    chunkvmap.eqx._NAME,
-    chunkvmap.linen._NAME,
-    chunkvmap.nnx._NAME,
-)
 COUNTS: collections.Counter = collections.Counter()
 
 
@@ -111,10 +100,7 @@ def _tally(record_property):
     before = COUNTS.copy()
     yield
     for key, count in (COUNTS - before).items():
-        record_property(HOSTILE_PROPERTY, [*key, count])
-
-
-HOSTILE_PROPERTY = "hostile_outcome"
+        record_property(HOSTILE_OUTCOME, [*key, count])
 
 
 @dataclasses.dataclass
@@ -2486,23 +2472,10 @@ def test_every_entry_point_matched_and_raised(request):
     together at the session's end (`conftest.pytest_sessionfinish`, which fails the
     session where an entry point lacks an outcome)."""
     if hasattr(request.config, "workerinput"):
-        request.node.user_properties.append(("hostile_check", True))
+        request.node.user_properties.append((HOSTILE_CHECK, True))
         return
-    summary = missing_outcomes(COUNTS)
-    if summary is None:
+    if not COUNTS:
         pytest.skip("no hostile case ran (test selection)")
-    assert not summary[1], summary[0]
-
-
-def missing_outcomes(counts) -> tuple[dict, list[str]] | None:
-    """`(summary, names)`: the (matched, raised) tally of every entry point, and
-    those whose cases ran without both outcomes; None where no case ran."""
-    ran = {name for name, _ in counts}
-    if not ran:
-        return None
-    summary = {
-        name: (counts[name, "matched"], counts[name, "raised"]) for name in ENTRY_POINTS
-    }
+    summary, bad = lacking_outcome(dict(COUNTS))
     print("\nhostile cases (matched, raised):", summary)
-    bad = [n for n in ran if not (counts[n, "matched"] > 0 and counts[n, "raised"] > 0)]
-    return summary, bad
+    assert not bad, summary
