@@ -546,7 +546,7 @@ MUTANTS = {
     "trace: the global remainder chunked at its own length, not the shares'": (
         (
             "chunkvmap/_core/_sharding.py",
-            "        plan = window(n, self.length, offset)",
+            "        plan = window(n, length, offset)",
             "        plan = make_plan(n, self.batch, offset)",
         ),
         ["test_sharding"],

@@ -244,14 +244,15 @@ class _Manual:
         self.leaves = _prepare(
             body.name, lay, inputs.paths, inputs.leaves, body.axes, self.rem
         )
-        self.batch, self.length = batch, share_length(size, num_devices, batch)
+        self.batch = batch
 
     def local(self, full: list[Any], n: int, offset: Any, report: bool) -> Any:
         """This device's `n` examples from `offset` of the leaves `full`.
         Progress: only the first device of the layout reports, and only its own
         chunks (the global remainder is reported only when nothing else runs)."""
         inputs, axes = self.inputs, self.lay.axes
-        plan = window(n, self.length, offset)
+        length = share_length(inputs.size, self.lay.size, self.batch)
+        plan = window(n, length, offset)
         if inputs.padding is not None:  # this device's padding
             flags = full[inputs.padding]
             first = offset + min(0, n - plan.batch)  # (a wide window's start)
