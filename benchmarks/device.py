@@ -520,6 +520,12 @@ def device_info() -> dict:
 FULL_BYTES = 139 * 2**30
 
 
+def config(args, info: dict) -> dict:
+    """The run's sizes: the quick ones, or the full ones scaled to the device
+    `info` describes."""
+    return scaled(QUICK if args.quick else FULL, info.get("bytes_limit"))
+
+
 def scaled(cfg: dict, bytes_limit: int | None) -> dict:
     """`cfg` with its sizes scaled to a device of `bytes_limit` bytes (powers of
     two, at least 16 examples): jax.vmap then runs out of memory within them as on
@@ -574,7 +580,7 @@ def child(args) -> None:
     system's, shared with the parent)."""
     info = device_info()
     print(json.dumps({"info": info}), flush=True)
-    cfg = QUICK if args.quick else scaled(FULL, info.get("bytes_limit"))
+    cfg = config(args, info)
 
     def emit(row: dict) -> None:
         print(json.dumps({"row": row}), flush=True)
@@ -622,8 +628,8 @@ def run_isolated(name, cfg, args, deadline) -> tuple[list[dict], dict]:
     if cut is None:
         status = "OOM" if "RESOURCE_EXHAUSTED" in stderr else "crashed"
         cut = f"{status} (exit {proc.returncode})"
-    if info and not args.quick:
-        cfg = scaled(FULL, info.get("bytes_limit"))
+    if info:  # (the child scaled its sizes to the device it found)
+        cfg = config(args, info)
     return rows + _missing(name, cfg, rows, cut), info
 
 
@@ -768,7 +774,7 @@ def main(argv=None) -> None:
         info: dict = {}
     else:
         info = device_info()
-    cfg = scaled(QUICK if args.quick else FULL, info.get("bytes_limit"))
+    cfg = config(args, info)
     rows: list[dict] = []
     if jax_privacy_clipping() is None:
         info["jax_privacy"] = (
@@ -784,7 +790,7 @@ def main(argv=None) -> None:
         if args.isolate:
             got, child_info = run_isolated(name, cfg, args, until)
             info.update(child_info)
-            cfg = scaled(FULL, info.get("bytes_limit"))
+            cfg = config(args, info)
         else:
             got = run_workload(name, cfg, lambda row: None, until)
         rows += got
