@@ -119,9 +119,12 @@ def tree_allclose(actual: Any, expected: Any, *, rtol=1e-5, atol=1e-6) -> None:
 def temp_bytes(f, *args) -> int:
     """XLA's compiled estimate of the temporary memory of `jax.jit(f)(*args)`, on
     CPU: the suite's memory figures are XLA:CPU's (an accelerator's compiler
-    reports another figure under that name), so off CPU the program is compiled
-    for the CPU (arguments not already on CPU devices are placed on the first)."""
-    compiled = jax.jit(f).lower(*on_cpu(args)).compile()
+    reports another figure under that name), so off CPU the program is traced and
+    compiled as a call on the CPU would be (the CPU its default device, arguments
+    not already on CPU devices placed on the first): the library lays a program
+    out for the platform it runs on."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        compiled = jax.jit(f).lower(*on_cpu(args)).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -437,8 +440,9 @@ def projected_rows(grads, dim, seed=0):
 def _axis_matrix(seed, k, j, d, dim):
     """The projection's matrix of axis `j` (of `d > dim` entries) of the `k`-th
     differentiated leaf, as it is defined, in float64."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), k), j)
-    draws = jax.random.normal(key, (d, dim), jnp.float32)  # (x64 on or not)
+    with jax.default_device(jax.devices("cpu")[0]):  # (drawn on the CPU)
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), k), j)
+        draws = jax.random.normal(key, (d, dim), jnp.float32)  # (x64 on or not)
     return np.asarray(draws, np.float64) / dim**0.5
 
 

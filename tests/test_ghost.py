@@ -542,6 +542,11 @@ def test_the_verdict_measures_the_programs_that_run(monkeypatch):
     figures are those of `clipped_grad_sum` by each method on 8 examples. For a
     scanned stack the ghost program is its two passes, within the non-private
     bound; the vmap program is not."""
+    with jax.default_device(jax.devices("cpu")[0]):  # (the verdict CPU makes)
+        _check_the_verdict_measures_the_programs_that_run(monkeypatch)
+
+
+def _check_the_verdict_measures_the_programs_that_run(monkeypatch):
     from chunkvmap._dp import _choice
 
     p, net, x, y = _scanned_stack(True)

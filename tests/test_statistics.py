@@ -515,7 +515,11 @@ def test_gram_with_aux_and_auto():
     )
     np.testing.assert_allclose(jax.jit(rows)(params, x, y), expected, atol=atol)
     b = last_batch_size(rows)
-    assert 2 <= b < 24 and figure(batch_size=b, other_batch_size=2) <= limit, b
+    rows_figure = functools.partial(figure, other_batch_size=2)
+    assert rows_figure(batch_size=b + 1) > limit, b  # the largest that fits, or 1
+    assert b == 1 or rows_figure(batch_size=b) <= limit, b
+    if jax.default_backend() == "cpu":  # (an accelerator's figure holds the gram)
+        assert 2 <= b < 24, b
 
 
 def test_ghost_stats_on_the_dp_models_with_aux():

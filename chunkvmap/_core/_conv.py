@@ -37,6 +37,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ._jaxprs import bind, evaluate, rebuilt, sub_jaxprs
+from ._memory import default_platform
 
 
 _FAST_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
@@ -240,12 +241,12 @@ def _struct(aval: Any) -> jax.ShapeDtypeStruct:
 
 def canonical(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` (a chunk function: flat leaves to its outputs) with its convolutions
-    laid out for XLA:CPU when the default backend is the CPU; `fn` itself
-    otherwise."""
+    laid out for XLA:CPU when the call runs on the CPU (`default_platform`); `fn`
+    itself otherwise."""
 
     @ft.wraps(fn)
     def laid_out(leaves: list[Any], length: int) -> Any:
-        if jax.default_backend() != "cpu":
+        if default_platform() != "cpu":
             return fn(leaves, length)
         # Arrays are traced; anything else (static leaves) is closed over as it is.
         traced = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array)]

@@ -113,10 +113,20 @@ def temp_bytes(name: str, program: Callable[..., Any], abstract_args: list[Any])
     if analysis is None:
         raise ValueError(
             f"{name} batch_size='auto' needs XLA's memory analysis, which the "
-            f"{jax.default_backend()} backend does not provide; pass an explicit "
+            f"{platform_of(compiled)} backend does not provide; pass an explicit "
             f"batch_size."
         )
     return program_bytes(analysis, platform_of(compiled))
+
+
+def default_platform() -> str:
+    """The platform a call without placed arguments runs on: the default device's
+    (`jax.default_device`, as a device or a platform name) where one is set, else
+    the default backend's."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    return device if isinstance(device, str) else device.platform
 
 
 def platform_of(compiled: Any) -> str:
@@ -132,7 +142,7 @@ def platform_of(compiled: Any) -> str:
             devices = getattr(sharding, "device_set", None)
             if devices:
                 return next(iter(devices)).platform
-    return jax.default_backend()
+    return default_platform()
 
 
 def program_bytes(analysis: Any, platform: str | None = None) -> int:
@@ -142,9 +152,9 @@ def program_bytes(analysis: Any, platform: str | None = None) -> int:
     at their most), where the backend reports a peak. (XLA:TPU's temporary figure
     reads 0 for programs whose outputs and temporaries take gigabytes, and more
     than the device holds for programs that run.) `platform`: the program's
-    (`platform_of`; by default the default backend's)."""
+    (`platform_of`; by default `default_platform()`)."""
     temp = int(analysis.temp_size_in_bytes)
-    if (platform or jax.default_backend()) == "cpu":
+    if (platform or default_platform()) == "cpu":
         return temp
     peak = int(getattr(analysis, "peak_memory_in_bytes", 0) or 0)
     if peak <= 0:

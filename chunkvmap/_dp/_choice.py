@@ -71,7 +71,7 @@ class Timing(NamedTuple):
 
 def platform() -> str:
     """The platform a call runs on (the default device's)."""
-    return jax.devices()[0].platform
+    return _memory.default_platform()
 
 
 def measurable(transform: Transform | None = None) -> bool:

@@ -9,7 +9,8 @@ contracted with its matrix), flattened; the leaves' are concatenated in the orde
 `jax.tree.leaves` of the differentiated arguments. `P_j` is
 `jax.random.normal(fold_in(fold_in(key(seed), k), j), (d_j, dim), float32) /
 sqrt(dim)` for the `k`-th differentiated leaf (`projection_matrices`; float32
-draws whether x64 is on or not, so that a seed means one projection).
+draws on the CPU whether x64 is on or not, so that a seed means one projection on
+every backend).
 
 `method="ghost"` projects each use's ghost form (`ghost._forms`): a dense use's
 `sum_t a_t g_t^T` becomes `sum_t (P_in^T a_t)(P_out^T g_t)^T` (LoGra's identity, in
@@ -74,6 +75,16 @@ def project(g: jax.Array, matrices: Sequence[jax.Array | None]) -> jax.Array:
     return g.reshape(-1)
 
 
+def draw_device() -> Any:
+    """Where the projections' matrices are drawn: the first CPU device, or where a
+    process has no CPU backend, the caller's default device."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        default = jax.config.jax_default_device
+        return default if not isinstance(default, str) else jax.devices(default)[0]
+
+
 def leaf_matrices(shapes: Sequence[Sequence[int]], dim: int, seed: int) -> list:
     """`projection_matrices` of each differentiated leaf (of `shapes`, in order),
     the `k`-th from `fold_in(key(seed), k)`.
@@ -81,13 +92,18 @@ def leaf_matrices(shapes: Sequence[Sequence[int]], dim: int, seed: int) -> list:
     Made on a thread of their own: the caller may be tracing under a mesh (a
     `jit` of sharded inputs, `jax.set_mesh`, the devices' shares), which JAX's
     eager evaluation would apply to the matrices, and a thread starts outside
-    every trace and mesh."""
+    every trace and mesh. Drawn on the CPU (`draw_device`): an accelerator's
+    float32 Gaussian draws differ from the CPU's in their last digits (its
+    transcendental functions are others), and a seed means one projection
+    wherever it is drawn."""
     shapes = [tuple(s) for s in shapes]
+    device = draw_device()
 
     def made() -> list:
-        base = jax.random.key(seed)
-        keys = [jax.random.fold_in(base, k) for k in range(len(shapes))]
-        return [projection_matrices(s, dim, key) for s, key in zip(shapes, keys)]
+        with jax.default_device(device):
+            base = jax.random.key(seed)
+            keys = [jax.random.fold_in(base, k) for k in range(len(shapes))]
+            return [projection_matrices(s, dim, key) for s, key in zip(shapes, keys)]
 
     with concurrent.futures.ThreadPoolExecutor(1) as thread:
         return thread.submit(made).result()
@@ -260,7 +276,8 @@ def per_example_grad_projections(
     same projection for every call, so a train set's and a test set's rows can be
     compared. The matrices are `jax.random.normal(fold_in(fold_in(key(seed), k),
     j), (d, dim), jnp.float32) / sqrt(dim)` for axis `j` of the `k`-th
-    differentiated leaf (float32 draws, with x64 on too).
+    differentiated leaf (float32 draws on the CPU, with x64 on too: the same on
+    every backend).
 
     With a second batch, `project(*args, other=other_args)` is the `N x M` matrix
     of scores between the two batches' projected gradients (TracIn or TRAK-style

@@ -458,7 +458,8 @@ _MISSING_DTYPES = {"tpu": (np.dtype(np.complex128),)}
 def check_backend_dtypes(name: str, args: tuple, kwargs: dict) -> None:
     """A clear error for an argument of a dtype the default backend lacks (the TPU
     has no complex128), before its compiler meets it."""
-    missing = _MISSING_DTYPES.get(jax.default_backend())
+    platform = _memory.default_platform()
+    missing = _MISSING_DTYPES.get(platform)
     if not missing:
         return
     leaves = jax.tree.leaves((args, kwargs))
@@ -472,7 +473,7 @@ def check_backend_dtypes(name: str, args: tuple, kwargs: dict) -> None:
             )
             raise TypeError(
                 f"{name} got {where} of dtype {dtype}, which the "
-                f"{jax.default_backend()} backend does not have; cast it to "
+                f"{platform} backend does not have; cast it to "
                 f"{np.dtype(np.complex64) if dtype.kind == 'c' else 'a narrower dtype'}"
                 f" (or run on the CPU)."
             )
