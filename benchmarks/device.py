@@ -37,10 +37,10 @@ device's `bytes_limit` (powers of two). Each child prints every row as soon as i
 is measured, and results go to `benchmarks/results/<platform>.md` (or `--out`),
 rewritten after every workload, so that a run cut short keeps what it measured.
 
-Time: each workload gets a fair share of the budget left, and within it each method a
-fair share of the workload's time left (a method whose share is spent skips its larger
-sizes), so that one slow method cannot leave the others unmeasured; chunkvmap's methods
-run right after `jax.vmap`, before the other comparators.
+Time: each workload gets a fair share of the budget left, and runs size by size: at
+each N every method, `jax.vmap` first, then chunkvmap's, then the other comparators,
+so that a run short of time ends with whole sizes measured, each with its ratios. A
+size starts only where the time left holds what the previous size took.
 
 Off CPU, each workload runs in its own process (`--isolate`), so that the peak-memory
 counter (a running maximum per process) belongs to that workload and an out-of-memory
@@ -456,15 +456,16 @@ def fingerprint_err(a: list, b: list) -> float:
 
 
 def run_method(
-    name, method, sizes, cfg, emit=lambda row: None, until=math.inf
+    name, method, sizes, cfg, emit=lambda row: None, until=math.inf, built=None
 ) -> list[dict]:
     """One method of workload `name` over `sizes` (ascending); after an OOM the
     larger sizes are recorded as OOM without running, and after `until` (a
     `time.monotonic()` value) as skipped. `emit(row)` is called with each row as
-    soon as it is measured."""
+    soon as it is measured. `built`: the workload's `(make_inputs, methods)`,
+    where already built."""
     import jax
 
-    make, methods = workload(name, cfg)
+    make, methods = built or workload(name, cfg)
     if cfg is QUICK:  # NumPy inputs, moved to the device
         make = (lambda mk: lambda n: jax.device_put(mk(n)))(make)
     else:
@@ -558,19 +559,41 @@ def sizes_until_oom(rows: list[dict]) -> list[int]:
 
 
 def run_workload(name, cfg, emit, deadline) -> list[dict]:
-    """Every method of workload `name`, `jax.vmap` first over the workload's sizes
-    (it decides them: up to its first OOM), then the others over those sizes, each
-    with a fair share of the time left until `deadline` (`time.monotonic()`)."""
+    """Every method of workload `name`, size by size: at each N `jax.vmap` first,
+    then the others, so that a run short of time ends with whole sizes measured
+    (each with its ratios), not with each method at sizes the others did not
+    reach. The sizes stop after the first where `jax.vmap` runs out of memory (the
+    others run there too: the frontier). A size starts only where the time left
+    until `deadline` (`time.monotonic()`) holds what the previous size took; the
+    sizes not started are recorded as skipped."""
     sizes = sizes_of(name, cfg)
     methods = method_names(name, cfg)
+    built = workload(name, cfg)
     rows: list[dict] = []
-    for j, method in enumerate(methods):
-        print(f"{name}: {method} over N = {sizes}", file=sys.stderr, flush=True)
-        until = time.monotonic() + (deadline - time.monotonic()) / (len(methods) - j)
-        got = run_method(name, method, sizes, cfg, emit, until)
-        rows += got
-        if method == "jax.vmap":
-            sizes = sizes_until_oom(got)
+    took = 0.0
+    for k, n in enumerate(sizes):
+        start = time.monotonic()
+        if start + took > deadline:
+            rows += _skipped(name, methods, sizes[k:], cfg, emit)
+            break
+        print(f"{name}: N = {n}: {', '.join(methods)}", file=sys.stderr, flush=True)
+        at_n = [run_method(name, m, [n], cfg, emit, built=built)[0] for m in methods]
+        rows += at_n
+        took = time.monotonic() - start
+        if any(r["method"] == "jax.vmap" and r.get("status") == "OOM" for r in at_n):
+            break  # the frontier: jax.vmap ran out of memory at n
+    return rows
+
+
+def _skipped(name, methods, sizes, cfg, emit) -> list[dict]:
+    rows = [
+        {"workload": name, "method": m, "n": n, "b": batch_of(name, cfg)}
+        | {"status": "skipped (time)"}
+        for n in sizes
+        for m in methods
+    ]
+    for row in rows:
+        emit(row)
     return rows
 
 

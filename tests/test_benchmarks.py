@@ -91,6 +91,50 @@ def test_device_benchmark_marks_what_a_cut_child_did_not_reach():
     assert [r["status"] for r in skipped] == ["skipped (time)"] * len(sizes)
 
 
+def test_device_benchmark_measures_whole_sizes_until_the_frontier(monkeypatch):
+    """A workload runs size by size, every method at each N (`jax.vmap` first): a
+    size starts only where the time left holds what the previous one took (the
+    rest are skipped, whole), and the sizes stop after the first where `jax.vmap`
+    runs out of memory, the others measured there too."""
+    gpu = _module()
+    cfg = dict(gpu.QUICK, ensemble_sizes=[8, 16, 32, 64])
+    methods = gpu.method_names("ensemble", cfg)
+    clock = [0.0]
+    monkeypatch.setattr(gpu.time, "monotonic", lambda: clock[0])
+
+    def fake(name, method, sizes, cfg, emit=None, until=None, built=None):
+        clock[0] += 10.0  # each method at each size takes 10 s
+        (n,) = sizes
+        oom = method == "jax.vmap" and n >= oom_from
+        return [{"method": method, "n": n, "status": "OOM" if oom else "ok"}]
+
+    monkeypatch.setattr(gpu, "run_method", fake)
+    per_size = 10.0 * len(methods)
+
+    def outcome(deadline):
+        clock[0] = 0.0
+        rows = gpu.run_workload("ensemble", cfg, lambda row: None, deadline)
+        by_n: dict = {}
+        for r in rows:
+            by_n.setdefault(r["n"], []).append((r["method"], r["status"]))
+        return by_n
+
+    oom_from = 10**9
+    # time for two sizes and a half: the third is not started
+    got = outcome(2.5 * per_size)
+    assert list(got) == [8, 16, 32, 64]
+    for n, status in zip(
+        [8, 16, 32, 64], ["ok", "ok", "skipped (time)", "skipped (time)"]
+    ):
+        assert [m for m, _ in got[n]] == methods, got[n]
+        want = {status} if status != "ok" else {"ok"}
+        assert {s for _, s in got[n]} == want, (n, got[n])
+    oom_from = 16
+    got = outcome(100 * per_size)
+    assert list(got) == [8, 16]  # the frontier, then no larger size
+    assert got[16] == [("jax.vmap", "OOM")] + [(m, "ok") for m in methods[1:]]
+
+
 def test_device_benchmark_sizes_follow_the_device_memory():
     """The full sizes (for 139 GiB) scaled to a 15.75 GiB chip: powers of two, at
     least 16; unchanged without a reported limit and for the quick sizes."""
