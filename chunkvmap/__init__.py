@@ -21,6 +21,11 @@ from ._dp._curvature import (
     ggn_diagonal as ggn_diagonal,
     kfac_factors as kfac_factors,
 )
+from ._dp._ekfac import (
+    EigenKronecker as EigenKronecker,
+    ekfac_factors as ekfac_factors,
+    multiply_inverse as multiply_inverse,
+)
 from ._dp._projections import (
     per_example_grad_projections as per_example_grad_projections,
 )
@@ -49,6 +54,7 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree
 __all__ = [
     "AuxiliaryOutput",
     "ClippedGrad",
+    "EigenKronecker",
     "GhostFallbackWarning",
     "GhostReport",
     "GradStats",
@@ -60,11 +66,13 @@ __all__ = [
     "batch_vmap",
     "clipped_grad",
     "clipped_grad_sum",
+    "ekfac_factors",
     "ggn_diagonal",
     "ghost_report",
     "identity",
     "kfac_factors",
     "last_batch_size",
+    "multiply_inverse",
     "per_example_grad_gram",
     "per_example_grad_norms",
     "per_example_grad_projections",

@@ -570,3 +570,52 @@ def kfac_by_hand(tapped, params, xs, cotangents, variant="expand", biased=()):
             old = factors.get(k, (0.0, 0.0, 0))
             factors[k] = tuple(o + q for o, q in zip(old, pair))
     return factors
+
+
+def ekfac_by_hand(tapped, params, xs, cotangents, biased=()):
+    """The oracle of `ekfac_factors`: each tapped product's dense block of the
+    eigenvalue-corrected curvature, `K diag(vec(L)) K^T` with `K = kron(Q_A,
+    Q_G)`, `Q_A`, `Q_G` the eigenvectors of `kfac_by_hand`'s factors (the
+    identity for a diagonal `A`: an embedding's counts) and `L = sum (Q_A^T G
+    Q_G)^2` over the examples and cotangents of the product's gradient `G =
+    a^T g` (activations by output gradients over the positions, captured by
+    hand; a bias's row of ones joined), in float64. Returns `{name: block}`."""
+    factors = kfac_by_hand(tapped, params, xs, cotangents, biased=biased)
+    bases = {}
+    for k, (a, g, _) in factors.items():
+        q_a = np.eye(len(a)) if np.allclose(a, np.diag(np.diag(a))) else None
+        bases[k] = (np.linalg.eigh(a)[1] if q_a is None else q_a, np.linalg.eigh(g)[1])
+    values = {k: 0.0 for k in factors}
+    for x, cots in zip(xs, cotangents):
+        _, acts, ys = tapped(params, x, None)
+        zero = {k: jnp.zeros_like(y) for k, y in ys.items()}
+        _, pull = jax.vjp(lambda p: tapped(params, x, p)[0], zero)
+        for c in cots:
+            grads = pull(jnp.asarray(c, jnp.float32))[0]
+            for k in factors:
+                a = np.asarray(acts[k], np.float64).reshape(-1, acts[k].shape[-1])
+                if k in biased:
+                    a = np.concatenate([a, np.ones((len(a), 1))], 1)
+                d = np.asarray(grads[k], np.float64)
+                gradient = a.T @ d.reshape(-1, d.shape[-1])
+                q_a, q_g = bases[k]
+                values[k] = values[k] + (q_a.T @ gradient @ q_g) ** 2
+    blocks = {}
+    for k, (q_a, q_g) in bases.items():
+        basis = np.kron(q_a, q_g)
+        blocks[k] = basis @ np.diag(values[k].reshape(-1)) @ basis.T
+    return blocks
+
+
+def ekfac_block(factor, block=None):
+    """The dense block `K diag(vec(eigenvalues)) K^T` of an `EigenKronecker`
+    (block `block` of a blocked leaf), in float64."""
+    pick = (lambda x: x) if block is None else (lambda x: x[block])
+    q_out = np.asarray(pick(factor.output_basis), np.float64)
+    values = np.asarray(pick(factor.eigenvalues), np.float64)
+    if factor.input_basis is None:
+        q_in = np.eye(values.shape[0])
+    else:
+        q_in = np.asarray(pick(factor.input_basis), np.float64)
+    basis = np.kron(q_in, q_out)
+    return basis @ np.diag(values.reshape(-1)) @ basis.T

@@ -1,0 +1,370 @@
+"""Eigenvalue-corrected Kronecker factors (EK-FAC, George et al. 2018), chunked.
+
+KFAC approximates a weight's block of the curvature by `kron(A, G) / count`;
+in the eigenbases `Q_A`, `Q_G` of its factors that block is diagonal, with the
+products of their eigenvalues on the diagonal. EK-FAC keeps the bases and
+replaces those products by the curvature's own second moments in them: for each
+example and each of its output cotangents (`backward_vectors`) the weight's
+gradient `G_im` (in the leaf's `(inputs, outputs)` layout, a joined bias its
+last input row) is rotated, `Q_A^T G_im Q_G`, and its entries squared and summed
+over the examples and cotangents. The block is then
+`(Q_A x Q_G) diag(vec(eigenvalues)) (Q_A x Q_G)^T`, exact on the diagonal of the
+rotated curvature.
+
+`ekfac_factors` runs two chunked passes over the examples: `kfac_factors` for
+the bases, then the rotated squares, summed by a fold (each example's gradients
+formed per cotangent, `jax.vmap` of one `jax.vjp`). `multiply_inverse` applies
+`(F + damping I)^-1` of the factors (EK-FAC's, KFAC's or a diagonal) to
+gradients: the influence preconditioner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Unpack
+
+import jax
+import jax.numpy as jnp
+
+from .._core._accumulators import Fold, compose
+from .._core._options import Chunking, decorator_form, takes
+from .._transforms._grads import FloatLeaves, grad_transform
+from ._curvature import (
+    Kronecker,
+    _check_model_output,
+    _Curvature,
+    _f32,
+    kfac_factors as _kfac_factors,
+)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["input_basis", "output_basis", "eigenvalues"],
+    meta_fields=["axes", "bias"],
+)
+@dataclasses.dataclass(frozen=True)
+class EigenKronecker:
+    """A leaf's EK-FAC factors (`ekfac_factors`): its block of the curvature is
+    `(Q_in x Q_out) diag(vec(eigenvalues)) (Q_in x Q_out)^T` in the leaf's layout
+    flattened as `(input axes, output axes)`, for each block.
+
+    Attributes:
+      input_basis: `Q_in`, the eigenvectors (columns) of KFAC's `inputs` factor,
+        `(*blocks, n_in, n_in)`; None for an embedding table, whose `inputs` is
+        the diagonal of its rows' counts (the basis is the identity).
+      output_basis: `Q_out`, the eigenvectors of KFAC's `outputs` factor,
+        `(*blocks, n_out, n_out)`.
+      eigenvalues: `(*blocks, n_in, n_out)`: `sum (Q_in^T G Q_out)^2` over the
+        examples and their cotangents of the leaf's gradients `G` (a sum over the
+        examples, as `ggn_diagonal`'s and `kfac_factors`' are).
+      axes: the leaf's axes `(blocks, inputs, outputs)`, as `Kronecker.axes`.
+      bias: the position, among the differentiated leaves, of the bias joined to
+        this weight (the last input row), or None, as `Kronecker.bias`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import ekfac_factors
+      >>> x = jnp.array([[1.0, 0.0], [0.0, 2.0]])
+      >>> f = ekfac_factors(lambda w, x: x @ w, likelihood="gaussian")(
+      ...     jnp.ones((2, 1)), x)
+      >>> f.input_basis.shape, f.output_basis.shape, f.eigenvalues.shape, f.axes
+      ((2, 2), (1, 1), (2, 1), ((), (0,), (1,)))
+    """
+
+    input_basis: jax.Array | None
+    output_basis: jax.Array
+    eigenvalues: jax.Array
+    axes: tuple | None = None
+    bias: int | None = None
+
+
+def _is_factor(x: Any) -> bool:
+    return x is None or isinstance(x, (Kronecker, EigenKronecker))
+
+
+def _rotatable(f: Any) -> bool:
+    return isinstance(f, Kronecker) and f.axes is not None
+
+
+def _bases(f: Kronecker) -> tuple[Any, jax.Array]:
+    """The eigenbases of a leaf's KFAC factors (None for a diagonal `inputs`)."""
+    q_in = None if f.inputs.ndim == f.outputs.ndim - 1 else jnp.linalg.eigh(f.inputs)[1]
+    return q_in, jnp.linalg.eigh(f.outputs)[1]
+
+
+def _laid_out(g: jax.Array, axes: tuple, lead: int, bias: jax.Array | None) -> Any:
+    """Gradients `g` (`lead` leading axes, then the leaf's) as `(..., *blocks,
+    n_in, n_out)`, a joined `bias`'s gradients (same leading axes) a last input
+    row."""
+    blocks, ins, outs = axes
+    shape = g.shape[lead:]
+    order = [*range(lead), *(lead + a for a in (*blocks, *ins, *outs))]
+    n_in, n_out = (math.prod(shape[a] for a in group) for group in (ins, outs))
+    g = jnp.transpose(g, order).reshape(
+        *g.shape[:lead], *(shape[a] for a in blocks), n_in, n_out
+    )
+    if bias is None:
+        return g
+    row = bias.reshape(*bias.shape[:lead], 1, n_out).astype(g.dtype)
+    return jnp.concatenate([g, row], axis=-2)
+
+
+def _rotated(g: jax.Array, q_in: Any, q_out: jax.Array) -> jax.Array:
+    """`Q_in^T g Q_out` over the last two axes (`q_in` None: the identity)."""
+    if q_in is not None:
+        g = jnp.einsum("...ij,...ik->...jk", q_in, g)
+    return jnp.einsum("...jk,...kl->...jl", g, q_out)
+
+
+def _diff_factors(factors: Any, args: Sequence[Any], diff: Sequence[int]) -> list:
+    """`factors` (a tree like the differentiated arguments, or their tuple), one
+    entry per differentiated (floating-point) leaf, in order."""
+    floats = FloatLeaves(args, diff)
+    trees = [factors] if len(diff) == 1 else list(factors)
+    out = []
+    for (leaves, treedef, mask), tree in zip(floats.parts, trees):
+        entries = treedef.flatten_up_to(tree)
+        out += [e for e, m in zip(entries, mask) if m]
+    return out
+
+
+@decorator_form("fun")
+@takes(Chunking)
+def ekfac_factors(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    *,
+    likelihood: str,
+    fisher: str = "exact",
+    samples: int = 1,
+    variant: str = "expand",
+    batch_argnums: int | Sequence[int] | None = None,
+    **options: Unpack[Chunking],
+) -> Callable[..., Any]:
+    """EK-FAC's eigenvalue-corrected Kronecker factors of every dense,
+    convolution and embedding weight of a model (no layer registration), summed
+    over the examples, `batch_size` examples at a time.
+
+    Two passes over the examples: `kfac_factors` (same options) gives each
+    weight's factors `A` and `G`, whose eigenbases `Q_in`, `Q_out` are kept;
+    then each example's gradient of the weight for each of its output cotangents
+    (those `fisher` chooses, as in `ggn_diagonal`), laid out as `(inputs,
+    outputs)` with a joined bias as its last input row, is rotated into them and
+    squared: `eigenvalues = sum (Q_in^T G Q_out)^2`. A weight's block of the
+    curvature is then `(Q_in x Q_out) diag(vec(eigenvalues)) (Q_in x Q_out)^T`.
+    Leaves `kfac_factors` gives their diagonal keep it (EK-FAC in the identity
+    basis: the same diagonal); a bias joined to its weight is None; a leaf whose
+    uses split one of its axes (`Kronecker.axes` None) gets its diagonal.
+
+    The returned function takes `fun`'s arguments and `labels=` or `key=` (see
+    `ggn_diagonal`), and returns a tree like the differentiated arguments: per
+    leaf an `EigenKronecker`, the diagonal, or None.
+
+    Args:
+      fun: the model's output of one example, `fun(params, *example)`.
+      argnums: which positional argument(s) of `fun` the curvature is of.
+      likelihood: "categorical" or "gaussian" (see `ggn_diagonal`).
+      fisher: "exact", "mc" or "empirical".
+      samples: the labels drawn per example with `fisher="mc"`.
+      variant: KFAC's "expand" or "reduce", for the bases (see `kfac_factors`).
+      batch_argnums: the arguments holding the examples (default: every argument
+        not in `argnums`).
+      batch_size: examples per chunk (None: all at once; "auto": the largest that
+        fits `memory_limit`).
+      shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
+      mesh: the mesh for `shard`.
+      remat: checkpoint each chunk for reverse mode (see `batch_vmap`).
+      memory_limit: the budget for `batch_size="auto"`.
+      progress: a host progress bar over the chunks (see `batch_vmap`).
+      chunk_size: an alias of `batch_size`.
+
+    Returns:
+      A function with `fun`'s arguments (and `labels=`, `key=`) returning, per
+      leaf, an `EigenKronecker`, the diagonal, or None.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import ekfac_factors
+      >>> x = jnp.array([[1.0, 0.0], [0.0, 2.0]])
+      >>> f = ekfac_factors(lambda w, x: x @ w, likelihood="gaussian")(
+      ...     jnp.ones((2, 1)), x)
+      >>> f.eigenvalues
+      Array([[1.],
+             [4.]], dtype=float32)
+    """
+    name = "ekfac_factors"
+    settings = _Curvature.make(name, likelihood, fisher, samples)
+    kfac = _kfac_factors(
+        fun, argnums, likelihood=likelihood, fisher=fisher, samples=samples,
+        variant=variant, batch_argnums=batch_argnums, **options,
+    )  # fmt: skip
+    transform = grad_transform(
+        name, fun, argnums, batch_argnums, exclusive=True, **options
+    )
+
+    def call(args: tuple, kwargs: dict, known: Any) -> Any:
+        factors = kfac(*args, **kwargs)
+        diff, in_axes, args, kwargs, extra = settings.prepare(transform, args, kwargs)
+        found = _diff_factors(factors, args, diff)
+        bases = [_bases(f) if _rotatable(f) else None for f in found]
+        sums = _second_moments(
+            transform, fun, settings, found, (args, kwargs, extra, bases),
+            (diff, in_axes, known),
+        )  # fmt: skip
+        out = []
+        for f, b, s in zip(found, bases, sums):
+            if b is not None:
+                out.append(EigenKronecker(*b, s, axes=f.axes, bias=f.bias))
+            else:
+                out.append(s if isinstance(f, Kronecker) else f)
+        floats = FloatLeaves(args, diff)
+        return floats.trees(_split(out, floats), transform.args.single)
+
+    return transform.public(call, fun)
+
+
+def _split(flat: list, floats: FloatLeaves) -> list:
+    """`flat` (one entry per differentiated leaf) as `floats.diff` is split."""
+    it = iter(flat)
+    return [[next(it) for _ in part] for part in floats.diff]
+
+
+def _second_moments(transform, fun, settings, found, data, how) -> list:
+    """Per differentiated leaf: the rotated squares summed over the examples and
+    cotangents where `found` has rotatable factors, the squared gradients (the
+    diagonal) where its factors' axes are unknown, else None."""
+    args, kwargs, extra, bases = data
+    diff, in_axes, known = how
+    wanted = [_rotatable(f) or isinstance(f, Kronecker) for f in found]
+    n, m = len(args), len(extra)
+
+    def example(*inputs: Any, **kw: Any) -> Any:
+        floats = FloatLeaves(inputs[:n], diff)
+        model = lambda d: fun(*floats.args_with(d), **kw)  # noqa: E731
+        f, pull = jax.vjp(model, floats.diff)
+        _check_model_output(transform.name, f)
+        vectors = settings.vectors(f, inputs[n : n + m]).astype(f.dtype)
+        grads = [g for part in jax.vmap(pull)(vectors)[0] for g in part]
+        out = []
+        for k, (factor, basis) in enumerate(zip(found, inputs[n + m])):
+            if not wanted[k]:
+                out.append(None)
+            elif basis is None:  # (axes unknown: the diagonal)
+                out.append(jnp.sum(jnp.square(_f32(grads[k])), 0))
+            else:
+                bias = grads[factor.bias] if factor.bias is not None else None
+                g = _laid_out(_f32(grads[k]), factor.axes, 1, bias)
+                out.append(jnp.sum(jnp.square(_rotated(g, *basis)), 0))
+        return out
+
+    axes = (*in_axes, *settings.extra_axes(), None)
+    total = Fold(jnp.add, lambda out: jax.tree.map(lambda x: jnp.sum(x, 0), out))
+    return transform.map(
+        example, (*args, *extra, bases), kwargs, axes, 0, known=known,
+        accumulator=compose(total),
+    )  # fmt: skip
+
+
+def multiply_inverse(factors: Any, grads: Any, *, damping: float) -> Any:
+    """`(F + damping I)^-1 g` for each leaf's block `F` of the curvature given by
+    `factors` (`ekfac_factors`' or `kfac_factors`' result, or diagonals, a tree
+    like `grads`) and gradients `grads` (a tree like the differentiated
+    arguments, each leaf one gradient): the influence preconditioner.
+
+    An `EigenKronecker` block is inverted in its eigenbasis, a `Kronecker` block
+    `kron(A, G) / count` in the eigenbases of its factors (exactly, with the
+    products of their eigenvalues), a diagonal entrywise. A bias joined to its
+    weight (its entry of `factors` None) is solved with that weight's block.
+
+    Args:
+      factors: per leaf an `EigenKronecker`, a `Kronecker`, a diagonal (an array
+        of the leaf's shape) or None (a bias joined to its weight).
+      grads: one gradient, a tree like the differentiated arguments (for many,
+        `jax.vmap` this function over them).
+      damping: `lambda >= 0`, added to every eigenvalue (or diagonal entry).
+
+    Returns:
+      A tree like `grads`: each leaf's `(F + damping I)^-1 g`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from chunkvmap import multiply_inverse
+      >>> multiply_inverse(jnp.array([1.0, 3.0]), jnp.array([2.0, 2.0]), damping=1.0)
+      Array([1. , 0.5], dtype=float32)
+    """
+    damping = float(damping)
+    if not math.isfinite(damping) or damping < 0:
+        raise ValueError(
+            f"multiply_inverse damping must be a finite number >= 0, but got "
+            f"damping={damping!r}."
+        )
+    f_flat, f_tree = jax.tree.flatten(factors, is_leaf=_is_factor)
+    g_flat, g_tree = jax.tree.flatten(grads, is_leaf=lambda x: x is None)
+    if len(f_flat) != len(g_flat):
+        raise ValueError(
+            f"multiply_inverse factors must have one entry per leaf of grads "
+            f"({len(g_flat)}), but has {len(f_flat)}: {f_tree} against {g_tree}."
+        )
+    # a factor's `bias` counts the differentiated leaves (those grads holds)
+    held = [k for k, g in enumerate(g_flat) if g is not None]
+    out = list(g_flat)
+    for k, (f, g) in enumerate(zip(f_flat, g_flat)):
+        if f is None or g is None:
+            continue  # (a joined bias: solved with its weight)
+        if not isinstance(f, (Kronecker, EigenKronecker)):
+            if jnp.shape(f) != jnp.shape(g):
+                raise ValueError(
+                    f"multiply_inverse factors leaf {k} has shape {jnp.shape(f)}, "
+                    f"but grads leaf {k} has shape {jnp.shape(g)}."
+                )
+            out[k] = g / (f.astype(g.dtype) + damping)
+            continue
+        b = None if f.bias is None else held[f.bias]
+        solved = _solve_block(f, g, None if b is None else g_flat[b], damping)
+        out[k] = solved[0]
+        if b is not None:
+            out[b] = solved[1]
+    return jax.tree.unflatten(g_tree, out)
+
+
+def _eigen(f: Kronecker | EigenKronecker) -> tuple:
+    """`(Q_in, Q_out, eigenvalues)` of a block."""
+    if isinstance(f, EigenKronecker):
+        return f.input_basis, f.output_basis, f.eigenvalues
+    if f.axes is None:
+        raise ValueError(
+            "multiply_inverse needs each Kronecker block's axes, but one has "
+            "axes=None (its uses split a leaf axis)."
+        )
+    out_vals, q_out = jnp.linalg.eigh(f.outputs)
+    if f.inputs.ndim == f.outputs.ndim - 1:  # an embedding: the rows' counts
+        in_vals, q_in = f.inputs, None
+    else:
+        in_vals, q_in = jnp.linalg.eigh(f.inputs)
+    return q_in, q_out, in_vals[..., :, None] * out_vals[..., None, :] / f.count
+
+
+def _solve_block(f: Any, g: jax.Array, bias: Any, damping: float) -> tuple:
+    q_in, q_out, values = _eigen(f)
+    laid = _laid_out(_f32(g), f.axes, 0, None if bias is None else _f32(bias))
+    r = _rotated(laid, q_in, q_out) / (values + damping)
+    if q_in is not None:
+        r = jnp.einsum("...ij,...jk->...ik", q_in, r)
+    r = jnp.einsum("...jk,...lk->...jl", r, q_out)
+    solved_bias = None
+    if bias is not None:
+        r, last = r[..., :-1, :], r[..., -1, :]
+        solved_bias = last.reshape(bias.shape).astype(bias.dtype)
+    return _unlaid(r, f.axes, g.shape).astype(g.dtype), solved_bias
+
+
+def _unlaid(r: jax.Array, axes: tuple, shape: tuple) -> jax.Array:
+    """`_laid_out`'s inverse for one gradient of the leaf's `shape`."""
+    blocks, ins, outs = axes
+    order = (*blocks, *ins, *outs)
+    r = r.reshape(tuple(shape[a] for a in order))
+    return jnp.transpose(r, [order.index(a) for a in range(len(shape))])

@@ -1,0 +1,242 @@
+"""`ekfac_factors` and `multiply_inverse` against oracles made without the library:
+the eigenvalue-corrected blocks from activations and output gradients captured by
+hand (`ekfac_by_hand`), and dense solves of those blocks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import chunkvmap as cv
+from chunkvmap import EigenKronecker, Kronecker, ekfac_factors, multiply_inverse
+from tests.helpers import (
+    ekfac_block,
+    ekfac_by_hand,
+    kfac_by_hand,
+    make_mesh,
+    tree_allclose,
+)
+from tests.test_curvature import (
+    BIASED,
+    MODELS,
+    _call_args,
+    _cotangents,
+    _labels,
+    _model,
+)
+
+
+def _check_blocks(name, got, expected, rtol=1e-4):
+    for leaf, block in expected.items():
+        factor = got["ws"] if leaf.startswith("ws") else got[leaf]
+        assert isinstance(factor, EigenKronecker), (leaf, factor)
+        layer = int(leaf[2:]) if leaf.startswith("ws") else None
+        mine = ekfac_block(factor, layer)
+        scale = np.abs(block).max()
+        np.testing.assert_allclose(mine, block, rtol=rtol, atol=rtol * scale)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["mlp", "tokens", "scanned", "conv-NHWC", "conv-NCHW", "embedding",
+     "attention-layernorm"],
+)  # fmt: skip
+def test_ekfac_matches_the_eigen_corrected_blocks_built_by_hand(name):
+    """Each product weight's block (a joined bias its last input row; a scanned
+    stack's one block per layer) equals the oracle's; every other leaf keeps
+    `kfac_factors`' diagonal and a joined bias is None. N = 5 in chunks of 2."""
+    params, x, tapped, model = _model(MODELS[name])
+    cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
+    biased = BIASED.get(name, {})
+    expected = ekfac_by_hand(tapped, params, x, cots, biased=biased)
+    got = ekfac_factors(model, likelihood="categorical", batch_size=2)(params, x)
+    _check_blocks(name, got, expected)
+    kfac = cv.kfac_factors(model, likelihood="categorical", batch_size=2)(params, x)
+    for leaf in params:
+        if leaf in biased.values():
+            assert got[leaf] is None
+        elif not isinstance(kfac[leaf], Kronecker):
+            np.testing.assert_allclose(got[leaf], kfac[leaf], rtol=1e-5, atol=1e-7)
+        else:
+            assert got[leaf].axes == kfac[leaf].axes
+            assert got[leaf].bias == kfac[leaf].bias
+
+
+@pytest.mark.parametrize(
+    "likelihood,fisher,samples",
+    [("categorical", "mc", 2), ("gaussian", "empirical", 1), ("gaussian", "exact", 1)],
+)
+def test_ekfac_fisher_types(likelihood, fisher, samples):
+    params, x, tapped, model = _model(MODELS["tokens"])
+    key = jax.random.key(7)
+    labels = _labels(likelihood, model, params, x, jax.random.key(8))
+    cots = _cotangents(likelihood, fisher, model, params, x, labels, key, samples)
+    expected = ekfac_by_hand(tapped, params, x, cots, biased=BIASED["tokens"])
+    got = ekfac_factors(
+        model, likelihood=likelihood, fisher=fisher, samples=samples, batch_size=3
+    )(params, x, **_call_args(fisher, labels, key))
+    _check_blocks("tokens", got, expected)
+
+
+def test_ekfac_eager_jitted_sharded_and_uneven_agree():
+    """The same factors eagerly, under `jax.jit`, over 8 devices (N = 13: uneven
+    over them and the chunks) and in one chunk."""
+    params, x, _, model = _model(MODELS["conv-NHWC"])
+    x = jnp.concatenate([x, x[:3] * 0.5, x[:5] - 0.25])  # 13 examples
+    one = ekfac_factors(model, likelihood="categorical")(params, x)
+    mesh = make_mesh((8,), ("data",))
+    for f in (
+        ekfac_factors(model, likelihood="categorical", batch_size=3),
+        jax.jit(ekfac_factors(model, likelihood="categorical", batch_size=3)),
+        ekfac_factors(
+            model, likelihood="categorical", batch_size=1, shard=True, mesh=mesh
+        ),
+    ):
+        got = f(params, x)
+        for leaf, factor in got.items():
+            if isinstance(factor, EigenKronecker):
+                np.testing.assert_allclose(
+                    ekfac_block(factor), ekfac_block(one[leaf]), rtol=1e-4, atol=1e-5
+                )
+            else:
+                tree_allclose(factor, one[leaf], rtol=1e-5, atol=1e-6)
+
+
+def _dense_solve(block, vec, damping):
+    return np.linalg.solve(block + damping * np.eye(len(block)), vec)
+
+
+@pytest.mark.parametrize("kind", ["ekfac", "kfac"])
+def test_multiply_inverse_is_the_damped_dense_solve(kind):
+    """`(F + damping I)^-1 g` for each block (a weight with its joined bias
+    solved together; a scanned stack's layers each with its block; the
+    diagonal's leaves entrywise), against `np.linalg.solve` of the dense block
+    (EK-FAC's, or KFAC's `kron(A, G) / count`)."""
+    damping = 0.3
+    for name in ("mlp", "scanned", "attention-layernorm"):
+        params, x, tapped, model = _model(MODELS[name])
+        cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
+        biased = BIASED.get(name, {})
+        make = ekfac_factors if kind == "ekfac" else cv.kfac_factors
+        factors = make(model, likelihood="categorical", batch_size=2)(params, x)
+        if kind == "ekfac":
+            blocks = ekfac_by_hand(tapped, params, x, cots, biased=biased)
+        else:
+            blocks = {
+                k: np.kron(a, g) / count
+                for k, (a, g, count) in kfac_by_hand(
+                    tapped, params, x, cots, biased=biased
+                ).items()
+            }
+        grads = jax.tree.map(
+            lambda p: jax.random.normal(jax.random.key(p.size), p.shape), params
+        )
+        got = multiply_inverse(factors, grads, damping=damping)
+        for leaf, block in blocks.items():
+            if leaf.startswith("ws"):
+                layer = int(leaf[2:])
+                g, mine = grads["ws"][layer], got["ws"][layer]
+            else:
+                g, mine = grads[leaf], got[leaf]
+            vec = np.asarray(g, np.float64).reshape(-1)
+            bias = biased.get(leaf)
+            if bias is not None:  # the bias: the last input row
+                vec = np.concatenate([vec, np.asarray(grads[bias], np.float64)])
+                mine = np.concatenate(
+                    [np.asarray(mine).reshape(-1), np.asarray(got[bias])]
+                )
+            want = _dense_solve(block, vec, damping)
+            np.testing.assert_allclose(
+                np.asarray(mine).reshape(-1), want, rtol=2e-4, atol=2e-5
+            )
+        for leaf, factor in factors.items():  # the diagonal's leaves
+            blocked = isinstance(factor, (Kronecker, EigenKronecker))
+            if factor is not None and not blocked:
+                want = np.asarray(grads[leaf]) / (np.asarray(factor) + damping)
+                np.testing.assert_allclose(got[leaf], want, rtol=1e-5, atol=1e-7)
+
+
+def test_equinox_and_flax_models():
+    """An Equinox MLP (weights `(out, in)`, holding its activation function) and a
+    Flax linen MLP (kernels `(in, out)`) against the same model written out; the
+    Equinox model's gradient (`eqx.filter_grad`: None at the function) solved
+    against the dense block."""
+    import equinox as eqx
+    import flax.linen as nn
+
+    from tests.test_curvature import CLASSES, N, _tap
+
+    key = jax.random.key(6)
+    x = jax.random.normal(key, (N, 4))
+    mlp = eqx.nn.MLP(4, CLASSES, 6, 1, activation=jnp.tanh, key=key)
+
+    def tapped(p, x, probes):
+        y1 = _tap("l0", p.layers[0].weight @ x, probes)
+        h = jnp.tanh(y1 + p.layers[0].bias)
+        y2 = _tap("l1", p.layers[1].weight @ h, probes)
+        return y2 + p.layers[1].bias, {"l0": x, "l1": h}, {"l0": y1, "l1": y2}
+
+    model = lambda m, x: m(x)  # noqa: E731
+    cots = _cotangents("categorical", "exact", model, mlp, x, None, None, 1)
+    expected = ekfac_by_hand(tapped, mlp, x, cots, biased={"l0", "l1"})
+    got = ekfac_factors(model, likelihood="categorical", batch_size=3)(mlp, x)
+    for i in range(2):
+        weight = got.layers[i].weight
+        assert weight.axes == ((), (1,), (0,))  # (out, in) weights
+        np.testing.assert_allclose(
+            ekfac_block(weight), expected[f"l{i}"], rtol=1e-4, atol=1e-5
+        )
+        assert got.layers[i].bias is None
+    g = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(mlp)
+    solved = multiply_inverse(got, g, damping=0.5)
+    vec = np.concatenate(
+        [np.asarray(g.layers[0].weight).T.reshape(-1), np.asarray(g.layers[0].bias)]
+    )
+    want = _dense_solve(expected["l0"], vec, 0.5)
+    mine = np.concatenate(
+        [
+            np.asarray(solved.layers[0].weight).T.reshape(-1),
+            np.asarray(solved.layers[0].bias),
+        ]
+    )
+    np.testing.assert_allclose(mine, want, rtol=2e-4, atol=2e-5)
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = jnp.tanh(nn.Dense(6, name="Dense_0")(x))
+            return nn.Dense(CLASSES, name="Dense_1")(h)
+
+    variables = Linen().init(key, x[0])
+    apply = lambda v, x: Linen().apply(v, x)  # noqa: E731
+    p = variables["params"]
+
+    def tapped_linen(v, x, probes):
+        y1 = _tap("d0", x @ p["Dense_0"]["kernel"], probes)
+        h = jnp.tanh(y1 + p["Dense_0"]["bias"])
+        y2 = _tap("d1", h @ p["Dense_1"]["kernel"], probes)
+        out = y2 + p["Dense_1"]["bias"]
+        return out, {"d0": x, "d1": h}, {"d0": y1, "d1": y2}
+
+    cots = _cotangents("categorical", "exact", apply, variables, x, None, None, 1)
+    expected = ekfac_by_hand(tapped_linen, variables, x, cots, biased={"d0", "d1"})
+    got = ekfac_factors(apply, likelihood="categorical", batch_size=2)(variables, x)
+    for i in range(2):
+        np.testing.assert_allclose(
+            ekfac_block(got["params"][f"Dense_{i}"]["kernel"]),
+            expected[f"d{i}"], rtol=1e-4, atol=1e-5,
+        )  # fmt: skip
+
+
+def test_errors_name_the_argument():
+    params, x, _, model = _model(MODELS["mlp"])
+    factors = ekfac_factors(model, likelihood="categorical")(params, x)
+    with pytest.raises(ValueError, match="damping must be a finite number >= 0"):
+        multiply_inverse(factors, params, damping=-1.0)
+    with pytest.raises(ValueError, match="one entry per leaf of grads"):
+        multiply_inverse(factors, {"w1": params["w1"]}, damping=1.0)
+    diag = jax.tree.map(jnp.ones_like, params)
+    with pytest.raises(ValueError, match="factors leaf 0 has shape"):
+        multiply_inverse(diag, {**params, "b1": params["b1"][:2]}, damping=1.0)
+    with pytest.raises(ValueError, match="likelihood must be one of"):
+        ekfac_factors(model, likelihood="poisson")
