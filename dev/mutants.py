@@ -406,7 +406,7 @@ MUTANTS = {
     "auto: an accelerator's temporary figure taken for its memory": (
         (
             "chunkvmap/_core/_memory.py",
-            '    if (platform or jax.default_backend()) == "cpu":\n'
+            '    if (platform or default_platform()) == "cpu":\n'
             "        return temp\n",
             "    return temp\n",
         ),
@@ -704,8 +704,8 @@ MUTANTS = {
     "curvature: a leaf with no factors squares its summed cotangents": (
         (
             "chunkvmap/_dp/_curvature.py",
-            "    return jnp.sum(jnp.square(_f32(g)), 0)\n",
-            "    return jnp.square(jnp.sum(_f32(g), 0))\n",
+            "    return jnp.sum(jnp.square(f32(formed(plan, k, records, deltas, pe))), 0)\n",
+            "    return jnp.square(jnp.sum(f32(formed(plan, k, records, deltas, pe)), 0))\n",
         ),
         ["test_curvature"],
     ),
@@ -1354,6 +1354,38 @@ MUTANTS = {
             "    return jnp.dtype(jnp.float32)\n",
         ),
         ["test_statistics", "test_reductions"],
+    ),
+    "ekfac: rotated without the input basis": (
+        (
+            "chunkvmap/_dp/_ekfac.py",
+            '        g = jnp.einsum("...ij,...ik->...jk", q_in, g)\n',
+            "        g = g\n",
+        ),
+        ["test_ekfac"],
+    ),
+    "ekfac: a joined bias's row zeroed": (
+        (
+            "chunkvmap/_dp/_ekfac.py",
+            "    return jnp.concatenate([g, row], axis=-2)\n",
+            "    return jnp.concatenate([g, 0 * row], axis=-2)\n",
+        ),
+        ["test_ekfac"],
+    ),
+    "multiply_inverse: damping doubled": (
+        (
+            "chunkvmap/_dp/_ekfac.py",
+            "    r = _rotated(laid, q_in, q_out) / (values + damping)\n",
+            "    r = _rotated(laid, q_in, q_out) / (values + 2 * damping)\n",
+        ),
+        ["test_ekfac"],
+    ),
+    "multiply_inverse: a KFAC block's count ignored": (
+        (
+            "chunkvmap/_dp/_ekfac.py",
+            "    return q_in, q_out, in_vals[..., :, None] * out_vals[..., None, :] / f.count\n",
+            "    return q_in, q_out, in_vals[..., :, None] * out_vals[..., None, :]\n",
+        ),
+        ["test_ekfac"],
     ),
 }
 

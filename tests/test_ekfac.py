@@ -36,12 +36,15 @@ def _check_blocks(name, got, expected, rtol=1e-4):
         np.testing.assert_allclose(mine, block, rtol=rtol, atol=rtol * scale)
 
 
+_NAMES = ["mlp", "tokens", "scanned", "conv-NHWC", "conv-NCHW", "embedding",
+          "attention-layernorm"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "name",
-    ["mlp", "tokens", "scanned", "conv-NHWC", "conv-NCHW", "embedding",
-     "attention-layernorm"],
-)  # fmt: skip
-def test_ekfac_matches_the_eigen_corrected_blocks_built_by_hand(name):
+    "name, method",
+    [(name, "vmap") for name in _NAMES] + [(name, "ghost") for name in _NAMES],
+)
+def test_ekfac_matches_the_eigen_corrected_blocks_built_by_hand(name, method):
     """Each product weight's block (a joined bias its last input row; a scanned
     stack's one block per layer) equals the oracle's; every other leaf keeps
     `kfac_factors`' diagonal and a joined bias is None. N = 5 in chunks of 2."""
@@ -49,7 +52,9 @@ def test_ekfac_matches_the_eigen_corrected_blocks_built_by_hand(name):
     cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
     biased = BIASED.get(name, {})
     expected = ekfac_by_hand(tapped, params, x, cots, biased=biased)
-    got = ekfac_factors(model, likelihood="categorical", batch_size=2)(params, x)
+    got = ekfac_factors(model, likelihood="categorical", batch_size=2, method=method)(
+        params, x
+    )
     _check_blocks(name, got, expected)
     kfac = cv.kfac_factors(model, likelihood="categorical", batch_size=2)(params, x)
     for leaf in params:
@@ -72,10 +77,12 @@ def test_ekfac_fisher_types(likelihood, fisher, samples):
     labels = _labels(likelihood, model, params, x, jax.random.key(8))
     cots = _cotangents(likelihood, fisher, model, params, x, labels, key, samples)
     expected = ekfac_by_hand(tapped, params, x, cots, biased=BIASED["tokens"])
-    got = ekfac_factors(
-        model, likelihood=likelihood, fisher=fisher, samples=samples, batch_size=3
-    )(params, x, **_call_args(fisher, labels, key))
-    _check_blocks("tokens", got, expected)
+    for method in ("vmap", "ghost"):
+        got = ekfac_factors(
+            model, likelihood=likelihood, fisher=fisher, samples=samples,
+            batch_size=3, method=method,
+        )(params, x, **_call_args(fisher, labels, key))  # fmt: skip
+        _check_blocks("tokens", got, expected)
 
 
 def test_ekfac_eager_jitted_sharded_and_uneven_agree():
@@ -85,12 +92,16 @@ def test_ekfac_eager_jitted_sharded_and_uneven_agree():
     x = jnp.concatenate([x, x[:3] * 0.5, x[:5] - 0.25])  # 13 examples
     one = ekfac_factors(model, likelihood="categorical")(params, x)
     mesh = make_mesh((8,), ("data",))
+    ghost = dict(likelihood="categorical", method="ghost")
     for f in (
         ekfac_factors(model, likelihood="categorical", batch_size=3),
         jax.jit(ekfac_factors(model, likelihood="categorical", batch_size=3)),
         ekfac_factors(
             model, likelihood="categorical", batch_size=1, shard=True, mesh=mesh
         ),
+        ekfac_factors(model, batch_size=4, **ghost),
+        jax.jit(ekfac_factors(model, batch_size=4, **ghost)),
+        ekfac_factors(model, batch_size=1, shard=True, mesh=mesh, **ghost),
     ):
         got = f(params, x)
         for leaf, factor in got.items():
@@ -179,14 +190,17 @@ def test_equinox_and_flax_models():
     model = lambda m, x: m(x)  # noqa: E731
     cots = _cotangents("categorical", "exact", model, mlp, x, None, None, 1)
     expected = ekfac_by_hand(tapped, mlp, x, cots, biased={"l0", "l1"})
-    got = ekfac_factors(model, likelihood="categorical", batch_size=3)(mlp, x)
-    for i in range(2):
-        weight = got.layers[i].weight
-        assert weight.axes == ((), (1,), (0,))  # (out, in) weights
-        np.testing.assert_allclose(
-            ekfac_block(weight), expected[f"l{i}"], rtol=1e-4, atol=1e-5
-        )
-        assert got.layers[i].bias is None
+    for method in ("ghost", "vmap"):
+        got = ekfac_factors(
+            model, likelihood="categorical", batch_size=3, method=method
+        )(mlp, x)
+        for i in range(2):
+            weight = got.layers[i].weight
+            assert weight.axes == ((), (1,), (0,))  # (out, in) weights
+            np.testing.assert_allclose(
+                ekfac_block(weight), expected[f"l{i}"], rtol=1e-4, atol=1e-5
+            )
+            assert got.layers[i].bias is None
     g = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(mlp)
     solved = multiply_inverse(got, g, damping=0.5)
     vec = np.concatenate(
@@ -220,12 +234,15 @@ def test_equinox_and_flax_models():
 
     cots = _cotangents("categorical", "exact", apply, variables, x, None, None, 1)
     expected = ekfac_by_hand(tapped_linen, variables, x, cots, biased={"d0", "d1"})
-    got = ekfac_factors(apply, likelihood="categorical", batch_size=2)(variables, x)
-    for i in range(2):
-        np.testing.assert_allclose(
-            ekfac_block(got["params"][f"Dense_{i}"]["kernel"]),
-            expected[f"d{i}"], rtol=1e-4, atol=1e-5,
-        )  # fmt: skip
+    for method in ("ghost", "vmap"):
+        got = ekfac_factors(
+            apply, likelihood="categorical", batch_size=2, method=method
+        )(variables, x)
+        for i in range(2):
+            np.testing.assert_allclose(
+                ekfac_block(got["params"][f"Dense_{i}"]["kernel"]),
+                expected[f"d{i}"], rtol=1e-4, atol=1e-5,
+            )  # fmt: skip
 
 
 def test_errors_name_the_argument():
@@ -240,3 +257,30 @@ def test_errors_name_the_argument():
         multiply_inverse(diag, {**params, "b1": params["b1"][:2]}, damping=1.0)
     with pytest.raises(ValueError, match="likelihood must be one of"):
         ekfac_factors(model, likelihood="poisson")
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_a_changed_closure_or_parameters_are_seen(method):
+    """Eager calls of one transform: new parameters, and a model whose closed-over
+    array changed between calls, give the factors of what they hold now (a
+    transform built afresh is the reference)."""
+    params, x, _, _ = _model(MODELS["mlp"])
+    scale = [jnp.float32(1.0)]
+
+    def model(p, x):
+        h = jnp.tanh(x @ p["w1"] + p["b1"]) * scale[0]
+        return h @ p["w2"] + p["b2"]
+
+    opts = dict(likelihood="categorical", batch_size=2, method=method)
+    held = ekfac_factors(model, **opts)
+    held(params, x)
+    for change in ("params", "closure"):
+        if change == "params":
+            params = jax.tree.map(lambda a: a * 1.5, params)
+        else:
+            scale[0] = jnp.float32(0.25)
+        got, want = held(params, x), ekfac_factors(model, **opts)(params, x)
+        for leaf in ("w1", "w2"):
+            np.testing.assert_allclose(
+                ekfac_block(got[leaf]), ekfac_block(want[leaf]), rtol=1e-5, atol=1e-6
+            )

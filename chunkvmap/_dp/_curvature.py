@@ -79,7 +79,7 @@ def backward_vectors(
     """The output cotangents `(M, *f.shape)` of one example whose outer products
     sum to its curvature in the output (for `"mc"`, in expectation): `f` the
     output, `labels` its labels (`"empirical"`), `key` its PRNG key (`"mc"`)."""
-    f = jax.lax.stop_gradient(_f32(f))
+    f = jax.lax.stop_gradient(f32(f))
     if likelihood is Likelihood.GAUSSIAN:
         if fisher is Fisher.EMPIRICAL:
             return (f - labels)[None]
@@ -106,7 +106,7 @@ def backward_vectors(
     return vectors.reshape(positions * classes, *f.shape)
 
 
-class _Curvature(NamedTuple):
+class Curvature(NamedTuple):
     """A curvature call's settings, checked."""
 
     likelihood: Likelihood
@@ -349,7 +349,7 @@ def ggn_diagonal(
       Array([11.,  5.], dtype=float32)
     """
     name = "ggn_diagonal"
-    settings = _Curvature.make(name, likelihood, fisher, samples)
+    settings = Curvature.make(name, likelihood, fisher, samples)
     method = check_method(name, method)
     transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True, **options
@@ -358,7 +358,9 @@ def ggn_diagonal(
     def call(args: tuple, kwargs: dict, known: Any) -> Any:
         diff, in_axes, args, kwargs, extra = settings.prepare(transform, args, kwargs)
         if method is ghost.Method.GHOST:
-            traced = _traced(transform, name, fun, args, kwargs, diff, in_axes=in_axes)
+            traced = traced_model(
+                transform, name, fun, args, kwargs, diff, in_axes=in_axes
+            )
             quantity = traced.memo(
                 ("ggn diagonal", settings, per_example),
                 lambda: _GhostDiagonal(traced, settings, per_example),
@@ -383,7 +385,7 @@ def ggn_diagonal(
             floats = FloatLeaves(inputs[:n], diff)
             model = lambda d: fun(*floats.args_with(d), **kw)  # noqa: E731
             f, pull = jax.vjp(model, floats.diff)
-            _check_model_output(name, f)
+            check_model_output(name, f)
             grads = jax.vmap(pull)(settings.vectors(f, inputs[n:]))[0]
             squares = [[jnp.sum(jnp.square(g), 0) for g in part] for part in grads]
             return floats.trees(squares, transform.args.single)
@@ -400,7 +402,7 @@ def ggn_diagonal(
     return transform.public(call, fun)
 
 
-def _traced(transform, name, fun, args, kwargs, diff, *, in_axes) -> ghost.Traced:
+def traced_model(transform, name, fun, args, kwargs, diff, *, in_axes) -> ghost.Traced:
     """The model of one example traced, with its ghost plan (`traced_loss`, its
     output checked to be a real array)."""
     return ghost.traced_loss(
@@ -419,7 +421,7 @@ class _GhostDiagonal(Quantity):
     def made_with(self) -> tuple:
         return (self.settings, self.rows)
 
-    def __init__(self, traced: ghost.Traced, settings: _Curvature, rows: bool):
+    def __init__(self, traced: ghost.Traced, settings: Curvature, rows: bool):
         plan = traced.plan
         self.traced = traced
         self.settings, self.rows = settings, rows
@@ -427,7 +429,7 @@ class _GhostDiagonal(Quantity):
         self.outer = [_outer_product(x) for x in plan.leaves]
 
     def evaluate(self, traced: ghost.Traced, values: list, *extra: Any) -> Any:
-        plan, records, deltas, pe = _pulled(
+        plan, records, deltas, pe = pulled(
             "ggn_diagonal", traced, values, self.per_example, self.settings, extra
         )
         kept = []
@@ -435,7 +437,7 @@ class _GhostDiagonal(Quantity):
             if self.outer[k]:
                 (u,) = leaf.uses
                 acts, outs = _use_arrays(u, records, deltas)
-                a, g = _f32(acts[0]), _f32(outs[1])
+                a, g = f32(acts[0]), f32(outs[1])
                 squares = [a * a, jnp.sum(jnp.square(g), 0)]
                 kept.append(u.form.gradient(squares, leaf.shape, False, None))
                 continue
@@ -448,7 +450,7 @@ class _GhostDiagonal(Quantity):
         return [jnp.sum(x, 0) for x in kept], ()
 
 
-def _pulled(name, traced, values, per_example, settings, extra) -> tuple:
+def pulled(name, traced, values, per_example, settings, extra) -> tuple:
     """One example's plan (of the current mesh context), records, output
     gradients for each of its cotangents and per-example leaves' gradients (one
     per cotangent, leading): `Plan.pullback` once, pulled back `jax.vmap`-ed over
@@ -456,7 +458,7 @@ def _pulled(name, traced, values, per_example, settings, extra) -> tuple:
     plan, closed = traced.plan_here(values)
     outs, records, pull = plan.pullback(closed, values, per_example)
     f = outs[0]
-    _check_model_output(name, f)
+    check_model_output(name, f)
     deltas, pe = jax.vmap(pull)(settings.vectors(f, extra).astype(f.dtype))
     return plan, records, deltas, pe
 
@@ -470,18 +472,22 @@ def _use_arrays(u: Any, records: dict, deltas: dict) -> tuple[list, list]:
     return acts, outs
 
 
-def _formed_diagonal(plan: Any, k: int, records: dict, deltas: dict, pe: dict):
-    """One example's `sum_m g_m^2` of leaf `k`, its gradient formed per cotangent
-    (the per-example gradients `pe` of the leaves no rule covers, else from the
-    record's uses; zeros for a leaf not used)."""
+def formed(plan: Any, k: int, records: dict, deltas: dict, pe: dict) -> jax.Array:
+    """One example's gradient of leaf `k` per cotangent (leading): the
+    per-example gradients `pe` of the leaves no rule covers, else formed from the
+    record's uses; zeros for a leaf not used."""
     leaf = plan.leaves[k]
     if k in pe:
-        g = pe[k]
-    elif leaf.uses:
-        g = jax.vmap(lambda d: plan.instantiate(k, records, d))(deltas)
-    else:
-        g = jnp.zeros((1, *leaf.shape), leaf.dtype)
-    return jnp.sum(jnp.square(_f32(g)), 0)
+        return pe[k]
+    if leaf.uses:
+        return jax.vmap(lambda d: plan.instantiate(k, records, d))(deltas)
+    return jnp.zeros((1, *leaf.shape), leaf.dtype)
+
+
+def _formed_diagonal(plan: Any, k: int, records: dict, deltas: dict, pe: dict):
+    """One example's `sum_m g_m^2` of leaf `k`, its gradient formed per cotangent
+    (`formed`)."""
+    return jnp.sum(jnp.square(f32(formed(plan, k, records, deltas, pe))), 0)
 
 
 def _outer_product(leaf: Any) -> bool:
@@ -500,7 +506,7 @@ def _outer_product(leaf: Any) -> bool:
     )
 
 
-def _check_model_output(name: str, f: Any) -> None:
+def check_model_output(name: str, f: Any) -> None:
     if not isinstance(f, jax.Array) or not jnp.issubdtype(f.dtype, jnp.floating):
         raise TypeError(
             f"{name} fun must return the model's output of one example as one real "
@@ -661,7 +667,7 @@ def _primed(symbols: Sequence[Any]) -> list:
     return [Mark(f"{s}'") for s in symbols]
 
 
-def _f32(x: jax.Array) -> jax.Array:
+def f32(x: jax.Array) -> jax.Array:
     # (at least float32: float64 stays, also where dtype promotion is strict)
     wide = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.dtype(jnp.float32)
     return x.astype(wide)
@@ -671,7 +677,7 @@ def _gram(x: jax.Array, spec: Sequence[Any], blocks, axes) -> jax.Array:
     """`sum x x^T` over every symbol of `spec` but `blocks`, keeping `axes` (and
     their primed copies); replicated where the mesh has Explicit axes (an axis
     `x` is sharded over cannot shard both copies)."""
-    x = _f32(x)
+    x = f32(x)
     primed = _primed(axes)
     spec2 = tuple(primed[axes.index(s)] if s in axes else s for s in spec)
     out = (*blocks, *axes, *primed)
@@ -701,7 +707,7 @@ def _rows_grams(form: RowsForm, layout: Any, arrays: tuple) -> tuple:
     )
     mask = valid[:, None]  # (examples, cotangent, positions, ...)
     mask = mask.reshape(mask.shape + (1,) * (delta.ndim - mask.ndim))
-    d = jnp.where(mask, _f32(delta), 0)
+    d = jnp.where(mask, f32(delta), 0)
     spec = (Mark("example"), Mark("cotangent"), *form.specs[2])
     return counts, _gram(d, spec, layout.blocks, layout.outputs)
 
@@ -715,7 +721,7 @@ class _KFAC(Quantity):
     def made_with(self) -> tuple:
         return (self.settings, self.variant)
 
-    def __init__(self, traced: ghost.Traced, settings: _Curvature, variant: Variant):
+    def __init__(self, traced: ghost.Traced, settings: Curvature, variant: Variant):
         plan = traced.plan
         self.traced = traced
         self.settings, self.variant = settings, variant
@@ -732,7 +738,7 @@ class _KFAC(Quantity):
         """One example's activations once and output gradients per cotangent
         (`Plan.pullback`, by the plan of the current mesh context), kept as each
         leaf's factors need them."""
-        plan, records, deltas, pe = _pulled(
+        plan, records, deltas, pe = pulled(
             "kfac_factors", traced, values, self.per_example, self.settings, extra
         )
         kept = []
@@ -801,11 +807,11 @@ class _KFAC(Quantity):
             if self.variant is Variant.EXPAND:
                 inputs = inputs + _gram(a, spec_a, blocks, ins)
                 outputs = outputs + _gram(d, spec_d, blocks, outs)
-                a_sum = a_sum + jnp.einsum(_equation([spec_a], ins), _f32(a))
+                a_sum = a_sum + jnp.einsum(_equation([spec_a], ins), f32(a))
                 count += a.shape[0] * _positions(u.form)
             else:
-                a_sum = a_sum + jnp.einsum(_equation([spec_a], keep_a), _f32(a))
-                outputs = outputs + jnp.einsum(_equation([spec_d], keep_d), _f32(d))
+                a_sum = a_sum + jnp.einsum(_equation([spec_a], keep_a), f32(a))
+                outputs = outputs + jnp.einsum(_equation([spec_d], keep_d), f32(d))
                 count += _positions(u.form)
         if self.variant is Variant.REDUCE:
             mean = a_sum / count
@@ -913,7 +919,7 @@ def kfac_factors(
              [1., 1.]], dtype=float32)
     """
     name = "kfac_factors"
-    settings = _Curvature.make(name, likelihood, fisher, samples)
+    settings = Curvature.make(name, likelihood, fisher, samples)
     variant = check_choice(name, "variant", variant, Variant)
     transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True, **options
@@ -921,7 +927,7 @@ def kfac_factors(
 
     def call(args: tuple, kwargs: dict, known: Any) -> Any:
         diff, in_axes, args, kwargs, extra = settings.prepare(transform, args, kwargs)
-        traced = _traced(transform, name, fun, args, kwargs, diff, in_axes=in_axes)
+        traced = traced_model(transform, name, fun, args, kwargs, diff, in_axes=in_axes)
         quantity = traced.memo(
             ("kfac", settings, variant), lambda: _KFAC(traced, settings, variant)
         )

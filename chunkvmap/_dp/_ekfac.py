@@ -32,13 +32,19 @@ import jax.numpy as jnp
 from .._core._accumulators import Fold, compose
 from .._core._options import Chunking, decorator_form, takes
 from .._transforms._grads import FloatLeaves, grad_transform
+from . import ghost
+from ._clipping import check_method
 from ._curvature import (
+    Curvature,
     Kronecker,
-    _check_model_output,
-    _Curvature,
-    _f32,
+    check_model_output,
+    f32,
+    formed,
     kfac_factors as _kfac_factors,
+    pulled,
+    traced_model,
 )
+from ._records import Quantity, over_chunks
 
 
 @functools.partial(
@@ -143,6 +149,7 @@ def ekfac_factors(
     samples: int = 1,
     variant: str = "expand",
     batch_argnums: int | Sequence[int] | None = None,
+    method: str = "vmap",
     **options: Unpack[Chunking],
 ) -> Callable[..., Any]:
     """EK-FAC's eigenvalue-corrected Kronecker factors of every dense,
@@ -160,6 +167,12 @@ def ekfac_factors(
     basis: the same diagonal); a bias joined to its weight is None; a leaf whose
     uses split one of its axes (`Kronecker.axes` None) gets its diagonal.
 
+    With `method="ghost"` the second pass reads the model's program as
+    `kfac_factors` does: each example is evaluated once, its record pulled back
+    per cotangent, and only the rotated weights' gradients are formed, from
+    their uses (`method="vmap"`: every leaf's gradient, by `jax.vjp` per
+    cotangent).
+
     The returned function takes `fun`'s arguments and `labels=` or `key=` (see
     `ggn_diagonal`), and returns a tree like the differentiated arguments: per
     leaf an `EigenKronecker`, the diagonal, or None.
@@ -173,6 +186,8 @@ def ekfac_factors(
       variant: KFAC's "expand" or "reduce", for the bases (see `kfac_factors`).
       batch_argnums: the arguments holding the examples (default: every argument
         not in `argnums`).
+      method: "vmap" or "ghost", for the second pass (see above; the first is
+        `kfac_factors`', which reads the program either way).
       batch_size: examples per chunk (None: all at once; "auto": the largest that
         fits `memory_limit`).
       shard: spread the examples over the devices of `mesh` (see `batch_vmap`).
@@ -197,7 +212,8 @@ def ekfac_factors(
              [4.]], dtype=float32)
     """
     name = "ekfac_factors"
-    settings = _Curvature.make(name, likelihood, fisher, samples)
+    settings = Curvature.make(name, likelihood, fisher, samples)
+    method = check_method(name, method)
     kfac = _kfac_factors(
         fun, argnums, likelihood=likelihood, fisher=fisher, samples=samples,
         variant=variant, batch_argnums=batch_argnums, **options,
@@ -211,10 +227,11 @@ def ekfac_factors(
         diff, in_axes, args, kwargs, extra = settings.prepare(transform, args, kwargs)
         found = _diff_factors(factors, args, diff)
         bases = [_bases(f) if _rotatable(f) else None for f in found]
-        sums = _second_moments(
-            transform, fun, settings, found, (args, kwargs, extra, bases),
-            (diff, in_axes, known),
-        )  # fmt: skip
+        data, how = (args, kwargs, extra, bases), (diff, in_axes, known)
+        if method is ghost.Method.GHOST:
+            sums = _ghost_moments(transform, fun, settings, found, data, how)
+        else:
+            sums = _second_moments(transform, fun, settings, found, data, how)
         out = []
         for f, b, s in zip(found, bases, sums):
             if b is not None:
@@ -239,27 +256,21 @@ def _second_moments(transform, fun, settings, found, data, how) -> list:
     diagonal) where its factors' axes are unknown, else None."""
     args, kwargs, extra, bases = data
     diff, in_axes, known = how
-    wanted = [_rotatable(f) or isinstance(f, Kronecker) for f in found]
+    layouts = _layouts(found)
     n, m = len(args), len(extra)
 
     def example(*inputs: Any, **kw: Any) -> Any:
         floats = FloatLeaves(inputs[:n], diff)
         model = lambda d: fun(*floats.args_with(d), **kw)  # noqa: E731
         f, pull = jax.vjp(model, floats.diff)
-        _check_model_output(transform.name, f)
+        check_model_output(transform.name, f)
         vectors = settings.vectors(f, inputs[n : n + m]).astype(f.dtype)
         grads = [g for part in jax.vmap(pull)(vectors)[0] for g in part]
-        out = []
-        for k, (factor, basis) in enumerate(zip(found, inputs[n + m])):
-            if not wanted[k]:
-                out.append(None)
-            elif basis is None:  # (axes unknown: the diagonal)
-                out.append(jnp.sum(jnp.square(_f32(grads[k])), 0))
-            else:
-                bias = grads[factor.bias] if factor.bias is not None else None
-                g = _laid_out(_f32(grads[k]), factor.axes, 1, bias)
-                out.append(jnp.sum(jnp.square(_rotated(g, *basis)), 0))
-        return out
+        bases = inputs[n + m]
+        return [
+            None if m is False else _rotated_squares(m, bases[k], grads, k)
+            for k, m in enumerate(layouts)
+        ]
 
     axes = (*in_axes, *settings.extra_axes(), None)
     total = Fold(jnp.add, lambda out: jax.tree.map(lambda x: jnp.sum(x, 0), out))
@@ -267,6 +278,75 @@ def _second_moments(transform, fun, settings, found, data, how) -> list:
         example, (*args, *extra, bases), kwargs, axes, 0, known=known,
         accumulator=compose(total),
     )  # fmt: skip
+
+
+def _rotated_squares(layout: Any, basis: Any, grads: Any, k: int) -> Any:
+    """One example's `sum_m (Q_in^T G_m Q_out)^2` of leaf `k` from its gradients
+    per cotangent (`grads`, by leaf; `layout` its factors' `(axes, bias)`), or
+    `sum_m G_m^2` where `basis` is None."""
+    if basis is None:  # (axes unknown: the diagonal)
+        return jnp.sum(jnp.square(f32(grads[k])), 0)
+    axes, bias = layout
+    bias = None if bias is None else f32(grads[bias])
+    g = _laid_out(f32(grads[k]), axes, 1, bias)
+    return jnp.sum(jnp.square(_rotated(g, *basis)), 0)
+
+
+def _layouts(found: list) -> tuple:
+    """Per leaf: its factors' `(axes, bias)` where rotated, True where its
+    factors' axes are unknown (its diagonal is summed), else False (static: a
+    program's key holds them, never the factors' arrays)."""
+    return tuple(
+        (f.axes, f.bias) if _rotatable(f) else isinstance(f, Kronecker) for f in found
+    )
+
+
+class _GhostMoments(Quantity):
+    """EK-FAC's second pass from the examples' ghost records: each example
+    evaluated once and its record pulled back per cotangent (`Plan.pullback`),
+    the rotated weights' gradients (and their joined biases') formed from their
+    uses, rotated and squared."""
+
+    def made_with(self) -> tuple:
+        return (self.settings, self.meta)
+
+    def __init__(self, traced: ghost.Traced, settings: Curvature, meta: tuple):
+        self.traced, self.settings, self.meta = traced, settings, meta
+        self.per_example = traced.plan.with_rule(ghost.PER_EXAMPLE)
+
+    def evaluate(self, traced: ghost.Traced, values: list, *extra: Any) -> Any:
+        *extra, bases = extra
+        plan, records, deltas, pe = pulled(
+            "ekfac_factors", traced, values, self.per_example, self.settings, extra
+        )
+        needed = {k for k, m in enumerate(self.meta) if m is not False}
+        needed |= {m[1] for m in self.meta if isinstance(m, tuple) and m[1] is not None}
+        grads = {k: formed(plan, k, records, deltas, pe) for k in needed}
+        return [
+            None if m is False else _rotated_squares(m, bases[k], grads, k)
+            for k, m in enumerate(self.meta)
+        ]
+
+    def chunk(self, kept: Any) -> tuple[Any, Any]:
+        return [None if x is None else jnp.sum(x, 0) for x in kept], ()
+
+
+def _ghost_moments(transform, fun, settings, found, data, how) -> list:
+    """`_second_moments` by the model's ghost records (`_GhostMoments`)."""
+    args, kwargs, extra, bases = data
+    diff, in_axes, known = how
+    traced = traced_model(
+        transform, transform.name, fun, args, kwargs, diff, in_axes=in_axes
+    )
+    meta = _layouts(found)
+    quantity = traced.memo(
+        ("ekfac", settings, meta), lambda: _GhostMoments(traced, settings, meta)
+    )
+    sums, _ = over_chunks(
+        transform, traced, quantity, args, in_axes, kwargs, known=known,
+        extra=[*extra, bases], extra_axes=[*settings.extra_axes(), None],
+    )  # fmt: skip
+    return sums
 
 
 def multiply_inverse(factors: Any, grads: Any, *, damping: float) -> Any:
@@ -350,7 +430,7 @@ def _eigen(f: Kronecker | EigenKronecker) -> tuple:
 
 def _solve_block(f: Any, g: jax.Array, bias: Any, damping: float) -> tuple:
     q_in, q_out, values = _eigen(f)
-    laid = _laid_out(_f32(g), f.axes, 0, None if bias is None else _f32(bias))
+    laid = _laid_out(f32(g), f.axes, 0, None if bias is None else f32(bias))
     r = _rotated(laid, q_in, q_out) / (values + damping)
     if q_in is not None:
         r = jnp.einsum("...ij,...jk->...ik", q_in, r)

@@ -41,7 +41,7 @@ from .._transforms._grads import (
     grad_transform,
 )
 from . import _clipping, ghost
-from ._curvature import Kronecker, _f32
+from ._curvature import Kronecker, f32
 from ._records import Quantity, over_chunks
 from .ghost._forms import EinsumForm, Mark, RowsForm, _equation
 
@@ -68,7 +68,7 @@ def projected_size(shape: Sequence[int], dim: int) -> int:
 
 def project(g: jax.Array, matrices: Sequence[jax.Array | None]) -> jax.Array:
     """`g` (one leaf's gradient) contracted axis by axis with `matrices`, flattened."""
-    g = _f32(g)
+    g = f32(g)
     for j, p in enumerate(matrices):
         if p is not None:  # (the projected axis takes the contracted one's place)
             g = jnp.moveaxis(jnp.tensordot(g, p.astype(g.dtype), ([j], [0])), -1, j)
@@ -158,7 +158,7 @@ def _form_projection(
             operands.append(m.reshape(-1, m.shape[-1])[0])
             specs.append((_out_symbol(j),))
         out.append(_out_symbol(j))
-    operands = [_f32(a) for a in operands]
+    operands = [f32(a) for a in operands]
     wide = max((a.dtype for a in operands), key=lambda d: d.itemsize)  # (f64 data)
     operands = [a.astype(wide) for a in operands]
     return jnp.einsum(_equation(specs, out), *operands, optimize="optimal").reshape(-1)
@@ -500,7 +500,7 @@ def _sandwich(factor: jax.Array, sizes: Sequence[int], mats: Sequence[Any]) -> A
     """`P^T F P` for `F` (`(..., n, n)`, `n` the product of `sizes`) and `P` the
     Kronecker product of `mats` (None: an axis kept whole)."""
     lead = factor.shape[:-2]
-    f = _f32(factor).reshape(*lead, *sizes, *sizes)
+    f = f32(factor).reshape(*lead, *sizes, *sizes)
     for j, p in enumerate(mats):
         if p is not None:
             for axis in (len(lead) + j, len(lead) + len(sizes) + j):
@@ -538,7 +538,7 @@ def _kronecker_whitening(
             f"{where}: its block axes {blocks} have more than dim entries; a larger "
             "dim keeps them whole."
         )
-    inputs = _f32(entry.inputs)
+    inputs = f32(entry.inputs)
     if entry.bias is not None:  # (its joined bias is preconditioned on its own)
         inputs = inputs[..., :-1, :-1]
     if inputs.ndim == len(blocks) + 1:  # an embedding's counts: the diagonal
@@ -595,7 +595,7 @@ def _diagonal_whitening(
     letters = "abcdefghijklmnopqrstuvwxyz"
     r = len(shape)
     idx, left, right = letters[:r], letters[r : 2 * r], letters[2 * r : 3 * r]
-    operands, specs = [_f32(jnp.asarray(diagonal))], [idx]
+    operands, specs = [f32(jnp.asarray(diagonal))], [idx]
     for j, (d, p) in enumerate(zip(shape, mats)):
         p = jnp.eye(d, dtype=jnp.float32) if p is None else p
         operands += [p, p]
