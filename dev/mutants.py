@@ -1387,6 +1387,22 @@ MUTANTS = {
         ),
         ["test_ekfac"],
     ),
+    "projections: EK-FAC whitening without its eigenvalues": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            '    half = jnp.einsum("...aj,...cj,...jl->...acl", u, u, values)\n',
+            '    half = jnp.einsum("...aj,...cj,...jl->...acl", u, u, 1 + 0 * values)\n',
+        ),
+        ["test_ekfac"],
+    ),
+    "projections: an EK-FAC joined bias's basis row not squared": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            '        w = jnp.einsum("j,jl->l", f32(weight.input_basis[-1]) ** 2, weight.eigenvalues)\n',
+            '        w = jnp.einsum("j,jl->l", f32(weight.input_basis[-1]), weight.eigenvalues)\n',
+        ),
+        ["test_ekfac"],
+    ),
 }
 
 

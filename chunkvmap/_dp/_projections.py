@@ -42,6 +42,7 @@ from .._transforms._grads import (
 )
 from . import _clipping, ghost
 from ._curvature import Kronecker, f32
+from ._ekfac import EigenKronecker
 from ._records import Quantity, over_chunks
 from .ghost._forms import EinsumForm, Mark, RowsForm, _equation
 
@@ -286,11 +287,13 @@ def per_example_grad_projections(
     examples, whose rows are projected first; the `N` rows are then scored chunk
     by chunk as they are made, never held together.
 
-    With `precondition=factors` (`kfac_factors`' result for the same parameters;
-    a leaf may hold a diagonal instead), the rows are whitened leaf by leaf:
-    each leaf's part is multiplied by `(H + lambda I)^(-1/2)`, where `H = P^T F
-    P` is the leaf's KFAC block `F = kron(inputs, outputs) / count` (block by
-    block; a joined bias's is its weight's `outputs`; a diagonal's `diag(D)`)
+    With `precondition=factors` (`kfac_factors`' or `ekfac_factors`' result for
+    the same parameters; a leaf may hold a diagonal instead), the rows are
+    whitened leaf by leaf: each leaf's part is multiplied by `(H + lambda
+    I)^(-1/2)`, where `H = P^T F P` is the leaf's KFAC block `F = kron(inputs,
+    outputs) / count` or EK-FAC block (formed densely in the projected space;
+    block by block; a joined bias's is its weight's `outputs`, or its row of
+    the EK-FAC block; a diagonal's `diag(D)`)
     seen through the leaf's projection `P`, and `lambda` is `damping` (default
     0.1) times the mean eigenvalue of `H`. Inner products of whitened rows are
     the projected gradients' inner products in the inverse curvature
@@ -563,13 +566,82 @@ def _kronecker_whitening(
 
 
 def _bias_whitening(
-    weight: Kronecker, shape: Sequence[int], mats: Sequence[Any], damping: float
+    weight: Any, shape: Sequence[int], mats: Sequence[Any], damping: float
 ) -> Callable[[Any], Any]:
-    """A bias joined to `weight`'s factors: its block is the weight's `outputs /
-    count` times the last entry of `inputs`, which is `count` (the activations'
-    entry 1, summed), projected; the weight-bias cross terms are left out."""
-    g = _sandwich(weight.outputs, shape, mats)
+    """A bias joined to `weight`'s factors, its block projected (the weight-bias
+    cross terms left out): for KFAC's, the weight's `outputs / count` times the
+    last entry of `inputs`, which is `count` (the activations' entry 1, summed);
+    for EK-FAC's, `Q_out diag(sum_j Q_in[-1, j]^2 eigenvalues[j]) Q_out^T`."""
+    if isinstance(weight, EigenKronecker):
+        w = jnp.einsum("j,jl->l", f32(weight.input_basis[-1]) ** 2, weight.eigenvalues)
+        q = f32(weight.output_basis)
+        g = _sandwich((q * w[None, :]) @ q.T, shape, mats)
+    else:
+        g = _sandwich(weight.outputs, shape, mats)
     return _dense_whitening(g, damping)
+
+
+def _projected_rows(q: jax.Array, sizes: Sequence[int], mats: Sequence[Any]) -> Any:
+    """`P^T q` for `q` (`(..., n, m)`, `n` the product of `sizes`) and `P` the
+    Kronecker product of `mats` (None: an axis kept whole)."""
+    lead, m = q.shape[:-2], q.shape[-1]
+    q = f32(q).reshape(*lead, *sizes, m)
+    for j, p in enumerate(mats):
+        if p is not None:
+            axis = len(lead) + j
+            q = jnp.moveaxis(jnp.tensordot(q, p, ([axis], [0])), -1, axis)
+    return q.reshape(*lead, -1, m)
+
+
+def _eigen_whitening(
+    entry: EigenKronecker, shape: Sequence[int], mats: Sequence[Any], damping: float,
+    where: str,
+) -> Callable[[Any], Any]:  # fmt: skip
+    """A leaf's projected gradient to `(H + lambda)^(-1/2)` of it, `H = P^T F P`
+    of its EK-FAC block `F = K diag(vec(eigenvalues)) K^T` (`K = Q_in x Q_out`;
+    a joined bias's row left out), formed densely per block from `U = P_in^T
+    Q_in` and `V = P_out^T Q_out`: `H = sum_jl eigenvalues[j, l] (U_j x
+    V_l)(U_j x V_l)^T`."""
+    if entry.axes is None:
+        raise ValueError(f"{where}: its uses split a leaf axis between the factors.")
+    blocks, ins, outs = entry.axes
+    if any(mats[j] is not None for j in blocks):
+        raise ValueError(
+            f"{where}: its block axes {blocks} have more than dim entries; a larger "
+            "dim keeps them whole."
+        )
+    values = f32(entry.eigenvalues)
+    if entry.input_basis is None:  # an embedding: the identity
+        n_in = values.shape[-2]
+        q_in = jnp.broadcast_to(
+            jnp.eye(n_in, dtype=values.dtype), (*values.shape[:-2], n_in, n_in)
+        )
+    else:
+        q_in = f32(entry.input_basis)
+    if entry.bias is not None:  # (its joined bias is preconditioned on its own)
+        q_in = q_in[..., :-1, :]
+    u = _projected_rows(q_in, [shape[j] for j in ins], [mats[j] for j in ins])
+    v = _projected_rows(
+        f32(entry.output_basis), [shape[j] for j in outs], [mats[j] for j in outs]
+    )
+    half = jnp.einsum("...aj,...cj,...jl->...acl", u, u, values)
+    h = jnp.einsum("...acl,...bl,...dl->...abcd", half, v, v)
+    k_in, k_out = u.shape[-2], v.shape[-2]
+    h = h.reshape(*h.shape[:-4], k_in * k_out, k_in * k_out)
+    s, vecs = jnp.linalg.eigh((h + jnp.swapaxes(h, -1, -2)) / 2)
+    scale = _inverse_root(s.reshape(-1), damping).reshape(s.shape)
+    kept = [min(d, m.shape[1]) if m is not None else d for d, m in zip(shape, mats)]
+    order = (*blocks, *ins, *outs)
+    grouped = (*[kept[j] for j in blocks], k_in * k_out)
+
+    def whiten(x: jax.Array) -> jax.Array:
+        x = x.reshape(kept).transpose(order).reshape(grouped)
+        x = jnp.einsum("...ij,...i->...j", vecs, x) * scale
+        x = jnp.einsum("...ij,...j->...i", vecs, x)
+        x = x.reshape([kept[j] for j in order])
+        return x.transpose(np.argsort(order)).reshape(-1)
+
+    return whiten
 
 
 DENSE_LIMIT = 8192  # the projected size up to which a diagonal is whitened densely
@@ -633,13 +705,15 @@ def _whitening(
     joined = {  # a joined bias's position -> its weight's
         e.bias: k
         for k, e in enumerate(entries)
-        if isinstance(e, Kronecker) and e.bias is not None
+        if isinstance(e, (Kronecker, EigenKronecker)) and e.bias is not None
     }
     maps = []
     for k, (entry, shape) in enumerate(zip(entries, shapes)):
         where = f"{name} precondition, differentiated leaf {k} of shape {shape}"
         if isinstance(entry, Kronecker):
             maps.append(_kronecker_whitening(entry, shape, mats[k], damping, where))
+        elif isinstance(entry, EigenKronecker):
+            maps.append(_eigen_whitening(entry, shape, mats[k], damping, where))
         elif entry is None and k in joined:
             maps.append(_bias_whitening(entries[joined[k]], shape, mats[k], damping))
         elif entry is None:
