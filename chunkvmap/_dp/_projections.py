@@ -551,18 +551,31 @@ def _kronecker_whitening(
     (sa, ua), (sg, ug) = jnp.linalg.eigh(a), jnp.linalg.eigh(g / entry.count)
     values = jnp.maximum(sa, 0)[..., :, None] * jnp.maximum(sg, 0)[..., None, :]
     scale = _inverse_root(values.reshape(-1), damping).reshape(values.shape)
-    kept = [min(d, m.shape[1]) if m is not None else d for d, m in zip(shape, mats)]
-    order = (*blocks, *ins, *outs)
-    grouped = (*[kept[j] for j in blocks], a.shape[-1], g.shape[-1])
+    to, back = _regrouped(shape, mats, entry.axes, (a.shape[-1], g.shape[-1]))
 
     def whiten(x: jax.Array) -> jax.Array:
-        x = x.reshape(kept).transpose(order).reshape(grouped)
-        x = jnp.swapaxes(ua, -1, -2) @ x @ ug
-        x = ua @ (x * scale) @ jnp.swapaxes(ug, -1, -2)
+        x = jnp.swapaxes(ua, -1, -2) @ to(x) @ ug
+        return back(ua @ (x * scale) @ jnp.swapaxes(ug, -1, -2))
+
+    return whiten
+
+
+def _regrouped(shape, mats, axes, tail) -> tuple:
+    """A leaf's projected part (flat) to its `(blocks, inputs, outputs)` axes
+    grouped as `(*blocks, *tail)`, and back."""
+    blocks, ins, outs = axes
+    kept = [min(d, m.shape[1]) if m is not None else d for d, m in zip(shape, mats)]
+    order = (*blocks, *ins, *outs)
+    grouped = (*[kept[j] for j in blocks], *tail)
+
+    def to(x: jax.Array) -> jax.Array:
+        return x.reshape(kept).transpose(order).reshape(grouped)
+
+    def back(x: jax.Array) -> jax.Array:
         x = x.reshape([kept[j] for j in order])
         return x.transpose(np.argsort(order)).reshape(-1)
 
-    return whiten
+    return to, back
 
 
 def _bias_whitening(
@@ -630,16 +643,11 @@ def _eigen_whitening(
     h = h.reshape(*h.shape[:-4], k_in * k_out, k_in * k_out)
     s, vecs = jnp.linalg.eigh((h + jnp.swapaxes(h, -1, -2)) / 2)
     scale = _inverse_root(s.reshape(-1), damping).reshape(s.shape)
-    kept = [min(d, m.shape[1]) if m is not None else d for d, m in zip(shape, mats)]
-    order = (*blocks, *ins, *outs)
-    grouped = (*[kept[j] for j in blocks], k_in * k_out)
+    to, back = _regrouped(shape, mats, entry.axes, (k_in * k_out,))
 
     def whiten(x: jax.Array) -> jax.Array:
-        x = x.reshape(kept).transpose(order).reshape(grouped)
-        x = jnp.einsum("...ij,...i->...j", vecs, x) * scale
-        x = jnp.einsum("...ij,...j->...i", vecs, x)
-        x = x.reshape([kept[j] for j in order])
-        return x.transpose(np.argsort(order)).reshape(-1)
+        x = jnp.einsum("...ij,...i->...j", vecs, to(x)) * scale
+        return back(jnp.einsum("...ij,...j->...i", vecs, x))
 
     return whiten
 
