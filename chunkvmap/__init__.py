@@ -35,6 +35,12 @@ from ._dp._statistics import (
     per_example_grad_norms as per_example_grad_norms,
     per_example_grad_stats as per_example_grad_stats,
 )
+from ._dp._store import (
+    GradientStore as GradientStore,
+    TopK as TopK,
+    build_store as build_store,
+    load_store as load_store,
+)
 from ._dp.ghost import GhostReport as GhostReport, ghost_report as ghost_report
 from ._transforms._batch_map import batch_map as batch_map
 from ._transforms._batch_vmap import batch_vmap as batch_vmap
@@ -58,12 +64,15 @@ __all__ = [
     "GhostFallbackWarning",
     "GhostReport",
     "GradStats",
+    "GradientStore",
     "Kronecker",
+    "TopK",
     "batch_jacfwd",
     "batch_jacrev",
     "batch_map",
     "batch_vectorize",
     "batch_vmap",
+    "build_store",
     "clipped_grad",
     "clipped_grad_sum",
     "ekfac_factors",
@@ -72,6 +81,7 @@ __all__ = [
     "identity",
     "kfac_factors",
     "last_batch_size",
+    "load_store",
     "multiply_inverse",
     "per_example_grad_gram",
     "per_example_grad_norms",

@@ -1403,6 +1403,38 @@ MUTANTS = {
         ),
         ["test_ekfac"],
     ),
+    "store: opponents ranked as proponents": (
+        (
+            "chunkvmap/_dp/_store.py",
+            "    low, low_i = keep(low, low_i, -s)\n",
+            "    low, low_i = keep(low, low_i, s)\n",
+        ),
+        ["test_store"],
+    ),
+    "store: a resumed build starts over": (
+        (
+            "chunkvmap/_dp/_store.py",
+            "    for b, start in enumerate(range(done, n, write_size)):\n",
+            "    for b, start in enumerate(range(0, n, write_size)):\n",
+        ),
+        ["test_store"],
+    ),
+    "store: cosine without the stored rows' norms": (
+        (
+            "chunkvmap/_dp/_store.py",
+            "        s = s / jnp.maximum(norms, 1e-30)[None, :]\n",
+            "        s = s\n",
+        ),
+        ["test_store"],
+    ),
+    "store: a query by other parameters accepted": (
+        (
+            "chunkvmap/_dp/_store.py",
+            '        if fingerprint(params) != cfg["params"]:\n',
+            "        if False:\n",
+        ),
+        ["test_store"],
+    ),
 }
 
 
