@@ -310,3 +310,28 @@ def test_the_chip_suites_resume_runs_failures_again(tmp_path):
         "tests/a.py::one", "tests/a.py::three", "tests/a.py::four"
     }  # fmt: skip
     assert runner.finished(tmp_path / "missing.txt") == set()
+
+
+def test_lds_benchmark_runs_every_method():
+    """`benchmarks/bench_lds.py` at tiny sizes: a table row per method, each LDS a
+    correlation (in [-1, 1])."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_lds", GPU.parent / "bench_lds.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    parser_args = bench.argparse.Namespace(
+        train=40, test=6, models=6, steps=20, dims=[4], ensemble_batch=4,
+        damping=0.1, out=None,
+    )  # fmt: skip
+    text = bench.run(parser_args)
+    rows = [r for r in text.splitlines() if r.startswith("| ") and "method" not in r]
+    names = [r.split("|")[1].strip() for r in rows]
+    assert names == [
+        "grad dot", "grad cosine", "KFAC influence (exact)",
+        "EK-FAC influence (exact)", "TRAK-style projected (dim 4)",
+        "KFAC influence (dim 4)", "EK-FAC influence (dim 4)",
+    ]  # fmt: skip
+    for r in rows:
+        assert -1.0 <= float(r.split("|")[2]) <= 1.0, r
