@@ -137,7 +137,8 @@ def test_a_preconditioned_store_scores_influence(tmp_path):
     rows = np.asarray(project(params, *data, precondition=factors, damping=0.2))
     q = np.asarray(project(params, *queries, precondition=factors, damping=0.2))
     np.testing.assert_allclose(store.rows, rows, rtol=1e-5, atol=1e-6)
-    _check(store.query(loss, params, *queries, k=4, precondition=factors), rows @ q.T, 4)
+    got = store.query(loss, params, *queries, k=4, precondition=factors)
+    _check(got, rows @ q.T, 4)
     with pytest.raises(ValueError, match="precondition= that is not the one"):
         store.query(loss, params, *queries)
 
@@ -170,8 +171,8 @@ def test_sharded_ghost_build_and_an_equinox_model_holding_a_function(tmp_path):
 def test_progress_counts_the_blocks(tmp_path):
     params, _, loss, data, _ = _setup()
     calls = []
-    cv.build_store(tmp_path, loss, params, *data, dim=4, write_size=10,
-                   progress=lambda done, total: calls.append((done, total)))  # fmt: skip
+    report = lambda done, total: calls.append((done, total))  # noqa: E731
+    cv.build_store(tmp_path, loss, params, *data, dim=4, write_size=10, progress=report)
     assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
 
 
