@@ -1435,6 +1435,14 @@ MUTANTS = {
         ),
         ["test_store"],
     ),
+    "projections: per position, every position's gradient the summed loss's": (
+        (
+            "chunkvmap/_dp/_projections.py",
+            "        eye = jnp.eye(value.size, dtype=value.dtype).reshape(value.size, *value.shape)\n",
+            "        eye = jnp.ones((value.size, value.size), value.dtype).reshape(value.size, *value.shape)\n",
+        ),
+        ["test_store"],
+    ),
 }
 
 

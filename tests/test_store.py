@@ -200,3 +200,65 @@ def test_errors_name_what_differs(tmp_path):
         cv.load_store(tmp_path / "nothing")
     with pytest.raises(TypeError, match="progress must be"):
         cv.build_store(tmp_path / "e", loss, params, *data, dim=4, progress=3)
+
+
+def _sequence_setup(n=9, t=5):
+    k = jax.random.split(jax.random.key(3), 4)
+    params = {"emb": jax.random.normal(k[0], (7, 4)) / 2,
+              "w": jax.random.normal(k[1], (4, 7)) / 2}  # fmt: skip
+
+    def token_losses(p, tokens, targets):  # one loss per position
+        h = jnp.tanh(p["emb"][tokens])
+        return -jnp.take_along_axis(
+            jax.nn.log_softmax(h @ p["w"]), targets[:, None], axis=1
+        )[:, 0]
+
+    def loss(p, tokens, targets):
+        return jnp.sum(token_losses(p, tokens, targets))
+
+    tokens = jax.random.randint(k[2], (n, t), 0, 7)
+    targets = jax.random.randint(k[3], (n, t), 0, 7)
+    return params, token_losses, loss, (tokens, targets)
+
+
+def test_per_position_rows_are_each_positions_projected_gradient():
+    """`per_position=True`: an `(N, T, K)` array, each position's row the
+    projection of that position's loss's gradient (`jax.jacrev` per example,
+    projected as defined), summing to the row of the summed loss; N = 9 in
+    chunks of 4."""
+    from .helpers import projected_rows
+
+    params, token_losses, loss, data = _sequence_setup()
+    rows = cv.per_example_grad_projections(
+        token_losses, dim=3, per_position=True, batch_size=4
+    )(params, *data)
+    jac = jax.vmap(jax.jacrev(token_losses), (None, 0, 0))(params, *data)
+    flat = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), jac)
+    want = np.asarray(projected_rows(flat, 3)).reshape(rows.shape)
+    np.testing.assert_allclose(rows, want, rtol=1e-5, atol=1e-6)
+    summed = cv.per_example_grad_projections(loss, dim=3)(params, *data)
+    np.testing.assert_allclose(rows.sum(1), summed, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="per_position=True forms each position"):
+        cv.per_example_grad_projections(token_losses, per_position=True, method="ghost")
+    with pytest.raises(TypeError, match="per_position=True scores no other="):
+        cv.per_example_grad_projections(token_losses, dim=3, per_position=True)(
+            params, *data, other=(params, *data)
+        )
+
+
+def test_a_store_queried_token_by_token(tmp_path):
+    """A store of whole sequences (the summed loss) queried per position: each
+    query token's proponents and opponents among the training sequences, as the
+    per-position rows' inner products with the store's rows rank them."""
+    params, token_losses, loss, data = _sequence_setup(n=23)
+    queries = jax.tree.map(lambda a: a[:3], _sequence_setup(n=3)[3])
+    store = cv.build_store(tmp_path, loss, params, *data, dim=3, write_size=10)
+    got = store.query(token_losses, params, *queries, k=4, per_position=True,
+                      read_size=7)  # fmt: skip
+    assert got.proponents.shape == (3, 5, 4)
+    q = cv.per_example_grad_projections(token_losses, dim=3, per_position=True)(
+        params, *queries
+    )
+    scores = np.asarray(q).reshape(15, -1) @ np.asarray(store.rows).T
+    flat = cv.TopK(*(a.reshape(15, 4) for a in got))
+    _check(flat, scores.T, 4)

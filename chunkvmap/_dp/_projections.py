@@ -257,6 +257,7 @@ def per_example_grad_projections(
     has_aux: bool = False,
     *,
     batch_argnums: int | Sequence[int] | None = None,
+    per_position: bool = False,
     dim: int = 16,
     seed: int = 0,
     method: str = "vmap",
@@ -309,6 +310,14 @@ def per_example_grad_projections(
     gradient of those leaves is formed. Other leaves are formed and projected, as
     `method="vmap"` does for all of them.
 
+    With `per_position=True` (per-token attribution), `fun` returns one loss per
+    position of the example (an array, such as a sequence model's per-token
+    losses) and each example's row is one row per position: `(N, *positions,
+    K)`, the projections of each position's loss's gradient (one backward pass
+    per position, by `jax.vjp`; their sum over the positions is the row of the
+    summed loss). It forms each position's gradient (`method="vmap"`) and scores
+    no `other=` batch (`GradientStore.query(per_position=True)` scores a store).
+
     Args:
       fun: the loss of one example (a real scalar, or `(scalar, aux)` with
         `has_aux`).
@@ -316,6 +325,7 @@ def per_example_grad_projections(
       has_aux: whether `fun` returns `(loss, aux)`; aux is stacked per example.
       batch_argnums: the arguments holding the examples (default: every argument
         not in `argnums`).
+      per_position: one row per position of `fun`'s (array) output.
       dim: the size each projected axis is reduced to.
       seed: the projection's seed.
       method: "vmap" (each chunk's gradients formed, then projected) or "ghost".
@@ -347,34 +357,20 @@ def per_example_grad_projections(
              [0. , 0. ]], dtype=float32)
     """
     name = "per_example_grad_projections"
-    check_bool(name, "has_aux", has_aux)
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-        raise TypeError(f"{name} dim must be a positive int, but got dim={dim!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"{name} seed must be an int, but got seed={seed!r}.")
-    method = _clipping.check_method(name, method)
-    if similarity not in SIMILARITIES:
-        raise ValueError(
-            f"{name} similarity must be one of {SIMILARITIES}, but got "
-            f"similarity={similarity!r}."
-        )
+    method = _checked(
+        name, has_aux=has_aux, dim=dim, seed=seed, method=method,
+        similarity=similarity, per_position=per_position,
+    )  # fmt: skip
     transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True, **options
     )
 
     def rows_of(args: tuple, kwargs: dict, known: Any, post: Any) -> tuple:
+        call = dict(args=args, kwargs=kwargs, known=known, post=post)
+        if per_position:
+            return _positions(transform, fun, dim=dim, seed=seed, **call), None
         return _rows(
-            transform,
-            fun,
-            name,
-            has_aux,
-            dim=dim,
-            seed=seed,
-            method=method,
-            args=args,
-            kwargs=kwargs,
-            known=known,
-            post=post,
+            transform, fun, name, has_aux, dim=dim, seed=seed, method=method, **call
         )
 
     def call(args: tuple, kwargs: dict, known: _cache.Known) -> Any:
@@ -388,6 +384,11 @@ def per_example_grad_projections(
                     f"{name} other must be a tuple of fun's positional arguments "
                     f"for the other examples, but got {type(other).__name__}."
                 )
+            if per_position:
+                raise TypeError(
+                    f"{name} per_position=True scores no other= batch: score its "
+                    f"rows, or query a store (GradientStore.query)."
+                )
             rows = rows_of(other, kwargs, _axes.NOTHING_KNOWN, whiten)[0]
             score = _scorer(rows, cosine=similarity == "cosine")
             post = score if whiten is None else lambda row: score(whiten(row))
@@ -395,6 +396,29 @@ def per_example_grad_projections(
         return (result, aux) if has_aux else result
 
     return transform.public(call, fun)
+
+
+def _checked(name, *, has_aux, dim, seed, method, similarity, per_position) -> Any:
+    """`per_example_grad_projections`' options checked; its method."""
+    check_bool(name, "has_aux", has_aux)
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise TypeError(f"{name} dim must be a positive int, but got dim={dim!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{name} seed must be an int, but got seed={seed!r}.")
+    method = _clipping.check_method(name, method)
+    check_bool(name, "per_position", per_position)
+    if per_position and (method is ghost.Method.GHOST or has_aux):
+        raise TypeError(
+            f"{name} per_position=True forms each position's gradient: it takes "
+            f"method='vmap' and no has_aux, but got method={method.value!r}, "
+            f"has_aux={has_aux}."
+        )
+    if similarity not in SIMILARITIES:
+        raise ValueError(
+            f"{name} similarity must be one of {SIMILARITIES}, but got "
+            f"similarity={similarity!r}."
+        )
+    return method
 
 
 def _preconditioner(
@@ -476,6 +500,38 @@ def _rows(
             known=known,
         )
     return rows, aux
+
+
+def _positions(
+    transform: Transform, fun: Any, *, dim: int, seed: int, args: tuple,
+    kwargs: dict, known: Any, post: Any,
+) -> Any:  # fmt: skip
+    """Each example's rows, one per position of `fun`'s output: the projections of
+    each position's gradient (`post` of each, where given)."""
+    diff, in_axes = transform.resolve(args)
+    args = differentiable_floats(args, diff, in_axes)
+    n = len(args)
+
+    def example(*inputs: Any, **kw: Any) -> Any:
+        floats = FloatLeaves(inputs[:n], diff)
+        value, pull = jax.vjp(lambda d: fun(*floats.args_with(d), **kw), floats.diff)
+        if not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+            raise TypeError(
+                f"{transform.name} per_position=True needs fun to return real "
+                f"per-position losses, but it returns {jax.typeof(value)}."
+            )
+        eye = jnp.eye(value.size, dtype=value.dtype).reshape(value.size, *value.shape)
+        leaves = [g for part in jax.vmap(pull)(eye)[0] for g in part]
+        mats = leaf_matrices([g.shape[1:] for g in leaves], dim, seed)
+
+        def row(*gs: Any) -> Any:
+            r = jnp.concatenate([project(g, m) for g, m in zip(gs, mats)])
+            return r if post is None else post(r)
+
+        rows = jax.vmap(row)(*leaves)
+        return rows.reshape(*value.shape, *rows.shape[1:])
+
+    return transform.map(example, args, kwargs, in_axes, 0, known=known)
 
 
 def _formed(

@@ -134,6 +134,7 @@ class GradientStore:
         similarity: str = "dot",
         precondition: Any = None,
         read_size: int = 4096,
+        per_position: bool = False,
         **options: Any,
     ) -> TopK:
         """Each query's `k` proponents and opponents among the store's examples.
@@ -145,7 +146,45 @@ class GradientStore:
         inner products (with whitened rows, influence), `"cosine"` the inner
         products over both norms. Raises where `params` or `precondition` are
         not those the store was built with, or the queries' shapes are not the
-        training examples'."""
+        training examples'.
+
+        With `per_position=True` (per-token attribution), `loss` returns one
+        loss per position of a query and each position is a query of its own
+        (`per_example_grad_projections(per_position=True)`): the results are
+        `(queries, *positions, k)`."""
+        cfg = self.config
+        self._check_query(params, queries, k=k, similarity=similarity,
+                          precondition=precondition)  # fmt: skip
+        method = "vmap" if per_position else cfg["method"]
+        project = per_example_grad_projections(
+            loss, dim=cfg["dim"], seed=cfg["seed"], method=method,
+            per_position=per_position, **options,
+        )  # fmt: skip
+        extra = _precondition_kwargs(precondition, cfg)
+        q = jnp.asarray(project(params, *queries, **extra), jnp.float32)
+        lead = q.shape[:-1]
+        q = q.reshape(-1, q.shape[-1])
+        if q.shape[1] != cfg["width"]:
+            raise ValueError(
+                f"GradientStore.query projected the queries to {q.shape[1]} "
+                f"columns, but the store's rows have {cfg['width']}: loss is not "
+                f"the one the store was built with."
+            )
+        k = min(k, len(self))
+        cosine = similarity == "cosine"
+        if cosine:
+            q = q / jnp.maximum(jnp.linalg.norm(q, axis=1, keepdims=True), 1e-30)
+        best = _start(q.shape[0], k)
+        for start in range(0, len(self), read_size):
+            block = to_device(self.rows[start : start + read_size])
+            best = _merge(best, block, q, jnp.int32(start), cosine)
+        top, top_i, low, low_i = (
+            np.asarray(a).reshape(*lead, k) for a in jax.device_get(best)
+        )
+        return TopK(top_i, top, low_i, -low)
+
+    def _check_query(self, params, queries, *, k, similarity, precondition) -> None:
+        """A query's options, and that it asks of the rows the store holds."""
         cfg = self.config
         if similarity not in ("dot", "cosine"):
             raise ValueError(
@@ -168,33 +207,12 @@ class GradientStore:
                 f"store at {self.path} was built with (its rows are whitened by "
                 f"that one, or by none)."
             )
-        n_q, spec = _data_spec(queries)
+        _, spec = _data_spec(queries)
         if spec != cfg["data"]:
             raise ValueError(
                 f"GradientStore.query got queries of per-example shapes and dtypes "
                 f"{spec}, but the store's examples have {cfg['data']}."
             )
-        project = per_example_grad_projections(
-            loss, dim=cfg["dim"], seed=cfg["seed"], method=cfg["method"], **options
-        )
-        extra = _precondition_kwargs(precondition, cfg)
-        q = jnp.asarray(project(params, *queries, **extra), jnp.float32)
-        if q.shape[1] != cfg["width"]:
-            raise ValueError(
-                f"GradientStore.query projected the queries to {q.shape[1]} "
-                f"columns, but the store's rows have {cfg['width']}: loss is not "
-                f"the one the store was built with."
-            )
-        k = min(k, len(self))
-        cosine = similarity == "cosine"
-        if cosine:
-            q = q / jnp.maximum(jnp.linalg.norm(q, axis=1, keepdims=True), 1e-30)
-        best = _start(n_q, k)
-        for start in range(0, len(self), read_size):
-            block = to_device(self.rows[start : start + read_size])
-            best = _merge(best, block, q, jnp.int32(start), cosine)
-        top, top_i, low, low_i = jax.device_get(best)
-        return TopK(top_i, top, low_i, -low)
 
 
 def to_device(block: np.ndarray) -> jax.Array:
