@@ -1443,6 +1443,22 @@ MUTANTS = {
         ),
         ["test_store"],
     ),
+    "ekfac ghost: the records' rotated gradient 1% too large": (
+        (
+            "chunkvmap/_dp/_ekfac.py",
+            "    return jnp.sum(jnp.square(total), 0)\n",
+            "    return jnp.sum(jnp.square(1.01 * total), 0)\n",
+        ),
+        ["test_ekfac"],
+    ),
+    "ekfac ghost: a joined bias's activation left out": (
+        (
+            "chunkvmap/_dp/_ekfac.py",
+            "            a = a + row.reshape(*lead, *([1] * len(pos_a)), row.shape[-1])\n",
+            "            a = a\n",
+        ),
+        ["test_ekfac"],
+    ),
 }
 
 

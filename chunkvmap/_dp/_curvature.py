@@ -436,7 +436,7 @@ class _GhostDiagonal(Quantity):
         for k, leaf in enumerate(plan.leaves):
             if self.outer[k]:
                 (u,) = leaf.uses
-                acts, outs = _use_arrays(u, records, deltas)
+                acts, outs = use_arrays(u, records, deltas)
                 a, g = f32(acts[0]), f32(outs[1])
                 squares = [a * a, jnp.sum(jnp.square(g), 0)]
                 kept.append(u.form.gradient(squares, leaf.shape, False, None))
@@ -463,7 +463,7 @@ def pulled(name, traced, values, per_example, settings, extra) -> tuple:
     return plan, records, deltas, pe
 
 
-def _use_arrays(u: Any, records: dict, deltas: dict) -> tuple[list, list]:
+def use_arrays(u: Any, records: dict, deltas: dict) -> tuple[list, list]:
     """Use `u`'s form arrays: built with the first cotangent (for the arrays of
     the activations, which no cotangent changes), and with each (leading)."""
     one = jax.tree.map(lambda d: d[0], deltas[u.path])
@@ -759,7 +759,7 @@ class _KFAC(Quantity):
         cotangent, leading)."""
         kept = []
         for u in leaf.uses:
-            acts, outs = _use_arrays(u, records, deltas)
+            acts, outs = use_arrays(u, records, deltas)
             if isinstance(u.form, RowsForm):
                 kept.append((acts[0], acts[1], outs[2]))
                 continue

@@ -43,8 +43,10 @@ from ._curvature import (
     kfac_factors as _kfac_factors,
     pulled,
     traced_model,
+    use_arrays,
 )
 from ._records import Quantity, over_chunks
+from .ghost._forms import EinsumForm, LeafAxis, Mark, _equation
 
 
 @functools.partial(
@@ -319,16 +321,70 @@ class _GhostMoments(Quantity):
         plan, records, deltas, pe = pulled(
             "ekfac_factors", traced, values, self.per_example, self.settings, extra
         )
-        needed = {k for k, m in enumerate(self.meta) if m is not False}
-        needed |= {m[1] for m in self.meta if isinstance(m, tuple) and m[1] is not None}
+        # rotated from the records: a leaf whose every use is a product's form
+        # (its activations and output gradients rotated, then contracted)
+        by_records = {
+            k
+            for k, m in enumerate(self.meta)
+            if isinstance(m, tuple)
+            and all(isinstance(u.form, EinsumForm) for u in plan.leaves[k].uses)
+        }
+        needed = {k for k, m in enumerate(self.meta) if m is not False} - by_records
+        needed |= {
+            m[1]
+            for k, m in enumerate(self.meta)
+            if isinstance(m, tuple) and m[1] is not None and k not in by_records
+        }
         grads = {k: formed(plan, k, records, deltas, pe) for k in needed}
         return [
-            None if m is False else _rotated_squares(m, bases[k], grads, k)
+            None
+            if m is False
+            else _record_squares(plan.leaves[k], m, bases[k], records, deltas)
+            if k in by_records
+            else _rotated_squares(m, bases[k], grads, k)
             for k, m in enumerate(self.meta)
         ]
 
     def chunk(self, kept: Any) -> tuple[Any, Any]:
         return [None if x is None else jnp.sum(x, 0) for x in kept], ()
+
+
+def _record_squares(leaf: Any, layout: tuple, basis: tuple, records, deltas) -> Any:
+    """One example's `sum_m (Q_in^T G_m Q_out)^2` of a leaf whose every use is a
+    product's form `(activation, output gradient)`: each use's activations and
+    output gradients rotated into the bases first (a joined bias's activation 1
+    its last input), then contracted over their positions, summed over the uses
+    and squared. (Never the gradient in the leaf's own basis: `T (n_in^2 +
+    n_out^2 + n_in n_out)` per use rather than `n_in n_out (n_in + n_out)`.)"""
+    (blocks, ins, outs), bias = layout
+    q_in, q_out = basis
+    shape = leaf.shape
+    b_sym, i_sym, o_sym = ([LeafAxis(a) for a in g] for g in (blocks, ins, outs))
+    cot, i2, o2 = Mark("cotangent"), Mark("in'"), Mark("out'")
+    lead = [shape[a] for a in blocks]
+    q_a = q_in[..., :-1, :] if bias is not None else q_in
+    q_a = f32(q_a).reshape(*lead, *[shape[a] for a in ins], q_a.shape[-1])
+    q_d = f32(q_out).reshape(*lead, *[shape[a] for a in outs], q_out.shape[-1])
+    total = 0
+    for u in leaf.uses:
+        acts, outs_ = use_arrays(u, records, deltas)
+        spec_a, spec_d = tuple(u.form.specs[0]), (cot, *u.form.specs[1])
+        pos_a = [s for s in spec_a if s not in b_sym and s not in i_sym]
+        pos_d = [s for s in spec_d[1:] if s not in b_sym and s not in o_sym]
+        out_a, out_d = (*b_sym, *pos_a, i2), (cot, *b_sym, *pos_d, o2)
+        a = jnp.einsum(
+            _equation([spec_a, (*b_sym, *i_sym, i2)], out_a), f32(acts[0]), q_a
+        )
+        if bias is not None:  # the bias's activation: 1 at every position
+            row = f32(q_in[..., -1, :])
+            a = a + row.reshape(*lead, *([1] * len(pos_a)), row.shape[-1])
+        d = jnp.einsum(
+            _equation([spec_d, (*b_sym, *o_sym, o2)], out_d), f32(outs_[1]), q_d
+        )
+        total = total + jnp.einsum(
+            _equation([out_a, out_d], (cot, *b_sym, i2, o2)), a, d
+        )
+    return jnp.sum(jnp.square(total), 0)
 
 
 def _ghost_moments(transform, fun, settings, found, data, how) -> list:
