@@ -335,3 +335,25 @@ def test_lds_benchmark_runs_every_method():
     ]  # fmt: skip
     for r in rows:
         assert -1.0 <= float(r.split("|")[2]) <= 1.0, r
+
+
+def test_attribution_scale_benchmark_runs():
+    """`benchmarks/bench_attribution_scale.py --quick`: every row measured, and the
+    EK-FAC program's temporaries the same at N and 4N."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_attribution_scale", GPU.parent / "bench_attribution_scale.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.argparse.Namespace(quick=True, n=8, batch=4, repeats=1, out=None)
+    import jax
+
+    # (the benchmark's model is written the ordinary way: rank promotion)
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+        text = bench.run(args)
+    for name in ("non-private step", "ekfac_factors", "build_store"):
+        assert f"| {name}" in text, text
+    (row,) = [r for r in text.splitlines() if r.startswith("| ekfac_factors (ghost) |")]
+    small, large = (float(c) for c in row.strip("|").split("|")[1:])
+    assert small == large, row

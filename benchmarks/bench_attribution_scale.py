@@ -1,0 +1,151 @@
+"""Attribution at scale: EK-FAC factors and a gradient store of a GPT-style LM
+(10M+ parameters by default), memory against N and time per example against the
+non-private step.
+
+The LM of `_dp_models.py` (token and position embeddings, pre-norm blocks, an
+untied head) at vocabulary 4096, width 384, 4 blocks, 32 positions. For each
+method, in chunks of `--batch` sequences:
+
+* `non-private step`: `jax.grad` of the mean next-token loss over the N
+  sequences, chunked by `batch_vmap` (the reference cost per example);
+* `ekfac_factors` (Monte-Carlo Fisher, one label per position, `method="ghost"`):
+  both passes, the eigendecompositions included;
+* `build_store` (`dim=16`, `method="ghost"`, whitened by those factors): the
+  rows written to a memmap.
+
+Memory: XLA's compiled temporaries of the jitted EK-FAC call (lowered and
+compiled, not run) at N and 4N: flat in N is the claim. Time: the median of
+`--repeats` interleaved runs after a warm-up, per example, and its ratio to the
+non-private step's.
+
+    python benchmarks/bench_attribution_scale.py --n 256 --batch 16 --repeats 2 \
+        --out benchmarks/results/attribution_scale.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import machine  # noqa: E402
+from _dp_models import lm_batch, lm_logits, lm_loss, lm_params  # noqa: E402
+
+import chunkvmap as cv  # noqa: E402
+
+
+FULL = {"vocab": 4096, "width": 384, "positions": 32, "blocks": 4, "heads": 6}
+QUICK = {"vocab": 64, "width": 16, "positions": 4, "blocks": 1, "heads": 2}
+
+
+def temp_mib(f, *args) -> float:
+    compiled = jax.jit(f).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+
+def run(args) -> str:
+    cfg = QUICK if args.quick else FULL
+    rng = np.random.default_rng(0)
+    params = lm_params(rng, cfg)
+    count = sum(x.size for x in jax.tree.leaves(params))
+    heads = cfg["heads"]
+    logits = lambda p, t: lm_logits(p, t, heads)  # noqa: E731
+    loss = lambda p, t, y: lm_loss(p, t, y, heads)  # noqa: E731
+    n, b = args.n, args.batch
+    tokens, targets = lm_batch(rng, n, cfg)
+    key = jax.random.key(1)
+
+    chunked = cv.batch_vmap(loss, (None, 0, 0), batch_size=b)
+    step = jax.jit(jax.grad(lambda p, t, y: chunked(p, t, y).mean()))
+    ekfac = jax.jit(
+        cv.ekfac_factors(
+            logits, likelihood="categorical", fisher="mc", batch_size=b, method="ghost"
+        )  # fmt: skip
+    )
+    folder = Path(tempfile.mkdtemp())
+
+    def store(factors):
+        shutil.rmtree(folder, ignore_errors=True)
+        s = cv.build_store(folder, loss, params, tokens, targets, dim=16,
+                           method="ghost", precondition=factors, damping=0.1,
+                           batch_size=b, write_size=max(b, n // 2))  # fmt: skip
+        return s.rows
+
+    factors = jax.block_until_ready(ekfac(params, tokens, key=key))
+    runs = {
+        "non-private step": lambda: step(params, tokens, targets),
+        "ekfac_factors (ghost, both passes)": lambda: ekfac(params, tokens, key=key),
+        "build_store (dim 16, ghost, EK-FAC-whitened)": lambda: store(factors),
+    }
+    times = {name: [] for name in runs}
+    for name, f in runs.items():  # warm-up (compiles)
+        jax.block_until_ready(f())
+    for _ in range(args.repeats):
+        for name, f in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            times[name].append(time.perf_counter() - t0)
+    shutil.rmtree(folder, ignore_errors=True)
+    base = np.median(times["non-private step"])
+    big_tokens = jnp.concatenate([tokens] * 4)
+    mem = {
+        m: temp_mib(lambda p, t: ekfac(p, t, key=key), params, x)
+        for m, x in ((n, tokens), (4 * n, big_tokens))
+    }
+    step_mem = {
+        m: temp_mib(step, params, x, jnp.roll(x, -1, 1))
+        for m, x in ((n, tokens), (4 * n, big_tokens))
+    }
+    lines = [
+        "# Attribution at scale: EK-FAC factors and a gradient store of an LM",
+        "",
+        f"Machine: {machine()}. `python benchmarks/bench_attribution_scale.py`.",
+        "",
+        f"GPT-style LM ({count / 1e6:.2f}M parameters: vocabulary {cfg['vocab']}, "
+        f"width {cfg['width']}, {cfg['blocks']} blocks, {cfg['positions']} "
+        f"positions), N = {n} sequences in chunks of {b}; median of {args.repeats} "
+        f"interleaved runs after a warm-up.",
+        "",
+        "| method | ms per example | / non-private step |",
+        "|---|---|---|",
+        *[
+            f"| {name} | {1e3 * np.median(t) / n:.2f} | {np.median(t) / base:.2f} |"
+            for name, t in times.items()
+        ],
+        "",
+        "XLA's compiled temporaries (MiB), jitted, at N and 4N:",
+        "",
+        f"| program | N = {n} | N = {4 * n} |",
+        "|---|---|---|",
+        f"| ekfac_factors (ghost) | {mem[n]:.1f} | {mem[4 * n]:.1f} |",
+        f"| non-private step | {step_mem[n]:.1f} | {step_mem[4 * n]:.1f} |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--n", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    text = run(args)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
