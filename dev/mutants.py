@@ -1459,6 +1459,14 @@ MUTANTS = {
         ),
         ["test_ekfac"],
     ),
+    "ekfac ghost: a lookup's rotated gradient 1% too large": (
+        (
+            "chunkvmap/_dp/_ekfac.py",
+            "    return jnp.zeros((d.shape[0], size, d.shape[-1]), d.dtype).at[:, rows].add(d)\n",
+            "    return jnp.zeros((d.shape[0], size, d.shape[-1]), d.dtype).at[:, rows].add(1.01 * d)\n",
+        ),
+        ["test_ekfac"],
+    ),
 }
 
 

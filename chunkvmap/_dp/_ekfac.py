@@ -46,7 +46,7 @@ from ._curvature import (
     use_arrays,
 )
 from ._records import Quantity, over_chunks
-from .ghost._forms import EinsumForm, LeafAxis, Mark, _equation
+from .ghost._forms import EinsumForm, LeafAxis, Mark, RowsForm, _equation
 
 
 @functools.partial(
@@ -326,8 +326,7 @@ class _GhostMoments(Quantity):
         by_records = {
             k
             for k, m in enumerate(self.meta)
-            if isinstance(m, tuple)
-            and all(isinstance(u.form, EinsumForm) for u in plan.leaves[k].uses)
+            if isinstance(m, tuple) and _from_records(plan.leaves[k], m, bases[k])
         }
         needed = {k for k, m in enumerate(self.meta) if m is not False} - by_records
         needed |= {
@@ -349,6 +348,36 @@ class _GhostMoments(Quantity):
         return [None if x is None else jnp.sum(x, 0) for x in kept], ()
 
 
+def _from_records(leaf: Any, layout: tuple, basis: tuple) -> bool:
+    """Whether a leaf's rotated gradient is made from its records: every use a
+    product's form, or (an embedding, its input basis the identity) a lookup of
+    the leaf's rows."""
+    (blocks, ins, _), _ = layout
+    for u in leaf.uses:
+        if isinstance(u.form, RowsForm):
+            if blocks or basis[0] is not None or ins != (u.form.row,):
+                return False
+        elif not isinstance(u.form, EinsumForm):
+            return False
+    return True
+
+
+def _rows_rotated(u: Any, q_d: jax.Array, o_sym: list, records, deltas) -> Any:
+    """A lookup's rotated gradient per cotangent, `(cotangents, rows, n_out)`: its
+    output gradients rotated (`q_d`, over the leaf's output axes `o_sym`), masked
+    where a position reads no row, scattered to the rows they read."""
+    acts, outs = use_arrays(u, records, deltas)
+    rows, valid, delta = acts[0], acts[1], outs[2]
+    cot, o2 = Mark("cotangent"), Mark("out'")
+    spec_d = (cot, *u.form.specs[2])
+    d = jnp.einsum(
+        _equation([spec_d, (*o_sym, o2)], (cot, spec_d[1], o2)), f32(delta), q_d
+    )
+    d = jnp.where(valid[None, :, None], d, jnp.zeros((), d.dtype))
+    size = u.form.leaf_sizes()[u.form.row_symbol]
+    return jnp.zeros((d.shape[0], size, d.shape[-1]), d.dtype).at[:, rows].add(d)
+
+
 def _record_squares(leaf: Any, layout: tuple, basis: tuple, records, deltas) -> Any:
     """One example's `sum_m (Q_in^T G_m Q_out)^2` of a leaf whose every use is a
     product's form `(activation, output gradient)`: each use's activations and
@@ -362,11 +391,15 @@ def _record_squares(leaf: Any, layout: tuple, basis: tuple, records, deltas) -> 
     b_sym, i_sym, o_sym = ([LeafAxis(a) for a in g] for g in (blocks, ins, outs))
     cot, i2, o2 = Mark("cotangent"), Mark("in'"), Mark("out'")
     lead = [shape[a] for a in blocks]
-    q_a = q_in[..., :-1, :] if bias is not None else q_in
-    q_a = f32(q_a).reshape(*lead, *[shape[a] for a in ins], q_a.shape[-1])
     q_d = f32(q_out).reshape(*lead, *[shape[a] for a in outs], q_out.shape[-1])
+    if q_in is not None:
+        q_a = q_in[..., :-1, :] if bias is not None else q_in
+        q_a = f32(q_a).reshape(*lead, *[shape[a] for a in ins], q_a.shape[-1])
     total = 0
     for u in leaf.uses:
+        if isinstance(u.form, RowsForm):  # (an embedding: its rows, unrotated)
+            total = total + _rows_rotated(u, q_d, o_sym, records, deltas)
+            continue
         acts, outs_ = use_arrays(u, records, deltas)
         spec_a, spec_d = tuple(u.form.specs[0]), (cot, *u.form.specs[1])
         pos_a = [s for s in spec_a if s not in b_sym and s not in i_sym]
