@@ -529,18 +529,21 @@ def config(args, info: dict) -> dict:
 
 def scaled(cfg: dict, bytes_limit: int | None) -> dict:
     """`cfg` with its sizes scaled to a device of `bytes_limit` bytes (powers of
-    two, at least 16 examples): jax.vmap then runs out of memory within them as on
-    the device they were chosen for."""
+    two): jax.vmap then runs out of memory within them as on the device they were
+    chosen for. Each size is at least two of its workload's chunks, so that the
+    chunk loop runs at every size measured."""
     if not bytes_limit or cfg is QUICK:
         return cfg
     factor = bytes_limit / FULL_BYTES
-
-    def size(n: int) -> int:
-        return max(16, 2 ** round(math.log2(n * factor)))
-
     out = dict(cfg)
-    for key in ("sizes", "ensemble_sizes", "lm_sizes"):
-        out[key] = sorted({size(n) for n in cfg[key]})
+    for key, batch in (
+        ("sizes", "batch"), ("ensemble_sizes", "ensemble_batch"),
+        ("lm_sizes", "lm_batch"),
+    ):  # fmt: skip
+        least = 2 * cfg[batch]
+        out[key] = sorted(
+            {max(least, 2 ** round(math.log2(n * factor))) for n in cfg[key]}
+        )
     return out
 
 

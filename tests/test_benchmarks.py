@@ -137,11 +137,13 @@ def test_device_benchmark_measures_whole_sizes_until_the_frontier(monkeypatch):
 
 def test_device_benchmark_sizes_follow_the_device_memory():
     """The full sizes (for 139 GiB) scaled to a 15.75 GiB chip: powers of two, at
-    least 16; unchanged without a reported limit and for the quick sizes."""
+    least two chunks (B = 256: the loop runs at every size); unchanged without a
+    reported limit and for the quick sizes."""
     gpu = _module()
     chip = gpu.scaled(gpu.FULL, int(15.75 * 2**30))
-    assert chip["sizes"] == [128, 512, 2048, 8192]
-    assert chip["lm_sizes"] == [128, 512, 2048]
+    assert chip["sizes"] == [512, 2048, 8192]
+    assert chip["lm_sizes"] == [512, 2048]
+    assert chip["ensemble_sizes"][0] == 2 * gpu.FULL["ensemble_batch"]
     assert gpu.scaled(gpu.FULL, None) is gpu.FULL
     assert gpu.scaled(gpu.QUICK, 2**30) is gpu.QUICK
 
