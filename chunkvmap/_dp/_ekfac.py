@@ -98,10 +98,20 @@ def _rotatable(f: Any) -> bool:
     return isinstance(f, Kronecker) and f.axes is not None
 
 
+def _eigh(f: Kronecker) -> tuple:
+    """`(in_values, Q_in, out_values, Q_out)` of a leaf's KFAC factors: an
+    embedding's `inputs`, the rows' counts (a diagonal), are their own values,
+    with the identity (None) as their basis."""
+    out_vals, q_out = jnp.linalg.eigh(f.outputs)
+    if f.inputs.ndim == f.outputs.ndim - 1:
+        return f.inputs, None, out_vals, q_out
+    return (*jnp.linalg.eigh(f.inputs), out_vals, q_out)
+
+
 def _bases(f: Kronecker) -> tuple[Any, jax.Array]:
     """The eigenbases of a leaf's KFAC factors (None for a diagonal `inputs`)."""
-    q_in = None if f.inputs.ndim == f.outputs.ndim - 1 else jnp.linalg.eigh(f.inputs)[1]
-    return q_in, jnp.linalg.eigh(f.outputs)[1]
+    _, q_in, _, q_out = _eigh(f)
+    return q_in, q_out
 
 
 def _laid_out(g: jax.Array, axes: tuple, lead: int, bias: jax.Array | None) -> Any:
@@ -509,11 +519,7 @@ def _eigen(f: Kronecker | EigenKronecker) -> tuple:
             "multiply_inverse needs each Kronecker block's axes, but one has "
             "axes=None (its uses split a leaf axis)."
         )
-    out_vals, q_out = jnp.linalg.eigh(f.outputs)
-    if f.inputs.ndim == f.outputs.ndim - 1:  # an embedding: the rows' counts
-        in_vals, q_in = f.inputs, None
-    else:
-        in_vals, q_in = jnp.linalg.eigh(f.inputs)
+    in_vals, q_in, out_vals, q_out = _eigh(f)
     return q_in, q_out, in_vals[..., :, None] * out_vals[..., None, :] / f.count
 
 

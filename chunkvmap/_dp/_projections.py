@@ -589,14 +589,7 @@ def _kronecker_whitening(
     """A leaf's projected gradient to `(A' x G' + lambda)^(-1/2)` of it, with
     `A' = P_in^T inputs P_in` and `G' = P_out^T outputs P_out / count` per block,
     through their eigendecompositions."""
-    if entry.axes is None:
-        raise ValueError(f"{where}: its uses split a leaf axis between the factors.")
-    blocks, ins, outs = entry.axes
-    if any(mats[j] is not None for j in blocks):
-        raise ValueError(
-            f"{where}: its block axes {blocks} have more than dim entries; a larger "
-            "dim keeps them whole."
-        )
+    blocks, ins, outs = _block_axes(entry, mats, where)
     inputs = f32(entry.inputs)
     if entry.bias is not None:  # (its joined bias is preconditioned on its own)
         inputs = inputs[..., :-1, :-1]
@@ -632,6 +625,20 @@ def _regrouped(shape, mats, axes, tail) -> tuple:
         return x.transpose(np.argsort(order)).reshape(-1)
 
     return to, back
+
+
+def _block_axes(entry: Any, mats: Sequence[Any], where: str) -> tuple:
+    """A Kronecker or EK-FAC leaf's `(blocks, inputs, outputs)` axes, checked for
+    whitening: known, and its block axes kept whole by the projection."""
+    if entry.axes is None:
+        raise ValueError(f"{where}: its uses split a leaf axis between the factors.")
+    blocks = entry.axes[0]
+    if any(mats[j] is not None for j in blocks):
+        raise ValueError(
+            f"{where}: its block axes {blocks} have more than dim entries; a larger "
+            "dim keeps them whole."
+        )
+    return entry.axes
 
 
 def _bias_whitening(
@@ -671,14 +678,7 @@ def _eigen_whitening(
     a joined bias's row left out), formed densely per block from `U = P_in^T
     Q_in` and `V = P_out^T Q_out`: `H = sum_jl eigenvalues[j, l] (U_j x
     V_l)(U_j x V_l)^T`."""
-    if entry.axes is None:
-        raise ValueError(f"{where}: its uses split a leaf axis between the factors.")
-    blocks, ins, outs = entry.axes
-    if any(mats[j] is not None for j in blocks):
-        raise ValueError(
-            f"{where}: its block axes {blocks} have more than dim entries; a larger "
-            "dim keeps them whole."
-        )
+    blocks, ins, outs = _block_axes(entry, mats, where)
     values = f32(entry.eigenvalues)
     if entry.input_basis is None:  # an embedding: the identity
         n_in = values.shape[-2]
