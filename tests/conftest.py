@@ -136,6 +136,16 @@ def always_ghost(monkeypatch):
     monkeypatch.setattr(_plan, "_GAIN", -math.inf)
 
 
+@pytest.fixture
+def in_passes(monkeypatch):
+    """A NaN-safe clipped sum of formed gradients runs as it does on the TPU, in
+    passes (norms, then the sum as one backward pass, then the non-finite examples),
+    on every platform."""
+    from chunkvmap._dp import _clipping
+
+    monkeypatch.setattr(_clipping, "IN_PASSES", frozenset({"cpu", "tpu", "gpu"}))
+
+
 # The hostile cases' outcomes, tallied where the test reports are collected (the
 # xdist controller: the cases run on several workers), checked at the end.
 HOSTILE_OUTCOME = "hostile_outcome"  # a report's property: [entry, outcome, count]

@@ -222,6 +222,95 @@ def test_padding_examples(size):
     )
 
 
+# The NaN-safe sum in passes (`in_passes`: the TPU's program, run here on the CPU),
+# one case per row of a rotation over what a user varies: which examples are
+# non-finite (none; one; one whose finite entries overflow its squared norm; NaN
+# padding; a whole chunk; every example), how the call is made (eagerly, jitted,
+# the gradient of a function of the sum), the dtype, and where the examples live
+# (no mesh; `shard=True`; placed on an Explicit mesh; that mesh entered).
+PASS_CASES = ("finite", "nan", "overflow", "padding", "chunk", "every")
+PASS_CALLS = ("eager", "jit", "grad")
+PASS_HOLDS = ("none", "shard=True", "placed", "set_mesh")
+PASS_GRID = [
+    (PASS_CASES[k % 6], PASS_CALLS[k % 3], ("float32", "float64")[k // 6 % 2],
+     PASS_HOLDS[k % 4])
+    for k in range(12)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, call, dtype, hold", PASS_GRID)
+def test_nan_safe_sum_in_passes_matches_the_oracle(case, call, dtype, hold, in_passes):
+    """The NaN-safe clipped sum of formed gradients taken in passes (norms, then the
+    finite examples' sum as `grad sum_i c_i L_i`, then the non-finite ones formed
+    apart) equals the oracle, and so do its norms and values: N = 13 in chunks of 4
+    (16 over a mesh of 8 devices, in chunks of 1)."""
+    from .helpers import clip_and_sum
+
+    with jax.enable_x64(dtype == "float64"):
+        rng = np.random.default_rng(7)
+        mesh = make_mesh((8,), ("d",), (jax.sharding.AxisType.Explicit,))
+        n = 13 if hold in ("none", "shard=True") else 16
+        w = jnp.asarray(rng.normal(size=(3, 2)), dtype)
+        x = rng.normal(size=(n, 4)).astype(dtype)
+        x[:, 0] = np.abs(x[:, 0]) + 0.5
+        pad = np.arange(n) >= n - 3 if case == "padding" else None
+        bad = {"nan": [6], "padding": [n - 2], "chunk": [4, 5, 6, 7]}.get(case, [])
+        x[bad, 0] = 0.0  # (log 0: infinite and NaN gradient entries)
+        if case == "overflow":
+            x[6, 0] = np.finfo(dtype).max
+        if case == "every":
+            x[:, 0] = 0.0
+        x = x0 = jnp.asarray(x)
+        opts = dict(l2_clip_norm=0.7, keep_batch_dim=False, return_grad_norms=True,
+                    return_values=True)  # fmt: skip
+        opts.update(batch_size=4) if hold == "none" else opts.update(batch_size=1)
+        if hold == "shard=True":
+            opts.update(shard=True)
+        elif hold != "none":
+            opts.update(shard="d", mesh=mesh)
+        cg = clipped_grad(_nan_safe_loss, **opts)
+        flags = None if pad is None else jnp.asarray(pad)
+        if hold in ("placed", "set_mesh"):
+            put = lambda a: jax.device_put(  # noqa: E731
+                a, jax.sharding.NamedSharding(mesh, jax.P("d"))
+            )
+            x = put(x)
+            flags = None if flags is None else put(flags)
+
+        def ours(w):
+            return cg(w, x) if flags is None else cg(w, x, is_padding_example=flags)
+
+        def oracle(w):
+            grads = jax.vmap(jax.grad(_nan_safe_loss), (None, 0))(w, x0)
+            total, _ = clip_and_sum(grads, 0.7, finite_only=True, pad=pad)
+            norms = clip_and_sum(grads, 0.7)[1]  # (as they are: NaN where not finite)
+            values = jax.vmap(_nan_safe_loss, (None, 0))(w, x0)
+            if pad is not None:
+                norms, values = (
+                    jnp.where(jnp.asarray(pad), 0, v) for v in (norms, values)
+                )
+            return total, norms, values
+
+        def run(f):
+            if hold == "set_mesh":
+                with jax.set_mesh(mesh):
+                    return f()
+            return f()
+
+        tol = 1e-12 if dtype == "float64" else 1e-5
+        if call == "grad":  # of a function of the sum (finite where the sum is)
+            got = run(lambda: jax.jit(jax.grad(lambda w: jnp.sum(ours(w)[0] ** 2)))(w))
+            expected = jax.grad(lambda w: jnp.sum(oracle(w)[0] ** 2))(w)
+            tree_allclose(got, expected, rtol=100 * tol, atol=100 * tol)
+            return
+        total, aux = run(lambda: (jax.jit(ours) if call == "jit" else ours)(w))
+        expected, norms, values = oracle(w)
+        assert bool(jnp.all(jnp.isfinite(total)))
+        tree_allclose(total, expected, rtol=tol, atol=tol)
+        np.testing.assert_allclose(aux.grad_norms, norms, rtol=tol)
+        np.testing.assert_allclose(aux.values, values, rtol=tol)
+
+
 def test_nan_safe():
     """A NaN example: nan_safe zeroes its non-finite entries (the sum stays finite,
     its reported norm is NaN); without nan_safe the sum is NaN, as in jax-privacy."""

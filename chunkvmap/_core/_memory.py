@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from . import _program
 
@@ -127,6 +128,18 @@ def default_platform() -> str:
     if device is None:
         return jax.default_backend()
     return device if isinstance(device, str) else device.platform
+
+
+def call_platform(mesh: Any = None) -> str:
+    """The platform a call runs on: that of `mesh` (a call's own) or of the mesh the
+    caller entered (`jax.set_mesh`), else the default device's."""
+    if mesh is not None and hasattr(mesh, "devices"):
+        return np.asarray(mesh.devices).flat[0].platform
+    entered = jax.sharding.get_abstract_mesh()
+    device = None if entered.empty else getattr(entered, "abstract_device", None)
+    if getattr(device, "platform", None):
+        return device.platform
+    return default_platform()
 
 
 def platform_of(compiled: Any) -> str:

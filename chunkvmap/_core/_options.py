@@ -385,6 +385,11 @@ class ChunkOptions:
     def replace(self, **changes: Any) -> ChunkOptions:
         return dataclasses.replace(self, **changes)
 
+    def quiet(self) -> ChunkOptions:
+        """These options reporting no progress (a call's further passes over its
+        examples: its first pass reports)."""
+        return dataclasses.replace(self, progress=False, reporter=None)
+
     @property
     def auto(self) -> bool:
         return self.batch_size == "auto"
