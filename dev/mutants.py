@@ -939,18 +939,58 @@ MUTANTS = {
     "two passes: the second backward pass unweighted": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "            return c.astype(value.dtype) * value\n",
-            "            return value\n",
+            "        return c.astype(value.dtype) * value\n",
+            "        return value\n",
         ),
         GHOST_TESTS,
     ),
     "two passes: an example not counted keeps its own inputs": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "                pick = lambda x, y: jnp.where(real, x, y)  # noqa: E731\n",
-            "                pick = lambda x, y: x  # noqa: E731\n",
+            "            pick = lambda x, y: jnp.where(left_out, y, x)  # noqa: E731\n",
+            "            pick = lambda x, y: x  # noqa: E731\n",
         ),
         GHOST_TESTS,
+    ),
+    "passes: a left-out example keeps its weight": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "            c = jnp.where(left_out, jnp.zeros((), c.dtype), c)\n",
+            "            c = c\n",
+        ),
+        ["test_clipping", "test_padding", *GHOST_TESTS],
+    ),
+    "passes: the non-finite examples not formed apart": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "    total = jax.tree.map(lambda t, f: t + f.astype(t.dtype), total, fixed)\n",
+            "    total = total\n",
+        ),
+        ["test_clipping", "test_padding"],
+    ),
+    "passes: every example read as finite": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "        return (scale, jnp.all(jnp.stack(finite))), extras\n",
+            "        return (scale, jnp.ones((), bool)), extras\n",
+        ),
+        ["test_clipping", "test_padding"],
+    ),
+    "passes: the finite examples formed apart again": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            "        formed, (*call.args, ~fixed_out), call.kwargs,",
+            "        formed, (*call.args, fixed_out), call.kwargs,",
+        ),
+        ["test_clipping", "test_padding"],
+    ),
+    "passes: taken on the CPU too": (
+        (
+            "chunkvmap/_dp/_clipping.py",
+            'IN_PASSES = frozenset({"tpu"})\n',
+            'IN_PASSES = frozenset({"tpu", "cpu"})\n',
+        ),
+        ["test_clipping", "test_padding"],
     ),
     "two passes: nan_safe's non-finite examples not formed apart": (
         (
