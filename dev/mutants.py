@@ -1499,6 +1499,22 @@ MUTANTS = {
         ),
         ["test_ekfac"],
     ),
+    "ekfac factors=: the given factors ignored (the first pass run)": (
+        (
+            "chunkvmap/_dp/_ekfac.py",
+            '        given = kwargs.pop("factors", None)\n',
+            '        given = kwargs.pop("factors", None) and None\n',
+        ),
+        ["test_ekfac"],
+    ),
+    "ekfac factors=: the other leaves' diagonals not summed": (
+        (
+            "chunkvmap/_dp/_ekfac.py",
+            "        redo = given is not None  # (the diagonals too are these examples')\n",
+            "        redo = False\n",
+        ),
+        ["test_ekfac"],
+    ),
     "ekfac ghost: a lookup's rotated gradient 1% too large": (
         (
             "chunkvmap/_dp/_ekfac.py",

@@ -572,15 +572,18 @@ def kfac_by_hand(tapped, params, xs, cotangents, variant="expand", biased=()):
     return factors
 
 
-def ekfac_by_hand(tapped, params, xs, cotangents, biased=()):
+def ekfac_by_hand(tapped, params, xs, cotangents, biased=(), bases_from=None):
     """The oracle of `ekfac_factors`: each tapped product's dense block of the
     eigenvalue-corrected curvature, `K diag(vec(L)) K^T` with `K = kron(Q_A,
     Q_G)`, `Q_A`, `Q_G` the eigenvectors of `kfac_by_hand`'s factors (the
     identity for a diagonal `A`: an embedding's counts) and `L = sum (Q_A^T G
     Q_G)^2` over the examples and cotangents of the product's gradient `G =
     a^T g` (activations by output gradients over the positions, captured by
-    hand; a bias's row of ones joined), in float64. Returns `{name: block}`."""
-    factors = kfac_by_hand(tapped, params, xs, cotangents, biased=biased)
+    hand; a bias's row of ones joined), in float64; `bases_from`: other
+    `(xs, cotangents)` whose factors give the bases. Returns `{name: block}`."""
+    factors = kfac_by_hand(
+        tapped, params, *(bases_from or (xs, cotangents)), biased=biased
+    )
     bases = {}
     for k, (a, g, _) in factors.items():
         q_a = np.eye(len(a)) if np.allclose(a, np.diag(np.diag(a))) else None

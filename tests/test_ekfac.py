@@ -85,6 +85,67 @@ def test_ekfac_fisher_types(likelihood, fisher, samples):
         _check_blocks("tokens", got, expected)
 
 
+@pytest.mark.parametrize(
+    "name, method, given, call",
+    [
+        ("tokens", "vmap", "kfac", "eager"),
+        ("conv-NCHW", "ghost", "kfac", "jit"),
+        ("mlp", "ghost", "ekfac", "eager"),
+        ("embedding", "vmap", "ekfac", "jit"),
+        ("scanned", "ghost", "kfac", "jit"),
+        ("attention-layernorm", "vmap", "kfac", "eager"),
+    ],
+)
+def test_given_factors_give_the_bases(name, method, given, call):
+    """`factors=` fitted on other examples (the examples 1, 2, 3, 4, 0, 1: a
+    subset weighted otherwise) gives the bases: each block equals the oracle's
+    with those examples' bases and these examples' eigenvalues, and every other
+    leaf gets these examples' diagonal (one pass: the first is not run)."""
+    params, x, tapped, model = _model(MODELS[name])
+    other = x[jnp.array([1, 2, 3, 4, 0, 1])]
+    cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
+    cots_other = _cotangents(
+        "categorical", "exact", model, params, other, None, None, 1
+    )
+    biased = BIASED.get(name, {})
+    expected = ekfac_by_hand(
+        tapped, params, x, cots, biased=biased, bases_from=(other, cots_other)
+    )
+    fit = cv.kfac_factors if given == "kfac" else ekfac_factors
+    factors = fit(model, likelihood="categorical", batch_size=2)(params, other)
+    ek = ekfac_factors(model, likelihood="categorical", batch_size=2, method=method)
+    run = ek if call == "eager" else jax.jit(ek)
+    got = run(params, x, factors=factors)
+    _check_blocks(name, got, expected)
+    kfac = cv.kfac_factors(model, likelihood="categorical", batch_size=2)(params, x)
+    for leaf in params:
+        if leaf in biased.values():
+            assert got[leaf] is None
+        elif not isinstance(kfac[leaf], Kronecker):
+            np.testing.assert_allclose(got[leaf], kfac[leaf], rtol=1e-5, atol=1e-7)
+
+
+def test_given_factors_of_other_parameters_are_refused():
+    """`factors=` of another model's parameters (other shapes), a tree of another
+    structure, or a leaf's entry missing gives an error naming the argument."""
+    params, x, _, model = _model(MODELS["mlp"])
+    ek = ekfac_factors(model, likelihood="categorical", batch_size=2)
+    kfac = cv.kfac_factors(model, likelihood="categorical")(params, x)
+    weight = next(k for k, f in kfac.items() if isinstance(f, Kronecker))
+    wrong = dict(kfac)
+    wrong[weight] = Kronecker(
+        kfac[weight].inputs[:-1, :-1], kfac[weight].outputs, kfac[weight].count,
+        axes=kfac[weight].axes, bias=kfac[weight].bias,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="factors=, differentiated leaf .* inputs"):
+        ek(params, x, factors=wrong)
+    with pytest.raises(TypeError, match="factors= must be structured like"):
+        ek(params, x, factors=[kfac])
+    missing = {**kfac, weight: None}
+    with pytest.raises(ValueError, match="expected Kronecker factors.* got None"):
+        ek(params, x, factors=missing)
+
+
 def test_ekfac_eager_jitted_sharded_and_uneven_agree():
     """The same factors eagerly, under `jax.jit`, over 8 devices (N = 13: uneven
     over them and the chunks) and in one chunk."""

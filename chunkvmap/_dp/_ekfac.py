@@ -150,6 +150,70 @@ def _diff_factors(factors: Any, args: Sequence[Any], diff: Sequence[int]) -> lis
     return out
 
 
+def _given_factors(name: str, given: Any, found: list, args, diff) -> list:
+    """The factors a call was given (`factors=`: `kfac_factors`' or
+    `ekfac_factors`' result for these parameters), one entry per differentiated
+    leaf, checked against `found` (what `kfac_factors` gives for them: its
+    shapes)."""
+    what = "kfac_factors' or ekfac_factors' result for these parameters"
+    try:
+        entries = _diff_factors(given, args, diff)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} factors= must be structured like the differentiated arguments "
+            f"({what}): {e}"
+        ) from None
+    for k, (f, g) in enumerate(zip(found, entries)):
+        where = f"{name} factors=, differentiated leaf {k}"
+        if _rotatable(f):
+            ok = isinstance(g, (Kronecker, EigenKronecker)) and (g.axes, g.bias) == (
+                f.axes, f.bias
+            )  # fmt: skip
+            if ok and isinstance(g, Kronecker):
+                ok = (jnp.shape(g.inputs), jnp.shape(g.outputs)) == (
+                    f.inputs.shape, f.outputs.shape
+                )  # fmt: skip
+            elif ok:
+                ins = None if f.inputs.ndim < f.outputs.ndim else f.inputs.shape
+                ok = jnp.shape(g.output_basis) == f.outputs.shape and (
+                    ins == (None if g.input_basis is None else g.input_basis.shape)
+                )
+            expected = (
+                f"Kronecker factors of inputs {f.inputs.shape} and outputs "
+                f"{f.outputs.shape}, axes {f.axes}, bias {f.bias} (or the EK-FAC "
+                f"factors of those)"
+            )
+        elif f is None:
+            ok, expected = g is None, "None (a bias joined to its weight)"
+        else:
+            shape = getattr(f, "shape", None)
+            ok = not _is_factor(g) and jnp.shape(g) == shape
+            expected = f"a diagonal of shape {shape}"
+        if not ok:
+            raise ValueError(
+                f"{where}: expected {expected} ({what}), but got {_described(g)}."
+            )
+    return entries
+
+
+def _described(g: Any) -> str:
+    if isinstance(g, Kronecker):
+        return (
+            f"Kronecker factors of inputs {jnp.shape(g.inputs)} and outputs "
+            f"{jnp.shape(g.outputs)}, axes {g.axes}, bias {g.bias}"
+        )
+    if isinstance(g, EigenKronecker):
+        return f"EK-FAC factors of axes {g.axes}, bias {g.bias}"
+    return "None" if g is None else f"{type(g).__name__} of shape {jnp.shape(g)}"
+
+
+def _given_bases(g: Any) -> tuple:
+    """The eigenbases of a given leaf's factors (an EK-FAC leaf's own)."""
+    if isinstance(g, EigenKronecker):
+        return g.input_basis, g.output_basis
+    return _bases(g)
+
+
 @decorator_form("fun")
 @takes(Chunking)
 def ekfac_factors(
@@ -187,7 +251,12 @@ def ekfac_factors(
 
     The returned function takes `fun`'s arguments and `labels=` or `key=` (see
     `ggn_diagonal`), and returns a tree like the differentiated arguments: per
-    leaf an `EigenKronecker`, the diagonal, or None.
+    leaf an `EigenKronecker`, the diagonal, or None. With `factors=` (the result
+    of `kfac_factors` or `ekfac_factors` for the same parameters: fitted on a
+    subset of the examples, as Kronfluence allows, or at an earlier step) the
+    first pass is not run: the bases are the given factors' (an `EigenKronecker`'s
+    own, a `Kronecker`'s eigenvectors), and the eigenvalues and the other leaves'
+    diagonals are summed over these examples, in one pass.
 
     Args:
       fun: the model's output of one example, `fun(params, *example)`.
@@ -235,21 +304,33 @@ def ekfac_factors(
     )
 
     def call(args: tuple, kwargs: dict, known: Any) -> Any:
-        factors = kfac(*args, **kwargs)
+        kwargs = dict(kwargs)
+        given = kwargs.pop("factors", None)
+        if given is None:
+            factors = kfac(*args, **kwargs)
+        else:  # (its shapes alone: the pass is not run)
+            factors = jax.eval_shape(lambda a, k: kfac(*a, **k), args, kwargs)
         diff, in_axes, args, kwargs, extra = settings.prepare(transform, args, kwargs)
         found = _diff_factors(factors, args, diff)
-        bases = [_bases(f) if _rotatable(f) else None for f in found]
+        if given is not None:
+            given = _given_factors(name, given, found, args, diff)
+        bases = [
+            _given_bases(g) if given is not None and _rotatable(f)
+            else _bases(f) if _rotatable(f) else None
+            for f, g in zip(found, given or found)
+        ]  # fmt: skip
         data, how = (args, kwargs, extra, bases), (diff, in_axes, known)
+        redo = given is not None  # (the diagonals too are these examples')
         if method is ghost.Method.GHOST:
-            sums = _ghost_moments(transform, fun, settings, found, data, how)
+            sums = _ghost_moments(transform, fun, settings, found, data, how, redo)
         else:
-            sums = _second_moments(transform, fun, settings, found, data, how)
+            sums = _second_moments(transform, fun, settings, found, data, how, redo)
         out = []
         for f, b, s in zip(found, bases, sums):
             if b is not None:
                 out.append(EigenKronecker(*b, s, axes=f.axes, bias=f.bias))
             else:
-                out.append(s if isinstance(f, Kronecker) else f)
+                out.append(s if isinstance(f, Kronecker) or s is not None else f)
         floats = FloatLeaves(args, diff)
         return floats.trees(_split(out, floats), transform.args.single)
 
@@ -262,13 +343,13 @@ def _split(flat: list, floats: FloatLeaves) -> list:
     return [[next(it) for _ in part] for part in floats.diff]
 
 
-def _second_moments(transform, fun, settings, found, data, how) -> list:
+def _second_moments(transform, fun, settings, found, data, how, redo) -> list:
     """Per differentiated leaf: the rotated squares summed over the examples and
     cotangents where `found` has rotatable factors, the squared gradients (the
     diagonal) where its factors' axes are unknown, else None."""
     args, kwargs, extra, bases = data
     diff, in_axes, known = how
-    layouts = _layouts(found)
+    layouts = _layouts(found, redo)
     n, m = len(args), len(extra)
 
     def example(*inputs: Any, **kw: Any) -> Any:
@@ -304,12 +385,16 @@ def _rotated_squares(layout: Any, basis: Any, grads: Any, k: int) -> Any:
     return jnp.sum(jnp.square(_rotated(g, *basis)), 0)
 
 
-def _layouts(found: list) -> tuple:
+def _layouts(found: list, diagonals: bool = False) -> tuple:
     """Per leaf: its factors' `(axes, bias)` where rotated, True where its
-    factors' axes are unknown (its diagonal is summed), else False (static: a
-    program's key holds them, never the factors' arrays)."""
+    factors' axes are unknown or (`diagonals`) its factors are a diagonal (its
+    diagonal is summed), else False (static: a program's key holds them, never
+    the factors' arrays)."""
     return tuple(
-        (f.axes, f.bias) if _rotatable(f) else isinstance(f, Kronecker) for f in found
+        (f.axes, f.bias)
+        if _rotatable(f)
+        else isinstance(f, Kronecker) or (diagonals and f is not None)
+        for f in found
     )
 
 
@@ -430,14 +515,14 @@ def _record_squares(leaf: Any, layout: tuple, basis: tuple, records, deltas) -> 
     return jnp.sum(jnp.square(total), 0)
 
 
-def _ghost_moments(transform, fun, settings, found, data, how) -> list:
+def _ghost_moments(transform, fun, settings, found, data, how, redo) -> list:
     """`_second_moments` by the model's ghost records (`_GhostMoments`)."""
     args, kwargs, extra, bases = data
     diff, in_axes, known = how
     traced = traced_model(
         transform, transform.name, fun, args, kwargs, diff, in_axes=in_axes
     )
-    meta = _layouts(found)
+    meta = _layouts(found, redo)
     quantity = traced.memo(
         ("ekfac", settings, meta), lambda: _GhostMoments(traced, settings, meta)
     )
