@@ -10,6 +10,9 @@ method, in chunks of `--batch` sequences:
   sequences, chunked by `batch_vmap` (the reference cost per example);
 * `ekfac_factors` (Monte-Carlo Fisher, one label per position, `method="ghost"`):
   both passes, the eigendecompositions included;
+* `ekfac_factors` with `factors=`: `kfac_factors` of the first N/8 sequences
+  (`--subset`), then one pass over the N for the eigenvalues (the bases
+  fitted on a subset, as Kronfluence allows);
 * `build_store` (`dim=16`, `method="ghost"`, whitened by those factors): the
   rows written to a memmap.
 
@@ -80,10 +83,22 @@ def run(args) -> str:
                            batch_size=b, write_size=max(b, n // 2))  # fmt: skip
         return s.rows
 
+    kfac = jax.jit(
+        cv.kfac_factors(logits, likelihood="categorical", fisher="mc", batch_size=b)
+    )
+    sub = max(b, n // args.subset)
+
+    def fitted_on_a_subset():  # the bases of the first N/subset sequences
+        given = kfac(params, tokens[:sub], key=key)
+        return ekfac(params, tokens, key=key, factors=given)
+
     factors = jax.block_until_ready(ekfac(params, tokens, key=key))
     runs = {
         "non-private step": lambda: step(params, tokens, targets),
         "ekfac_factors (ghost, both passes)": lambda: ekfac(params, tokens, key=key),
+        f"ekfac_factors (ghost), bases fitted on N/{args.subset} (`factors=`)": (
+            fitted_on_a_subset
+        ),
         "build_store (dim 16, ghost, EK-FAC-whitened)": lambda: store(factors),
     }
     times = {name: [] for name in runs}
@@ -139,6 +154,10 @@ def main(argv=None) -> None:
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--subset", type=int, default=8,
+        help="the bases' row fits KFAC on N / this many sequences",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     text = run(args)
