@@ -979,8 +979,8 @@ MUTANTS = {
     "passes: the finite examples formed apart again": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "        formed, (*call.args, ~fixed_out), call.kwargs,",
-            "        formed, (*call.args, fixed_out), call.kwargs,",
+            "        formed, (*call.args, ~fix), call.kwargs,",
+            "        formed, (*call.args, fix), call.kwargs,",
         ),
         ["test_clipping", "test_padding"],
     ),

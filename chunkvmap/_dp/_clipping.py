@@ -537,6 +537,28 @@ def _formed_sums(
 IN_PASSES = frozenset({"tpu"})
 
 
+def _fixed(transform, config, call, known, evaluated, fix) -> Any:
+    """The clipped sum of the examples `fix` marks, each formed, its non-finite
+    entries zeroed and clipped as one example is, chunk by chunk: the others are
+    padding here, so a chunk holding none of them is skipped."""
+
+    def formed(*inputs: Any, **kw: Any) -> Any:
+        inputs = list(inputs)
+        pad = inputs.pop()
+        return config.prepare(evaluated(inputs, kw)[0], pad)
+
+    def chunk_sum(chunk: Any) -> Any:
+        grads, c = chunk
+        return scaled_sum(c, grads)
+
+    return transform.map(
+        formed, (*call.args, ~fix), call.kwargs, (*call.in_axes, 0), 0,
+        known=known, options=transform.options.quiet(),
+        accumulator=_accumulators.compose(Fold(jnp.add, chunk_sum)),
+        padding=len(call.args),
+    )  # fmt: skip
+
+
 def _in_passes(transform: Transform, config: Clipping, call: _ClippedCall) -> bool:
     """Whether `_formed_sums` makes a NaN-safe clipped sum in passes (`_passes`): on
     the platforms `IN_PASSES`, where each example's gradient is summed as its loss's
@@ -599,24 +621,8 @@ def _passes(transform, fun, config, call, known, evaluated) -> tuple[Any, Any]:
         floats.diff, rebuild, scales, counted, skip=padded,
     )  # fmt: skip
     total = floats.trees(sums, transform.args.single)
-    # the examples left out: formed, made safe and clipped as one example is
-    fixed_out = ~finite if call.padding is None else ~finite & ~call.padding
-
-    def chunk_sum(chunk: Any) -> Any:
-        grads, c = chunk
-        return scaled_sum(c, grads)
-
-    def formed(*inputs: Any, **kw: Any) -> Any:
-        inputs = list(inputs)
-        pad = inputs.pop()
-        return config.prepare(evaluated(inputs, kw)[0], pad)
-
-    fixed = transform.map(
-        formed, (*call.args, ~fixed_out), call.kwargs, (*call.in_axes, 0), 0,
-        known=known, options=transform.options.quiet(),
-        accumulator=_accumulators.compose(Fold(jnp.add, chunk_sum)),
-        padding=len(call.args),
-    )  # fmt: skip
+    left_out = ~finite if call.padding is None else ~finite & ~call.padding
+    fixed = _fixed(transform, config, call, known, evaluated, left_out)
     total = jax.tree.map(lambda t, f: t + f.astype(t.dtype), total, fixed)
     return total, extras
 
