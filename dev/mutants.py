@@ -1332,8 +1332,8 @@ MUTANTS = {
     "two-pass ghost: a stand-in taken where no example counts": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "            jnp.any(counted),\n",
-            "            True,\n",
+            "        jnp.any(counted),\n",
+            "        True,\n",
         ),
         ["test_padding", "test_clipping", "test_ghost"],
     ),

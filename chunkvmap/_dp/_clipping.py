@@ -618,7 +618,7 @@ def _passes(transform, fun, config, call, known, evaluated) -> tuple[Any, Any]:
 
     sums = weighted_sums(
         transform, loss, (call.args, call.in_axes, call.kwargs, known),
-        floats.diff, rebuild, scales, counted, skip=padded,
+        at=(floats.diff, rebuild), scales=scales, counted=counted, skip=padded,
     )  # fmt: skip
     total = floats.trees(sums, transform.args.single)
     left_out = ~finite if call.padding is None else ~finite & ~call.padding
@@ -628,20 +628,21 @@ def _passes(transform, fun, config, call, known, evaluated) -> tuple[Any, Any]:
 
 
 def weighted_sums(
-    transform: Transform, loss: Callable[[list, dict], Any], call: tuple,
-    params: Any, rebuild: Callable[[Any], tuple], scales: Any, counted: Any,
-    skip: bool = False,
+    transform: Transform, loss: Callable[[list, dict], Any], call: tuple, *,
+    at: tuple, scales: Any, counted: Any, skip: bool = False,
 ) -> Any:  # fmt: skip
     """`sum_i c_i G_i` as `grad sum_i c_i L_i`: one backward pass over the chunks of
     `call` (`(args, in_axes, kwargs, known)`), with the examples' clip factors
-    `scales`, differentiated at `params` (`rebuild(params)`: the call's `(args,
-    kwargs)` holding them; `loss(inputs, kwargs)`: one example's loss). An example
+    `scales`, differentiated at `params` (`at`: `(params, rebuild)`,
+    `rebuild(params)` the call's `(args, kwargs)` holding them; `loss(inputs,
+    kwargs)`: one example's loss). An example
     not `counted` (padding, or a non-finite gradient) has weight 0 and another
     example's inputs, so that no non-finite value of it meets the sum: with `skip`,
     as the loop stands in for padding (and skips the chunks of such examples
     alone); else a counted example's (`stand_in`). Where `counted` is None every
     example counts."""
     args, in_axes, kwargs, known = call
+    params, rebuild = at
     n = len(args)
     mapped = [i for i, a in enumerate(in_axes) if a is not None]
     extra, axes, stand_in = (scales,), (0,), None
@@ -1004,7 +1005,9 @@ class _GhostSums(Quantity):
             if padding is None and not self.config.nan_safe:
                 counted = None  # (every example counts: nothing stands in)
             call = (args, in_axes, kwargs, known)
-            totals = self._weighted_sums(*call, scales, counted, padding is not None)
+            totals = self._weighted_sums(
+                *call, scales=scales, counted=counted, padded=padding is not None
+            )
             if self.config.nan_safe:  # the non-finite examples, formed apart
                 skip = counted if padding is None else counted | padding
                 fixed = self._fixed_sums(*call, skip)
@@ -1013,7 +1016,7 @@ class _GhostSums(Quantity):
                 totals = [t.astype(self.config.dtype) for t in totals]
         return self.traced.grads_tree(totals, self.transform.args.single), extras
 
-    def _weighted_sums(self, args, in_axes, kwargs, known, scales, counted, padded):
+    def _weighted_sums(self, args, in_axes, kwargs, known, *, scales, counted, padded):
         """`sum_i c_i G_i` per leaf over the examples `counted` (`weighted_sums`;
         `padded`: the call's buffer has padding)."""
         traced = self.traced
@@ -1028,8 +1031,8 @@ class _GhostSums(Quantity):
         params = [flat[i] for i in traced.plan.diff_positions]
         call = (args, in_axes, kwargs, known)
         return weighted_sums(
-            self.transform, loss, call, params, rebuild, scales, counted,
-            skip=padded,
+            self.transform, loss, call, at=(params, rebuild), scales=scales,
+            counted=counted, skip=padded,
         )  # fmt: skip
 
     def _fixed_sums(self, args, in_axes, kwargs, known, skip) -> list:

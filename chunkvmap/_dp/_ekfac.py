@@ -322,9 +322,11 @@ def ekfac_factors(
         data, how = (args, kwargs, extra, bases), (diff, in_axes, known)
         redo = given is not None  # (the diagonals too are these examples')
         if method is ghost.Method.GHOST:
-            sums = _ghost_moments(transform, fun, settings, found, data, how, redo)
+            sums = _ghost_moments(transform, fun, settings, found, data, how, redo=redo)
         else:
-            sums = _second_moments(transform, fun, settings, found, data, how, redo)
+            sums = _second_moments(
+                transform, fun, settings, found, data, how, redo=redo
+            )
         out = []
         for f, b, s in zip(found, bases, sums):
             if b is not None:
@@ -343,7 +345,7 @@ def _split(flat: list, floats: FloatLeaves) -> list:
     return [[next(it) for _ in part] for part in floats.diff]
 
 
-def _second_moments(transform, fun, settings, found, data, how, redo) -> list:
+def _second_moments(transform, fun, settings, found, data, how, *, redo) -> list:
     """Per differentiated leaf: the rotated squares summed over the examples and
     cotangents where `found` has rotatable factors, the squared gradients (the
     diagonal) where its factors' axes are unknown, else None."""
@@ -515,7 +517,7 @@ def _record_squares(leaf: Any, layout: tuple, basis: tuple, records, deltas) -> 
     return jnp.sum(jnp.square(total), 0)
 
 
-def _ghost_moments(transform, fun, settings, found, data, how, redo) -> list:
+def _ghost_moments(transform, fun, settings, found, data, how, *, redo) -> list:
     """`_second_moments` by the model's ghost records (`_GhostMoments`)."""
     args, kwargs, extra, bases = data
     diff, in_axes, known = how
