@@ -349,7 +349,7 @@ def test_attribution_scale_benchmark_runs():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     args = bench.argparse.Namespace(
-        quick=True, n=8, batch=4, repeats=1, subset=2, out=None
+        quick=True, n=8, batch=4, repeats=1, subset=2, no_memory=False, out=None
     )
     import jax
 
