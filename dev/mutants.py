@@ -971,7 +971,7 @@ MUTANTS = {
     "passes: every example read as finite": (
         (
             "chunkvmap/_dp/_clipping.py",
-            "        return (scale, jnp.all(jnp.stack(finite))), extras\n",
+            "        return (scale, jnp.isfinite(sq)), extras\n",
             "        return (scale, jnp.ones((), bool)), extras\n",
         ),
         ["test_clipping", "test_padding"],

@@ -6,9 +6,12 @@ import pathlib
 import sys
 
 import jax
-import nbclient
-import nbformat
 import pytest
+
+
+# (the notebooks extra; the accelerator's machine has no Jupyter kernel to run them)
+nbclient = pytest.importorskip("nbclient", reason="needs the notebooks extra")
+nbformat = pytest.importorskip("nbformat", reason="needs the notebooks extra")
 
 
 # Everything the notebooks need is installed by `make test` (the notebooks extra); a

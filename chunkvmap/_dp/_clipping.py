@@ -593,10 +593,12 @@ def _passes(transform, fun, config, call, known, evaluated) -> tuple[Any, Any]:
         inputs = list(inputs)
         pad = inputs.pop() if padded else None
         grads, extras = evaluated(inputs, kw)
-        _, scale = config.prepare(grads, pad)
-        # (the entries' finiteness, read with the select: not a norm's own pass)
-        finite = [jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]
-        return (scale, jnp.all(jnp.stack(finite))), extras
+        # One reduction, as the unsafe sum's: where `||g||^2` is finite every entry
+        # is, and nothing is zeroed; else the example is formed apart (`_fixed`),
+        # its clip factor that of its entries made finite.
+        sq = global_sq_norm(grads)
+        scale = config.factor(_norm_of_square(sq), pad)
+        return (scale, jnp.isfinite(sq)), extras
 
     (scales, finite), extras = transform.map(
         factors, all_args, call.kwargs, all_axes, 0, known=known,
