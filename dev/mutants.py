@@ -952,6 +952,14 @@ MUTANTS = {
         ),
         GHOST_TESTS,
     ),
+    "conv: an accelerator's call laid out as the CPU's": (
+        (
+            "chunkvmap/_core/_conv.py",
+            '        if default_platform() != "cpu":\n',
+            "        if False:\n",
+        ),
+        ["test_conv"],
+    ),
     "passes: a left-out example keeps its weight": (
         (
             "chunkvmap/_dp/_clipping.py",

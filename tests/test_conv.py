@@ -43,6 +43,41 @@ def _every_kernel_laid_out(request, monkeypatch):
         monkeypatch.setattr(_conv, "_MIN_CHANNELS", 0)
 
 
+# The tests of the rewrite itself, which is XLA:CPU's: on an accelerator's machine
+# they run as CPU calls (`jax.default_device`), as a user there runs a CPU program.
+CPU_REWRITE_TESTS = {
+    "test_small_kernels_keep_their_layout",
+    "test_the_chunk_function_is_rewritten",
+    "test_sub_jaxprs",
+    "test_bfloat16_is_left_alone",
+    "test_compiled_loop_convolutions_are_canonical",
+    "test_compiled_loop_is_as_canonical_as_vmap",
+    "test_the_check_fails_on_a_plain_scan",
+}
+
+
+@pytest.fixture(autouse=True)
+def _the_rewrite_on_the_cpu(request):
+    if request.node.originalname not in CPU_REWRITE_TESTS:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def test_an_accelerator_call_is_not_rewritten(monkeypatch):
+    """Off the CPU the chunk function's convolutions are left as written (the
+    rewrite is XLA:CPU's), whatever their size."""
+    from chunkvmap._core import _conv
+
+    monkeypatch.setattr(_conv, "default_platform", lambda: "tpu")
+    case = BY_NAME["nchw2d"]
+    w, x = case.arrays(N)
+    eqns = jaxpr_eqns(jax.make_jaxpr(batch_vmap(case.f, (None, 0), batch_size=B))(w, x))
+    assert any(e.primitive.name == "conv_general_dilated" for e in eqns)
+    assert not any(e.primitive.name == "custom_jvp_call" for e in eqns)
+
+
 def close(actual, expected, rtol=1e-5):
     """Equal structure, shapes and dtypes, and values to float32 summation-order
     differences: each leaf to `rtol` relative to its largest entry (a gradient entry
