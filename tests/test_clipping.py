@@ -325,6 +325,34 @@ def test_nan_safe_sum_in_passes_matches_the_oracle(case, call, dtype, hold, in_p
         np.testing.assert_allclose(aux.values, values, rtol=tol)
 
 
+def test_nan_safe_sum_in_passes_of_a_model_holding_a_function(in_passes):
+    """An Equinox MLP passed whole (holding its activation), one example infinite:
+    the sum in passes, eager and under `eqx.filter_jit`, equals the oracle."""
+    import equinox as eqx
+
+    from .helpers import clip_and_sum
+
+    k = jax.random.split(jax.random.key(0), 3)
+    model = eqx.nn.MLP(4, 2, 8, 2, activation=jax.nn.gelu, key=k[0])
+    x = jax.random.normal(k[1], (11, 4)).at[3, 1].set(jnp.inf)
+    y = jax.random.normal(k[2], (11, 2))
+
+    def mse(m, x, y):
+        return jnp.sum((m(x) - y) ** 2)
+
+    params, static = eqx.partition(model, eqx.is_array)
+    grads = jax.vmap(
+        jax.grad(lambda p, x, y: mse(eqx.combine(p, static), x, y)), (None, 0, 0)
+    )(params, x, y)
+    expected, _ = clip_and_sum(grads, 1.0, finite_only=True)
+    cg = clipped_grad(
+        mse, l2_clip_norm=1.0, batch_argnums=(1, 2), keep_batch_dim=False,
+        batch_size=4,
+    )  # fmt: skip
+    for got in (cg(model, x, y), eqx.filter_jit(cg)(model, x, y)):
+        tree_allclose(eqx.filter(got, eqx.is_array), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_nan_safe():
     """A NaN example: nan_safe zeroes its non-finite entries (the sum stays finite,
     its reported norm is NaN); without nan_safe the sum is NaN, as in jax-privacy."""
