@@ -11,8 +11,9 @@ import sys
 GPU = pathlib.Path(__file__).parent.parent / "benchmarks" / "device.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("bench_device", GPU)
+def _module(path=GPU):
+    """The script at `path` (default `benchmarks/device.py`) as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -295,13 +296,7 @@ def test_runner_paths_benchmark_runs(tmp_path):
 def test_the_chip_suites_resume_runs_failures_again(tmp_path):
     """`dev/test_device.py --resume` leaves out what passed or was skipped, by each
     test's latest outcome: a failure (fixed since) runs again."""
-    import importlib.util
-
-    path = GPU.parents[1] / "dev" / "test_device.py"
-    spec = importlib.util.spec_from_file_location("test_device_runner", path)
-    assert spec is not None and spec.loader is not None
-    runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
+    runner = _module(GPU.parents[1] / "dev" / "test_device.py")
     log = tmp_path / "progress.txt"
     log.write_text(
         "passed tests/a.py::one\nfailed tests/a.py::two\nskipped tests/a.py::three\n"
@@ -317,12 +312,7 @@ def test_the_chip_suites_resume_runs_failures_again(tmp_path):
 def test_lds_benchmark_runs_every_method():
     """`benchmarks/bench_lds.py` at tiny sizes: a table row per method, each LDS a
     correlation (in [-1, 1])."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_lds", GPU.parent / "bench_lds.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _module(GPU.parent / "bench_lds.py")
     parser_args = bench.argparse.Namespace(
         train=40, test=6, models=6, steps=20, dims=[4], ensemble_batch=4,
         damping=0.1, out=None,
@@ -342,12 +332,7 @@ def test_lds_benchmark_runs_every_method():
 def test_attribution_scale_benchmark_runs():
     """`benchmarks/bench_attribution_scale.py --quick`: every row measured, and the
     EK-FAC program's temporaries the same at N and 4N."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_attribution_scale", GPU.parent / "bench_attribution_scale.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _module(GPU.parent / "bench_attribution_scale.py")
     args = bench.argparse.Namespace(
         quick=True, n=8, batch=4, repeats=1, subset=2, no_memory=False, out=None
     )

@@ -36,6 +36,21 @@ def _check_blocks(name, got, expected, rtol=1e-4):
         np.testing.assert_allclose(mine, block, rtol=rtol, atol=rtol * scale)
 
 
+def _check_other_leaves(got, model, params, x, biased):
+    """A joined bias is None, every leaf without Kronecker factors keeps
+    `kfac_factors`' diagonal of these examples, and a rotated leaf its axes and
+    joined bias."""
+    kfac = cv.kfac_factors(model, likelihood="categorical", batch_size=2)(params, x)
+    for leaf in params:
+        if leaf in biased.values():
+            assert got[leaf] is None
+        elif not isinstance(kfac[leaf], Kronecker):
+            np.testing.assert_allclose(got[leaf], kfac[leaf], rtol=1e-5, atol=1e-7)
+        else:
+            assert got[leaf].axes == kfac[leaf].axes
+            assert got[leaf].bias == kfac[leaf].bias
+
+
 _NAMES = ["mlp", "tokens", "scanned", "conv-NHWC", "conv-NCHW", "embedding",
           "attention-layernorm"]  # fmt: skip
 
@@ -56,15 +71,7 @@ def test_ekfac_matches_the_eigen_corrected_blocks_built_by_hand(name, method):
         params, x
     )
     _check_blocks(name, got, expected)
-    kfac = cv.kfac_factors(model, likelihood="categorical", batch_size=2)(params, x)
-    for leaf in params:
-        if leaf in biased.values():
-            assert got[leaf] is None
-        elif not isinstance(kfac[leaf], Kronecker):
-            np.testing.assert_allclose(got[leaf], kfac[leaf], rtol=1e-5, atol=1e-7)
-        else:
-            assert got[leaf].axes == kfac[leaf].axes
-            assert got[leaf].bias == kfac[leaf].bias
+    _check_other_leaves(got, model, params, x, biased)
 
 
 @pytest.mark.parametrize(
@@ -117,12 +124,7 @@ def test_given_factors_give_the_bases(name, method, given, call):
     run = ek if call == "eager" else jax.jit(ek)
     got = run(params, x, factors=factors)
     _check_blocks(name, got, expected)
-    kfac = cv.kfac_factors(model, likelihood="categorical", batch_size=2)(params, x)
-    for leaf in params:
-        if leaf in biased.values():
-            assert got[leaf] is None
-        elif not isinstance(kfac[leaf], Kronecker):
-            np.testing.assert_allclose(got[leaf], kfac[leaf], rtol=1e-5, atol=1e-7)
+    _check_other_leaves(got, model, params, x, biased)
 
 
 def test_given_factors_of_other_parameters_are_refused():
