@@ -466,6 +466,21 @@ class _ClippedCall(NamedTuple):
             padding = _padding.check(name, padding, size)
         return cls(tuple(args), tuple(in_axes), kwargs, diff, batch_args, size, padding)
 
+    def flagged(self) -> tuple[tuple, tuple]:
+        """The arguments and their axes, the padding flags last where padded (the
+        loop's `padding=` argument: `len(self.args)`)."""
+        if self.padding is None:
+            return self.args, self.in_axes
+        return (*self.args, self.padding), (*self.in_axes, 0)
+
+    def as_batch_of_one(self, config: Clipping, inputs: list) -> list:
+        """One example's `inputs` as `fun` takes them: with `keep_batch_dim`
+        (jax-privacy's default), each example argument a batch of one."""
+        if config.keep_batch_dim:
+            for i in self.batch_args:
+                inputs[i] = jax.tree.map(lambda x: jnp.expand_dims(x, 0), inputs[i])
+        return inputs
+
 
 def _formed_sums(
     transform: Transform, fun: Callable[..., Any], config: Clipping,
@@ -481,9 +496,7 @@ def _formed_sums(
 
     def evaluated(inputs: list, kw: dict) -> tuple[Any, AuxiliaryOutput]:
         """One example's gradient, as its loss gives it, and its extras."""
-        if config.keep_batch_dim:  # jax-privacy's default: a batch of one example
-            for i in call.batch_args:
-                inputs[i] = jax.tree.map(lambda x: jnp.expand_dims(x, 0), inputs[i])
+        inputs = call.as_batch_of_one(config, inputs)
         with _single_example_hint(name, config):
             value, grads = value_and_grad(*inputs, **kw)
         value, aux = value if config.has_aux else (value, None)
@@ -502,8 +515,7 @@ def _formed_sums(
         grads, extras = evaluated(inputs, kw)
         return config.prepare(grads, pad), extras
 
-    all_args = (*call.args, *([call.padding] if padded else []))
-    all_axes = (*call.in_axes, *([0] if padded else []))
+    all_args, all_axes = call.flagged()
     if call.size == 0:  # the empty sum (a Poisson-sampled lot may be empty)
         (grads, *_), extras = jax.tree.map(
             lambda a: jnp.zeros(a.shape, a.dtype),
@@ -512,11 +524,8 @@ def _formed_sums(
         empty = jax.tree.map(lambda x: jnp.zeros((0, *x.shape), x.dtype), extras)
         return grads, empty, call.size
 
-    def chunk_sum(chunk: Any) -> Any:  # the chunk's clipped sum
-        if not config.sums:
-            return ()
-        grads, scales = chunk
-        return scaled_sum(scales, grads)
+    def chunk_sum(chunk: Any) -> Any:
+        return _clipped_chunk_sum(chunk) if config.sums else ()
 
     if _in_passes(transform, config, call):
         total, extras = _passes(transform, fun, config, call, known, evaluated)
@@ -527,6 +536,13 @@ def _formed_sums(
         padding=len(call.args) if padded else None,
     )  # fmt: skip
     return total, extras, call.size
+
+
+def _clipped_chunk_sum(chunk: tuple) -> Any:
+    """A chunk's clipped sum from its examples' made-safe gradients and clip
+    factors (`Clipping.prepare`'s, stacked)."""
+    grads, scales = chunk
+    return scaled_sum(scales, grads)
 
 
 # The platforms where `_formed_sums` takes a NaN-safe clipped sum in passes
@@ -547,14 +563,10 @@ def _fixed(transform, config, call, known, evaluated, fix) -> Any:
         pad = inputs.pop()
         return config.prepare(evaluated(inputs, kw)[0], pad)
 
-    def chunk_sum(chunk: Any) -> Any:
-        grads, c = chunk
-        return scaled_sum(c, grads)
-
     return transform.map(
         formed, (*call.args, ~fix), call.kwargs, (*call.in_axes, 0), 0,
         known=known, options=transform.options.quiet(),
-        accumulator=_accumulators.compose(Fold(jnp.add, chunk_sum)),
+        accumulator=_accumulators.compose(Fold(jnp.add, _clipped_chunk_sum)),
         padding=len(call.args),
     )  # fmt: skip
 
@@ -586,8 +598,7 @@ def _passes(transform, fun, config, call, known, evaluated) -> tuple[Any, Any]:
     `evaluated(inputs, kwargs)`: `_formed_sums`'s, one example's gradient and
     extras."""
     name, padded = transform.name, call.padding is not None
-    all_args = (*call.args, *([call.padding] if padded else []))
-    all_axes = (*call.in_axes, *([0] if padded else []))
+    all_args, all_axes = call.flagged()
 
     def factors(*inputs: Any, **kw: Any) -> Any:
         inputs = list(inputs)
@@ -608,11 +619,8 @@ def _passes(transform, fun, config, call, known, evaluated) -> tuple[Any, Any]:
     floats = FloatLeaves(call.args, call.diff)
 
     def loss(ins: list, kw: dict) -> Any:
-        if config.keep_batch_dim:  # jax-privacy's default: a batch of one example
-            for i in call.batch_args:
-                ins[i] = jax.tree.map(lambda x: jnp.expand_dims(x, 0), ins[i])
         with noting_errors(_note(name, fun, config)):
-            out = fun(*ins, **kw)
+            out = fun(*call.as_batch_of_one(config, ins), **kw)
         return out[0] if config.has_aux else out
 
     def rebuild(diff: list) -> tuple:
