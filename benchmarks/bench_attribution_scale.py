@@ -55,6 +55,17 @@ def temp_mib(f, *args) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
+def peak_mib() -> float | None:
+    """The device's peak bytes in use so far (None where the backend keeps none)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**20
+
+
+def say(text: str) -> None:  # progress on stderr, so a cut run still tells
+    print(text, file=sys.stderr, flush=True)
+
+
 def run(args) -> str:
     cfg = QUICK if args.quick else FULL
     rng = np.random.default_rng(0)
@@ -92,7 +103,9 @@ def run(args) -> str:
         given = kfac(params, tokens[:sub], key=key)
         return ekfac(params, tokens, key=key, factors=given)
 
+    t0 = time.perf_counter()
     factors = jax.block_until_ready(ekfac(params, tokens, key=key))
+    say(f"ekfac_factors compiled and run: {time.perf_counter() - t0:.1f} s")
     runs = {
         "non-private step": lambda: step(params, tokens, targets),
         "ekfac_factors (ghost, both passes)": lambda: ekfac(params, tokens, key=key),
@@ -103,18 +116,31 @@ def run(args) -> str:
     }
     times = {name: [] for name in runs}
     for name, f in runs.items():  # warm-up (compiles)
+        t0 = time.perf_counter()
         jax.block_until_ready(f())
-    for _ in range(args.repeats):
+        say(f"warm-up {name}: {time.perf_counter() - t0:.1f} s")
+    for r in range(args.repeats):
         for name, f in runs.items():
             t0 = time.perf_counter()
             jax.block_until_ready(f())
             times[name].append(time.perf_counter() - t0)
+            say(f"round {r} {name}: {1e3 * times[name][-1] / n:.2f} ms per example")
+    peaks = {n: peak_mib()}  # the device's peak after every program ran at N
     shutil.rmtree(folder, ignore_errors=True)
     base = np.median(times["non-private step"])
     big_tokens = jnp.concatenate([tokens] * 4)
     sizes = () if args.no_memory else ((n, tokens), (4 * n, big_tokens))
     mem = {m: temp_mib(lambda p, t: ekfac(p, t, key=key), params, x) for m, x in sizes}
     step_mem = {m: temp_mib(step, params, x, jnp.roll(x, -1, 1)) for m, x in sizes}
+    if args.peak and peaks[n] is not None:  # then ekfac and the store at 4N
+        factors = jax.block_until_ready(ekfac(params, big_tokens, key=key))
+        shutil.rmtree(folder, ignore_errors=True)
+        cv.build_store(folder, loss, params, big_tokens, jnp.roll(big_tokens, -1, 1),
+                       dim=16, method="ghost", precondition=factors, damping=0.1,
+                       batch_size=b, write_size=max(b, 2 * n))  # fmt: skip
+        shutil.rmtree(folder, ignore_errors=True)
+        peaks[4 * n] = peak_mib()
+        say(f"device peaks (MiB): {peaks}")
     lines = [
         "# Attribution at scale: EK-FAC factors and a gradient store of an LM",
         "",
@@ -143,6 +169,17 @@ def run(args) -> str:
             f"| non-private step | {step_mem[n]:.1f} | {step_mem[4 * n]:.1f} |",
             "",
         ]
+    if len(peaks) == 2:
+        lines += [
+            "The device's peak bytes in use (`memory_stats()`, MiB), after every "
+            f"program ran at N = {n}, then after `ekfac_factors` and `build_store` "
+            f"at N = {4 * n}:",
+            "",
+            f"| N = {n} | N = {4 * n} |",
+            "|---|---|",
+            f"| {peaks[n]:.1f} | {peaks[4 * n]:.1f} |",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -159,6 +196,11 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--no-memory", action="store_true",
         help="leave out the compiled temporaries (an accelerator's are not reliable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peak", action="store_true",
+        help="then run ekfac_factors and build_store at 4N and report the device's "
+        "peak bytes in use at N and at 4N (backends that keep memory_stats)",
     )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

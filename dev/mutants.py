@@ -1419,6 +1419,38 @@ MUTANTS = {
         ),
         ["test_ekfac"],
     ),
+    "eigh on the host: its derivative's gaps reversed": (
+        (
+            "chunkvmap/_dp/_eigh.py",
+            "    gaps = values[..., None, :] - values[..., :, None]\n",
+            "    gaps = values[..., :, None] - values[..., None, :]\n",
+        ),
+        ["test_ekfac"],
+    ),
+    "eigh on the host: the platforms ignored": (
+        (
+            "chunkvmap/_dp/_eigh.py",
+            "    if _memory.call_platform() not in ON_HOST:\n",
+            "    if True:\n",
+        ),
+        ["test_ekfac"],
+    ),
+    "eigh on the host: an eager result left where the callback put it": (
+        (
+            "chunkvmap/_dp/_eigh.py",
+            "    if isinstance(x, jax.core.Tracer):\n",
+            "    if True:\n",
+        ),
+        ["test_ekfac"],
+    ),
+    "multiply_inverse: a traced damping's shape not checked": (
+        (
+            "chunkvmap/_dp/_ekfac.py",
+            "        if jnp.shape(damping) != () or not jnp.issubdtype(damping.dtype, jnp.floating):\n",
+            "        if False:\n",
+        ),
+        ["test_ekfac"],
+    ),
     "multiply_inverse: damping doubled": (
         (
             "chunkvmap/_dp/_ekfac.py",

@@ -197,3 +197,21 @@ def pytest_sessionfinish(session, exitstatus):
             reporter.ensure_newline()
             reporter.write_line(line, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def eigh_on_host(monkeypatch):
+    """Curvature factors' eigendecompositions computed by the host through a
+    callback, as on the TPU, on every platform; yields the count of host calls."""
+    from chunkvmap._dp import _eigh
+
+    calls = []
+    host = _eigh._host_eigh
+
+    def counted(a, dtype):
+        calls.append((a.shape, a.dtype))
+        return host(a, dtype)
+
+    monkeypatch.setattr(_eigh, "ON_HOST", frozenset({"cpu", "tpu", "gpu"}))
+    monkeypatch.setattr(_eigh, "_host_eigh", counted)
+    yield calls

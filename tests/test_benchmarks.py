@@ -334,7 +334,14 @@ def test_attribution_scale_benchmark_runs():
     EK-FAC program's temporaries the same at N and 4N."""
     bench = _module(GPU.parent / "bench_attribution_scale.py")
     args = bench.argparse.Namespace(
-        quick=True, n=8, batch=4, repeats=1, subset=2, no_memory=False, out=None
+        quick=True,
+        n=8,
+        batch=4,
+        repeats=1,
+        subset=2,
+        no_memory=False,
+        peak=True,
+        out=None,
     )
     import jax
 

@@ -2,6 +2,8 @@
 the eigenvalue-corrected blocks from activations and output gradients captured by
 hand (`ekfac_by_hand`), and dense solves of those blocks."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -311,8 +313,11 @@ def test_equinox_and_flax_models():
 def test_errors_name_the_argument():
     params, x, _, model = _model(MODELS["mlp"])
     factors = ekfac_factors(model, likelihood="categorical")(params, x)
-    with pytest.raises(ValueError, match="damping must be a finite number >= 0"):
-        multiply_inverse(factors, params, damping=-1.0)
+    for bad in (-1.0, True, "0.1", jnp.ones(2), math.nan):
+        with pytest.raises(ValueError, match="damping must be a finite number >= 0"):
+            multiply_inverse(factors, params, damping=bad)
+    with pytest.raises(TypeError, match="damping must be a float scalar, but got a"):
+        jax.jit(multiply_inverse)(factors, params, damping=jnp.ones(2))
     with pytest.raises(ValueError, match="one entry per leaf of grads"):
         multiply_inverse(factors, {"w1": params["w1"]}, damping=1.0)
     diag = jax.tree.map(jnp.ones_like, params)
@@ -402,3 +407,75 @@ def test_ekfac_preconditioned_projections(name):
         got = project(params, x, y, precondition=factors, damping=damping)
         scale = np.abs(expected).max()
         np.testing.assert_allclose(np.asarray(got), expected, atol=2e-4 * scale)
+
+
+def _spectral(eigh, x):
+    """Quantities of `eigh(x)` that do not depend on the eigenvectors' signs: the
+    values' squares, and the projector onto the two lowest eigenvectors seen
+    through a matrix that does not commute with `x` (through `x` itself its
+    derivative would not depend on the vectors')."""
+    values, vectors = eigh(x)
+    low = vectors[..., :, :2]
+    seen = jnp.cos(jnp.arange(x.shape[-1] ** 2, dtype=x.dtype)).reshape(x.shape[-2:])
+    return (values**2).sum() + (low @ jnp.swapaxes(low, -1, -2) * seen).sum()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_eigendecompositions_on_the_host_are_jaxs(eigh_on_host, dtype):
+    """Where the host computes them (the TPU), `eigh` gives `jnp.linalg.eigh`'s
+    values and its reconstruction, eagerly, jitted and over a batch by `jax.vmap`,
+    and its derivatives (`jax.grad`, `jax.jacfwd`)."""
+    from chunkvmap._dp._eigh import eigh
+
+    tol = dict(rtol=2e-4, atol=2e-5) if dtype == "float32" else dict(rtol=1e-10)
+    with jax.enable_x64(dtype == "float64"):
+        a = jax.random.normal(jax.random.key(0), (3, 6, 6), dtype)
+        x = a @ jnp.swapaxes(a, -1, -2) + jnp.asarray(0.1, dtype) * a  # not symmetric
+        for call in (eigh, jax.jit(eigh), jax.vmap(eigh)):
+            values, vectors = call(x)
+            want_values, _ = jnp.linalg.eigh(x)
+            np.testing.assert_allclose(values, want_values, **tol)
+            sym = (x + jnp.swapaxes(x, -1, -2)) / 2
+            rebuilt = vectors * values[..., None, :] @ jnp.swapaxes(vectors, -1, -2)
+            np.testing.assert_allclose(rebuilt, sym, **tol)
+        assert eigh_on_host, "no eigendecomposition ran on the host"
+        for derivative in (jax.grad, jax.jacfwd):
+            got = derivative(lambda x: _spectral(eigh, x))(x)
+            want = derivative(lambda x: _spectral(jnp.linalg.eigh, x))(x)
+            np.testing.assert_allclose(got, want, **tol)
+        assert {d for _, d in eigh_on_host} == {np.dtype(dtype)}, eigh_on_host
+
+
+def test_ekfac_and_its_inverse_with_eigendecompositions_on_the_host(eigh_on_host):
+    """`ekfac_factors`, `multiply_inverse` and an EK-FAC-whitened projection with
+    the host's eigendecompositions (the TPU's path): the blocks built by hand,
+    eagerly, jitted and over 8 devices (N = 13), and the same preconditioned
+    gradients as the default path."""
+    params, x, tapped, model = _model(MODELS["mlp"])
+    x = jnp.concatenate([x, x[:3] * 0.5, x[:5] - 0.25])  # 13 examples
+    cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
+    expected = ekfac_by_hand(tapped, params, x, cots, biased=BIASED["mlp"])
+    mesh = make_mesh((8,), ("data",))
+    opts = dict(likelihood="categorical", batch_size=3)
+    for f in (
+        ekfac_factors(model, **opts),
+        jax.jit(ekfac_factors(model, method="ghost", **opts)),
+        ekfac_factors(model, shard=True, mesh=mesh, **opts),
+        jax.jit(ekfac_factors(model, shard=True, mesh=mesh, method="ghost", **opts)),
+    ):
+        _check_blocks("mlp", f(params, x), expected)
+    factors = ekfac_factors(model, **opts)(params, x)
+    grads = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size)).reshape(p.shape), params)
+    calls = len(eigh_on_host)
+    got = jax.jit(multiply_inverse)(factors, grads, damping=0.3)  # (traced)
+    kfac = cv.kfac_factors(model, **opts)(params, x)
+    got_kfac = multiply_inverse(kfac, grads, damping=0.3)
+    assert len(eigh_on_host) > calls
+    eigh_on_host.clear()
+    with pytest.MonkeyPatch.context() as undo:  # the default path, for comparison
+        from chunkvmap._dp import _eigh
+
+        undo.setattr(_eigh, "ON_HOST", frozenset())
+        tree_allclose(got, multiply_inverse(factors, grads, damping=0.3), rtol=1e-4)
+        tree_allclose(got_kfac, multiply_inverse(kfac, grads, damping=0.3), rtol=1e-4)
+    assert not eigh_on_host

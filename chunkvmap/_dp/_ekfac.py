@@ -45,6 +45,7 @@ from ._curvature import (
     traced_model,
     use_arrays,
 )
+from ._eigh import eigh
 from ._records import Quantity, over_chunks
 from .ghost._forms import EinsumForm, LeafAxis, Mark, RowsForm, _equation
 
@@ -102,10 +103,10 @@ def _eigh(f: Kronecker) -> tuple:
     """`(in_values, Q_in, out_values, Q_out)` of a leaf's KFAC factors: an
     embedding's `inputs`, the rows' counts (a diagonal), are their own values,
     with the identity (None) as their basis."""
-    out_vals, q_out = jnp.linalg.eigh(f.outputs)
+    out_vals, q_out = eigh(f.outputs)
     if f.inputs.ndim == f.outputs.ndim - 1:
         return f.inputs, None, out_vals, q_out
-    return (*jnp.linalg.eigh(f.inputs), out_vals, q_out)
+    return (*eigh(f.inputs), out_vals, q_out)
 
 
 def _bases(f: Kronecker) -> tuple[Any, jax.Array]:
@@ -551,7 +552,8 @@ def multiply_inverse(factors: Any, grads: Any, *, damping: float) -> Any:
         of the leaf's shape) or None (a bias joined to its weight).
       grads: one gradient, a tree like the differentiated arguments (for many,
         `jax.vmap` this function over them).
-      damping: `lambda >= 0`, added to every eigenvalue (or diagonal entry).
+      damping: `lambda >= 0`, added to every eigenvalue (or diagonal entry); a
+        traced float scalar is taken as it is (under `jax.jit` or `jax.grad`).
 
     Returns:
       A tree like `grads`: each leaf's `(F + damping I)^-1 g`.
@@ -562,12 +564,14 @@ def multiply_inverse(factors: Any, grads: Any, *, damping: float) -> Any:
       >>> multiply_inverse(jnp.array([1.0, 3.0]), jnp.array([2.0, 2.0]), damping=1.0)
       Array([1. , 0.5], dtype=float32)
     """
-    damping = float(damping)
-    if not math.isfinite(damping) or damping < 0:
-        raise ValueError(
-            f"multiply_inverse damping must be a finite number >= 0, but got "
-            f"damping={damping!r}."
-        )
+    if isinstance(damping, jax.core.Tracer):  # (traced: a scalar, not checked)
+        if jnp.shape(damping) != () or not jnp.issubdtype(damping.dtype, jnp.floating):
+            raise TypeError(
+                f"multiply_inverse damping must be a float scalar, but got a traced "
+                f"array of shape {jnp.shape(damping)} and dtype {damping.dtype}."
+            )
+    else:
+        damping = _nonnegative(damping)
     f_flat, f_tree = jax.tree.flatten(factors, is_leaf=_is_factor)
     g_flat, g_tree = jax.tree.flatten(grads, is_leaf=lambda x: x is None)
     if len(f_flat) != len(g_flat):
@@ -595,6 +599,19 @@ def multiply_inverse(factors: Any, grads: Any, *, damping: float) -> Any:
         if b is not None:
             out[b] = solved[1]
     return jax.tree.unflatten(g_tree, out)
+
+
+def _nonnegative(damping: Any) -> float:
+    try:  # (a number, or an array of one)
+        value = math.nan if isinstance(damping, (bool, str)) else float(damping)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"multiply_inverse damping must be a finite number >= 0, but got "
+            f"damping={damping!r}."
+        )
+    return value
 
 
 def _eigen(f: Kronecker | EigenKronecker) -> tuple:

@@ -42,6 +42,7 @@ from .._transforms._grads import (
 )
 from . import _clipping, ghost
 from ._curvature import Kronecker, f32
+from ._eigh import eigh
 from ._ekfac import EigenKronecker
 from ._records import Quantity, over_chunks
 from .ghost._forms import EinsumForm, Mark, RowsForm, _equation
@@ -577,7 +578,7 @@ def _inverse_root(values: jax.Array, damping: float) -> jax.Array:
 
 
 def _dense_whitening(h: jax.Array, damping: float) -> Callable[[Any], Any]:
-    s, u = jnp.linalg.eigh((h + h.T) / 2)
+    s, u = eigh((h + h.T) / 2)
     scale = _inverse_root(s, damping)
     return lambda x: u @ ((u.T @ x) * scale)
 
@@ -597,7 +598,7 @@ def _kronecker_whitening(
         inputs = inputs[..., :, None] * jnp.eye(inputs.shape[-1])
     a = _sandwich(inputs, [shape[j] for j in ins], [mats[j] for j in ins])
     g = _sandwich(entry.outputs, [shape[j] for j in outs], [mats[j] for j in outs])
-    (sa, ua), (sg, ug) = jnp.linalg.eigh(a), jnp.linalg.eigh(g / entry.count)
+    (sa, ua), (sg, ug) = eigh(a), eigh(g / entry.count)
     values = jnp.maximum(sa, 0)[..., :, None] * jnp.maximum(sg, 0)[..., None, :]
     scale = _inverse_root(values.reshape(-1), damping).reshape(values.shape)
     to, back = _regrouped(shape, mats, entry.axes, (a.shape[-1], g.shape[-1]))
@@ -697,7 +698,7 @@ def _eigen_whitening(
     h = jnp.einsum("...acl,...bl,...dl->...abcd", half, v, v)
     k_in, k_out = u.shape[-2], v.shape[-2]
     h = h.reshape(*h.shape[:-4], k_in * k_out, k_in * k_out)
-    s, vecs = jnp.linalg.eigh((h + jnp.swapaxes(h, -1, -2)) / 2)
+    s, vecs = eigh((h + jnp.swapaxes(h, -1, -2)) / 2)
     scale = _inverse_root(s.reshape(-1), damping).reshape(s.shape)
     to, back = _regrouped(shape, mats, entry.axes, (k_in * k_out,))
 
