@@ -416,7 +416,7 @@ def _spectral(eigh, x):
     derivative would not depend on the vectors')."""
     values, vectors = eigh(x)
     low = vectors[..., :, :2]
-    seen = jnp.cos(jnp.arange(x.shape[-1] ** 2, dtype=x.dtype)).reshape(x.shape[-2:])
+    seen = jnp.cos(jnp.arange(x.size, dtype=x.dtype)).reshape(x.shape)
     return (values**2).sum() + (low @ jnp.swapaxes(low, -1, -2) * seen).sum()
 
 
