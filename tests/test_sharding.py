@@ -219,13 +219,19 @@ def test_batch_map_sharded(n):
     )
 
 
-def test_default_mesh_spans_all_devices_and_is_built_once():
+@pytest.mark.parametrize("default", [None, "cpu"])
+def test_default_mesh_spans_all_devices_and_is_built_once(default):
+    """`shard=True` without a mesh spans every device of the default device's
+    platform: the default backend's, or the CPU's under `jax.default_device` (as
+    the CPU's devices of an accelerator's machine)."""
     from chunkvmap._core import _sharding
 
-    out = batch_vmap(f, (None, 0), batch_size=2, shard=True)(PARAMS, data(16))
-    assert out.sharding.device_set == set(jax.devices())  # (one on a one-chip machine)
-    assert _sharding.default_mesh().size == jax.device_count()
-    assert _sharding.default_mesh() is _sharding.default_mesh()
+    with jax.default_device(default):
+        devices = jax.devices(default)
+        out = batch_vmap(f, (None, 0), batch_size=2, shard=True)(PARAMS, data(16))
+        assert out.sharding.device_set == set(devices)  # (one on a one-chip machine)
+        assert _sharding.default_mesh().devices.tolist() == devices
+        assert _sharding.default_mesh() is _sharding.default_mesh()
 
 
 def test_remat_and_reduction_under_grad_with_sharding():

@@ -55,7 +55,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from . import _axes, _progress
+from . import _axes, _memory, _progress
 from ._axes import Inputs, Known
 from ._loop import (
     Accumulator,
@@ -74,9 +74,11 @@ AXIS_NAME = "chunkvmap"
 
 
 def default_mesh() -> Mesh:
-    """A 1-D `Auto` mesh over all devices (every process's). (Meshes are values:
+    """A 1-D `Auto` mesh over all devices (every process's) of the default device's
+    platform (`jax.default_device`, else the default backend's: a call made on the
+    CPU of an accelerator's machine spans the CPU devices). (Meshes are values:
     equal ones are equal, and compiled programs are shared between them.)"""
-    devices = np.array(jax.devices())
+    devices = np.array(jax.devices(_memory.default_platform()))
     return Mesh(devices, (AXIS_NAME,), axis_types=(AxisType.Auto,))
 
 
