@@ -353,6 +353,8 @@ def test_attribution_scale_benchmark_runs():
         "ekfac_factors",
         "build_store",
         "bases fitted on N/2",
+        "part: the eigendecompositions of its factors",
+        "ms per further example",
     ):
         assert name in text, text
     (row,) = [r for r in text.splitlines() if r.startswith("| ekfac_factors (ghost) |")]
