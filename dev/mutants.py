@@ -772,9 +772,8 @@ MUTANTS = {
     "preconditioning: the outputs factor not divided by the count": (
         (
             "chunkvmap/_dp/_projections.py",
-            "    (sa, ua), (sg, ug) = jnp.linalg.eigh(a), jnp.linalg.eigh(g / "
-            "entry.count)\n",
-            "    (sa, ua), (sg, ug) = jnp.linalg.eigh(a), jnp.linalg.eigh(g)\n",
+            "    (sa, ua), (sg, ug) = eigh(a), eigh(g / entry.count)\n",
+            "    (sa, ua), (sg, ug) = eigh(a), eigh(g)\n",
         ),
         ["test_projections"],
     ),
@@ -1418,6 +1417,14 @@ MUTANTS = {
             "    return jnp.concatenate([g, 0 * row], axis=-2)\n",
         ),
         ["test_ekfac"],
+    ),
+    "entry points: a wrapper's frame not hidden": (
+        (
+            "chunkvmap/_core/_options.py",
+            "            __tracebackhide__ = True\n",
+            "            __tracebackhide__ = False\n",
+        ),
+        ["test_imports"],
     ),
     "eigh on the host: its derivative's gaps reversed": (
         (

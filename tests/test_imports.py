@@ -206,3 +206,19 @@ def test_an_entry_point_names_itself_for_a_keyword_it_does_not_take():
         chunkvmap.clipped_grad(jnp.sum, l2_clip_norm=1.0, microbatch=2)
     f = chunkvmap.batch_map(jnp.sin, jnp.ones(3), 2, progress=False)
     assert f.shape == (3,)
+
+
+def test_entry_points_hide_their_wrappers_frames():
+    """The frames of an entry point's wrappers (its keyword check, its decorator
+    form) ask to be left out of a traceback (`__tracebackhide__`, as pytest and
+    IPython read it)."""
+    import traceback
+
+    import jax.numpy as jnp
+
+    with pytest.raises(ValueError, match="batch_size") as info:  # (built: a check)
+        chunkvmap.batch_vmap(jnp.sin, batch_size=-1)
+    frames = [f for f, _ in traceback.walk_tb(info.tb)]
+    wrappers = [f for f in frames if f.f_code.co_name in ("checked", "accepting")]
+    assert len(wrappers) == 2, [f.f_code.co_name for f in frames]
+    assert all(f.f_locals.get("__tracebackhide__") is True for f in wrappers)

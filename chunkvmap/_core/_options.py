@@ -63,6 +63,7 @@ def decorator_form(fun_arg: str) -> Callable[[Callable[..., Any]], Any]:
     def wrap(transform: Callable[..., Any]) -> Any:
         @ft.wraps(transform)
         def accepting(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # (pytest and IPython leave this frame out)
             if args or fun_arg in kwargs:
                 return transform(*args, **kwargs)
             return ft.partial(transform, **kwargs)
@@ -297,6 +298,7 @@ def takes(kind: type) -> Callable[[Any], Any]:
 
         @ft.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
             for k in kwargs:
                 if k not in valid:
                     close = difflib.get_close_matches(k, sorted(valid), n=1)
@@ -308,7 +310,9 @@ def takes(kind: type) -> Callable[[Any], Any]:
             return fn(*args, **kwargs)
 
         checked.__signature__ = sig.replace(parameters=own + extra)  # pyright: ignore
-        del checked.__wrapped__  # (tools that unwrap see this signature)
+        # (the API pages' generator unwraps `__wrapped__` to `fn`'s `**options`,
+        # past this signature: dropped, so that it documents the keywords)
+        del checked.__wrapped__
         return checked
 
     return decorate
