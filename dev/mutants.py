@@ -1490,6 +1490,14 @@ MUTANTS = {
         ),
         ["test_ekfac"],
     ),
+    "store: each block an eager call (traced per block)": (
+        (
+            "chunkvmap/_dp/_store.py",
+            "        write_block(rows, start, project(block))\n",
+            "        write_block(rows, start, projections(params, *block, **extra))\n",
+        ),
+        ["test_store"],
+    ),
     "store: opponents ranked as proponents": (
         (
             "chunkvmap/_dp/_store.py",

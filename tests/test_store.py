@@ -262,3 +262,28 @@ def test_a_store_queried_token_by_token(tmp_path):
     scores = np.asarray(q).reshape(15, -1) @ np.asarray(store.rows).T
     flat = cv.TopK(*(a.reshape(15, 4) for a in got))
     _check(flat, scores.T, 4)
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_blocks_of_a_build_are_traced_once(tmp_path, method):
+    """A build's blocks of equal size run one program: the loss is traced as many
+    times for 12 blocks as for 2 (an eager call per block traced it per block),
+    and the rows are those of the projections in memory."""
+    params, _, loss, (x, y), _ = _setup(n=48)
+    traces = []
+
+    def counted(p, x, y):
+        traces.append(None)  # (at trace time)
+        return loss(p, x, y)
+
+    counts = []
+    for write_size, folder in ((24, "two"), (4, "twelve")):
+        traces.clear()
+        store = cv.build_store(
+            tmp_path / folder, counted, params, x, y, dim=4, method=method,
+            batch_size=4, write_size=write_size,
+        )  # fmt: skip
+        counts.append(len(traces))
+        want = cv.per_example_grad_projections(loss, dim=4, method=method)(params, x, y)
+        np.testing.assert_allclose(store.rows, want, rtol=1e-5, atol=1e-6)
+    assert counts[0] == counts[1] > 0, counts

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import _progress
+from .._core import _axes, _progress
 from ._projections import per_example_grad_projections
 
 
@@ -283,8 +283,9 @@ def build_store(
     `write_size` at a time (`per_example_grad_projections(loss, dim=dim,
     seed=seed, method=method, **options)`, whitened by `precondition=` factors
     with `damping` where given; `options` chunk each block: `batch_size`,
-    `shard`, `mesh`...) and each block's rows are written and flushed before
-    the block is recorded as done. Called again on a folder that holds an
+    `shard`, `mesh`...), one program for the call's blocks (traced and compiled
+    once per call, the loss's closure read then), and each block's rows are
+    written and flushed before the block is recorded as done. Called again on a folder that holds an
     unfinished store of the same configuration, it resumes after the last block
     recorded; on a finished one, it returns it. A folder holding a store of
     another configuration (other parameters, data shapes, `dim`, `seed`,
@@ -334,20 +335,21 @@ def build_store(
     n, spec = _data_spec(data)
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    project = per_example_grad_projections(
-        loss, dim=dim, seed=seed, method=method, **options
-    )
     config = {
         "format": FORMAT, "n": n, "data": spec, "dim": dim, "seed": seed,
         "method": method, "params": fingerprint(params),
         "precondition": _precondition_print(precondition),
         "damping": float(damping) if precondition is not None else None,
     }  # fmt: skip
+    projections = per_example_grad_projections(
+        loss, dim=dim, seed=seed, method=method, **options
+    )
     extra = _precondition_kwargs(precondition, config)
+    project = _one_program(projections, params, extra)
     done = _resumed(path, config)
-    if done is None:  # a new store: its width from one example's row
-        one = jax.tree.map(lambda x: x[:1], data)
-        rows = _created(path, config, np.shape(project(params, *one, **extra))[1])
+    if done is None:  # a new store: its width from the first block's rows' type
+        first = jax.tree.map(lambda x: x[: min(write_size, n)], data)
+        rows = _created(path, config, jax.eval_shape(project, first).shape[1])
         done = 0
     else:
         rows = np.load(path / "rows.npy", mmap_mode="r+")
@@ -356,12 +358,33 @@ def build_store(
     for b, start in enumerate(range(done, n, write_size)):
         stop = min(start + write_size, n)
         block = jax.tree.map(lambda x: x[start:stop], data)
-        write_block(rows, start, project(params, *block, **extra))
+        write_block(rows, start, project(block))
         _write_json(path / "state.json", {"done": stop})
         if report is not None:
             report(done // write_size + b, blocks)
     del rows
     return load_store(path)
+
+
+def _one_program(project: Callable[..., Any], params: Any, extra: dict) -> Any:
+    """`block -> project(params, *block, **extra)` as one program for a call's
+    blocks of equal size, traced once (an eager call would trace its chunk at
+    every block): the arrays of `params` and `extra` are its arguments, their
+    other leaves (a model's functions, Python numbers) held as they are for the
+    call."""
+    flat, tree = jax.tree.flatten((params, extra))
+    dynamic = [i for i, x in enumerate(flat) if _axes.is_array(x)]
+    arrays = [flat[i] for i in dynamic]
+
+    def run(arrays: list, block: Any) -> Any:
+        full = list(flat)
+        for i, a in zip(dynamic, arrays):
+            full[i] = a
+        p, e = jax.tree.unflatten(tree, full)
+        return project(p, *block, **e)
+
+    jitted = jax.jit(run)
+    return functools.partial(jitted, arrays)
 
 
 def _created(path: pathlib.Path, config: dict, width: int) -> np.ndarray:
