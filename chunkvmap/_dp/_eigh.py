@@ -41,13 +41,18 @@ def eigh(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _host_eigh(a: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     values, vectors = np.linalg.eigh(a)
-    return values.astype(dtype), vectors.astype(dtype)
+    return values.astype(_real(dtype)), vectors.astype(dtype)
+
+
+def _real(dtype: np.dtype) -> np.dtype:
+    """The eigenvalues' dtype: real, of `dtype`'s precision."""
+    return np.empty(0, dtype).real.dtype
 
 
 @jax.custom_jvp
 def _on_host(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     shapes = (
-        jax.ShapeDtypeStruct(x.shape[:-1], x.dtype),
+        jax.ShapeDtypeStruct(x.shape[:-1], _real(x.dtype)),
         jax.ShapeDtypeStruct(x.shape, x.dtype),
     )
     # (numpy's eigh takes a stack of matrices: a batch is one callback)
