@@ -42,7 +42,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_padding.py --out benchmarks/results/padding.md
 	$(BIN)/python benchmarks/bench_attribution.py --out benchmarks/results/attribution.md
 	$(BIN)/python benchmarks/bench_lds.py --out benchmarks/results/lds.md
-	$(BIN)/python benchmarks/bench_attribution_scale.py --n 256 --batch 16 --repeats 2 --out benchmarks/results/attribution_scale.md
+	$(BIN)/python benchmarks/bench_attribution_scale.py --n 256 --batch 16 --repeats 2 --peak --out benchmarks/results/attribution_scale.md
 	$(BIN)/python benchmarks/bench_curvature.py --out benchmarks/results/curvature.md
 	$(BIN)/python benchmarks/bench_statistics.py --out benchmarks/results/statistics.md
 	$(BIN)/python benchmarks/bench_families.py --out benchmarks/results/families.md
