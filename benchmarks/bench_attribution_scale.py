@@ -54,15 +54,6 @@ def _kronecker(f) -> bool:
     return isinstance(f, cv.Kronecker)
 
 
-def _eigh(f) -> list:
-    """The eigendecompositions `ekfac_factors` makes of one leaf's factors (the
-    library's own: on the host on a TPU); an embedding's counts are diagonal."""
-    from chunkvmap._dp._eigh import eigh
-
-    pair = [f.outputs] if f.inputs.ndim < f.outputs.ndim else [f.inputs, f.outputs]
-    return [eigh(x) for x in pair]
-
-
 def temp_mib(f, *args) -> float:
     compiled = jax.jit(f).lower(*args).compile()
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
@@ -118,6 +109,10 @@ def run(args) -> str:
 
     full = jax.block_until_ready(kfac(params, tokens, key=key))
     blocks = [f for f in jax.tree.leaves(full, is_leaf=_kronecker) if _kronecker(f)]
+    # (the eigendecompositions `ekfac_factors` makes of each leaf's factors, by
+    # its own function: on the host on a TPU, an embedding's counts left diagonal)
+    from chunkvmap._dp._ekfac import _eigh
+
     bases = jax.jit(lambda fs: [_eigh(f) for f in fs])
     t0 = time.perf_counter()
     factors = jax.block_until_ready(ekfac(params, tokens, key=key))

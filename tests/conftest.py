@@ -202,7 +202,8 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def eigh_on_host(monkeypatch):
     """Curvature factors' eigendecompositions computed by the host through a
-    callback, as on the TPU, on every platform; yields the count of host calls."""
+    callback, as on the TPU, on every platform; yields the host's calls, each as
+    its matrix's `(shape, dtype)`."""
     from chunkvmap._dp import _eigh
 
     calls = []

@@ -285,12 +285,12 @@ def build_store(
     with `damping` where given; `options` chunk each block: `batch_size`,
     `shard`, `mesh`...), one program for the call's blocks (traced and compiled
     once per call, the loss's closure read then), and each block's rows are
-    written and flushed before the block is recorded as done. Called again on a folder that holds an
-    unfinished store of the same configuration, it resumes after the last block
-    recorded; on a finished one, it returns it. A folder holding a store of
-    another configuration (other parameters, data shapes, `dim`, `seed`,
-    method, preconditioner) is refused. `progress`: a bar over the blocks (as
-    `batch_vmap`'s).
+    written and flushed before the block is recorded as done. Called again on a
+    folder that holds an unfinished store of the same configuration, it resumes
+    after the last block recorded; on a finished one, it returns it. A folder
+    holding a store of another configuration (other parameters, data shapes,
+    `dim`, `seed`, method, preconditioner) is refused. `progress`: a bar over the
+    blocks (as `batch_vmap`'s).
 
     Args:
       path: the store's folder (made if missing).
