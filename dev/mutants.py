@@ -1570,6 +1570,14 @@ MUTANTS = {
         ),
         ["test_ekfac"],
     ),
+    "regroup: several groups reshaped at once (refused over Explicit axes)": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "    if 0 in src or math.prod(src) != math.prod(dst):\n",
+            "    if True:\n",
+        ),
+        ["test_ekfac"],
+    ),
     "ekfac ghost: a lookup's rotated gradient 1% too large": (
         (
             "chunkvmap/_dp/_ekfac.py",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools as ft
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -278,6 +279,31 @@ def take(leaves: Sequence[Any], axes: Sequence[int | None], start: Any, length: 
         x if a is None else lax.dynamic_slice_in_dim(x, start, length, axis=a)
         for x, a in zip(leaves, axes)
     ]
+
+
+def regroup(x: Any, shape: Sequence[int]) -> Any:
+    """`x.reshape(shape)`, one group of adjacent axes merged or split at a time:
+    JAX refuses a reshape of several groups at once of an array sharded over
+    Explicit axes (a batched `(8@d, 3, 3, 2, 3, 3, 2)` to `(8, 18, 18)`), not one
+    group's (`(8@d, 3, 3, 2, 18)`, then `(8, 18, 18)`)."""
+    src, dst = tuple(x.shape), tuple(int(n) for n in shape)
+    if 0 in src or math.prod(src) != math.prod(dst):
+        return jnp.reshape(x, dst)  # (JAX's own error, or nothing to regroup)
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        i0, j0, left, right = i, j, 1, 1
+        if i < len(src):
+            left, i = src[i], i + 1
+        if j < len(dst):
+            right, j = dst[j], j + 1
+        while left != right:
+            if left < right:
+                left, i = left * src[i], i + 1
+            else:
+                right, j = right * dst[j], j + 1
+        if (i - i0, j - j0) != (1, 1):
+            x = jnp.reshape(x, dst[:j] + src[i:])
+    return x
 
 
 def explicit_spec(spec: Any = ()) -> Any:

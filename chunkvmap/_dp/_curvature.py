@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core._accumulators import Fold, compose
+from .._core._loop import regroup
 from .._core._options import Chunking, check_choice, decorator_form, takes
 from .._transforms._grads import FloatLeaves, differentiable_floats, grad_transform
 from . import _statistics, ghost
@@ -820,7 +821,7 @@ class _KFAC(Quantity):
             a_sum, count = jnp.sum(mean, 0), mean.shape[0]
         inputs, outputs = self._flat(leaf, layout, inputs, outputs)
         if bias:
-            column = a_sum.reshape(-1, 1)
+            column = regroup(a_sum, (a_sum.size, 1))
             corner = jnp.full((1, 1), count, inputs.dtype)
             inputs = jnp.block([[inputs, column], [column.T, corner]])
         return inputs, outputs, count
@@ -832,8 +833,8 @@ class _KFAC(Quantity):
         n_in = math.prod(sizes[s] for s in layout.inputs)
         n_out = math.prod(sizes[s] for s in layout.outputs)
         if inputs.ndim > 1:
-            inputs = inputs.reshape(*lead, n_in, n_in)
-        return inputs, outputs.reshape(*lead, n_out, n_out)
+            inputs = regroup(inputs, (*lead, n_in, n_in))
+        return inputs, regroup(outputs, (*lead, n_out, n_out))
 
 
 @decorator_form("fun")
