@@ -200,6 +200,28 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture
+def squares_in_kernel(monkeypatch):
+    """EK-FAC's sums of squared products by the Pallas kernel (interpreted), as on
+    the TPU, on every platform; yields the kernel's calls, each as its operands'
+    shapes."""
+    import jax
+
+    from chunkvmap._dp import _squares
+
+    calls = []
+    kernel = _squares._kernel_sum
+
+    def counted(a, d, **kw):
+        calls.append((a.shape, d.shape))
+        return kernel(a, d, **kw)
+
+    monkeypatch.setattr(_squares, "IN_KERNEL", frozenset({"cpu", "tpu", "gpu"}))
+    monkeypatch.setattr(_squares, "INTERPRET", jax.default_backend() != "tpu")
+    monkeypatch.setattr(_squares, "_kernel_sum", counted)
+    yield calls
+
+
+@pytest.fixture
 def eigh_on_host(monkeypatch):
     """Curvature factors' eigendecompositions computed by the host through a
     callback, as on the TPU, on every platform; yields the host's calls, each as

@@ -78,6 +78,46 @@ def test_ekfac_matches_the_eigen_corrected_blocks_built_by_hand(name, method):
 
 
 @pytest.mark.parametrize(
+    "shape",
+    [(1, 5, 7, 3, 200), (2, 13, 32, 300, 130), (1, 1, 1, 1, 1), (3, 9, 4, 129, 257)],
+)
+def test_the_squares_kernel_is_the_sum_of_squared_products(shape):
+    """`sum_e (a_e^T d_e)^2` by the Pallas kernel (interpreted off the TPU):
+    examples, rows and columns not whole tiles, one position, several layers."""
+    from chunkvmap._dp import _squares
+
+    layers, examples, positions, rows, cols = shape
+    k = jax.random.split(jax.random.key(0), 2)
+    a = jax.random.normal(k[0], (layers, examples, positions, rows))
+    d = jax.random.normal(k[1], (layers, examples, positions, cols))
+    products = np.einsum("lepi,lepj->leij", np.float64(a), np.float64(d))
+    expected = np.sum(products**2, 1)
+    interpret = jax.default_backend() != "tpu"
+    got = _squares._kernel_sum(a, d, interpret=interpret)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.max())
+
+
+def test_ghost_second_moments_by_the_kernel(squares_in_kernel):
+    """EK-FAC's second pass with every leaf's squares summed by the kernel (as on
+    the TPU): the blocks built by hand (scanned layers, joined biases, a
+    convolution, lookups, attention), N = 5 in chunks of 2, eagerly and (the
+    scanned stack) jitted."""
+    for name in ["mlp", "scanned", "conv-NCHW", "embedding", "attention-layernorm"]:
+        params, x, tapped, model = _model(MODELS[name])
+        cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
+        biased = BIASED.get(name, {})
+        expected = ekfac_by_hand(tapped, params, x, cots, biased=biased)
+        ek = ekfac_factors(
+            model, likelihood="categorical", batch_size=2, method="ghost"
+        )
+        calls = len(squares_in_kernel)
+        _check_blocks(
+            name, (jax.jit(ek) if name == "scanned" else ek)(params, x), expected
+        )
+        assert len(squares_in_kernel) > calls, name
+
+
+@pytest.mark.parametrize(
     "likelihood,fisher,samples",
     [("categorical", "mc", 2), ("gaussian", "empirical", 1), ("gaussian", "exact", 1)],
 )

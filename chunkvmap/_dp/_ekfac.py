@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from .._core._accumulators import Fold, compose
+from .._core._loop import regroup
 from .._core._options import Chunking, decorator_form, takes
 from .._transforms._grads import FloatLeaves, grad_transform
 from . import ghost
@@ -47,6 +48,7 @@ from ._curvature import (
 )
 from ._eigh import eigh
 from ._records import Quantity, over_chunks
+from ._squares import squared_products
 from .ghost._forms import EinsumForm, LeafAxis, Mark, RowsForm, _equation
 
 
@@ -436,14 +438,19 @@ class _GhostMoments(Quantity):
         return [
             None
             if m is False
-            else _record_squares(plan.leaves[k], m, bases[k], records, deltas)
+            else _record_operands(plan.leaves[k], m, bases[k], records, deltas)
             if k in by_records
             else _rotated_squares(m, bases[k], grads, k)
             for k, m in enumerate(self.meta)
         ]
 
     def chunk(self, kept: Any) -> tuple[Any, Any]:
-        return [None if x is None else jnp.sum(x, 0) for x in kept], ()
+        return [
+            None if x is None
+            else _summed_squares(x) if isinstance(x, tuple)
+            else jnp.sum(x, 0)
+            for x in kept
+        ], ()  # fmt: skip
 
 
 def _from_records(leaf: Any, layout: tuple, basis: tuple) -> bool:
@@ -460,29 +467,18 @@ def _from_records(leaf: Any, layout: tuple, basis: tuple) -> bool:
     return True
 
 
-def _rows_rotated(u: Any, q_d: jax.Array, o_sym: list, records, deltas) -> Any:
-    """A lookup's rotated gradient per cotangent, `(cotangents, rows, n_out)`: its
-    output gradients rotated (`q_d`, over the leaf's output axes `o_sym`), masked
-    where a position reads no row, scattered to the rows they read."""
-    acts, outs = use_arrays(u, records, deltas)
-    rows, valid, delta = acts[0], acts[1], outs[2]
-    cot, o2 = Mark("cotangent"), Mark("out'")
-    spec_d = (cot, *u.form.specs[2])
-    d = jnp.einsum(
-        _equation([spec_d, (*o_sym, o2)], (cot, spec_d[1], o2)), f32(delta), q_d
-    )
-    d = jnp.where(valid[None, :, None], d, jnp.zeros((), d.dtype))
-    size = u.form.leaf_sizes()[u.form.row_symbol]
-    return jnp.zeros((d.shape[0], size, d.shape[-1]), d.dtype).at[:, rows].add(d)
-
-
-def _record_squares(leaf: Any, layout: tuple, basis: tuple, records, deltas) -> Any:
-    """One example's `sum_m (Q_in^T G_m Q_out)^2` of a leaf whose every use is a
-    product's form `(activation, output gradient)`: each use's activations and
-    output gradients rotated into the bases first (a joined bias's activation 1
-    its last input), then contracted over their positions, summed over the uses
-    and squared. (Never the gradient in the leaf's own basis: `T (n_in^2 +
-    n_out^2 + n_in n_out)` per use rather than `n_in n_out (n_in + n_out)`.)"""
+def _record_operands(leaf: Any, layout: tuple, basis: tuple, records, deltas) -> Any:
+    """One example's rotated gradient of a leaf whose every use is a product's
+    form `(activation, output gradient)` (or a lookup of its rows), as the pair
+    `(a, d)` whose product over the positions is that gradient: `a` the uses'
+    activations rotated into the input basis, `(*blocks, P, n_in)` (a joined
+    bias's activation 1 its last input; a lookup's the rows it reads), `d` their
+    output gradients rotated into the output basis, `(cotangents, *blocks, P,
+    n_out)`, the uses' positions one axis `P`; their squares are summed over a
+    chunk's examples by `squared_products`. (Never the gradient in the leaf's own
+    basis: `T (n_in^2 + n_out^2)` per use rather than `n_in n_out (n_in +
+    n_out)`.) Where a use's activations and output gradients have other
+    positions, the squares of the rotated gradient, summed over the cotangents."""
     (blocks, ins, outs), bias = layout
     q_in, q_out = basis
     shape = leaf.shape
@@ -493,29 +489,75 @@ def _record_squares(leaf: Any, layout: tuple, basis: tuple, records, deltas) -> 
     if q_in is not None:
         q_a = q_in[..., :-1, :] if bias is not None else q_in
         q_a = f32(q_a).reshape(*lead, *[shape[a] for a in ins], q_a.shape[-1])
-    total = 0
+    pairs, total = [], 0
     for u in leaf.uses:
         if isinstance(u.form, RowsForm):  # (an embedding: its rows, unrotated)
-            total = total + _rows_rotated(u, q_d, o_sym, records, deltas)
+            pairs.append(_rows_operands(u, q_d, o_sym, records, deltas))
             continue
         acts, outs_ = use_arrays(u, records, deltas)
         spec_a, spec_d = tuple(u.form.specs[0]), (cot, *u.form.specs[1])
         pos_a = [s for s in spec_a if s not in b_sym and s not in i_sym]
         pos_d = [s for s in spec_d[1:] if s not in b_sym and s not in o_sym]
-        out_a, out_d = (*b_sym, *pos_a, i2), (cot, *b_sym, *pos_d, o2)
+        out_a = (*b_sym, *pos_a, i2)
         a = jnp.einsum(
             _equation([spec_a, (*b_sym, *i_sym, i2)], out_a), f32(acts[0]), q_a
         )
         if bias is not None:  # the bias's activation: 1 at every position
             row = f32(q_in[..., -1, :])
             a = a + row.reshape(*lead, *([1] * len(pos_a)), row.shape[-1])
+        same = len(pos_a) == len(pos_d) and all(p in pos_d for p in pos_a)
+        out_d = (cot, *b_sym, *(pos_a if same else pos_d), o2)
         d = jnp.einsum(
             _equation([spec_d, (*b_sym, *o_sym, o2)], out_d), f32(outs_[1]), q_d
         )
-        total = total + jnp.einsum(
-            _equation([out_a, out_d], (cot, *b_sym, i2, o2)), a, d
-        )
-    return jnp.sum(jnp.square(total), 0)
+        if not same:  # (other positions: this use's product formed)
+            total = total + jnp.einsum(
+                _equation([out_a, out_d], (cot, *b_sym, i2, o2)), a, d
+            )
+            continue
+        positions = math.prod(a.shape[len(lead) : -1])
+        a = regroup(a, (*lead, positions, a.shape[-1]))
+        d = regroup(d, (d.shape[0], *lead, positions, d.shape[-1]))
+        pairs.append((a, d))
+    if not isinstance(total, int):  # (the pairs' products formed too)
+        for a, d in pairs:
+            total = total + jnp.einsum("...pi,c...pj->c...ij", a, d)
+        return jnp.sum(jnp.square(total), 0)
+    if len(pairs) == 1:
+        return pairs[0]
+    return (
+        jnp.concatenate([a for a, _ in pairs], axis=-2),
+        jnp.concatenate([d for _, d in pairs], axis=-2),
+    )
+
+
+def _rows_operands(u: Any, q_d: jax.Array, o_sym: list, records, deltas) -> tuple:
+    """A lookup's pair: the rows each position reads (one-hot, none where it reads
+    no row) and its output gradients rotated (`q_d`, over the leaf's output axes
+    `o_sym`)."""
+    acts, outs = use_arrays(u, records, deltas)
+    rows, valid, delta = acts[0], acts[1], outs[2]
+    cot, o2 = Mark("cotangent"), Mark("out'")
+    spec_d = (cot, *u.form.specs[2])
+    d = jnp.einsum(
+        _equation([spec_d, (*o_sym, o2)], (cot, spec_d[1], o2)), f32(delta), q_d
+    )
+    size = u.form.leaf_sizes()[u.form.row_symbol]
+    read = jax.nn.one_hot(rows, size, dtype=d.dtype)
+    return jnp.where(valid[:, None], read, jnp.zeros((), d.dtype)), d
+
+
+def _summed_squares(kept: Any) -> Any:
+    """A chunk's sum over its examples (and cotangents) of the squares of its
+    pairs' products (`squared_products`)."""
+    a, d = kept  # (E, *blocks, P, n_in) and (E, C, *blocks, P, n_out)
+    examples, cots, lead = d.shape[0], d.shape[1], d.shape[2:-2]
+    layers = math.prod(lead)
+    a = jnp.broadcast_to(a[:, None], (examples, cots, *a.shape[1:]))
+    a = regroup(a, (examples * cots, layers, *a.shape[-2:]))
+    d = regroup(d, (examples * cots, layers, *d.shape[-2:]))
+    out = squared_products(jnp.swapaxes(a, 0, 1), jnp.swapaxes(d, 0, 1))
+    return regroup(out, (*lead, *out.shape[-2:]))
 
 
 def _ghost_moments(transform, fun, settings, found, data, how, *, redo) -> list:

@@ -1,0 +1,112 @@
+"""Sums of squared per-example products, `sum_e (a_e^T d_e)^2`, without each
+example's product in memory where a kernel runs (EK-FAC's second moments).
+
+`squared_products(a, d)` with `a` of shape `(L, E, P, I)` and `d` of `(L, E, P,
+J)` is `sum_e (a[l, e]^T d[l, e])^2`, of shape `(L, I, J)`: for EK-FAC, each
+example's gradient of a weight rotated into its eigenbases is `a^T d`, the
+rotated activations and output gradients of its `P` positions, and their squares
+summed over the examples are the eigenvalues' corrections. XLA forms each
+example's `(I, J)` product in memory before squaring it (for a 10M-parameter LM,
+40 MB written and read per example); on the platforms `IN_KERNEL` (the TPU) a
+Pallas kernel keeps each tile of the products in the core's memory and adds its
+squares to the sum there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._core import _memory
+
+
+IN_KERNEL = frozenset({"tpu"})
+TILE = 256  # (the output tile's rows and columns; a multiple of the lanes, 128)
+EXAMPLES = 8  # (examples per kernel step)
+INTERPRET = False  # (the kernel interpreted: where the platform has no compiler)
+
+
+def squared_products(a: jax.Array, d: jax.Array) -> jax.Array:
+    """`sum_e (a[l, e]^T d[l, e])^2`: `a` `(L, E, P, I)`, `d` `(L, E, P, J)`, the
+    result `(L, I, J)` in their (common) dtype."""
+    if _in_kernel(a, d):
+        return _kernel_sum(a, d, interpret=INTERPRET)
+    return jnp.sum(jnp.square(jnp.einsum("lepi,lepj->leij", a, d)), 1)
+
+
+def _in_kernel(*xs: jax.Array) -> bool:
+    if _memory.call_platform() not in IN_KERNEL:
+        return False
+    for x in xs:
+        if x.dtype != jnp.float32:  # (the kernel's: no float64 on the TPU)
+            return False
+        typed = jax.typeof(x).sharding  # (a sharded operand: XLA's own program)
+        if any(e is not None for e in getattr(typed, "spec", ())):
+            return False
+    return True
+
+
+def _precision() -> lax.Precision:
+    """The products' precision: full float32 where the caller asked for it
+    (`jax.default_matmul_precision("highest")`), else the platform's default."""
+    wanted = str(jax.config.jax_default_matmul_precision or "").lower()
+    full = wanted in ("highest", "float32", "tensorfloat32")
+    return lax.Precision.HIGHEST if full else lax.Precision.DEFAULT
+
+
+def _kernel_sum(a: jax.Array, d: jax.Array, *, interpret: bool) -> jax.Array:
+    """`squared_products` by the Pallas kernel: examples and columns padded with
+    zeros (whose products are 0) to whole tiles, the padding cut off after."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    layers, examples, positions, rows = a.shape
+    cols = d.shape[-1]
+    ti, tj = min(TILE, _up(rows, 128)), min(TILE, _up(cols, 128))
+    te = min(EXAMPLES, examples)
+    big_i, big_j, big_e = _up(rows, ti), _up(cols, tj), _up(examples, te)
+    a_t = jnp.swapaxes(a, -1, -2)  # (L, E, I, P): each example's a^T
+    a_t = jnp.pad(a_t, ((0, 0), (0, big_e - examples), (0, big_i - rows), (0, 0)))
+    d = jnp.pad(d, ((0, 0), (0, big_e - examples), (0, 0), (0, big_j - cols)))
+    grid = (layers, big_i // ti, big_j // tj, big_e // te)
+    kernel = functools.partial(_kernel, examples=te, precision=_precision())
+    out = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((None, te, ti, positions), lambda s, i, j, e: (s, e, i, 0)),
+            pl.BlockSpec((None, te, positions, tj), lambda s, i, j, e: (s, e, 0, j)),
+        ],
+        out_specs=pl.BlockSpec((None, ti, tj), lambda s, i, j, e: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((layers, big_i, big_j), jnp.float32),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+        ),
+        interpret=interpret,
+    )(a_t, d)
+    return out[:, :rows, :cols]
+
+
+def _kernel(a_ref, d_ref, out_ref, *, examples: int, precision) -> None:
+    """One output tile: the squares of `te` examples' products added to it (set
+    to 0 at the first step over the examples)."""
+    from jax.experimental import pallas as pl
+
+    @pl.when(pl.program_id(3) == 0)
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    total = out_ref[...]
+    for e in range(examples):  # (unrolled: one matmul per example)
+        x = jnp.dot(
+            a_ref[e], d_ref[e], precision=precision, preferred_element_type=jnp.float32
+        )
+        total = total + x * x
+    out_ref[...] = total
+
+
+def _up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
