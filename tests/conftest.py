@@ -206,6 +206,7 @@ def squares_in_kernel(monkeypatch):
     shapes."""
     import jax
 
+    from chunkvmap._core import _memory, _program
     from chunkvmap._dp import _squares
 
     calls = []
@@ -218,6 +219,8 @@ def squares_in_kernel(monkeypatch):
     monkeypatch.setattr(_squares, "IN_KERNEL", frozenset({"cpu", "tpu", "gpu"}))
     monkeypatch.setattr(_squares, "INTERPRET", jax.default_backend() != "tpu")
     monkeypatch.setattr(_squares, "_kernel_sum", counted)
+    # (the eager programs compiled before, without the kernel, not reused)
+    monkeypatch.setattr(_memory, "PROGRAMS", _program.LRU(limit=256))
     yield calls
 
 
