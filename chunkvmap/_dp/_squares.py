@@ -71,8 +71,12 @@ def _kernel_sum(a: jax.Array, d: jax.Array, *, interpret: bool) -> jax.Array:
     a_t = jnp.swapaxes(a, -1, -2)  # (L, E, I, P): each example's a^T
     a_t = jnp.pad(a_t, ((0, 0), (0, big_e - examples), (0, big_i - rows), (0, 0)))
     d = jnp.pad(d, ((0, 0), (0, big_e - examples), (0, 0), (0, big_j - cols)))
+    precision = _precision()
+    if precision == lax.Precision.DEFAULT and not interpret:  # (the TPU's default
+        # for float32 products, as XLA's: one pass of bfloat16 operands)
+        a_t, d = a_t.astype(jnp.bfloat16), d.astype(jnp.bfloat16)
     grid = (layers, big_i // ti, big_j // tj, big_e // te)
-    kernel = functools.partial(_kernel, examples=te, precision=_precision())
+    kernel = functools.partial(_kernel, examples=te, precision=precision)
     out = pl.pallas_call(
         kernel,
         grid=grid,
