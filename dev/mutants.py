@@ -1570,6 +1570,14 @@ MUTANTS = {
         ),
         ["test_ekfac"],
     ),
+    "store: a build's program not kept for later builds": (
+        (
+            "chunkvmap/_dp/_store.py",
+            "                program, values, _memory.PROGRAMS, types\n",
+            "                program, values, _program.LRU(), types\n",
+        ),
+        ["test_store"],
+    ),
     "regroup: several groups reshaped at once (refused over Explicit axes)": (
         (
             "chunkvmap/_core/_loop.py",

@@ -264,6 +264,32 @@ def test_a_store_queried_token_by_token(tmp_path):
     _check(flat, scores.T, 4)
 
 
+def test_a_later_build_compiles_nothing(tmp_path, monkeypatch):
+    """A second build of the same program (new parameters, a loss whose closed-over
+    array changed, another folder) compiles nothing and writes its own rows."""
+    from chunkvmap._core import _memory, _program
+
+    monkeypatch.setattr(_memory, "PROGRAMS", _program.LRU(limit=256))
+    params, _, loss, (x, y), _ = _setup(n=12)
+    shift = {"value": jnp.zeros(())}
+
+    def shifted(p, x, y):
+        return loss(p, x, y) + shift["value"] * jnp.sum(jax.tree.leaves(p)[0])
+
+    sizes = []
+    for k in range(2):
+        shift["value"] = jnp.asarray(float(k))
+        at = jax.tree.map(lambda p: p * (1 + k), params)
+        store = cv.build_store(
+            tmp_path / str(k), shifted, at, x, y, dim=4, method="ghost",
+            batch_size=4, write_size=8,
+        )  # fmt: skip
+        sizes.append(len(_memory.PROGRAMS))
+        want = cv.per_example_grad_projections(shifted, dim=4)(at, x, y)
+        np.testing.assert_allclose(store.rows, want, rtol=1e-5, atol=1e-6)
+    assert sizes[0] == sizes[1] > 0, sizes
+
+
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
 def test_blocks_of_a_build_are_traced_once(tmp_path, method):
     """A build's blocks of equal size run one program: the loss is traced as many

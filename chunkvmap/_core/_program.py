@@ -163,18 +163,28 @@ def run_traced(
     the trace reads is an argument of the compiled program (`Trace`), so a new one
     compiles nothing and none is kept. A program that reads a value an outer
     transformation traces is evaluated as traced, under it, and not kept."""
+    return compiled_for(program, values, programs, key)(values)
+
+
+def compiled_for(
+    program: Callable[..., Any], values: Sequence[Any], programs: LRU, key: Hashable
+) -> Callable[[Sequence[Any]], Any]:
+    """`program` traced once at `values`' types, as a function of values of those
+    types: by the program it traces to, compiled once per distinct traced program
+    and `key` and kept in `programs` (see `run_traced`)."""
     closed, shape = jax.make_jaxpr(program, return_shape=True)(*values)
     trace = Trace.of(closed)
     out_tree = jax.tree.structure(shape)
     if trace.traced:
-        out = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *values)
-        return jax.tree.unflatten(out_tree, out)
+        return lambda vs: jax.tree.unflatten(
+            out_tree, jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *vs)
+        )
     key = (trace.key, tuple(_const_type(c) for c in trace.consts), key)
-    args = (trace.consts, *values)
+    consts = trace.consts
     compiled = programs.get_or_build(
-        key, lambda: jax.jit(trace.apply).lower(*args).compile()
+        key, lambda: jax.jit(trace.apply).lower(consts, *values).compile()
     )
-    return jax.tree.unflatten(out_tree, compiled(*args))
+    return lambda vs: jax.tree.unflatten(out_tree, compiled(consts, *vs))
 
 
 def _const_type(c: Any) -> Any:

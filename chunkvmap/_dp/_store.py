@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import _axes, _progress
+from .._core import _axes, _memory, _program, _progress
 from ._projections import per_example_grad_projections
 
 
@@ -283,8 +283,9 @@ def build_store(
     `write_size` at a time (`per_example_grad_projections(loss, dim=dim,
     seed=seed, method=method, **options)`, whitened by `precondition=` factors
     with `damping` where given; `options` chunk each block: `batch_size`,
-    `shard`, `mesh`...), one program for the call's blocks (traced and compiled
-    once per call, the loss's closure read then), and each block's rows are
+    `shard`, `mesh`...), one program for the call's blocks (traced once per call, the
+    loss's closure read then; compiled once per traced program, so that a build
+    at new parameters compiles nothing), and each block's rows are
     written and flushed before the block is recorded as done. Called again on a
     folder that holds an unfinished store of the same configuration, it resumes
     after the last block recorded; on a finished one, it returns it. A folder
@@ -349,7 +350,8 @@ def build_store(
     done = _resumed(path, config)
     if done is None:  # a new store: its width from the first block's rows' type
         first = jax.tree.map(lambda x: x[: min(write_size, n)], data)
-        rows = _created(path, config, jax.eval_shape(project, first).shape[1])
+        width = jax.eval_shape(lambda b: projections(params, *b, **extra), first)
+        rows = _created(path, config, width.shape[1])
         done = 0
     else:
         rows = np.load(path / "rows.npy", mmap_mode="r+")
@@ -367,24 +369,43 @@ def build_store(
 
 
 def _one_program(project: Callable[..., Any], params: Any, extra: dict) -> Any:
-    """`block -> project(params, *block, **extra)` as one program for a call's
-    blocks of equal size, traced once (an eager call would trace its chunk at
-    every block): the arrays of `params` and `extra` are its arguments, their
-    other leaves (a model's functions, Python numbers) held as they are for the
-    call."""
+    """`block -> project(params, *block, **extra)`, traced once per call for its
+    blocks of each size (an eager call would trace its chunk at every block) and
+    compiled once per traced program (kept with the eager calls' programs: a later
+    build of the same program, at other parameters or of another store, compiles
+    nothing): the arrays of `params`, `extra` and the block are its arguments,
+    their other leaves (a model's functions, Python numbers) held as they are for
+    the call."""
     flat, tree = jax.tree.flatten((params, extra))
     dynamic = [i for i, x in enumerate(flat) if _axes.is_array(x)]
     arrays = [flat[i] for i in dynamic]
+    made: dict[Any, Callable[..., Any]] = {}
 
-    def run(arrays: list, block: Any) -> Any:
-        full = list(flat)
-        for i, a in zip(dynamic, arrays):
-            full[i] = a
-        p, e = jax.tree.unflatten(tree, full)
-        return project(p, *block, **e)
+    def call(block: Any) -> Any:
+        leaves, block_tree = jax.tree.flatten(block)
+        values = [*arrays, *leaves]
 
-    jitted = jax.jit(run)
-    return functools.partial(jitted, arrays)
+        def program(*values: Any) -> Any:
+            full = list(flat)
+            for i, a in zip(dynamic, values):
+                full[i] = a
+            p, e = jax.tree.unflatten(tree, full)
+            data = jax.tree.unflatten(block_tree, values[len(arrays) :])
+            return project(p, *data, **e)
+
+        types = (
+            block_tree,
+            tuple(jax.typeof(v) for v in values),
+            tuple(getattr(v, "sharding", None) for v in values),
+            jax.sharding.get_abstract_mesh(),
+        )
+        if types not in made:
+            made[types] = _program.compiled_for(
+                program, values, _memory.PROGRAMS, types
+            )
+        return made[types](values)
+
+    return call
 
 
 def _created(path: pathlib.Path, config: dict, width: int) -> np.ndarray:
