@@ -13,6 +13,8 @@ method, in chunks of `--batch` sequences:
 * `ekfac_factors` with `factors=`: `kfac_factors` of the first N/8 sequences
   (`--subset`), then one pass over the N for the eigenvalues (the bases
   fitted on a subset, as Kronfluence allows);
+* `ekfac_factors` with `factors=` an EK-FAC result: its bases kept, one pass
+  over the N for the eigenvalues (the second pass alone: no eigendecomposition);
 * `build_store` (`dim=16`, `method="ghost"`, whitened by those factors): the
   rows written to a memmap.
 
@@ -64,6 +66,9 @@ def peak_mib() -> float | None:
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     return None if peak is None else peak / 2**20
+
+
+SECOND = "ekfac_factors, bases given (`factors=` an EK-FAC result: the second pass)"
 
 
 def say(text: str) -> None:  # progress on stderr, so a cut run still tells
@@ -123,13 +128,18 @@ def run(args) -> str:
         f"ekfac_factors (ghost), bases fitted on N/{args.subset} (`factors=`)": (
             fitted_on_a_subset
         ),
+        SECOND: lambda: ekfac(params, tokens, key=key, factors=factors),
         "build_store (dim 16, ghost, EK-FAC-whitened)": lambda: store(factors),
-        "part: kfac_factors (the first pass)": lambda: kfac(params, tokens, key=key),
-        "part: the eigendecompositions of its factors": lambda: bases(blocks),
-        "part: ekfac_factors given those factors (eigendecompositions, second pass)": (
-            lambda: ekfac(params, tokens, key=key, factors=full)
-        ),
     }
+    if not args.no_parts:
+        runs.update({
+            "part: kfac_factors (the first pass)": (
+                lambda: kfac(params, tokens, key=key)
+            ),
+            "part: the eigendecompositions of its factors": lambda: bases(blocks),
+            "part: ekfac_factors given those factors (eigendecompositions, "
+            "second pass)": lambda: ekfac(params, tokens, key=key, factors=full),
+        })  # fmt: skip
     times = {name: [] for name in runs}
     for name, f in runs.items():  # warm-up (compiles)
         t0 = time.perf_counter()
@@ -153,9 +163,13 @@ def run(args) -> str:
         factors = jax.block_until_ready(ekfac(params, big_tokens, key=key))
         big = (params, big_tokens, jnp.roll(big_tokens, -1, 1))
         jax.block_until_ready(step(*big))
+        given = factors
+        jax.block_until_ready(ekfac(params, big_tokens, key=key, factors=given))
         for name, f in (("non-private step", lambda: step(*big)),
                         ("ekfac_factors (ghost, both passes)",
-                         lambda: ekfac(params, big_tokens, key=key))):  # fmt: skip
+                         lambda: ekfac(params, big_tokens, key=key)),
+                        (SECOND, lambda: ekfac(params, big_tokens, key=key,
+                                               factors=given))):  # fmt: skip
             t0 = time.perf_counter()
             jax.block_until_ready(f())
             at_n = np.median(times[name])
@@ -255,6 +269,11 @@ def main(argv=None) -> None:
         help="then run ekfac_factors and build_store at 4N: the time per further "
         "example, and the device's peak bytes in use at N and at 4N (backends "
         "that keep memory_stats)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-parts", action="store_true",
+        help="leave out the rows of EK-FAC's parts (the first pass, the "
+        "eigendecompositions, the second pass given KFAC factors)",
     )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

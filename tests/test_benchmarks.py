@@ -341,6 +341,7 @@ def test_attribution_scale_benchmark_runs():
         subset=2,
         no_memory=False,
         peak=True,
+        no_parts=False,
         out=None,
     )
     import jax
@@ -355,6 +356,7 @@ def test_attribution_scale_benchmark_runs():
         "bases fitted on N/2",
         "part: the eigendecompositions of its factors",
         "ms per further example",
+        "bases given (`factors=` an EK-FAC result: the second pass)",
     ):
         assert name in text, text
     (row,) = [r for r in text.splitlines() if r.startswith("| ekfac_factors (ghost) |")]
