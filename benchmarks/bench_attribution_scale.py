@@ -76,7 +76,9 @@ def say(text: str) -> None:  # progress on stderr, so a cut run still tells
 
 
 def run(args) -> str:
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL)
+    if getattr(args, "positions", None):
+        cfg["positions"] = args.positions
     rng = np.random.default_rng(0)
     params = lm_params(rng, cfg)
     count = sum(x.size for x in jax.tree.leaves(params))
@@ -274,6 +276,10 @@ def main(argv=None) -> None:
         "--no-parts", action="store_true",
         help="leave out the rows of EK-FAC's parts (the first pass, the "
         "eigendecompositions, the second pass given KFAC factors)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--positions", type=int, default=None,
+        help="the sequences' length (default 32; LMs train at 256 and more)",
     )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
