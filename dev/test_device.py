@@ -151,11 +151,16 @@ class Deselect:
         self.ids = ids
 
     def pytest_collection_modifyitems(self, items, config) -> None:
-        kept = [item for item in items if item.nodeid not in self.ids]
-        config.hook.pytest_deselected(
-            items=[item for item in items if item.nodeid in self.ids]
-        )
-        items[:] = kept
+        left = {item.nodeid for item in items if item.nodeid in self.ids}
+        if any(i.startswith(HOSTILE) for i in left):  # (its tally needs every
+            # hostile case in this process: with some left out it cannot hold)
+            left |= {i.nodeid for i in items if i.nodeid.startswith(TALLY)}
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid in left])
+        items[:] = [item for item in items if item.nodeid not in left]
+
+
+HOSTILE = "tests/test_hostile.py::"
+TALLY = HOSTILE + "test_every_entry_point_matched_and_raised"
 
 
 if __name__ == "__main__":
