@@ -1541,8 +1541,8 @@ MUTANTS = {
     "ekfac ghost: the records' rotated gradient 1% too large": (
         (
             "chunkvmap/_dp/_ekfac.py",
-            "    return jnp.sum(jnp.square(total), 0)\n",
-            "    return jnp.sum(jnp.square(1.01 * total), 0)\n",
+            "    out = squared_products(jnp.swapaxes(a, 0, 1), jnp.swapaxes(d, 0, 1))\n",
+            "    out = squared_products(jnp.swapaxes(a, 0, 1), 1.01 * jnp.swapaxes(d, 0, 1))\n",
         ),
         ["test_ekfac"],
     ),
@@ -1589,8 +1589,40 @@ MUTANTS = {
     "ekfac ghost: a lookup's rotated gradient 1% too large": (
         (
             "chunkvmap/_dp/_ekfac.py",
-            "    return jnp.zeros((d.shape[0], size, d.shape[-1]), d.dtype).at[:, rows].add(d)\n",
-            "    return jnp.zeros((d.shape[0], size, d.shape[-1]), d.dtype).at[:, rows].add(1.01 * d)\n",
+            "    return jnp.where(valid[:, None], read, jnp.zeros((), d.dtype)), d\n",
+            "    return jnp.where(valid[:, None], read, jnp.zeros((), d.dtype)), 1.01 * d\n",
+        ),
+        ["test_ekfac"],
+    ),
+    "ekfac ghost: a lookup's positions that read no row kept": (
+        (
+            "chunkvmap/_dp/_ekfac.py",
+            "    return jnp.where(valid[:, None], read, jnp.zeros((), d.dtype)), d\n",
+            "    return read, d\n",
+        ),
+        ["test_ekfac"],
+    ),
+    "squares kernel: an example of each step left out": (
+        (
+            "chunkvmap/_dp/_squares.py",
+            "    for e in range(examples):  # (unrolled: one matmul per example)\n",
+            "    for e in range(examples - 1):  # (unrolled: one matmul per example)\n",
+        ),
+        ["test_ekfac"],
+    ),
+    "squares kernel: the tile's sum restarted at every step over the examples": (
+        (
+            "chunkvmap/_dp/_squares.py",
+            "    total = out_ref[...]\n",
+            "    total = jnp.zeros(out_ref.shape, out_ref.dtype)\n",
+        ),
+        ["test_ekfac"],
+    ),
+    "squares kernel: the rows' padding not cut off (the columns' kept)": (
+        (
+            "chunkvmap/_dp/_squares.py",
+            "    return out[:, :rows, :cols]\n",
+            "    return out[:, : rows + 1, :cols][:, 1:]\n",
         ),
         ["test_ekfac"],
     ),

@@ -455,8 +455,9 @@ class _GhostMoments(Quantity):
 
 def _from_records(leaf: Any, layout: tuple, basis: tuple) -> bool:
     """Whether a leaf's rotated gradient is made from its records: every use a
-    product's form, or (an embedding, its input basis the identity) a lookup of
-    the leaf's rows."""
+    product's form whose activations and output gradients have the same
+    positions, or (an embedding, its input basis the identity) a lookup of the
+    leaf's rows."""
     (blocks, ins, _), _ = layout
     for u in leaf.uses:
         if isinstance(u.form, RowsForm):
@@ -464,21 +465,36 @@ def _from_records(leaf: Any, layout: tuple, basis: tuple) -> bool:
                 return False
         elif not isinstance(u.form, EinsumForm):
             return False
+        else:
+            pos_a, pos_d = _positions(u, layout)
+            if len(pos_a) != len(pos_d) or any(p not in pos_d for p in pos_a):
+                return False
     return True
 
 
-def _record_operands(leaf: Any, layout: tuple, basis: tuple, records, deltas) -> Any:
-    """One example's rotated gradient of a leaf whose every use is a product's
-    form `(activation, output gradient)` (or a lookup of its rows), as the pair
-    `(a, d)` whose product over the positions is that gradient: `a` the uses'
-    activations rotated into the input basis, `(*blocks, P, n_in)` (a joined
-    bias's activation 1 its last input; a lookup's the rows it reads), `d` their
-    output gradients rotated into the output basis, `(cotangents, *blocks, P,
-    n_out)`, the uses' positions one axis `P`; their squares are summed over a
-    chunk's examples by `squared_products`. (Never the gradient in the leaf's own
-    basis: `T (n_in^2 + n_out^2)` per use rather than `n_in n_out (n_in +
-    n_out)`.) Where a use's activations and output gradients have other
-    positions, the squares of the rotated gradient, summed over the cotangents."""
+def _positions(u: Any, layout: tuple) -> tuple[list, list]:
+    """A product use's positions: the symbols of its activations' and of its
+    output gradients' specs that are none of the leaf's axes."""
+    (blocks, ins, outs), _ = layout
+    leaf_a = [LeafAxis(a) for a in (*blocks, *ins)]
+    leaf_d = [LeafAxis(a) for a in (*blocks, *outs)]
+    spec_a, spec_d = u.form.specs[0], u.form.specs[1]
+    return (
+        [s for s in spec_a if s not in leaf_a],
+        [s for s in spec_d if s not in leaf_d],
+    )
+
+
+def _record_operands(leaf: Any, layout: tuple, basis: tuple, records, deltas) -> tuple:
+    """One example's rotated gradient of a leaf made from its records
+    (`_from_records`), as the pair `(a, d)` whose product over the positions is
+    that gradient: `a` the uses' activations rotated into the input basis,
+    `(*blocks, P, n_in)` (a joined bias's activation 1 its last input; a
+    lookup's the rows it reads), `d` their output gradients rotated into the
+    output basis, `(cotangents, *blocks, P, n_out)`, the uses' positions one axis
+    `P`; their squares are summed over a chunk's examples by `squared_products`.
+    (Never the gradient in the leaf's own basis: `T (n_in^2 + n_out^2)` per use
+    rather than `n_in n_out (n_in + n_out)`.)"""
     (blocks, ins, outs), bias = layout
     q_in, q_out = basis
     shape = leaf.shape
@@ -489,40 +505,28 @@ def _record_operands(leaf: Any, layout: tuple, basis: tuple, records, deltas) ->
     if q_in is not None:
         q_a = q_in[..., :-1, :] if bias is not None else q_in
         q_a = f32(q_a).reshape(*lead, *[shape[a] for a in ins], q_a.shape[-1])
-    pairs, total = [], 0
+    pairs = []
     for u in leaf.uses:
         if isinstance(u.form, RowsForm):  # (an embedding: its rows, unrotated)
             pairs.append(_rows_operands(u, q_d, o_sym, records, deltas))
             continue
         acts, outs_ = use_arrays(u, records, deltas)
         spec_a, spec_d = tuple(u.form.specs[0]), (cot, *u.form.specs[1])
-        pos_a = [s for s in spec_a if s not in b_sym and s not in i_sym]
-        pos_d = [s for s in spec_d[1:] if s not in b_sym and s not in o_sym]
-        out_a = (*b_sym, *pos_a, i2)
+        pos_a, _ = _positions(u, layout)  # (the output gradients' too)
+        out_a, out_d = (*b_sym, *pos_a, i2), (cot, *b_sym, *pos_a, o2)
         a = jnp.einsum(
             _equation([spec_a, (*b_sym, *i_sym, i2)], out_a), f32(acts[0]), q_a
         )
         if bias is not None:  # the bias's activation: 1 at every position
             row = f32(q_in[..., -1, :])
             a = a + row.reshape(*lead, *([1] * len(pos_a)), row.shape[-1])
-        same = len(pos_a) == len(pos_d) and all(p in pos_d for p in pos_a)
-        out_d = (cot, *b_sym, *(pos_a if same else pos_d), o2)
         d = jnp.einsum(
             _equation([spec_d, (*b_sym, *o_sym, o2)], out_d), f32(outs_[1]), q_d
         )
-        if not same:  # (other positions: this use's product formed)
-            total = total + jnp.einsum(
-                _equation([out_a, out_d], (cot, *b_sym, i2, o2)), a, d
-            )
-            continue
         positions = math.prod(a.shape[len(lead) : -1])
         a = regroup(a, (*lead, positions, a.shape[-1]))
         d = regroup(d, (d.shape[0], *lead, positions, d.shape[-1]))
         pairs.append((a, d))
-    if not isinstance(total, int):  # (the pairs' products formed too)
-        for a, d in pairs:
-            total = total + jnp.einsum("...pi,c...pj->c...ij", a, d)
-        return jnp.sum(jnp.square(total), 0)
     if len(pairs) == 1:
         return pairs[0]
     return (
