@@ -208,7 +208,7 @@ def test_convolutions_over_an_explicit_mesh(layout):
     mesh = make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
     placed = jax.device_put(x, NamedSharding(mesh, P("d")))
     opts = dict(likelihood="categorical", batch_size=1)
-    for how in ("placed", "entered", "jitted"):
+    for how in ("placed", "entered", "jitted") if layout == "NHWC" else ("entered",):
         kf = cv.kfac_factors(model, **opts)
         ek = ekfac_factors(model, method="ghost", **opts)
         if how == "jitted":
