@@ -196,7 +196,7 @@ def test_convolutions_over_an_explicit_mesh(layout):
     """A convolution's KFAC and EK-FAC blocks (ghost: no per-example gradient,
     which `jax.vmap` of a convolution's derivative cannot form over an Explicit
     mesh) with 16 examples placed over 8 devices: eagerly, with the mesh
-    entered, and jitted, each the blocks built by hand."""
+    entered, and jitted (NCHW: entered), each the blocks built by hand."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     name = f"conv-{layout}"
