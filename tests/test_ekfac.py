@@ -117,6 +117,38 @@ def test_ghost_second_moments_by_the_kernel(squares_in_kernel):
         assert len(squares_in_kernel) > calls, name
 
 
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_lookups_of_rows_out_of_range(method):
+    """A table looked up in fill mode (`.at[x].get(mode="fill")`) with ids past
+    its rows: those positions read nothing and their gradient is dropped, so
+    they add nothing to the table's block (its factors are its kept positions':
+    the oracle's activation there a row of zeros, its output gradient not
+    taken); the blocks built by hand."""
+    k = jax.random.split(jax.random.key(5), 3)
+    params = {
+        "table": jax.random.normal(k[0], (7, 4)) * 0.5,
+        "head": jax.random.normal(k[1], (4, 3)) * 0.5,
+    }
+    x = jax.random.randint(k[2], (5, 6), 0, 7).at[:, 2].set(9).at[1, 4].set(7)
+
+    def tapped(p, x, probes):
+        e = p["table"].at[x].get(mode="fill", fill_value=0.0)
+        kept = ((x >= 0) & (x < 7))[:, None]  # (the positions that read a row)
+        e = e if probes is None else e + jnp.where(kept, probes["table"], 0.0)
+        out = jnp.tanh(e) @ p["head"]
+        out = out if probes is None else out + probes["head"]
+        acts = {"table": jax.nn.one_hot(x, 7), "head": jnp.tanh(e)}
+        return out, acts, {"table": e, "head": out}
+
+    def model(p, x):
+        return tapped(p, x, None)[0]
+
+    cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
+    expected = ekfac_by_hand(tapped, params, x, cots)
+    got = ekfac_factors(model, likelihood="categorical", batch_size=2, method=method)
+    _check_blocks("lookups", got(params, x), expected)
+
+
 @pytest.mark.parametrize(
     "likelihood,fisher,samples",
     [("categorical", "mc", 2), ("gaussian", "empirical", 1), ("gaussian", "exact", 1)],
