@@ -1573,8 +1573,8 @@ MUTANTS = {
     "store: a build's program not kept for later builds": (
         (
             "chunkvmap/_dp/_store.py",
-            "                program, values, _memory.PROGRAMS, types\n",
-            "                program, values, _program.LRU(), types\n",
+            "                functools.partial(program, block_tree), values, _memory.PROGRAMS, types\n",
+            "                functools.partial(program, block_tree), values, _program.LRU(), types\n",
         ),
         ["test_store"],
     ),

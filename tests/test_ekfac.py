@@ -97,6 +97,24 @@ def test_the_squares_kernel_is_the_sum_of_squared_products(shape):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.max())
 
 
+def test_the_squares_kernel_takes_the_callers_precision():
+    """The kernel's products at the precision the caller set: full float32 for
+    "highest", three bfloat16 passes for "high", else the platform's default."""
+    from jax import lax
+
+    from chunkvmap._dp import _squares
+
+    for wanted, precision in [
+        ("highest", lax.Precision.HIGHEST), ("float32", lax.Precision.HIGHEST),
+        ("high", lax.Precision.HIGH), ("tensorfloat32", lax.Precision.HIGH),
+        ("BF16_BF16_F32_X3", lax.Precision.HIGH),
+        ("F32_F32_F32", lax.Precision.HIGHEST),
+        ("default", lax.Precision.DEFAULT), ("bfloat16", lax.Precision.DEFAULT),
+    ]:  # fmt: skip
+        with jax.default_matmul_precision(wanted):
+            assert _squares._precision() == precision, wanted
+
+
 def test_ghost_second_moments_by_the_kernel(squares_in_kernel):
     """EK-FAC's second pass with every leaf's squares summed by the kernel (as on
     the TPU): the blocks built by hand (scanned layers, joined biases, a

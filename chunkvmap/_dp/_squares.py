@@ -50,11 +50,17 @@ def _in_kernel(*xs: jax.Array) -> bool:
 
 
 def _precision() -> lax.Precision:
-    """The products' precision: full float32 where the caller asked for it
-    (`jax.default_matmul_precision("highest")`), else the platform's default."""
+    """The products' precision, the caller's (`jax.default_matmul_precision`):
+    full float32 for "highest", three bfloat16 passes for "high", else the
+    platform's default."""
     wanted = str(jax.config.jax_default_matmul_precision or "").lower()
-    full = wanted in ("highest", "float32", "tensorfloat32")
-    return lax.Precision.HIGHEST if full else lax.Precision.DEFAULT
+    if wanted in ("highest", "float32", "f32_f32_f32", "bf16_bf16_f32_x6",
+                  "bf16_bf16_f32_x9", "f64_f64_f64"):  # fmt: skip
+        return lax.Precision.HIGHEST
+    if wanted in ("high", "tensorfloat32", "bf16_bf16_f32_x3", "tf32_tf32_f32",
+                  "tf32_tf32_f32_x3"):  # fmt: skip
+        return lax.Precision.HIGH
+    return lax.Precision.DEFAULT
 
 
 def _kernel_sum(a: jax.Array, d: jax.Array, *, interpret: bool) -> jax.Array:

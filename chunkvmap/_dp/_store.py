@@ -381,27 +381,25 @@ def _one_program(project: Callable[..., Any], params: Any, extra: dict) -> Any:
     arrays = [flat[i] for i in dynamic]
     made: dict[Any, Callable[..., Any]] = {}
 
+    def program(block_tree: Any, *values: Any) -> Any:
+        full = list(flat)
+        for i, a in zip(dynamic, values):
+            full[i] = a
+        p, e = jax.tree.unflatten(tree, full)
+        return project(p, *jax.tree.unflatten(block_tree, values[len(arrays) :]), **e)
+
     def call(block: Any) -> Any:
         leaves, block_tree = jax.tree.flatten(block)
         values = [*arrays, *leaves]
-
-        def program(*values: Any) -> Any:
-            full = list(flat)
-            for i, a in zip(dynamic, values):
-                full[i] = a
-            p, e = jax.tree.unflatten(tree, full)
-            data = jax.tree.unflatten(block_tree, values[len(arrays) :])
-            return project(p, *data, **e)
-
         types = (
             block_tree,
             tuple(jax.typeof(v) for v in values),
             tuple(getattr(v, "sharding", None) for v in values),
             jax.sharding.get_abstract_mesh(),
         )
-        if types not in made:
+        if types not in made:  # (traced at this call's arrays, once per size)
             made[types] = _program.compiled_for(
-                program, values, _memory.PROGRAMS, types
+                functools.partial(program, block_tree), values, _memory.PROGRAMS, types
             )
         return made[types](values)
 
