@@ -1602,6 +1602,14 @@ MUTANTS = {
         ),
         ["test_ekfac"],
     ),
+    "squares kernel: called without its derivative rule": (
+        (
+            "chunkvmap/_dp/_squares.py",
+            "        return _by_kernel(a, d)\n",
+            "        return _kernel_sum(a, d, interpret=INTERPRET)\n",
+        ),
+        ["test_ekfac"],
+    ),
     "squares kernel: an example of each step left out": (
         (
             "chunkvmap/_dp/_squares.py",

@@ -97,6 +97,30 @@ def test_the_squares_kernel_is_the_sum_of_squared_products(shape):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.max())
 
 
+def test_ekfac_under_grad_with_the_kernel(squares_in_kernel):
+    """`jax.grad` of EK-FAC's eigenvalues (ghost) through the kernel, which has no
+    derivative of its own: the gradient of the same computation without it."""
+    from chunkvmap._dp import _squares
+
+    params, x, _, model = _model(MODELS["mlp"])
+    ek = ekfac_factors(model, likelihood="categorical", batch_size=2, method="ghost")
+
+    def total(p):
+        found = jax.tree.leaves(ek(p, x), is_leaf=_is_eigen)
+        return sum(jnp.sum(f.eigenvalues) for f in found if _is_eigen(f))
+
+    got = jax.grad(total)(params)
+    assert squares_in_kernel
+    with pytest.MonkeyPatch.context() as undo:
+        undo.setattr(_squares, "IN_KERNEL", frozenset())
+        want = jax.grad(total)(params)
+    tree_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _is_eigen(x):
+    return isinstance(x, EigenKronecker)
+
+
 def test_the_squares_kernel_takes_the_callers_precision():
     """The kernel's products at the precision the caller set: full float32 for
     "highest", three bfloat16 passes for "high", else the platform's default."""

@@ -33,8 +33,27 @@ def squared_products(a: jax.Array, d: jax.Array) -> jax.Array:
     """`sum_e (a[l, e]^T d[l, e])^2`: `a` `(L, E, P, I)`, `d` `(L, E, P, J)`, the
     result `(L, I, J)` in their (common) dtype."""
     if _in_kernel(a, d):
-        return _kernel_sum(a, d, interpret=INTERPRET)
-    return jnp.sum(jnp.square(jnp.einsum("lepi,lepj->leij", a, d)), 1)
+        return _by_kernel(a, d)
+    return jnp.sum(jnp.square(_products(a, d)), 1)
+
+
+def _products(a: jax.Array, d: jax.Array) -> jax.Array:
+    return jnp.einsum("lepi,lepj->leij", a, d)
+
+
+@jax.custom_jvp
+def _by_kernel(a: jax.Array, d: jax.Array) -> jax.Array:
+    return _kernel_sum(a, d, interpret=INTERPRET)
+
+
+@_by_kernel.defjvp
+def _by_kernel_jvp(primals: tuple, tangents: tuple) -> tuple:
+    """The kernel's derivative (it has none of its own): `2 sum_e X_e * dX_e`,
+    `dX_e = da_e^T d_e + a_e^T dd_e`, each example's product formed (as XLA's
+    program forms it)."""
+    (a, d), (da, dd) = primals, tangents
+    dx = _products(da, d) + _products(a, dd)
+    return _by_kernel(a, d), 2 * jnp.sum(_products(a, d) * dx, 1)
 
 
 def _in_kernel(*xs: jax.Array) -> bool:
