@@ -7,7 +7,22 @@ way of slicing chunks and stacking their outputs costs nothing on this backend.
   slice+bar    the same with the slice behind `lax.optimization_barrier` (nothing
                hoisted out of the loop),
   fori+dus     a `fori_loop` writing each chunk's outputs in place,
-  map          `lax.map` over the reshaped input.
+  map          `lax.map` over the reshaped input,
+  bits         `lax.scan` over the input's bits (`bitcast_convert_type` to an
+               unsigned integer of its width), each chunk cast back in the body
+               (no float operation reaches the input outside the loop),
+  slice+bits   the same with each chunk a `dynamic_slice` of the bits,
+  roundtrip    `lax.scan` over the reshaped input, each chunk's bits taken and cast
+               back in the body,
+  slice+xor    `slice` with each chunk read through its bits xor `i >> 31` (zero at
+               run time, unknown to XLA: no float operation reaches the input
+               outside the loop, and the bit casts cannot be folded away),
+  fori+xor     `fori+dus` with each chunk read so,
+  fori+hold    `fori+dus` with each chunk read through chunkvmap's `hold` (the
+               same bits, chosen by a predicate false at run time, so that JAX
+               differentiates it as the identity),
+  unrolled     `slice` with the scan unrolled whole (`unroll=K`),
+  python       the chunks as a Python loop of static slices, concatenated.
 
     python benchmarks/probe_loop.py [--n N] [--chunks K] [--hlo DIR]
 """
@@ -23,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from _common import interleaved
 from jax import lax
+
+from chunkvmap._core._loop import hold
 
 
 def mlp_forward(p, x):
@@ -65,8 +82,74 @@ def forms(f, n, b):
         ys = lax.map(lambda xc: vf(p, xc), x.reshape(k, b, *x.shape[1:]))
         return ys.reshape(n, *ys.shape[2:])
 
+    def bits_of(x):
+        return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+    def back(u, dtype):
+        return lax.bitcast_convert_type(u, dtype)
+
+    def bits(p, x):
+        u = bits_of(x).reshape(k, b, *x.shape[1:])
+        _, ys = lax.scan(lambda c, uc: (c, vf(p, back(uc, x.dtype))), (), u)
+        return ys.reshape(n, *ys.shape[2:])
+
+    def slice_bits(p, x):
+        u = bits_of(x)
+
+        def body(c, i):
+            return c, vf(p, back(lax.dynamic_slice_in_dim(u, i * b, b), x.dtype))
+
+        _, ys = lax.scan(body, (), jnp.arange(k, dtype=np.int32))
+        return ys.reshape(n, *ys.shape[2:])
+
+    def roundtrip(p, x):
+        def body(c, xc):
+            return c, vf(p, back(bits_of(xc), xc.dtype))
+
+        _, ys = lax.scan(body, (), x.reshape(k, b, *x.shape[1:]))
+        return ys.reshape(n, *ys.shape[2:])
+
+    def kept(xc, i):
+        z = lax.convert_element_type(lax.shift_right_arithmetic(i, np.int32(31)),
+                                     bits_of(xc).dtype)  # fmt: skip
+        return back(bits_of(xc) ^ z, xc.dtype)
+
+    def slice_xor(p, x):
+        def body(c, i):
+            return c, vf(p, kept(lax.dynamic_slice_in_dim(x, i * b, b), i))
+
+        _, ys = lax.scan(body, (), jnp.arange(k, dtype=np.int32))
+        return ys.reshape(n, *ys.shape[2:])
+
+    def fori_read(p, x, read):
+        out = jax.eval_shape(vf, p, x)
+
+        def body(i, buf):
+            y = vf(p, read(lax.dynamic_slice_in_dim(x, i * b, b), i))
+            return lax.dynamic_update_slice_in_dim(buf, y, i * b, 0)
+
+        return lax.fori_loop(0, k, body, jnp.zeros(out.shape, out.dtype))
+
+    def unrolled(p, x):
+        def body(c, i):
+            return c, vf(p, lax.dynamic_slice_in_dim(x, i * b, b))
+
+        _, ys = lax.scan(body, (), jnp.arange(k, dtype=np.int32), unroll=k)
+        return ys.reshape(n, *ys.shape[2:])
+
+    def python(p, x):
+        return jnp.concatenate([vf(p, x[i * b : (i + 1) * b]) for i in range(k)])
+
     return {
         "jax.vmap": vf,
+        "slice+xor": slice_xor,
+        "fori+xor": lambda p, x: fori_read(p, x, kept),
+        "fori+hold": lambda p, x: fori_read(p, x, hold),
+        "unrolled": unrolled,
+        "python": python,
+        "bits": bits,
+        "slice+bits": slice_bits,
+        "roundtrip": roundtrip,
         "xs": xs,
         "slice": sliced,
         "slice+bar": lambda p, x: sliced(p, x, True),

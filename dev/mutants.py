@@ -1578,6 +1578,40 @@ MUTANTS = {
         ),
         ["test_store"],
     ),
+    "held loop: chunks not read through their bits": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "    return lax.select(never, lax.bitcast_convert_type(bits, x.dtype), x)\n",
+            "    return x\n",
+        ),
+        ["test_loop"],
+    ),
+    "held loop: the bits chosen at run time (no derivative)": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "    return lax.select(never, lax.bitcast_convert_type(bits, x.dtype), x)\n",
+            "    return lax.bitcast_convert_type(bits, x.dtype)\n",
+        ),
+        ["test_loop"],
+    ),
+    "held loop: held whatever it writes": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "    return bool(held) and not weak and written <= read\n",
+            "    return bool(held) and not weak\n",
+        ),
+        ["test_loop"],
+    ),
+    "held loop: the scan's xs and ys taken (not written in place)": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "            and plan.rem == 0\n"
+            "            and all(a == 0 for a in out_axes)\n",
+            "            and plan.rem == 0\n"
+            "            and all(a == 0 for a in out_axes)\n            or held\n",
+        ),
+        ["test_loop"],
+    ),
     "regroup: several groups reshaped at once (refused over Explicit axes)": (
         (
             "chunkvmap/_core/_loop.py",

@@ -3,7 +3,11 @@ per-example rows, leaf by leaf, over every chunk plan, under `jit` and `grad`; a
 accumulators composed from leaves over a prefix tree of the outputs
 (`_accumulators`), against `jax.vmap`."""
 
+import collections
+import contextlib
+
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -225,3 +229,105 @@ def test_moments_match_the_two_pass_mean_and_variance(n, batch):
         np.testing.assert_allclose(mean[k], out[k].mean(0), rtol=1e-6)
         np.testing.assert_allclose(m2[k] / n, out[k].var(0), rtol=2e-3)
     np.testing.assert_allclose(sums, want_sums, rtol=1e-6)
+
+
+def _primitives(fn, *args):
+    """How many equations of each primitive `fn`'s jaxpr holds, nested ones
+    included."""
+    counts = collections.Counter()
+
+    def count(jaxpr):
+        for eqn in jaxpr.eqns:
+            counts[eqn.primitive.name] += 1
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                count(sub)
+
+    count(jax.make_jaxpr(fn)(*args).jaxpr)
+    return counts
+
+
+def _bit_casts(fn, *args):
+    return _primitives(fn, *args)["bitcast_convert_type"]
+
+
+@pytest.mark.parametrize(
+    "n, batch, dtype, out_axis",
+    [
+        (12, 4, np.float32, 0),  # B divides N
+        (13, 5, np.float32, 1),  # the last window, outputs along axis 1
+        (7, 3, jnp.bfloat16, 0),
+        (9, 4, np.float64, 0),
+    ],
+)
+def test_a_held_loop_is_jax_vmap(monkeypatch, n, batch, dtype, out_axis):
+    """On the platforms `HELD` (the TPU; here posed on the CPU) each chunk's
+    floating inputs are read through their bits and the outputs written in place:
+    the same values as `jax.vmap` eagerly, jitted, under `grad` and `jvp` and to
+    second order, at every float width, with integer inputs and Python scalars left
+    as they are; and every floating chunk does pass through a bit cast (a mutant
+    that skips it leaves the program as XLA:TPU narrows whole)."""
+    from chunkvmap import batch_vmap
+
+    if dtype == np.float64 and not jax.config.jax_enable_x64:
+        ctx = jax.enable_x64(True)
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx:
+        rng = np.random.default_rng(n)
+        x = jnp.asarray(rng.normal(size=(n, 6)), dtype)  # (more read than written)
+        ids = jnp.asarray(rng.integers(0, 4, size=(n,)), np.int32)
+        w = jnp.asarray(rng.normal(size=(6, 4)), dtype)
+
+        def f(w, x, i, s):
+            return (jnp.tanh(x @ w) * s).at[i].add(jnp.sin(x).sum())
+
+        ref = jax.vmap(f, (None, 0, 0, None), out_axis)
+        monkeypatch.setattr(_loop, "HELD", frozenset({jax.default_backend()}))
+        ours = batch_vmap(f, (None, 0, 0, None), out_axis, batch_size=batch)
+        tol = dict(rtol=3e-2, atol=3e-2) if dtype == jnp.bfloat16 else {}
+        args = (w, x, ids, 2.0)
+        tree_allclose(ours(*args), ref(*args), **tol)
+        tree_allclose(jax.jit(ours)(*args), ref(*args), **tol)
+        counts = _primitives(ours, *args)
+        assert counts["bitcast_convert_type"] == 2  # x's chunk, there and back
+        assert counts["dynamic_update_slice"] == 1  # the outputs written in place
+        for wrt in (0, 1):
+            if dtype == jnp.bfloat16:
+                continue
+
+            def total(g, wrt=wrt):
+                return lambda *a: jnp.sum(jnp.sin(g(*a)))
+
+            tree_allclose(
+                jax.grad(total(ours), wrt)(*args), jax.grad(total(ref), wrt)(*args)
+            )
+        if dtype != jnp.bfloat16:
+            t = jnp.ones_like(x)
+            tree_allclose(
+                jax.jvp(lambda v: ours(w, v, ids, 2.0), (x,), (t,)),
+                jax.jvp(lambda v: ref(w, v, ids, 2.0), (x,), (t,)),
+            )
+            second = jax.hessian(lambda v: jnp.sum(ours(w, v, ids, 2.0) ** 2))(x)
+            want = jax.hessian(lambda v: jnp.sum(ref(w, v, ids, 2.0) ** 2))(x)
+            tree_allclose(second, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_loop_holds_where_it_reads_more_than_it_writes(monkeypatch):
+    """On the platforms `HELD` a stacked loop holds its chunks only where it has
+    floating inputs (not integers alone), writes no more bytes than it reads (not
+    per-example gradients) and has no weakly typed output; elsewhere it is the
+    loop as on every other platform, without a bit cast."""
+    from chunkvmap import batch_vmap
+
+    monkeypatch.setattr(_loop, "HELD", frozenset({jax.default_backend()}))
+    x, ids = jnp.ones((8, 5)), jnp.arange(8)
+    cases = [
+        (lambda v: jnp.sum(v), (x,), 2),
+        (lambda v: jnp.outer(v, v), (x,), 0),  # writes 5x what it reads
+        (lambda i: jnp.sin(i.astype(np.float32)), (ids,), 0),  # nothing to hold
+        (lambda v: 1.0, (x,), 0),  # a weak output
+    ]
+    for f, args, casts in cases:
+        g = batch_vmap(f, batch_size=4)
+        assert _bit_casts(g, *args) == casts
+        tree_allclose(g(*args), jax.vmap(f)(*args))
