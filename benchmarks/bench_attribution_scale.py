@@ -68,6 +68,32 @@ def peak_mib() -> float | None:
     return None if peak is None else peak / 2**20
 
 
+def flop_counts(step, second, args: tuple, factors, n: int) -> list[str]:
+    """The lines of XLA's flop count per sequence of the non-private step and of
+    the second pass (`factors` given) over `args`' `n` sequences in one chunk,
+    compiled for the CPU (counted, not run: the counts are the program's own on
+    every backend, and a loop's body would be counted once)."""
+    params, tokens, targets = args
+    with jax.default_device(jax.devices("cpu")[0]):
+        moved = jax.device_put((args, factors), jax.devices("cpu")[0])
+        (params, tokens, targets), factors = moved
+        counts = [
+            _flops(step, params, tokens, targets) / n,
+            _flops(second, params, tokens, factors) / n,
+        ]
+    return [
+        f"XLA's flop count per sequence (one chunk of {n}, compiled for the CPU): "
+        f"non-private step {counts[0] / 1e9:.2f} GFLOP, the second pass "
+        f"{counts[1] / 1e9:.2f} GFLOP ({counts[1] / counts[0]:.2f}x).",
+        "",
+    ]
+
+
+def _flops(f, *args) -> float:
+    cost = jax.jit(f).lower(*args).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
 SECOND = "ekfac_factors, bases given (`factors=` an EK-FAC result: the second pass)"
 
 
@@ -238,6 +264,16 @@ def run(args) -> str:
             ],
             "",
         ]
+    if args.flops:
+        whole = cv.ekfac_factors(
+            logits, likelihood="categorical", fisher="mc", method="ghost"
+        )  # (one chunk of b sequences)
+        lines += flop_counts(
+            lambda p, t, y: jax.grad(lambda q: jax.vmap(loss, (None, 0, 0))(q, t, y)
+                                     .mean())(p),
+            lambda p, t, f: whole(p, t, key=key, factors=f),
+            (params, tokens[:b], targets[:b]), factors, b,
+        )  # fmt: skip
     if len(peaks) == 2:
         lines += [
             "The device's peak bytes in use (`memory_stats()`, MiB), after every "
@@ -280,6 +316,10 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--positions", type=int, default=None,
         help="the sequences' length (default 32; LMs train at 256 and more)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--flops", action="store_true",
+        help="also XLA's flop count of the step and the second pass (one chunk)",
     )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -342,6 +342,7 @@ def test_attribution_scale_benchmark_runs():
         no_memory=False,
         peak=True,
         no_parts=False,
+        flops=True,
         out=None,
     )
     import jax
@@ -357,6 +358,7 @@ def test_attribution_scale_benchmark_runs():
         "part: the eigendecompositions of its factors",
         "ms per further example",
         "bases given (`factors=` an EK-FAC result: the second pass)",
+        "XLA's flop count per sequence",
     ):
         assert name in text, text
     (row,) = [r for r in text.splitlines() if r.startswith("| ekfac_factors (ghost) |")]
