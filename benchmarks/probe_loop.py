@@ -21,6 +21,8 @@ way of slicing chunks and stacking their outputs costs nothing on this backend.
   fori+hold    `fori+dus` with each chunk read through chunkvmap's `hold` (the
                same bits, chosen by a predicate false at run time, so that JAX
                differentiates it as the identity),
+  fori+rp      `fori+dus` with each chunk through `lax.reduce_precision` at its own
+               type's bits (an identity whose derivative is JAX's own),
   unrolled     `slice` with the scan unrolled whole (`unroll=K`),
   python       the chunks as a Python loop of static slices, concatenated.
 
@@ -46,6 +48,11 @@ def mlp_forward(p, x):
     for layer in p[:-1]:
         x = jnp.tanh(x @ layer["w"] + layer["b"])
     return x @ p[-1]["w"] + p[-1]["b"]
+
+
+def same_precision(x, i):
+    info = jnp.finfo(x.dtype)
+    return lax.reduce_precision(x, info.nexp, info.nmant)
 
 
 def forms(f, n, b):
@@ -145,6 +152,7 @@ def forms(f, n, b):
         "slice+xor": slice_xor,
         "fori+xor": lambda p, x: fori_read(p, x, kept),
         "fori+hold": lambda p, x: fori_read(p, x, hold),
+        "fori+rp": lambda p, x: fori_read(p, x, same_precision),
         "unrolled": unrolled,
         "python": python,
         "bits": bits,
