@@ -31,6 +31,8 @@ the chunked programs.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import statistics
 import sys
 import time
@@ -179,6 +181,74 @@ def profile(folder: str, built: dict, params, lot) -> None:
                 jax.block_until_ready(c(params, *lot))
 
 
+_DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[([\d,]*)\]")
+
+
+def matmul_flops(hlo: str) -> dict:
+    """The flops of a compiled program's products (`dot`s of its optimised HLO
+    text), apart: those of the branches of a `cond` (ghost clipping's pass for the
+    non-finite examples, skipped at run time where every example is finite) and
+    the rest. Elementwise work is left out: this counts the matrix unit's work."""
+    lines = hlo.splitlines()
+    shapes = {}
+    for line in lines:
+        m = _DEF.match(line)
+        if m:
+            shapes[m.group(1)] = [int(x) for x in m.group(2).split(",") if x]
+    out = {"main": 0.0, "cond branches": 0.0}
+    for line in lines:
+        operands = re.search(r" dot\(%([\w.\-]+), %[\w.\-]+\)", line)
+        if operands is None:
+            continue
+        lhs = shapes[operands.group(1)]
+        dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
+        depth = math.prod(lhs[int(d)] for d in dims.split(",") if d)
+        flops = 2.0 * math.prod(shapes[_DEF.match(line).group(1)]) * depth
+        out["cond branches" if "/cond/branch" in line else "main"] += flops
+    return out
+
+
+def flop_table(name: str, n: int, quick: bool = False) -> list[str]:
+    """The products' flops per example of the non-private step and of ghost
+    clipping's program over `n` examples in one chunk, compiled for the CPU (the
+    ghost program's, though the CPU's cost model would run the vmap program
+    there: `_choice.choose` is held to the ghost program for the count)."""
+    from chunkvmap._dp import _choice, ghost
+
+    params, loss, batch = model(name, quick)
+    cpu = jax.devices("cpu")[0]
+    choose = _choice.choose
+    _choice.choose = lambda t, report, *a, **k: report.replace(
+        runs=ghost.Method.GHOST, slower=False
+    )
+    try:
+        with jax.default_device(cpu):
+            lot, params = jax.device_put((batch(n), params), cpu)
+            steps = programs(loss, n)
+            counts = {
+                k: matmul_flops(jax.jit(steps[k]).lower(params, *lot).compile()
+                                .as_text())
+                for k in ("non-private", "ghost")
+            }  # fmt: skip
+    finally:
+        _choice.choose = choose
+    base = counts["non-private"]["main"]
+    rows = [
+        f"| {k} | {c['main'] / n / 1e9:.2f} | {c['cond branches'] / n / 1e9:.2f} | "
+        f"{c['main'] / base:.3f} | {base / c['main']:.3f} |"
+        for k, c in counts.items()
+    ]
+    return [
+        f"Products' flops per example ({name}, one chunk of {n}, compiled for the "
+        "CPU):",
+        "",
+        "| program | GFLOP run | GFLOP in skipped branches | / non-private | "
+        "throughput at the step's efficiency |",
+        "|---|---|---|---|---|",
+        *rows,
+    ]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["gpt2", "vit"], default="gpt2")
@@ -193,8 +263,16 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--profile", default=None, help="write a profile of each step to this folder"
     )
+    parser.add_argument(
+        "--flops", type=int, default=None, metavar="N",
+        help="only count the products' flops of the non-private and ghost programs "
+        "over N examples (compiled for the CPU, not run), and print them",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.flops:
+        print("\n".join(flop_table(args.model, args.flops, args.quick)))
+        return
     start = time.monotonic()
     b = args.batch or (4 if args.quick else 32)
     sizes = args.sizes or ([8, 16] if args.quick else [64, 256])

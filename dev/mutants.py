@@ -1594,6 +1594,17 @@ MUTANTS = {
         ),
         ["test_loop"],
     ),
+    "held loop: a custom_jvp identity (its rule dropped inside a differentiated scan)": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "    return lax.select(never, lax.bitcast_convert_type(bits, x.dtype), x)\n",
+            "    f = jax.custom_jvp(lambda v, z: lax.bitcast_convert_type("
+            "lax.bitwise_xor(lax.bitcast_convert_type(v, z.dtype), z), v.dtype))\n"
+            "    f.defjvp(lambda p, t: (f(*p), t[0]))\n"
+            "    return f(x, lax.convert_element_type(zero, kind))\n",
+        ),
+        ["test_loop"],
+    ),
     "held loop: held whatever it writes": (
         (
             "chunkvmap/_core/_loop.py",

@@ -364,3 +364,29 @@ def test_attribution_scale_benchmark_runs():
     (row,) = [r for r in text.splitlines() if r.startswith("| ekfac_factors (ghost) |")]
     small, large = (float(c) for c in row.strip("|").split("|")[1:])
     assert small == large, row
+
+
+def test_dp_scale_counts_the_products_flops(monkeypatch):
+    """`bench_dp_scale.py --flops N --quick`: the products' flops of the non-private
+    step and of the ghost program (held to it on the CPU), the skipped branches
+    apart; the ghost program's products at least the step's (it makes them and the
+    norms' Grams), on the tied LM (its program has a branch to skip)."""
+    monkeypatch.syspath_prepend(str(GPU.parent))  # (its `_dp_models`)
+    bench = _module(GPU.parent / "bench_dp_scale.py")
+    import jax
+
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+        lines = bench.flop_table("gpt2", 2, quick=True)
+    rows = {r.split(" | ")[0][2:]: r.split(" | ") for r in lines if r[:2] == "| "}
+    assert set(rows) >= {"non-private", "ghost"}, lines
+    assert float(rows["non-private"][3]) == 1.0
+    assert float(rows["ghost"][3]) > 1.0
+    assert float(rows["non-private"][2]) == 0.0  # (no branch to skip)
+    hlo = (
+        "  %a = f32[4,8]{1,0} parameter(0)\n  %b = f32[8,3]{1,0} parameter(1)\n"
+        "  %d = f32[4,3]{1,0} dot(%a, %b), lhs_contracting_dims={1}, "
+        'rhs_contracting_dims={0}, metadata={op_name="jit(f)/cond/branch_1_fun/dot"}\n'
+        "  %e = f32[4,3]{1,0} dot(%a, %b), lhs_contracting_dims={1}, "
+        "rhs_contracting_dims={0}\n"
+    )
+    assert bench.matmul_flops(hlo) == {"main": 192.0, "cond branches": 192.0}

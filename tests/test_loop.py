@@ -288,9 +288,6 @@ def test_a_held_loop_is_jax_vmap(monkeypatch, n, batch, dtype, out_axis):
         args = (w, x, ids, 2.0)
         tree_allclose(ours(*args), ref(*args), **tol)
         tree_allclose(jax.jit(ours)(*args), ref(*args), **tol)
-        counts = _primitives(ours, *args)
-        assert counts["bitcast_convert_type"] == 2  # x's chunk, there and back
-        assert counts["dynamic_update_slice"] == 1  # the outputs written in place
         for wrt in (0, 1):
             if dtype == jnp.bfloat16:
                 continue
@@ -307,9 +304,15 @@ def test_a_held_loop_is_jax_vmap(monkeypatch, n, batch, dtype, out_axis):
                 jax.jvp(lambda v: ours(w, v, ids, 2.0), (x,), (t,)),
                 jax.jvp(lambda v: ref(w, v, ids, 2.0), (x,), (t,)),
             )
-            second = jax.hessian(lambda v: jnp.sum(ours(w, v, ids, 2.0) ** 2))(x)
-            want = jax.hessian(lambda v: jnp.sum(ref(w, v, ids, 2.0) ** 2))(x)
-            tree_allclose(second, want, rtol=1e-4, atol=1e-5)
+
+            def hvp(g):  # forward over reverse: a custom rule dropped shows here
+                grad = jax.grad(lambda v: jnp.sum(g(w, v, ids, 2.0) ** 2))
+                return jax.jvp(grad, (x,), (t,))[1]
+
+            tree_allclose(hvp(ours), hvp(ref), rtol=1e-4, atol=1e-5)
+        counts = _primitives(ours, *args)
+        assert counts["bitcast_convert_type"] == 2  # x's chunk, there and back
+        assert counts["dynamic_update_slice"] == 1  # the outputs written in place
 
 
 def test_a_loop_holds_where_it_reads_more_than_it_writes(monkeypatch):
