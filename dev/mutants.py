@@ -1310,6 +1310,14 @@ MUTANTS = {
         ),
         ["test_higher_order", "test_closures"],
     ),
+    "loop: a loop that saves residuals checkpointed once (rules dropped)": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "    inner = jax.checkpoint(fn, prevent_cse=False, policy=everything)\n",
+            "    inner = fn\n",
+        ),
+        ["test_higher_order"],
+    ),
     "eager programs: a while loop rebuilt through lax.while_loop": (
         (
             "chunkvmap/_core/_program.py",

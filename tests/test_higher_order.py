@@ -15,6 +15,11 @@ remat (with a policy) and a nested jit. The calls (`CALLS`): eagerly, under
 constant: the body reads an array through a nested `jax.jit` closing over it
 (hoisted), or through the function's own closure (not hoisted). The reference is
 `jax.vmap` of the same function, called the same way; N=5 in chunks of 2.
+
+Differentiated twice (`SECOND`: forward over reverse, reverse over reverse), each
+primitive is generated again over the loop's `remat` settings: a loop that saves
+residuals must keep the rules its forward pass holds (JAX's scan hoists residuals
+out of its loop by a pass that drops custom JVP rules).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ N, B = 5, 2
 X = jnp.asarray(np.linspace(-1.3, 1.7, N * 3, dtype=np.float32).reshape(N, 3))
 T = jnp.asarray(np.linspace(0.5, -0.5, N * 3, dtype=np.float32).reshape(N, 3))
 W = jnp.asarray(np.array([1.5, -0.5, 2.0], np.float32))
+M = jnp.asarray(np.array([[1.0, 0.5, 0.0], [-0.5, 1.0, 0.25], [0.0, 2.0, 1.0]], np.float32))
 
 
 def _reader(hoisted: bool) -> Callable[[jax.Array], jax.Array]:
@@ -52,7 +58,7 @@ def _custom_jvp(read):
         return jnp.round(read(x))
 
     rounded.defjvp(lambda p, t: (rounded(p[0]), 3.0 * t[0]))  # straight through
-    return lambda x: jnp.sum(rounded(x) ** 2)
+    return lambda x: jnp.sum(jnp.dot(rounded(x), M) ** 2)
 
 
 def _custom_vjp(read):
@@ -179,6 +185,50 @@ def test_batch_map_evaluates_as_jax_does(primitive, call):
     f = jax.vmap(PRIMITIVES[primitive](_reader(True)))
     ours = lambda xs: cv.batch_map(f, xs, batch_size=B)  # noqa: E731
     _check(lambda: CALLS[call](ours), lambda: CALLS[call](f))
+
+
+SECOND: dict[str, Callable[[Callable], object]] = {
+    "jvp of grad": lambda m: jax.jvp(jax.grad(_summed(m)), (X,), (T,)),
+    "grad of grad": lambda m: jax.grad(
+        lambda x: jnp.vdot(jax.grad(_summed(m))(x), T)
+    )(X),
+}
+REMATS = {
+    "remat": True,
+    "saved": False,
+    "dots saved": jax.checkpoint_policies.dots_saveable,
+}
+
+
+@pytest.mark.parametrize(
+    "primitive, call, remat", list(itertools.product(PRIMITIVES, SECOND, REMATS))
+)
+def test_second_derivatives_are_jaxs_whatever_the_loop_saves(primitive, call, remat):
+    """A straight-through rule's second derivative through a loop that saves its
+    residuals was 0 (`remat=False`, or a policy saving the product after the
+    rule), where `jax.vmap`'s is the rule's."""
+    f = PRIMITIVES[primitive](_reader(primitive == "jit"))
+    ours = cv.batch_vmap(f, batch_size=B, remat=REMATS[remat])
+    _check(lambda: SECOND[call](ours), lambda: SECOND[call](jax.vmap(f)))
+
+
+def test_per_example_gradients_differentiated_twice_keep_the_rule():
+    """The same through an entry point: a Hessian-vector product (forward over
+    reverse) of a function of `per_example_grads(..., remat=False)`, whose loop
+    is then differentiated twice."""
+    f = PRIMITIVES["custom_jvp"](_reader(False))
+
+    def loss(w, x):
+        return f(x * w)
+
+    def hvp(per_example):
+        total = lambda w: jnp.sum(jnp.sin(per_example(w, X)))  # noqa: E731
+        return jax.jvp(jax.grad(total), (W,), (W[::-1],))
+
+    ours = cv.per_example_grads(loss, batch_argnums=1, batch_size=B, remat=False)
+    expected = hvp(jax.vmap(jax.grad(loss), (None, 0)))
+    assert float(jnp.abs(expected[1]).max()) > 1.0  # the rule's, at third order
+    tree_allclose(hvp(ours), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_clipping_rule_is_kept_under_grad():

@@ -606,11 +606,25 @@ def checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
     residuals saved for reverse mode are one scalar per chunk (plus what the policy
     saves) instead of every chunk's activations. `prevent_cse=False` is safe inside a
     scan, which already keeps XLA from merging the recomputation with the forward pass.
+
+    A loop that saves residuals (`remat=False`, or a policy) is a checkpoint with
+    that policy around a checkpoint, not a bare body: differentiating a scan, JAX
+    hoists the residuals that do not change from one step to the next out of the loop
+    by partially evaluating the forward body, and that pass replaces every custom JVP
+    rule there by the function it was defined on, so the values the derivative is
+    then taken of (`jax.hessian`, `jax.jvp` of `jax.grad`) would be differentiated
+    without the user's rule (a straight-through estimator's second derivative 0,
+    where `jax.vmap` gives the rule's). The inner checkpoint keeps its forward half
+    whole through that pass, rules in it; it is split by the outer one's policy, so
+    the residuals saved are the policy's (every one for `remat=False`, as a bare body
+    saves). `remat=True` saves nothing and recomputes from the rules.
     """
-    if remat is False:
-        return fn
-    policy = None if remat is True else remat
-    return jax.checkpoint(fn, prevent_cse=False, policy=policy)
+    if remat is True:
+        return jax.checkpoint(fn, prevent_cse=False)
+    everything = jax.checkpoint_policies.everything_saveable
+    inner = jax.checkpoint(fn, prevent_cse=False, policy=everything)
+    policy = everything if remat is False else remat
+    return jax.checkpoint(inner, prevent_cse=False, policy=policy)
 
 
 def fold(reduction: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
