@@ -41,7 +41,9 @@ N, B = 5, 2
 X = jnp.asarray(np.linspace(-1.3, 1.7, N * 3, dtype=np.float32).reshape(N, 3))
 T = jnp.asarray(np.linspace(0.5, -0.5, N * 3, dtype=np.float32).reshape(N, 3))
 W = jnp.asarray(np.array([1.5, -0.5, 2.0], np.float32))
-M = jnp.asarray(np.array([[1.0, 0.5, 0.0], [-0.5, 1.0, 0.25], [0.0, 2.0, 1.0]], np.float32))
+M = jnp.asarray(
+    np.array([[1.0, 0.5, 0.0], [-0.5, 1.0, 0.25], [0.0, 2.0, 1.0]], np.float32)
+)
 
 
 def _reader(hoisted: bool) -> Callable[[jax.Array], jax.Array]:
@@ -189,9 +191,9 @@ def test_batch_map_evaluates_as_jax_does(primitive, call):
 
 SECOND: dict[str, Callable[[Callable], object]] = {
     "jvp of grad": lambda m: jax.jvp(jax.grad(_summed(m)), (X,), (T,)),
-    "grad of grad": lambda m: jax.grad(
-        lambda x: jnp.vdot(jax.grad(_summed(m))(x), T)
-    )(X),
+    "grad of grad": lambda m: jax.grad(lambda x: jnp.vdot(jax.grad(_summed(m))(x), T))(
+        X
+    ),
 }
 REMATS = {
     "remat": True,
