@@ -1310,6 +1310,22 @@ MUTANTS = {
         ),
         ["test_higher_order", "test_closures"],
     ),
+    "loop: remat=True saves every residual": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "        return jax.checkpoint(fn, prevent_cse=False)\n",
+            "        return fn\n",
+        ),
+        ["test_memory", "test_compose"],
+    ),
+    "loop: a policy taken as saving everything": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "    policy = everything if remat is False else remat\n",
+            "    policy = everything\n",
+        ),
+        ["test_memory", "test_compose", "test_grads", "test_higher_order"],
+    ),
     "loop: a loop that saves residuals checkpointed once (rules dropped)": (
         (
             "chunkvmap/_core/_loop.py",
