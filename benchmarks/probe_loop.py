@@ -23,6 +23,11 @@ way of slicing chunks and stacking their outputs costs nothing on this backend.
                differentiates it as the identity),
   fori+rp      `fori+dus` with each chunk through `lax.reduce_precision` at its own
                type's bits (an identity whose derivative is JAX's own),
+  fori+bar     `fori+dus` with each chunk behind `lax.optimization_barrier`,
+  fori+mul     `fori+dus` with each chunk chosen at run time against itself times
+               a one XLA cannot see (`1 + (i >> 31)`),
+               the last three linear (`jax.linear_transpose` passes through them,
+               where a bit cast has no transpose rule),
   unrolled     `slice` with the scan unrolled whole (`unroll=K`),
   python       the chunks as a Python loop of static slices, concatenated.
 
@@ -53,6 +58,16 @@ def mlp_forward(p, x):
 def same_precision(x, i):
     info = jnp.finfo(x.dtype)
     return lax.reduce_precision(x, info.nexp, info.nmant)
+
+
+def barrier(x, i):
+    return lax.optimization_barrier(x)
+
+
+def times_one(x, i):
+    one = (1 + lax.shift_right_arithmetic(i, np.int32(31))).astype(x.dtype)
+    never = lax.broadcast(i < 0, x.shape)
+    return lax.select(never, x * one, x)
 
 
 def forms(f, n, b):
@@ -153,6 +168,8 @@ def forms(f, n, b):
         "fori+xor": lambda p, x: fori_read(p, x, kept),
         "fori+hold": lambda p, x: fori_read(p, x, hold),
         "fori+rp": lambda p, x: fori_read(p, x, same_precision),
+        "fori+bar": lambda p, x: fori_read(p, x, barrier),
+        "fori+mul": lambda p, x: fori_read(p, x, times_one),
         "unrolled": unrolled,
         "python": python,
         "bits": bits,
