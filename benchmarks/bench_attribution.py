@@ -36,7 +36,7 @@ from _common import init_mlp, interleaved, machine, mlp, temp_bytes  # noqa: E40
 from _dp_models import family_outputs, models  # noqa: E402
 
 from chunkvmap import per_example_grad_projections  # noqa: E402
-from chunkvmap._dp._projections import leaf_matrices, project  # noqa: E402
+from chunkvmap._quantities._projections import leaf_matrices, project  # noqa: E402
 
 
 DIM, CHUNK = 16, 32

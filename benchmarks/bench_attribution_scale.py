@@ -144,7 +144,7 @@ def run(args) -> str:
     blocks = [f for f in jax.tree.leaves(full, is_leaf=_kronecker) if _kronecker(f)]
     # (the eigendecompositions `ekfac_factors` makes of each leaf's factors, by
     # its own function: on the host on a TPU, an embedding's counts left diagonal)
-    from chunkvmap._dp._ekfac import _eigh
+    from chunkvmap._quantities._ekfac import _eigh
 
     bases = jax.jit(lambda fs: [_eigh(f) for f in fs])
     t0 = time.perf_counter()

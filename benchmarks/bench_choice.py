@@ -31,8 +31,8 @@ import numpy as np
 from _common import Table, interleaved
 
 import chunkvmap
-from chunkvmap._dp import _choice
-from chunkvmap._dp.ghost import _plan
+from chunkvmap._quantities import _choice
+from chunkvmap._quantities.ghost import _plan
 
 
 def cases(quick: bool) -> dict:

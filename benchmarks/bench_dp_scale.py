@@ -213,7 +213,7 @@ def flop_table(name: str, n: int, quick: bool = False) -> list[str]:
     clipping's program over `n` examples in one chunk, compiled for the CPU (the
     ghost program's, though the CPU's cost model would run the vmap program
     there: `_choice.choose` is held to the ghost program for the count)."""
-    from chunkvmap._dp import _choice, ghost
+    from chunkvmap._quantities import _choice, ghost
 
     params, loss, batch = model(name, quick)
     cpu = jax.devices("cpu")[0]

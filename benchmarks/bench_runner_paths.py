@@ -25,7 +25,7 @@ import numpy as np
 from _common import Table, interleaved, machine
 
 import chunkvmap
-from chunkvmap._dp.ghost import _plan
+from chunkvmap._quantities.ghost import _plan
 
 
 @contextlib.contextmanager

@@ -9,39 +9,39 @@ import importlib.metadata
 
 from ._core._cache import last_batch_size as last_batch_size
 from ._core._options import identity as identity
-from ._dp._clipping import (
+from ._quantities._clipping import (
     AuxiliaryOutput as AuxiliaryOutput,
     ClippedGrad as ClippedGrad,
     GhostFallbackWarning as GhostFallbackWarning,
     clipped_grad as clipped_grad,
     clipped_grad_sum as clipped_grad_sum,
 )
-from ._dp._curvature import (
+from ._quantities._curvature import (
     Kronecker as Kronecker,
     ggn_diagonal as ggn_diagonal,
     kfac_factors as kfac_factors,
 )
-from ._dp._ekfac import (
+from ._quantities._ekfac import (
     EigenKronecker as EigenKronecker,
     ekfac_factors as ekfac_factors,
     multiply_inverse as multiply_inverse,
 )
-from ._dp._projections import (
+from ._quantities._projections import (
     per_example_grad_projections as per_example_grad_projections,
 )
-from ._dp._statistics import (
+from ._quantities._statistics import (
     GradStats as GradStats,
     per_example_grad_gram as per_example_grad_gram,
     per_example_grad_norms as per_example_grad_norms,
     per_example_grad_stats as per_example_grad_stats,
 )
-from ._dp._store import (
+from ._quantities._store import (
     GradientStore as GradientStore,
     TopK as TopK,
     build_store as build_store,
     load_store as load_store,
 )
-from ._dp.ghost import GhostReport as GhostReport, ghost_report as ghost_report
+from ._quantities.ghost import GhostReport as GhostReport, ghost_report as ghost_report
 from ._transforms._batch_map import batch_map as batch_map
 from ._transforms._batch_vmap import batch_vmap as batch_vmap
 from ._transforms._grads import per_example_grads as per_example_grads

@@ -66,7 +66,7 @@ MUTANTS = {
     ),
     "ghost: dense pair term 1% too large": (
         (
-            "chunkvmap/_dp/ghost/_forms.py",
+            "chunkvmap/_quantities/ghost/_forms.py",
             "            terms.append(\n                jnp.einsum(\n",
             "            terms.append(\n                1.01 * jnp.einsum(\n",
         ),
@@ -176,7 +176,7 @@ MUTANTS = {
     ),
     "ghost norms: a bf16 record's centred part left uncentred": (
         (
-            "chunkvmap/_dp/ghost/_forms.py",
+            "chunkvmap/_quantities/ghost/_forms.py",
             "    centred = (wide - mean).astype(kept[0])\n",
             "    centred = a.astype(kept[0])\n",
         ),
@@ -184,7 +184,7 @@ MUTANTS = {
     ),
     "ghost gradients: records of two types einsummed as they are": (
         (
-            "chunkvmap/_dp/ghost/_forms.py",
+            "chunkvmap/_quantities/ghost/_forms.py",
             "            *_common_type(arrays),\n",
             "            *arrays,\n",
         ),
@@ -192,7 +192,7 @@ MUTANTS = {
     ),
     "per-leaf norms: ghost's leaves in the wrong order": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "each = [squares.get(k, zero) for k in range(len(record.plan.leaves))]",
             "each = [squares.get(k, zero) for k in range(len(record.plan.leaves))]"
             "[::-1]",
@@ -201,7 +201,7 @@ MUTANTS = {
     ),
     "per-leaf squared norms: ghost statistics' rules in the wrong order": (
         (
-            "chunkvmap/_dp/_statistics.py",
+            "chunkvmap/_quantities/_statistics.py",
             "        for k, rows in zip(ruled, sq):\n",
             "        for k, rows in zip(ruled, sq[::-1]):\n",
         ),
@@ -245,7 +245,7 @@ MUTANTS = {
     ),
     "ghost: c / w taken as linear in w": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "lax.div_p: Elementwise(linear=(0,)),",
             "lax.div_p: Elementwise(linear=(0, 1)),",
         ),
@@ -253,7 +253,7 @@ MUTANTS = {
     ),
     "ghost: non-finite masking zeroes finite entries": (
         (
-            "chunkvmap/_dp/ghost/_forms.py",
+            "chunkvmap/_quantities/ghost/_forms.py",
             "                if set(syms) <= set(spec):",
             "                if set(syms) & set(spec):",
         ),
@@ -261,7 +261,7 @@ MUTANTS = {
     ),
     "ghost: a cond inside a scan records the scan's axes": (
         (
-            "chunkvmap/_dp/ghost/_primitives.py",
+            "chunkvmap/_quantities/ghost/_primitives.py",
             "avals = by_key[key].record_avals(at.depth)",
             "avals = by_key[key].record_avals(0)",
         ),
@@ -269,7 +269,7 @@ MUTANTS = {
     ),
     "ghost: squared norms summed in bfloat16": (
         (
-            "chunkvmap/_dp/ghost/_plan.py",
+            "chunkvmap/_quantities/ghost/_plan.py",
             "return jnp.float64 if wide else jnp.float32",
             "return jnp.float64 if wide else jnp.bfloat16",
         ),
@@ -277,7 +277,7 @@ MUTANTS = {
     ),
     "ghost: nan_safe's masked leaf's norm taken as finite": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "squares[k] = jnp.where(finite, safe[-1], jnp.nan)",
             "squares[k] = safe[-1]",
         ),
@@ -285,7 +285,7 @@ MUTANTS = {
     ),
     "ghost: a scan's constant leaf taken as stacked": (
         (
-            "chunkvmap/_dp/ghost/_primitives.py",
+            "chunkvmap/_quantities/ghost/_primitives.py",
             "inner = [_level(i, Level(False, length), None) for i in consts]",
             "inner = [_level(i, Level(True, length), None) for i in consts]",
         ),
@@ -293,7 +293,7 @@ MUTANTS = {
     ),
     "ghost: a rows form meeting a dense one the other way round unswapped": (
         (
-            "chunkvmap/_dp/ghost/_forms.py",
+            "chunkvmap/_quantities/ghost/_forms.py",
             "(EinsumForm, RowsForm): _ROWS_DENSE.swapped(),",
             "(EinsumForm, RowsForm): _ROWS_DENSE,",
         ),
@@ -301,7 +301,7 @@ MUTANTS = {
     ),
     "ghost: nan_safe's fix of non-finite examples skipped": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "jnp.any(chosen), self._fix_nonfinite",
             "jnp.any(chosen) & False, self._fix_nonfinite",
         ),
@@ -309,7 +309,7 @@ MUTANTS = {
     ),
     "ghost: the ghost program runs wherever a leaf has a ghost norm": (
         (
-            "chunkvmap/_dp/ghost/_plan.py",
+            "chunkvmap/_quantities/ghost/_plan.py",
             "        if moved - extra >= _GAIN * vmap_cost:\n",
             "        if True:\n",
         ),
@@ -317,7 +317,7 @@ MUTANTS = {
     ),
     "ghost: a ghost program predicted slower runs silently": (
         (
-            "chunkvmap/_dp/ghost/_plan.py",
+            "chunkvmap/_quantities/ghost/_plan.py",
             "                Method.GHOST,\n                True,\n",
             "                Method.GHOST,\n                False,\n",
         ),
@@ -325,7 +325,7 @@ MUTANTS = {
     ),
     "ghost: a dynamic_slice's start index read unclamped": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "row, _ = _row_index(recorded[start].reshape(positions), rows_n)",
             "row = recorded[start].reshape(positions).astype(jnp.int32)",
         ),
@@ -333,7 +333,7 @@ MUTANTS = {
     ),
     "ghost moments: examples merged unshifted": (
         (
-            "chunkvmap/_dp/_statistics.py",
+            "chunkvmap/_quantities/_statistics.py",
             "            first.instantiate(k).astype(_stats_dtype(",
             "            0 * first.instantiate(k).astype(_stats_dtype(",
         ),
@@ -341,7 +341,7 @@ MUTANTS = {
     ),
     "ghost: einsum cross terms not centred over positions": (
         (
-            "chunkvmap/_dp/ghost/_forms.py",
+            "chunkvmap/_quantities/ghost/_forms.py",
             "    if not positions:\n",
             "    if True:\n",
         ),
@@ -349,7 +349,7 @@ MUTANTS = {
     ),
     "ghost: convolution gradients formed from patches": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "            if not use.levels:\n                form.windows",
             "            if False:\n                form.windows",
         ),
@@ -357,7 +357,7 @@ MUTANTS = {
     ),
     "ghost: the vmap program's convolution kernel gradients taken as cheap": (
         (
-            "chunkvmap/_dp/ghost/_plan.py",
+            "chunkvmap/_quantities/ghost/_plan.py",
             "            convs += _CONV * sum(",
             "            convs += 0 * sum(",
         ),
@@ -365,7 +365,7 @@ MUTANTS = {
     ),
     "gram: each chunk of rows reaches one example fewer": (
         (
-            "chunkvmap/_dp/_statistics.py",
+            "chunkvmap/_quantities/_statistics.py",
             "        width = min(size, size // 2 + batch)\n",
             "        width = min(size, size // 2 + batch - 1)\n",
         ),
@@ -373,7 +373,7 @@ MUTANTS = {
     ),
     "gram: an entry read from its own row wherever that reached it": (
         (
-            "chunkvmap/_dp/_statistics.py",
+            "chunkvmap/_quantities/_statistics.py",
             "        mine = (ij < width) & ((i <= j) | (ji >= width))\n",
             "        mine = ij < width\n",
         ),
@@ -381,7 +381,7 @@ MUTANTS = {
     ),
     "gram: ghost terms kept for every ghost leaf": (
         (
-            "chunkvmap/_dp/_statistics.py",
+            "chunkvmap/_quantities/_statistics.py",
             "    return ghost < _GRAM_GHOST_SPEED * (2 * leaf.size + inst / chunk)\n",
             "    return True\n",
         ),
@@ -397,7 +397,7 @@ MUTANTS = {
     ),
     "ghost: a close call for memory taken without measuring": (
         (
-            "chunkvmap/_dp/_choice.py",
+            "chunkvmap/_quantities/_choice.py",
             "    return report.slower and verdict is not None and verdict.kept_share > _CLEAR_SHARE\n",
             "    return False\n",
         ),
@@ -438,7 +438,7 @@ MUTANTS = {
     ),
     "choice: an unmeasured accelerator call warned by the CPU model": (
         (
-            "chunkvmap/_dp/_choice.py",
+            "chunkvmap/_quantities/_choice.py",
             '    if platform() != "cpu":\n        report = _unmeasured(report)\n',
             "",
         ),
@@ -446,7 +446,7 @@ MUTANTS = {
     ),
     "choice: a failed measurement warned slower by the CPU model": (
         (
-            "chunkvmap/_dp/_choice.py",
+            "chunkvmap/_quantities/_choice.py",
             "        return _unmeasured(report)\n    logger.info(",
             "        return report\n    logger.info(",
         ),
@@ -454,7 +454,7 @@ MUTANTS = {
     ),
     "choice: each process of a job times its own": (
         (
-            "chunkvmap/_dp/_choice.py",
+            "chunkvmap/_quantities/_choice.py",
             "        and jax.process_count() == 1\n",
             "",
         ),
@@ -462,7 +462,7 @@ MUTANTS = {
     ),
     "choice: the slower measured program runs": (
         (
-            "chunkvmap/_dp/_choice.py",
+            "chunkvmap/_quantities/_choice.py",
             "        if v is None or (g is not None and g <= _TIE * v)\n",
             "        if v is None or (g is not None and g >= _TIE * v)\n",
         ),
@@ -470,7 +470,7 @@ MUTANTS = {
     ),
     "choice: nothing against nothing taken as memory saved": (
         (
-            "chunkvmap/_dp/_choice.py",
+            "chunkvmap/_quantities/_choice.py",
             "    if v > 0 and g <= (1 - _MEMORY_GAIN) * v:\n",
             "    if g <= (1 - _MEMORY_GAIN) * v:\n",
         ),
@@ -478,7 +478,7 @@ MUTANTS = {
     ),
     "choice: a measurement kept for another chunk size": (
         (
-            "chunkvmap/_dp/_choice.py",
+            "chunkvmap/_quantities/_choice.py",
             '    key = ("timed" if timed else "memory", chunk, device.id, device.platform)\n',
             '    key = ("timed" if timed else "memory", device.id, device.platform)\n',
         ),
@@ -486,7 +486,7 @@ MUTANTS = {
     ),
     "choice: a program out of device memory chosen": (
         (
-            "chunkvmap/_dp/_choice.py",
+            "chunkvmap/_quantities/_choice.py",
             "        if v is None or (g is not None and g <= _TIE * v)",
             "        if v is not None and (g is not None and g <= _TIE * v)",
         ),
@@ -494,7 +494,7 @@ MUTANTS = {
     ),
     "choice: the stand-ins keep the call's number of examples": (
         (
-            "chunkvmap/_dp/_choice.py",
+            "chunkvmap/_quantities/_choice.py",
             "        shape[axis] = chunk\n",
             "        pass\n",
         ),
@@ -570,7 +570,7 @@ MUTANTS = {
     ),
     "ghost: a loss planned again on every eager call": (
         (
-            "chunkvmap/_dp/ghost/_traced.py",
+            "chunkvmap/_quantities/ghost/_traced.py",
             '    kept = memo(("ghost loss", key), lambda: traced)\n',
             "    kept = traced\n",
         ),
@@ -578,7 +578,7 @@ MUTANTS = {
     ),
     "ghost: a later call evaluated by the first call's program": (
         (
-            "chunkvmap/_dp/ghost/_traced.py",
+            "chunkvmap/_quantities/ghost/_traced.py",
             "        self.closed = other.closed\n",
             "        self.closed = self.closed\n",
         ),
@@ -586,7 +586,7 @@ MUTANTS = {
     ),
     "gram: per-share starts gathered, not rolled": (
         (
-            "chunkvmap/_dp/_statistics.py",
+            "chunkvmap/_quantities/_statistics.py",
             "        if ghost.explicit_spec(()) is not None:",
             "        if False:",
         ),
@@ -603,7 +603,7 @@ MUTANTS = {
     ),
     "padding: the padding's per-example outputs left as evaluated": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "    extras = _padding.zeroed(call.padding, extras)\n",
             "    pass\n",
         ),
@@ -620,7 +620,7 @@ MUTANTS = {
     ),
     "padding: clipped_grad_sum counts the padding": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "    return total, extras, size - jnp.sum(call.padding, dtype=jnp.int32)\n",
             "    return total, extras, size\n",
         ),
@@ -637,7 +637,7 @@ MUTANTS = {
     ),
     "curvature: the exact root without the square root of p": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "    root = (eye - p[..., :, None]) * jnp.sqrt(p)[..., None, :]\n",
             "    root = (eye - p[..., :, None]) * p[..., None, :]\n",
         ),
@@ -645,7 +645,7 @@ MUTANTS = {
     ),
     "curvature: Monte-Carlo labels not scaled by the samples": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "        return (p[None] - drawn) / math.sqrt(samples)\n",
             "        return p[None] - drawn\n",
         ),
@@ -653,7 +653,7 @@ MUTANTS = {
     ),
     "curvature: the diagonal squares the sum over the cotangents": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "            squares = [[jnp.sum(jnp.square(g), 0) for g in part] for part "
             "in grads]\n",
             "            squares = [[jnp.square(jnp.sum(g, 0)) for g in part] for part "
@@ -663,7 +663,7 @@ MUTANTS = {
     ),
     "curvature: the ghost diagonal's activations not squared": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "                squares = [a * a, jnp.sum(jnp.square(g), 0)]\n",
             "                squares = [a, jnp.sum(jnp.square(g), 0)]\n",
         ),
@@ -671,7 +671,7 @@ MUTANTS = {
     ),
     "curvature: a use over positions taken as one outer product": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "        and _positions(u.form) == 1\n",
             "        and _positions(u.form) >= 1\n",
         ),
@@ -679,7 +679,7 @@ MUTANTS = {
     ),
     "curvature: reduce sums the activations instead of averaging": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "            mean = a_sum / count\n",
             "            mean = a_sum\n",
         ),
@@ -687,7 +687,7 @@ MUTANTS = {
     ),
     "curvature: a bias's corner entry one, not the count of its positions": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "            corner = jnp.full((1, 1), count, inputs.dtype)\n",
             "            corner = jnp.full((1, 1), 1, inputs.dtype)\n",
         ),
@@ -695,7 +695,7 @@ MUTANTS = {
     ),
     "curvature: a bias not joined to its weight's factors": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "                pairs[w] = b\n",
             "                pass\n",
         ),
@@ -703,7 +703,7 @@ MUTANTS = {
     ),
     "curvature: a leaf with no factors squares its summed cotangents": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "    return jnp.sum(jnp.square(f32(formed(plan, k, records, deltas, pe))), 0)\n",
             "    return jnp.square(jnp.sum(f32(formed(plan, k, records, deltas, pe)), 0))\n",
         ),
@@ -711,7 +711,7 @@ MUTANTS = {
     ),
     "curvature: a tied leaf given Kronecker factors of one use": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "        if len(found) != 1:\n",
             "        if not found:\n",
         ),
@@ -719,7 +719,7 @@ MUTANTS = {
     ),
     "projections: a part of a leaf projected by the wrong rows": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             "    return m[start : start + (size - 1) * stride + 1 : stride]\n",
             "    return m[:size]\n",
         ),
@@ -727,7 +727,7 @@ MUTANTS = {
     ),
     "projections: a projected axis moved to the front": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             "            g = jnp.moveaxis(jnp.tensordot(g, p.astype(g.dtype), "
             "([j], [0])), -1, j)\n",
             "            g = jnp.moveaxis(jnp.tensordot(g, p.astype(g.dtype), "
@@ -737,7 +737,7 @@ MUTANTS = {
     ),
     "projections: cosine scores without normalising the other batch": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             "        other = other / jnp.linalg.norm(other, axis=1, keepdims=True)\n",
             "        pass\n",
         ),
@@ -745,7 +745,7 @@ MUTANTS = {
     ),
     "projections: a lookup's padding positions projected": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             "        picked = jnp.where(valid[:, None], jnp.take(p, rows, axis=0), 0)"
             "\n",
             "        picked = jnp.take(p, rows, axis=0)\n",
@@ -754,7 +754,7 @@ MUTANTS = {
     ),
     "curvature: a Kronecker's count of examples alone, not their positions": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "                count += a.shape[0] * _positions(u.form)\n",
             "                count += a.shape[0]\n",
         ),
@@ -762,7 +762,7 @@ MUTANTS = {
     ),
     "curvature: a Kronecker's axes in the leaf's order, not the factors'": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "    return tuple(tuple(s.axis for s in g) for g in groups)\n",
             "    return tuple(tuple(sorted(s.axis for s in g)) for g in "
             "groups[::-1])\n",
@@ -771,7 +771,7 @@ MUTANTS = {
     ),
     "preconditioning: the outputs factor not divided by the count": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             "    (sa, ua), (sg, ug) = eigh(a), eigh(g / entry.count)\n",
             "    (sa, ua), (sg, ug) = eigh(a), eigh(g)\n",
         ),
@@ -779,7 +779,7 @@ MUTANTS = {
     ),
     "preconditioning: damping absolute, not relative to the mean eigenvalue": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             "    lam = damping * jnp.mean(values)\n",
             "    lam = jnp.asarray(damping)\n",
         ),
@@ -787,7 +787,7 @@ MUTANTS = {
     ),
     "preconditioning: the whitened block put back in the factors' axis order": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             "        return x.transpose(np.argsort(order)).reshape(-1)\n",
             "        return x.transpose(order).reshape(-1)\n",
         ),
@@ -795,7 +795,7 @@ MUTANTS = {
     ),
     "conv windows: the Gram's cross term counted once": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "                2 * jnp.sum(cross * ds),\n",
             "                jnp.sum(cross * ds),\n",
         ),
@@ -803,7 +803,7 @@ MUTANTS = {
     ),
     "conv windows: the means' term left out": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "                jnp.sum(means * ss),\n",
             "                jnp.zeros((), acc),\n",
         ),
@@ -811,7 +811,7 @@ MUTANTS = {
     ),
     "conv windows: the views not centred": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "            cv = v - m\n",
             "            cv = v\n",
         ),
@@ -819,7 +819,7 @@ MUTANTS = {
     ),
     "conv windows: each offset's entries summed, not squared": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "                return None, jnp.sum(jnp.square(gk))\n",
             "                return None, jnp.sum(gk)\n",
         ),
@@ -827,7 +827,7 @@ MUTANTS = {
     ),
     "conv windows: the kernel's constant factor left out of its norm": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "        if self.scale != 1.0:\n",
             "        if False:\n",
         ),
@@ -835,7 +835,7 @@ MUTANTS = {
     ),
     "conv windows: a kernel broadcast from its leaf taken as the leaf": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "    return form.complete and None not in leaves and len(set(leaves)) == "
             "len(leaves)\n",
             "    return form.complete\n",
@@ -844,7 +844,7 @@ MUTANTS = {
     ),
     "conv windows: non-finite columns not zeroed in the views": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "            return jnp.where(bad_k.reshape(shape), "
             "jnp.zeros((), xs.dtype), xs)\n",
             "            return xs\n",
@@ -853,7 +853,7 @@ MUTANTS = {
     ),
     "conv windows: non-finite output features not zeroed": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "    return columns, jnp.where(features, jnp.zeros((), delta.dtype), delta)"
             "\n",
             "    return columns, delta\n",
@@ -862,7 +862,7 @@ MUTANTS = {
     ),
     "conv windows: a gradient finite whatever its columns": (
         (
-            "chunkvmap/_dp/ghost/_rules.py",
+            "chunkvmap/_quantities/ghost/_rules.py",
             "        finite = ~(jnp.any(bad) | jnp.any(bad_out))\n",
             "        finite = ~jnp.any(bad_out)\n",
         ),
@@ -870,7 +870,7 @@ MUTANTS = {
     ),
     "nan_safe: a leaf smaller than its operands masked, not formed": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "            if safe and plan.maskable(k) and not (k in instantiated and "
             "small(k))\n",
             "            if safe and plan.maskable(k)\n",
@@ -879,7 +879,7 @@ MUTANTS = {
     ),
     "remainder: the ghost sums' last window summarised at its own length": (
         (
-            "chunkvmap/_dp/_records.py",
+            "chunkvmap/_quantities/_records.py",
             "        quantity.chunk, quantity.combine, uncount=quantity.uncount, "
             "pure=True\n",
             "        quantity.chunk, quantity.combine, uncount=None, pure=True\n",
@@ -896,7 +896,7 @@ MUTANTS = {
     ),
     "remainder: the last window's covered non-finite examples fixed again": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "        return fix if self.fresh is None else fix & self.fresh\n",
             "        return fix\n",
         ),
@@ -904,7 +904,7 @@ MUTANTS = {
     ),
     "remainder: the ghost moments' last window summarised at its own length": (
         (
-            "chunkvmap/_dp/_statistics.py",
+            "chunkvmap/_quantities/_statistics.py",
             "        real = fresh if real is None else real & fresh\n",
             "        return chunk\n",
         ),
@@ -912,7 +912,7 @@ MUTANTS = {
     ),
     "tap: only the first iteration's norm": (
         (
-            "chunkvmap/_dp/ghost/_plan.py",
+            "chunkvmap/_quantities/ghost/_plan.py",
             "jnp.sum(deltas.pop(self.leaves[k].uses[0].path).zero)",
             "jnp.sum(deltas.pop(self.leaves[k].uses[0].path).zero.ravel()[:1])",
         ),
@@ -920,7 +920,7 @@ MUTANTS = {
     ),
     "tap: a leaf every iteration reads whole tapped per iteration": (
         (
-            "chunkvmap/_dp/ghost/_plan.py",
+            "chunkvmap/_quantities/ghost/_plan.py",
             "            and all(level.stacked for level in u.levels)\n",
             "            and True\n",
         ),
@@ -928,7 +928,7 @@ MUTANTS = {
     ),
     "tap: the layer's input cotangent not passed back": (
         (
-            "chunkvmap/_dp/ghost/_plan.py",
+            "chunkvmap/_quantities/ghost/_plan.py",
             "            return cotangents, sq.astype(zero.dtype)\n",
             "            return jax.tree.map(jnp.zeros_like, cotangents), "
             "sq.astype(zero.dtype)\n",
@@ -937,7 +937,7 @@ MUTANTS = {
     ),
     "two passes: the second backward pass unweighted": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "        return c.astype(value.dtype) * value\n",
             "        return value\n",
         ),
@@ -945,7 +945,7 @@ MUTANTS = {
     ),
     "two passes: an example not counted keeps its own inputs": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "            pick = lambda x, y: jnp.where(left_out, y, x)  # noqa: E731\n",
             "            pick = lambda x, y: x  # noqa: E731\n",
         ),
@@ -961,7 +961,7 @@ MUTANTS = {
     ),
     "passes: a left-out example keeps its weight": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "            c = jnp.where(left_out, jnp.zeros((), c.dtype), c)\n",
             "            c = c\n",
         ),
@@ -969,7 +969,7 @@ MUTANTS = {
     ),
     "passes: the non-finite examples not formed apart": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "    total = jax.tree.map(lambda t, f: t + f.astype(t.dtype), total, fixed)\n",
             "    total = total\n",
         ),
@@ -977,7 +977,7 @@ MUTANTS = {
     ),
     "passes: every example read as finite": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "        return (scale, jnp.isfinite(sq)), extras\n",
             "        return (scale, jnp.ones((), bool)), extras\n",
         ),
@@ -985,7 +985,7 @@ MUTANTS = {
     ),
     "passes: the finite examples formed apart again": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "        formed, (*call.args, ~fix), call.kwargs,",
             "        formed, (*call.args, fix), call.kwargs,",
         ),
@@ -993,7 +993,7 @@ MUTANTS = {
     ),
     "passes: taken on the CPU too": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             'IN_PASSES = frozenset({"tpu"})\n',
             'IN_PASSES = frozenset({"tpu", "cpu"})\n',
         ),
@@ -1001,7 +1001,7 @@ MUTANTS = {
     ),
     "two passes: nan_safe's non-finite examples not formed apart": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "            if self.config.nan_safe:  # the non-finite examples, formed "
             "apart\n",
             "            if False:\n",
@@ -1010,7 +1010,7 @@ MUTANTS = {
     ),
     "two passes: a formed example's non-finite entries kept": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "            grads = [_nan_to_zero(g) for g in grads]\n",
             "            grads = list(grads)\n",
         ),
@@ -1018,7 +1018,7 @@ MUTANTS = {
     ),
     "choice: the verdict measures another program than the call's": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "        forced = dataclasses.replace(config, runs=method)\n",
             "        forced = dataclasses.replace(config, runs=method, sums=False)\n",
         ),
@@ -1026,7 +1026,7 @@ MUTANTS = {
     ),
     "preconditioning: a joined bias's block the identity": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             "    return _dense_whitening(g, damping)\n",
             "    return _dense_whitening(jnp.eye(len(g)), damping)\n",
         ),
@@ -1034,7 +1034,7 @@ MUTANTS = {
     ),
     "preconditioning: the other batch's rows not whitened": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             "            rows = rows_of(other, kwargs, _axes.NOTHING_KNOWN, whiten)"
             "[0]\n",
             "            rows = rows_of(other, kwargs, _axes.NOTHING_KNOWN, None)[0]\n",
@@ -1076,7 +1076,7 @@ MUTANTS = {
     ),
     "padding: ghost moments merge the padding": (
         (
-            "chunkvmap/_dp/_statistics.py",
+            "chunkvmap/_quantities/_statistics.py",
             "                d = [jnp.where(counts, x, 0) for x in d]\n",
             "                pass\n",
         ),
@@ -1132,7 +1132,7 @@ MUTANTS = {
     ),
     "ghost: a cross term between two uses of a leaf counted once": (
         (
-            "chunkvmap/_dp/ghost/_plan.py",
+            "chunkvmap/_quantities/ghost/_plan.py",
             "        return same + 2 * total(cross, acc) if cross else same\n",
             "        return same + total(cross, acc) if cross else same\n",
         ),
@@ -1192,7 +1192,7 @@ MUTANTS = {
     ),
     "gram: a convolution's patch cost multiplied by the chunk": (
         (
-            "chunkvmap/_dp/_statistics.py",
+            "chunkvmap/_quantities/_statistics.py",
             "    ghost += sum(u.form.build_cost for u in leaf.uses) / chunk\n",
             "    ghost += sum(u.form.build_cost for u in leaf.uses) * chunk\n",
         ),
@@ -1272,7 +1272,7 @@ MUTANTS = {
     ),
     "projections: matrices made in the caller's trace and mesh": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             "        return thread.submit(made).result()\n",
             "        return made()\n",
         ),
@@ -1280,7 +1280,7 @@ MUTANTS = {
     ),
     "curvature: output cotangents not typed as the output": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "    if want is None or getattr(jax.typeof(vectors).sharding",
             "    if True or getattr(jax.typeof(vectors).sharding",
         ),
@@ -1288,7 +1288,7 @@ MUTANTS = {
     ),
     "curvature: sum x x^T sharded as its operand": (
         (
-            "chunkvmap/_dp/_curvature.py",
+            "chunkvmap/_quantities/_curvature.py",
             "        out_sharding=explicit_spec([None] * len(out)),\n",
             "",
         ),
@@ -1296,7 +1296,7 @@ MUTANTS = {
     ),
     "gram: a module's functions taken as arrays": (
         (
-            "chunkvmap/_dp/_statistics.py",
+            "chunkvmap/_quantities/_statistics.py",
             "        if _axes.is_arraylike(x)\n",
             "",
         ),
@@ -1346,7 +1346,7 @@ MUTANTS = {
     ),
     "ghost: a tap of a broadcast leaf": (
         (
-            "chunkvmap/_dp/ghost/_primitives.py",
+            "chunkvmap/_quantities/ghost/_primitives.py",
             "        if view is None or view.stacked[-1].leaf is None:\n",
             "        if view is None:\n",
         ),
@@ -1362,7 +1362,7 @@ MUTANTS = {
     ),
     "two-pass ghost: a stand-in taken where no example counts": (
         (
-            "chunkvmap/_dp/_clipping.py",
+            "chunkvmap/_quantities/_clipping.py",
             "        jnp.any(counted),\n",
             "        True,\n",
         ),
@@ -1370,7 +1370,7 @@ MUTANTS = {
     ),
     "ghost: a traced constant read by value": (
         (
-            "chunkvmap/_dp/ghost/_primitives.py",
+            "chunkvmap/_quantities/ghost/_primitives.py",
             "    if c is None or isinstance(c, jax.core.Tracer):\n        return None\n",
             "    if c is None:\n        return None\n",
         ),
@@ -1394,7 +1394,7 @@ MUTANTS = {
     ),
     "eager cache: a ghost quantity's settings left out of its key": (
         (
-            "chunkvmap/_dp/_records.py",
+            "chunkvmap/_quantities/_records.py",
             "        made = tuple(_program.Held(x) for x in self.made_with())\n",
             "        made = ()\n",
         ),
@@ -1411,7 +1411,7 @@ MUTANTS = {
     ),
     "choice: a measurement kept whatever its programs compute": (
         (
-            "chunkvmap/_dp/_choice.py",
+            "chunkvmap/_quantities/_choice.py",
             "        measured = MEASURED.get_or_build("
             "(quantity.program_key(), key), measure)\n",
             "        measured = MEASURED.get_or_build(key, measure)\n",
@@ -1428,7 +1428,7 @@ MUTANTS = {
     ),
     "ekfac: rotated without the input basis": (
         (
-            "chunkvmap/_dp/_ekfac.py",
+            "chunkvmap/_quantities/_ekfac.py",
             '        g = jnp.einsum("...ij,...ik->...jk", q_in, g)\n',
             "        g = g\n",
         ),
@@ -1436,7 +1436,7 @@ MUTANTS = {
     ),
     "ekfac: a joined bias's row zeroed": (
         (
-            "chunkvmap/_dp/_ekfac.py",
+            "chunkvmap/_quantities/_ekfac.py",
             "    return jnp.concatenate([g, row], axis=-2)\n",
             "    return jnp.concatenate([g, 0 * row], axis=-2)\n",
         ),
@@ -1452,7 +1452,7 @@ MUTANTS = {
     ),
     "eigh on the host: its derivative's gaps reversed": (
         (
-            "chunkvmap/_dp/_eigh.py",
+            "chunkvmap/_quantities/_eigh.py",
             "    gaps = values[..., None, :] - values[..., :, None]\n",
             "    gaps = values[..., :, None] - values[..., None, :]\n",
         ),
@@ -1460,7 +1460,7 @@ MUTANTS = {
     ),
     "eigh on the host: the platforms ignored": (
         (
-            "chunkvmap/_dp/_eigh.py",
+            "chunkvmap/_quantities/_eigh.py",
             "    if _memory.call_platform() not in ON_HOST:\n",
             "    if True:\n",
         ),
@@ -1468,7 +1468,7 @@ MUTANTS = {
     ),
     "eigh on the host: an eager result left where the callback put it": (
         (
-            "chunkvmap/_dp/_eigh.py",
+            "chunkvmap/_quantities/_eigh.py",
             "    if isinstance(x, jax.core.Tracer):\n",
             "    if True:\n",
         ),
@@ -1476,7 +1476,7 @@ MUTANTS = {
     ),
     "multiply_inverse: a traced damping's shape not checked": (
         (
-            "chunkvmap/_dp/_ekfac.py",
+            "chunkvmap/_quantities/_ekfac.py",
             "        if jnp.shape(damping) != () or not jnp.issubdtype(damping.dtype, jnp.floating):\n",
             "        if False:\n",
         ),
@@ -1484,7 +1484,7 @@ MUTANTS = {
     ),
     "multiply_inverse: damping doubled": (
         (
-            "chunkvmap/_dp/_ekfac.py",
+            "chunkvmap/_quantities/_ekfac.py",
             "    r = _rotated(laid, q_in, q_out) / (values + damping)\n",
             "    r = _rotated(laid, q_in, q_out) / (values + 2 * damping)\n",
         ),
@@ -1492,7 +1492,7 @@ MUTANTS = {
     ),
     "multiply_inverse: a KFAC block's count ignored": (
         (
-            "chunkvmap/_dp/_ekfac.py",
+            "chunkvmap/_quantities/_ekfac.py",
             "    return q_in, q_out, in_vals[..., :, None] * out_vals[..., None, :] / f.count\n",
             "    return q_in, q_out, in_vals[..., :, None] * out_vals[..., None, :]\n",
         ),
@@ -1500,7 +1500,7 @@ MUTANTS = {
     ),
     "projections: EK-FAC whitening without its eigenvalues": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             '    half = jnp.einsum("...aj,...cj,...jl->...acl", u, u, values)\n',
             '    half = jnp.einsum("...aj,...cj,...jl->...acl", u, u, 1 + 0 * values)\n',
         ),
@@ -1508,7 +1508,7 @@ MUTANTS = {
     ),
     "projections: an EK-FAC joined bias's basis row not squared": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             '        w = jnp.einsum("j,jl->l", f32(weight.input_basis[-1]) ** 2, weight.eigenvalues)\n',
             '        w = jnp.einsum("j,jl->l", f32(weight.input_basis[-1]), weight.eigenvalues)\n',
         ),
@@ -1516,7 +1516,7 @@ MUTANTS = {
     ),
     "store: each block an eager call (traced per block)": (
         (
-            "chunkvmap/_dp/_store.py",
+            "chunkvmap/_quantities/_store.py",
             "        write_block(rows, start, project(block))\n",
             "        write_block(rows, start, projections(params, *block, **extra))\n",
         ),
@@ -1524,7 +1524,7 @@ MUTANTS = {
     ),
     "store: opponents ranked as proponents": (
         (
-            "chunkvmap/_dp/_store.py",
+            "chunkvmap/_quantities/_store.py",
             "    low, low_i = keep(low, low_i, -s)\n",
             "    low, low_i = keep(low, low_i, s)\n",
         ),
@@ -1532,7 +1532,7 @@ MUTANTS = {
     ),
     "store: a resumed build starts over": (
         (
-            "chunkvmap/_dp/_store.py",
+            "chunkvmap/_quantities/_store.py",
             "    for b, start in enumerate(range(done, n, write_size)):\n",
             "    for b, start in enumerate(range(0, n, write_size)):\n",
         ),
@@ -1540,7 +1540,7 @@ MUTANTS = {
     ),
     "store: cosine without the stored rows' norms": (
         (
-            "chunkvmap/_dp/_store.py",
+            "chunkvmap/_quantities/_store.py",
             "        s = s / jnp.maximum(norms, 1e-30)[None, :]\n",
             "        s = s\n",
         ),
@@ -1548,7 +1548,7 @@ MUTANTS = {
     ),
     "store: a query by other parameters accepted": (
         (
-            "chunkvmap/_dp/_store.py",
+            "chunkvmap/_quantities/_store.py",
             '        if fingerprint(params) != cfg["params"]:\n',
             "        if False:\n",
         ),
@@ -1556,7 +1556,7 @@ MUTANTS = {
     ),
     "projections: per position, every position's gradient the summed loss's": (
         (
-            "chunkvmap/_dp/_projections.py",
+            "chunkvmap/_quantities/_projections.py",
             "        eye = jnp.eye(value.size, dtype=value.dtype).reshape(value.size, *value.shape)\n",
             "        eye = jnp.ones((value.size, value.size), value.dtype).reshape(value.size, *value.shape)\n",
         ),
@@ -1564,7 +1564,7 @@ MUTANTS = {
     ),
     "ekfac ghost: the records' rotated gradient 1% too large": (
         (
-            "chunkvmap/_dp/_ekfac.py",
+            "chunkvmap/_quantities/_ekfac.py",
             "    out = squared_products(jnp.swapaxes(a, 0, 1), jnp.swapaxes(d, 0, 1))\n",
             "    out = squared_products(jnp.swapaxes(a, 0, 1), 1.01 * jnp.swapaxes(d, 0, 1))\n",
         ),
@@ -1572,7 +1572,7 @@ MUTANTS = {
     ),
     "ekfac ghost: a joined bias's activation left out": (
         (
-            "chunkvmap/_dp/_ekfac.py",
+            "chunkvmap/_quantities/_ekfac.py",
             "            a = a + row.reshape(*lead, *([1] * len(pos_a)), row.shape[-1])\n",
             "            a = a\n",
         ),
@@ -1580,7 +1580,7 @@ MUTANTS = {
     ),
     "ekfac factors=: the given factors ignored (the first pass run)": (
         (
-            "chunkvmap/_dp/_ekfac.py",
+            "chunkvmap/_quantities/_ekfac.py",
             '        given = kwargs.pop("factors", None)\n',
             '        given = kwargs.pop("factors", None) and None\n',
         ),
@@ -1588,7 +1588,7 @@ MUTANTS = {
     ),
     "ekfac factors=: the other leaves' diagonals not summed": (
         (
-            "chunkvmap/_dp/_ekfac.py",
+            "chunkvmap/_quantities/_ekfac.py",
             "        redo = given is not None  # (the diagonals too are these examples')\n",
             "        redo = False\n",
         ),
@@ -1596,7 +1596,7 @@ MUTANTS = {
     ),
     "store: a build's program not kept for later builds": (
         (
-            "chunkvmap/_dp/_store.py",
+            "chunkvmap/_quantities/_store.py",
             "                functools.partial(program, block_tree), values, _memory.PROGRAMS, types\n",
             "                functools.partial(program, block_tree), values, _program.LRU(), types\n",
         ),
@@ -1657,7 +1657,7 @@ MUTANTS = {
     ),
     "ekfac ghost: a lookup's rotated gradient 1% too large": (
         (
-            "chunkvmap/_dp/_ekfac.py",
+            "chunkvmap/_quantities/_ekfac.py",
             "    return jnp.where(valid[:, None], read, jnp.zeros((), d.dtype)), d\n",
             "    return jnp.where(valid[:, None], read, jnp.zeros((), d.dtype)), 1.01 * d\n",
         ),
@@ -1665,7 +1665,7 @@ MUTANTS = {
     ),
     "ekfac ghost: a lookup's positions that read no row kept": (
         (
-            "chunkvmap/_dp/_ekfac.py",
+            "chunkvmap/_quantities/_ekfac.py",
             "    return jnp.where(valid[:, None], read, jnp.zeros((), d.dtype)), d\n",
             "    return read, d\n",
         ),
@@ -1673,7 +1673,7 @@ MUTANTS = {
     ),
     "squares kernel: called without its derivative rule": (
         (
-            "chunkvmap/_dp/_squares.py",
+            "chunkvmap/_quantities/_squares.py",
             "        return _by_kernel(a, d)\n",
             "        return _kernel_sum(a, d, interpret=INTERPRET)\n",
         ),
@@ -1681,7 +1681,7 @@ MUTANTS = {
     ),
     "squares kernel: an example of each step left out": (
         (
-            "chunkvmap/_dp/_squares.py",
+            "chunkvmap/_quantities/_squares.py",
             "    for e in range(examples):  # (unrolled: one matmul per example)\n",
             "    for e in range(examples - 1):  # (unrolled: one matmul per example)\n",
         ),
@@ -1689,7 +1689,7 @@ MUTANTS = {
     ),
     "squares kernel: the tile's sum restarted at every step over the examples": (
         (
-            "chunkvmap/_dp/_squares.py",
+            "chunkvmap/_quantities/_squares.py",
             "    total = out_ref[...]\n",
             "    total = jnp.zeros(out_ref.shape, out_ref.dtype)\n",
         ),
@@ -1697,7 +1697,7 @@ MUTANTS = {
     ),
     "squares kernel: the rows' padding not cut off (the columns' kept)": (
         (
-            "chunkvmap/_dp/_squares.py",
+            "chunkvmap/_quantities/_squares.py",
             "    return out[:, :rows, :cols]\n",
             "    return out[:, : rows + 1, :cols][:, 1:]\n",
         ),

@@ -104,7 +104,7 @@ def _modelled_choice(monkeypatch):
     "slower": `test_choice.py` tests both where it runs), so that a test of the
     model's verdict holds on the chip too."""
     from chunkvmap._core import _program
-    from chunkvmap._dp import _choice
+    from chunkvmap._quantities import _choice
 
     monkeypatch.setattr(_choice, "MEASURED_PLATFORMS", frozenset())
     # each test measures its own choices (kept by what they compute, they would
@@ -131,7 +131,7 @@ def always_ghost(monkeypatch):
     ghost program on models too small for it to pay)."""
     import math
 
-    from chunkvmap._dp.ghost import _plan
+    from chunkvmap._quantities.ghost import _plan
 
     monkeypatch.setattr(_plan, "_GAIN", -math.inf)
 
@@ -141,7 +141,7 @@ def in_passes(monkeypatch):
     """A NaN-safe clipped sum of formed gradients runs as it does on the TPU, in
     passes (norms, then the sum as one backward pass, then the non-finite examples),
     on every platform."""
-    from chunkvmap._dp import _clipping
+    from chunkvmap._quantities import _clipping
 
     monkeypatch.setattr(_clipping, "IN_PASSES", frozenset({"cpu", "tpu", "gpu"}))
 
@@ -207,7 +207,7 @@ def squares_in_kernel(monkeypatch):
     import jax
 
     from chunkvmap._core import _memory, _program
-    from chunkvmap._dp import _squares
+    from chunkvmap._quantities import _squares
 
     calls = []
     kernel = _squares._kernel_sum
@@ -229,7 +229,7 @@ def eigh_on_host(monkeypatch):
     """Curvature factors' eigendecompositions computed by the host through a
     callback, as on the TPU, on every platform; yields the host's calls, each as
     its matrix's `(shape, dtype)`."""
-    from chunkvmap._dp import _eigh
+    from chunkvmap._quantities import _eigh
 
     calls = []
     host = _eigh._host_eigh

@@ -445,7 +445,7 @@ def test_an_eager_ghost_quantity_plans_its_loss_once(quantity, monkeypatch):
     them, analyse the loss once, compile nothing after the first call, and give
     what a new transform gives."""
     import chunkvmap
-    from chunkvmap._dp.ghost import _traced
+    from chunkvmap._quantities.ghost import _traced
 
     made = []
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import chunkvmap
-from chunkvmap._dp import _choice
-from chunkvmap._dp.ghost import GhostReport, Method
+from chunkvmap._quantities import _choice
+from chunkvmap._quantities.ghost import GhostReport, Method
 
 from .helpers import make_mesh, tree_allclose
 from .test_ghost import _wide_over_positions

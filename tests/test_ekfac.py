@@ -84,7 +84,7 @@ def test_ekfac_matches_the_eigen_corrected_blocks_built_by_hand(name, method):
 def test_the_squares_kernel_is_the_sum_of_squared_products(shape):
     """`sum_e (a_e^T d_e)^2` by the Pallas kernel (interpreted off the TPU):
     examples, rows and columns not whole tiles, one position, several layers."""
-    from chunkvmap._dp import _squares
+    from chunkvmap._quantities import _squares
 
     layers, examples, positions, rows, cols = shape
     k = jax.random.split(jax.random.key(0), 2)
@@ -100,7 +100,7 @@ def test_the_squares_kernel_is_the_sum_of_squared_products(shape):
 def test_ekfac_under_grad_with_the_kernel(squares_in_kernel):
     """`jax.grad` of EK-FAC's eigenvalues (ghost) through the kernel, which has no
     derivative of its own: the gradient of the same computation without it."""
-    from chunkvmap._dp import _squares
+    from chunkvmap._quantities import _squares
 
     params, x, _, model = _model(MODELS["mlp"])
     ek = ekfac_factors(model, likelihood="categorical", batch_size=2, method="ghost")
@@ -126,7 +126,7 @@ def test_the_squares_kernel_takes_the_callers_precision():
     "highest", three bfloat16 passes for "high", else the platform's default."""
     from jax import lax
 
-    from chunkvmap._dp import _squares
+    from chunkvmap._quantities import _squares
 
     for wanted, precision in [
         ("highest", lax.Precision.HIGHEST), ("float32", lax.Precision.HIGHEST),
@@ -571,7 +571,7 @@ def test_eigendecompositions_on_the_host_are_jaxs(eigh_on_host, dtype):
     """Where the host computes them (the TPU), `eigh` gives `jnp.linalg.eigh`'s
     values and its reconstruction, eagerly, jitted and over a batch by `jax.vmap`,
     and its derivatives (`jax.grad`, `jax.jacfwd`)."""
-    from chunkvmap._dp._eigh import eigh
+    from chunkvmap._quantities._eigh import eigh
 
     tol = dict(rtol=2e-4, atol=2e-5) if dtype == "float32" else dict(rtol=1e-10)
     with jax.enable_x64(dtype == "float64"):
@@ -619,7 +619,7 @@ def test_ekfac_and_its_inverse_with_eigendecompositions_on_the_host(eigh_on_host
     assert len(eigh_on_host) > calls
     eigh_on_host.clear()
     with pytest.MonkeyPatch.context() as undo:  # the default path, for comparison
-        from chunkvmap._dp import _eigh
+        from chunkvmap._quantities import _eigh
 
         undo.setattr(_eigh, "ON_HOST", frozenset())
         tree_allclose(got, multiply_inverse(factors, grads, damping=0.3), rtol=1e-4)

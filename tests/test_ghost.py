@@ -547,7 +547,7 @@ def test_the_verdict_measures_the_programs_that_run(monkeypatch):
 
 
 def _check_the_verdict_measures_the_programs_that_run(monkeypatch):
-    from chunkvmap._dp import _choice
+    from chunkvmap._quantities import _choice
 
     p, net, x, y = _scanned_stack(True)
     x, y = x[:8], y[:8]
@@ -1026,7 +1026,7 @@ def test_nan_safe_where_masking_cannot():
 def _ghost_plan(loss, params, example):
     """How nan_safe treats each rule leaf: "masked" (through its activations),
     "formed" (its gradient, instantiated) or "other" (fixed afterwards)."""
-    from chunkvmap._dp import ghost as _ghost
+    from chunkvmap._quantities import ghost as _ghost
 
     traced = _ghost.Traced(
         loss, [params, example], {}, [0], [1], strip=False, has_aux=False,
@@ -1051,7 +1051,7 @@ def test_a_record_carries_the_plan_of_the_context_it_was_made_in():
     one context (a replicated and a column-sharded weight on an Explicit mesh) stay
     apart through `jax.vmap`, `lax.scan` and a jitted call, and the chunk's sums
     read each by its own."""
-    from chunkvmap._dp import ghost as _ghost
+    from chunkvmap._quantities import ghost as _ghost
 
     def loss(p, x):
         return jnp.sum(jnp.tanh(x @ p["w"]))
@@ -1140,7 +1140,7 @@ def test_a_plan_is_made_once_and_never_changed_by_a_call(rng):
     evaluated by passing its own program to the plan, so that no attribute of
     the plan changes, none holds a call's program, and each call's value is its
     own."""
-    from chunkvmap._dp import ghost as _ghost
+    from chunkvmap._quantities import ghost as _ghost
 
     kept: dict = {}
 

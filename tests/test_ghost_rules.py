@@ -21,7 +21,7 @@ from chunkvmap import (
     per_example_grad_gram,
     per_example_grad_norms,
 )
-from chunkvmap._dp import ghost as _ghost
+from chunkvmap._quantities import ghost as _ghost
 
 from .helpers import clipped_sum
 

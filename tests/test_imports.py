@@ -88,7 +88,7 @@ def test_version():
 
 # The layers of the package, lowest first: a module imports only modules of its own
 # layer or below, so data flows one way (CONTRIBUTING.md, "Layout").
-LAYERS = ["_core", "_transforms", "_dp", "_adapters"]
+LAYERS = ["_core", "_transforms", "_quantities", "_adapters"]
 PACKAGE = pathlib.Path(chunkvmap.__file__).parent
 
 
@@ -134,13 +134,13 @@ def test_meta_the_layer_check_sees_an_upward_import():
         "chunkvmap._transforms",
         "chunkvmap._transforms._grads",
     ]
-    inside = "def f():\n    from .._dp._ghost import plan\n"
+    inside = "def f():\n    from .._quantities._ghost import plan\n"
     assert upward_imports(PACKAGE / "_transforms" / "_grads.py", inside) == [
-        "chunkvmap._dp._ghost",
-        "chunkvmap._dp._ghost.plan",  # a name or a module: both counted
+        "chunkvmap._quantities._ghost",
+        "chunkvmap._quantities._ghost.plan",  # a name or a module: both counted
     ]
     assert upward_imports(
-        PACKAGE / "_dp" / "ghost" / "_plan.py", "import chunkvmap.eqx"
+        PACKAGE / "_quantities" / "ghost" / "_plan.py", "import chunkvmap.eqx"
     ) == ["chunkvmap.eqx"]
 
 

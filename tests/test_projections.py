@@ -108,7 +108,7 @@ def test_the_ghost_method_forms_no_gradient_of_its_ghost_leaves(monkeypatch):
     """On the LMs and the CNN, every use with a ghost form is projected from its
     form (nothing instantiated but the leaves no form covers), and the
     projection's memory is below forming and projecting (chunks of 32)."""
-    from chunkvmap._dp import _projections
+    from chunkvmap._quantities import _projections
 
     made = []
     original = _projections._form_projection

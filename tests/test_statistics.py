@@ -24,7 +24,7 @@ from chunkvmap import (
     per_example_grad_norms,
     per_example_grad_stats,
 )
-from chunkvmap._dp import _statistics
+from chunkvmap._quantities import _statistics
 
 from . import test_ghost_models as models
 from .helpers import (

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import chunkvmap as cv
-from chunkvmap._dp import _store
+from chunkvmap._quantities import _store
 
 from .helpers import make_mesh, nll
 

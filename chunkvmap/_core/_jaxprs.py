@@ -1,5 +1,5 @@
 """Small helpers for reading and binding jaxprs, shared by the convolution rewrite
-(`_conv`) and ghost clipping's interpreters (`chunkvmap._dp.ghost`)."""
+(`_conv`) and ghost clipping's interpreters (`chunkvmap._quantities.ghost`)."""
 
 from __future__ import annotations
 
