@@ -262,8 +262,9 @@ def _bit_casts(fn, *args):
 def test_a_held_loop_is_jax_vmap(monkeypatch, n, batch, dtype, out_axis):
     """On the platforms `HELD` (the TPU; here posed on the CPU) each chunk's
     floating inputs are read through their bits and the outputs written in place:
-    the same values as `jax.vmap` eagerly, jitted, under `grad` and `jvp` and to
-    second order, at every float width, with integer inputs and Python scalars left
+    the same values as `jax.vmap` eagerly, jitted, under `grad` and `jvp`, to
+    second order and through the transpose of its linearisation, at every float
+    width, with integer inputs and Python scalars left
     as they are; and every floating chunk does pass through a bit cast (a mutant
     that skips it leaves the program as XLA:TPU narrows whole)."""
     from chunkvmap import batch_vmap
@@ -310,6 +311,13 @@ def test_a_held_loop_is_jax_vmap(monkeypatch, n, batch, dtype, out_axis):
                 return jax.jvp(grad, (x,), (t,))[1]
 
             tree_allclose(hvp(ours), hvp(ref), rtol=1e-4, atol=1e-5)
+
+            def transposed(g):  # the linearised loop's transpose (the bit cast's
+                # branch carries no tangent; the loop itself has no transpose)
+                _, lin = jax.linearize(lambda v: g(w, v, ids, 2.0), x)
+                return jax.linear_transpose(lin, x)(jnp.cos(ref(*args)))
+
+            tree_allclose(transposed(ours), transposed(ref), rtol=1e-5, atol=1e-6)
         counts = _primitives(ours, *args)
         assert counts["bitcast_convert_type"] == 2  # x's chunk, there and back
         assert counts["dynamic_update_slice"] == 1  # the outputs written in place
