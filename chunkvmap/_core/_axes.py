@@ -43,6 +43,16 @@ def is_arraylike(x: Any) -> bool:
     return isinstance(x, JAX_TYPES)
 
 
+def combine(leaves: Sequence[Any], positions: Sequence[int], values: Any) -> list[Any]:
+    """`leaves` with `values` put at `positions`, in order (the dynamic leaves of a
+    flattened call put back among its static ones: the inverse of taking
+    `[leaves[i] for i in positions]`)."""
+    full = list(leaves)
+    for i, v in zip(positions, values):
+        full[i] = v
+    return full
+
+
 def is_none(x: Any) -> bool:
     """None is a leaf of an axis spec (not mapped), not an empty subtree."""
     return x is None

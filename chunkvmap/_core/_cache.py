@@ -96,10 +96,7 @@ class EagerCache:
         outs: list[Any] = []  # the output's structure and leaves that are not traced
 
         def program(*values: Any) -> Any:
-            full = list(flat)
-            for i, v in zip(dyn, values):
-                full[i] = v
-            args, kwargs = jax.tree.unflatten(treedef, full)
+            args, kwargs = jax.tree.unflatten(treedef, _axes.combine(flat, dyn, values))
             known = _axes.Known(list(zip(values, shardings)), resolved)
             leaves, tree = jax.tree.flatten(self.call(args, kwargs, known))
             outs[:] = [tree, leaves]

@@ -300,10 +300,7 @@ def _compiled(
         return run(inputs.leaves)
 
     def program(*values: Any) -> Any:
-        full = list(inputs.leaves)
-        for i, v in zip(inputs.dyn, values):
-            full[i] = v
-        return run(full)
+        return run(_axes.combine(inputs.leaves, inputs.dyn, values))
 
     key = (
         inputs.key,
@@ -350,10 +347,7 @@ def _measure(body: _loop.Body, inputs: Inputs, size: int):
         plan = _loop.make_plan(size, batch)
 
         def program(*values):
-            full = list(inputs.leaves)
-            for i, v in zip(inputs.dyn, values):
-                full[i] = v
-            return body.run(full, plan)
+            return body.run(_axes.combine(inputs.leaves, inputs.dyn, values), plan)
 
         return _memory.temp_bytes(body.name, program, abstract)
 

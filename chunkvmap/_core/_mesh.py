@@ -36,7 +36,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
-from . import _sharding
+from . import _axes, _sharding
 
 
 Run = Callable[[tuple, dict, Any], Any]  # (args, kwargs, the resolved mesh)
@@ -135,11 +135,10 @@ def _staged(
     abstract = mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh
 
     def staged(*values: Any) -> Any:
-        full = list(flat)
         with jax.sharding.use_abstract_mesh(abstract):
-            for i, v in zip(dyn, values):
-                full[i] = _put(v, mesh) if isinstance(mesh, Mesh) else v
-            args, kwargs = tree.unflatten(full)
+            if isinstance(mesh, Mesh):
+                values = [_put(v, mesh) for v in values]
+            args, kwargs = tree.unflatten(_axes.combine(flat, dyn, values))
             return run(args, kwargs, resolved)
 
     return jax.jit(staged)(*[flat[i] for i in dyn])

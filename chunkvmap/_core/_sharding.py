@@ -273,9 +273,7 @@ class _Manual:
         reads its examples in place through the plan's offset: no per-device copy
         of its slice or the remainder."""
         axes, rem, per_device = self.lay.axes, self.rem, self.per_device
-        full = list(self.leaves)
-        for i, v in zip(self.inputs.dyn, values):
-            full[i] = v
+        full = _axes.combine(self.leaves, self.inputs.dyn, values)
         outs = {}
         if per_device:
             start = lax.axis_index(axes) * per_device if rem else 0

@@ -179,10 +179,9 @@ def _of_arrays(programs: dict, call: tuple) -> tuple[dict, list]:
 
     def of_arrays(program: Callable[..., Any]) -> Callable[..., Any]:
         def run(values: list) -> Any:
-            full = list(leaves)
-            for i, v in zip(arrays, values):
-                full[i] = v
-            return program(*jax.tree.unflatten(tree, full))
+            return program(
+                *jax.tree.unflatten(tree, _axes.combine(leaves, arrays, values))
+            )
 
         return run
 

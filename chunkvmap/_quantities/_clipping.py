@@ -1151,10 +1151,7 @@ def _one_example_avals(
     mapped = [i for i, a in enumerate(in_axes) if a is not None]
 
     def one_example(examples: list, kw: dict) -> Any:
-        full = list(args)
-        for i, e in zip(mapped, examples):
-            full[i] = e
-        return fn(*full, **kw)
+        return fn(*_axes.combine(args, mapped, examples), **kw)
 
     def example(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x))

@@ -1003,10 +1003,7 @@ class _Gram:
 
         def measure(b: int) -> int:
             def program(*values: Any) -> Any:
-                full = list(leaves)
-                for i, v in zip(dyn, values):
-                    full[i] = v
-                a, o = jax.tree.unflatten(treedef, full)
+                a, o = jax.tree.unflatten(treedef, _axes.combine(leaves, dyn, values))
                 return self.evaluate(self.sized(b, True), b, a, o, None, resolved)
 
             return _memory.temp_bytes(self.name, program, abstract)

@@ -382,10 +382,7 @@ def _one_program(project: Callable[..., Any], params: Any, extra: dict) -> Any:
     made: dict[Any, Callable[..., Any]] = {}
 
     def program(block_tree: Any, *values: Any) -> Any:
-        full = list(flat)
-        for i, a in zip(dynamic, values):
-            full[i] = a
-        p, e = jax.tree.unflatten(tree, full)
+        p, e = jax.tree.unflatten(tree, _axes.combine(flat, dynamic, values))
         return project(p, *jax.tree.unflatten(block_tree, values[len(arrays) :]), **e)
 
     def call(block: Any) -> Any:

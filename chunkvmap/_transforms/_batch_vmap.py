@@ -627,9 +627,7 @@ class _ChunkTrace:
 
         @_cache.wraps(f)  # named after it, so that JAX's own messages point at it
         def f_tree(*dyn_leaves):
-            full = list(flat.leaves)
-            for i, x in zip(flat.dyn, dyn_leaves):
-                full[i] = x
+            full = _axes.combine(flat.leaves, flat.dyn, dyn_leaves)
             f_args, f_kwargs = jax.tree.unflatten(flat.treedef, full)
             out = f(*f_args, **f_kwargs)
             check_outputs(call.name, f, out)

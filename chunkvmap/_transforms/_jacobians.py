@@ -97,11 +97,8 @@ def _dyn_args(name: str, argnums_t: tuple[int, ...], single: bool, args: tuple):
 
     def with_dyn(fun: Callable[..., Any], kwargs: dict[str, Any]):
         def f(dyn_value: Any) -> Any:
-            new = list(args)
             values = (dyn_value,) if single else dyn_value
-            for i, v in zip(argnums, values):
-                new[i] = v
-            return fun(*new, **kwargs)
+            return fun(*_axes.combine(args, argnums, values), **kwargs)
 
         return f
 
