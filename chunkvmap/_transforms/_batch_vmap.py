@@ -296,13 +296,15 @@ def _padded_call(transform, f, args, kwargs, in_axes, out_axes, *, known) -> Any
 class Transform:
     """One chunked transform: what every entry point and adapter builds.
 
-    Immutable, and validated when built (static errors name the public function
-    then): the chunking `options`; `jax.vmap`'s `axis_name`, `axis_size` and
-    `spmd_axis_name`; and `args`, how a call's arguments resolve to what is mapped
-    and what is differentiated, for transforms that take argument numbers rather
-    than `in_axes` (`_grads.GradArgs`, `_jacobians.JacArgs`: `resolve`). It owns
-    what its calls share: the `"auto"` chunk-size state (`auto`, which
-    `last_batch_size` reads) and the warnings it has given (`warn_once`). `map` is
+    What it computes is fixed and validated when built (static errors name the
+    public function then; its fields are frozen): the chunking `options`;
+    `jax.vmap`'s `axis_name`, `axis_size` and `spmd_axis_name`; and `args`, how a
+    call's arguments resolve to what is mapped and what is differentiated, for
+    transforms that take argument numbers rather than `in_axes`
+    (`_grads.GradArgs`, `_jacobians.JacArgs`: `resolve`). It also owns what its
+    calls share, the only state that changes: the `"auto"` chunk-size state
+    (`auto`, which `last_batch_size` reads), the warnings it has given
+    (`warn_once`) and its front end's kept values (`memo`, `cache_for`). `map` is
     one chunked `jax.vmap` (`vmap_call`); `cache` and `public` run a call under the
     call's mesh (`placement`) through an eager cache.
     """
