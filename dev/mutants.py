@@ -1310,6 +1310,14 @@ MUTANTS = {
         ),
         ["test_higher_order", "test_closures"],
     ),
+    "loop: a nest of two checkpoints (rules kept to second order only)": (
+        (
+            "chunkvmap/_core/_loop.py",
+            "    for _ in range(RULE_ORDERS - 1):\n",
+            "    for _ in range(1):\n",
+        ),
+        ["test_higher_order"],
+    ),
     "loop: remat=True saves every residual": (
         (
             "chunkvmap/_core/_loop.py",
@@ -1329,8 +1337,8 @@ MUTANTS = {
     "loop: a loop that saves residuals checkpointed once (rules dropped)": (
         (
             "chunkvmap/_core/_loop.py",
-            "    inner = jax.checkpoint(fn, prevent_cse=False, policy=everything)\n",
-            "    inner = fn\n",
+            "        fn = jax.checkpoint(fn, prevent_cse=False, policy=everything)\n",
+            "        pass\n",
         ),
         ["test_higher_order"],
     ),

@@ -219,6 +219,73 @@ def test_second_derivatives_are_jaxs_whatever_the_loop_saves(primitive, call, re
     _check(lambda: SECOND[call](ours), lambda: SECOND[call](jax.vmap(f)))
 
 
+def _rule_of_the_primal():
+    """A rule whose tangent depends on the primal (so that every order of it
+    differs from the primal's own derivatives), through a product."""
+
+    @jax.custom_jvp
+    def rounded(x):
+        return jnp.round(x)
+
+    rounded.defjvp(lambda p, t: (rounded(p[0]), (jnp.sin(p[0]) + 3.0) * t[0]))
+    return lambda x: jnp.sum(jnp.dot(rounded(1.5 * x), M) ** 3)
+
+
+# Each loop the chunks can take: `B` dividing `N` (the scan over the reshaped
+# input), a remainder window, a reduction, and devices' shares of the examples.
+LAYOUTS = {
+    "even": (6, {}),
+    "remainder": (5, {}),
+    "reduced": (5, {"reduction": jnp.add, "chunk_reduction": lambda y: y.sum(0)}),
+    "sharded": (32, {"shard": True}),  # two chunks on each of 8 devices
+}
+
+
+@pytest.mark.parametrize("remat", ["saved", "dots saved"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_loop_keeps_the_rule_at_second_order(layout, remat):
+    """Forward over reverse through each loop layout that saves residuals."""
+    n, kw = LAYOUTS[layout]
+    x = jnp.asarray(np.linspace(-1.3, 1.7, n * 3, dtype=np.float32).reshape(n, 3))
+    f = _rule_of_the_primal()
+    ours = cv.batch_vmap(f, batch_size=B, remat=REMATS[remat], **kw)
+
+    def hvp(m):
+        grad = jax.grad(lambda v: jnp.sum(jnp.sin(m(v))))
+        return jax.jvp(grad, (x,), (jnp.cos(x),))[1]
+
+    reference = jax.vmap(f)
+    if "reduction" in kw:  # the examples' sum
+        reference = lambda v: jax.vmap(f)(v).sum(0)  # noqa: E731
+    tree_allclose(hvp(ours), hvp(reference), rtol=1e-5, atol=1e-5)
+
+
+HIGHER = {
+    "third": lambda g: jax.grad(lambda x: jnp.vdot(g(x), T)),
+    "fourth": lambda g: (
+        lambda x: jax.jvp(jax.grad(lambda x: jnp.vdot(g(x), T)), (x,), (T,))[1]
+    ),
+}
+
+
+@pytest.mark.parametrize("remat", REMATS)
+@pytest.mark.parametrize("order", HIGHER)
+def test_the_rule_holds_to_the_fourth_order(order, remat):
+    """Each reverse-mode pass takes one checkpoint of the loop's nest apart: with
+    `RULE_ORDERS` of them, three gradients and a tangent still use the rule."""
+    assert cv._core._loop.RULE_ORDERS >= 4
+    f = _rule_of_the_primal()
+    ours = cv.batch_vmap(f, batch_size=B, remat=REMATS[remat])
+
+    def derivative(m):
+        g = jax.grad(lambda x: jnp.sum(m(x)))
+        second = jax.grad(lambda x: jnp.vdot(g(x), T))
+        return HIGHER[order](second)(X)
+
+    expected = derivative(jax.vmap(f))
+    tree_allclose(derivative(ours), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_per_example_gradients_differentiated_twice_keep_the_rule():
     """The same through an entry point: a Hessian-vector product (forward over
     reverse) of a function of `per_example_grads(..., remat=False)`, whose loop

@@ -599,6 +599,12 @@ def _buffers(chunk_avals: Sequence[Any], out_axes: Sequence[Any], size: int) -> 
 ChunkFn = Callable[[list[Any], int], Any]
 
 
+# How many derivatives taken through a loop that saves residuals keep the custom
+# JVP rules of its function: each reverse-mode pass through the loop takes one
+# checkpoint of the nest apart (`checkpointed`).
+RULE_ORDERS = 4
+
+
 def checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
     """`fn` under `jax.checkpoint` (with `remat` as the policy when it is callable).
 
@@ -608,23 +614,26 @@ def checkpointed(fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
     scan, which already keeps XLA from merging the recomputation with the forward pass.
 
     A loop that saves residuals (`remat=False`, or a policy) is a checkpoint with
-    that policy around a checkpoint, not a bare body: differentiating a scan, JAX
-    hoists the residuals that do not change from one step to the next out of the loop
-    by partially evaluating the forward body, and that pass replaces every custom JVP
-    rule there by the function it was defined on, so the values the derivative is
-    then taken of (`jax.hessian`, `jax.jvp` of `jax.grad`) would be differentiated
-    without the user's rule (a straight-through estimator's second derivative 0,
-    where `jax.vmap` gives the rule's). The inner checkpoint keeps its forward half
-    whole through that pass, rules in it; it is split by the outer one's policy, so
-    the residuals saved are the policy's (every one for `remat=False`, as a bare body
-    saves). `remat=True` saves nothing and recomputes from the rules.
+    that policy around a nest of checkpoints saving everything, not a bare body:
+    differentiating a scan, JAX hoists the residuals that do not change from one
+    step to the next out of the loop by partially evaluating the forward body, and
+    that pass replaces every custom JVP rule there by the function it was defined
+    on, so the values a further derivative is taken of (`jax.hessian`, `jax.jvp` of
+    `jax.grad`) would be differentiated without the user's rule (a straight-through
+    estimator's second derivative 0, where `jax.vmap` gives the rule's). A
+    checkpoint in the body keeps its forward half whole through that pass, rules in
+    it; each reverse-mode pass splits one checkpoint of the nest (by the outer
+    policy, so the residuals saved are the policy's: every one for `remat=False`, as
+    a bare body saves), so the rules hold for `RULE_ORDERS` derivatives.
+    `remat=True` saves nothing and recomputes from the rules, at every order.
     """
     if remat is True:
         return jax.checkpoint(fn, prevent_cse=False)
     everything = jax.checkpoint_policies.everything_saveable
-    inner = jax.checkpoint(fn, prevent_cse=False, policy=everything)
+    for _ in range(RULE_ORDERS - 1):
+        fn = jax.checkpoint(fn, prevent_cse=False, policy=everything)
     policy = everything if remat is False else remat
-    return jax.checkpoint(inner, prevent_cse=False, policy=policy)
+    return jax.checkpoint(fn, prevent_cse=False, policy=policy)
 
 
 def fold(reduction: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:

@@ -175,8 +175,8 @@ def batch_vmap(
       remat: checkpoint each chunk for reverse mode: True (the default; save nothing,
         recompute the chunk), False (save every chunk's residuals), or a
         `jax.checkpoint` policy such as `jax.checkpoint_policies.dots_saveable`.
-        Every setting keeps custom derivative rules at every order (where
-        `lax.map` loses a custom JVP rule's second derivative).
+        Custom JVP rules hold at every order with True, and through four
+        derivatives with the others (`lax.map` loses them at the second).
       memory_limit: the memory budget of `batch_size="auto"`: bytes, or a string
         such as `"2GiB"` or `"512MB"`, for XLA's compiled estimate of the program
         (on CPU its temporary memory; on an accelerator its peak less its
