@@ -44,9 +44,10 @@ def is_arraylike(x: Any) -> bool:
 
 
 def combine(leaves: Sequence[Any], positions: Sequence[int], values: Any) -> list[Any]:
-    """`leaves` with `values` put at `positions`, in order (the dynamic leaves of a
-    flattened call put back among its static ones: the inverse of taking
-    `[leaves[i] for i in positions]`)."""
+    """A new list of `leaves` with `values` put at `positions`, in order (the
+    dynamic leaves of a flattened call put back among its static ones, where they
+    were taken as `[leaves[i] for i in positions]`); values past the positions'
+    count are left out."""
     full = list(leaves)
     for i, v in zip(positions, values):
         full[i] = v

@@ -36,6 +36,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from . import _axes
 from ._jaxprs import bind, evaluate, rebuilt, sub_jaxprs
 from ._memory import default_platform
 
@@ -252,10 +253,7 @@ def canonical(fn: Callable[..., Any]) -> Callable[..., Any]:
         traced = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array)]
 
         def flat(*arrays: Any) -> list[Any]:
-            full = list(leaves)
-            for k, x in zip(traced, arrays):
-                full[k] = x
-            return fn(full, length)
+            return fn(_axes.combine(leaves, traced, arrays), length)
 
         arrays = [leaves[k] for k in traced]
         closed, shape = jax.make_jaxpr(flat, return_shape=True)(*arrays)

@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 
 from . import _memory
-from ._axes import ARRAY_TYPES, stacked as stacked_type
+from ._axes import ARRAY_TYPES, combine, stacked as stacked_type
 from ._options import identity
 
 
@@ -858,10 +858,8 @@ class Body:
 
         @ft.partial(checkpointed, remat=self.remat)
         def evaluate(i, chunks):
-            chunk = plan.chunk(leaves, sliced, i) if slicing else list(leaves)
-            for j, c in zip(split, chunks):
-                chunk[j] = c
-            return jax.tree.leaves(chunk_fn(chunk, batch))
+            chunk = plan.chunk(leaves, sliced, i) if slicing else leaves
+            return jax.tree.leaves(chunk_fn(combine(chunk, split, chunks), batch))
 
         def body(carry, i_chunks):
             i, chunks = i_chunks
@@ -985,9 +983,7 @@ class Body:
         tree: list[Any] = []  # the structure of this trace's outputs
 
         def one(values: list[Any]) -> list[Any]:
-            full = list(part)
-            for k, v in zip(mapped, values):
-                full[k] = v
+            full = combine(part, mapped, values)
             leaves, structure = jax.tree.flatten(self.chunk_fn(full, length))
             tree[:] = [structure]
             return leaves

@@ -267,10 +267,7 @@ class Traced:
     def at_leaves(self, values: Sequence[Any], leaves: Sequence[Any]) -> list:
         """The array leaves `values` with the differentiated ones replaced by
         `leaves` (in the plan's order)."""
-        out = list(values)
-        for i, x in zip(self.plan.diff_positions, leaves):
-            out[i] = x
-        return out
+        return _axes.combine(values, self.plan.diff_positions, leaves)
 
     def loss(self, values: Sequence[Any]) -> Any:
         """One example's loss at its array leaves `values`: `fun` called on them, as
