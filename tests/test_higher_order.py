@@ -59,7 +59,9 @@ def _custom_jvp(read):
     def rounded(x):
         return jnp.round(read(x))
 
-    rounded.defjvp(lambda p, t: (rounded(p[0]), 3.0 * t[0]))  # straight through
+    # straight through, with a tangent that depends on the primal (so that every
+    # order of the rule differs from the primal's own derivatives)
+    rounded.defjvp(lambda p, t: (rounded(p[0]), (jnp.sin(p[0]) + 3.0) * t[0]))
     return lambda x: jnp.sum(jnp.dot(rounded(x), M) ** 2)
 
 
@@ -219,18 +221,6 @@ def test_second_derivatives_are_jaxs_whatever_the_loop_saves(primitive, call, re
     _check(lambda: SECOND[call](ours), lambda: SECOND[call](jax.vmap(f)))
 
 
-def _rule_of_the_primal():
-    """A rule whose tangent depends on the primal (so that every order of it
-    differs from the primal's own derivatives), through a product."""
-
-    @jax.custom_jvp
-    def rounded(x):
-        return jnp.round(x)
-
-    rounded.defjvp(lambda p, t: (rounded(p[0]), (jnp.sin(p[0]) + 3.0) * t[0]))
-    return lambda x: jnp.sum(jnp.dot(rounded(1.5 * x), M) ** 3)
-
-
 # Each loop the chunks can take: `B` dividing `N` (the scan over the reshaped
 # input), a remainder window, a reduction, and devices' shares of the examples.
 LAYOUTS = {
@@ -249,7 +239,7 @@ def test_every_loop_keeps_the_rule_at_second_order(layout, remat):
     """Forward over reverse through each loop layout that saves residuals."""
     n, kw = LAYOUTS[layout]
     x = jnp.asarray(np.linspace(-1.3, 1.7, n * 3, dtype=np.float32).reshape(n, 3))
-    f = _rule_of_the_primal()
+    f = PRIMITIVES["custom_jvp"](_reader(False))
     ours = cv.batch_vmap(f, batch_size=B, remat=REMATS[remat], **kw)
 
     def hvp(m):
@@ -277,7 +267,7 @@ def test_the_rule_holds_to_the_fourth_order(order, remat):
     """Each reverse-mode pass takes one checkpoint of the loop's nest apart: with
     `RULE_ORDERS` of them, three gradients and a tangent still use the rule."""
     assert cv._core._loop.RULE_ORDERS >= 4
-    f = _rule_of_the_primal()
+    f = PRIMITIVES["custom_jvp"](_reader(False))
     ours = cv.batch_vmap(f, batch_size=B, remat=REMATS[remat])
 
     def derivative(m):

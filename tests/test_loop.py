@@ -264,8 +264,8 @@ def test_a_held_loop_is_jax_vmap(monkeypatch, n, batch, dtype, out_axis):
     floating inputs are read through their bits and the outputs written in place:
     the same values as `jax.vmap` eagerly, jitted, under `grad` and `jvp`, to
     second order and through the transpose of its linearisation, at every float
-    width, with integer inputs and Python scalars left
-    as they are; and every floating chunk does pass through a bit cast (a mutant
+    width, with integer inputs and Python scalars left as they are; and every
+    floating chunk does pass through a bit cast (a mutant
     that skips it leaves the program as XLA:TPU narrows whole)."""
     from chunkvmap import batch_vmap
 
