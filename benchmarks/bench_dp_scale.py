@@ -165,20 +165,28 @@ def timed(steps: dict, params, lot, rounds: int) -> dict:
 
 def profile(folder: str, built: dict, params, lot) -> None:
     """Two runs of each compiled step under the profiler, one trace per program
-    (`folder/<program>/`), beside its optimised HLO (`folder/<program>.hlo.txt`: the
-    trace's events are named by its instructions)."""
+    (`folder/<program>.trace.json.gz`, out of the profiler's nested folders),
+    beside its optimised HLO (`folder/<program>.hlo.txt`: the trace's events are
+    named by its instructions)."""
+    import glob
     import os
+    import shutil
+    import tempfile
 
     os.makedirs(folder, exist_ok=True)
     for k, (c, _) in built.items():
         if c is None:
             continue
-        with open(f"{folder}/{k.replace(' ', '_')}.hlo.txt", "w") as fh:
+        name = k.replace(" ", "_")
+        with open(f"{folder}/{name}.hlo.txt", "w") as fh:
             fh.write(c.as_text())
         jax.block_until_ready(c(params, *lot))
-        with jax.profiler.trace(f"{folder}/{k.replace(' ', '_')}"):
-            for _ in range(2):
-                jax.block_until_ready(c(params, *lot))
+        with tempfile.TemporaryDirectory() as tmp:
+            with jax.profiler.trace(tmp):
+                for _ in range(2):
+                    jax.block_until_ready(c(params, *lot))
+            (trace,) = glob.glob(f"{tmp}/plugins/profile/*/*.trace.json.gz")
+            shutil.copy(trace, f"{folder}/{name}.trace.json.gz")
 
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[([\d,]*)\]")

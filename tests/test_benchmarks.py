@@ -390,3 +390,30 @@ def test_dp_scale_counts_the_products_flops(monkeypatch):
         "rhs_contracting_dims={0}\n"
     )
     assert bench.matmul_flops(hlo) == {"main": 192.0, "cond branches": 192.0}
+
+
+def test_dp_scale_profiles_flat_and_names_the_lines(monkeypatch, tmp_path):
+    """`bench_dp_scale.py --profile DIR`: each program's trace and optimised HLO
+    lie flat in DIR (a device call brings back no nested folders), and
+    `dev/profile_summary.py` finds the traces there and names the Python line that
+    made each instruction of the ghost program (its norms' forms among them)."""
+    monkeypatch.syspath_prepend(str(GPU.parent))  # (its `_dp_models`)
+    bench = _module(GPU.parent / "bench_dp_scale.py")
+    summary = _module(GPU.parent.parent / "dev" / "profile_summary.py")
+    import jax
+
+    argv = ["--model", "vit", "--quick", "--programs", "non-private", "ghost"]
+    argv += ["--sizes", "4", "--budget", "0", "--rounds", "1", "--profile"]
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+        bench.main([*argv, str(tmp_path)])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [
+        "ghost.hlo.txt",
+        "ghost.trace.json.gz",
+        "non-private.hlo.txt",
+        "non-private.trace.json.gz",
+    ]
+    made = summary.sources(str(tmp_path / "ghost.hlo.txt"))
+    files = {where.split(":")[0] for where, _ in made.values()}
+    assert "_forms.py" in files, files
+    assert not any(i in w for w, _ in made.values() for i in summary.INTERPRETERS)

@@ -246,8 +246,8 @@ def _primitives(fn, *args):
     return counts
 
 
-def _bit_casts(fn, *args):
-    return _primitives(fn, *args)["bitcast_convert_type"]
+def _holds(fn, *args):
+    return _primitives(fn, *args)["reduce_precision"]
 
 
 @pytest.mark.parametrize(
@@ -261,12 +261,12 @@ def _bit_casts(fn, *args):
 )
 def test_a_held_loop_is_jax_vmap(monkeypatch, n, batch, dtype, out_axis):
     """On the platforms `HELD` (the TPU; here posed on the CPU) each chunk's
-    floating inputs are read through their bits and the outputs written in place:
-    the same values as `jax.vmap` eagerly, jitted, under `grad` and `jvp`, to
-    second order and through the transpose of its linearisation, at every float
+    floating inputs are read through `hold` and the outputs written in place: the
+    same values as `jax.vmap` eagerly, jitted, under `grad` and `jvp`, to second
+    order, transposed (the loop itself and its linearisation), at every float
     width, with integer inputs and Python scalars left as they are; and every
-    floating chunk does pass through a bit cast (a mutant
-    that skips it leaves the program as XLA:TPU narrows whole)."""
+    floating chunk does pass through the hold (a mutant that skips it leaves the
+    program as XLA:TPU narrows whole)."""
     from chunkvmap import batch_vmap
 
     if dtype == np.float64 and not jax.config.jax_enable_x64:
@@ -312,14 +312,26 @@ def test_a_held_loop_is_jax_vmap(monkeypatch, n, batch, dtype, out_axis):
 
             tree_allclose(hvp(ours), hvp(ref), rtol=1e-4, atol=1e-5)
 
-            def transposed(g):  # the linearised loop's transpose (the bit cast's
-                # branch carries no tangent; the loop itself has no transpose)
+            def transposed(g):  # the linearised loop's transpose
                 _, lin = jax.linearize(lambda v: g(w, v, ids, 2.0), x)
                 return jax.linear_transpose(lin, x)(jnp.cos(ref(*args)))
 
             tree_allclose(transposed(ours), transposed(ref), rtol=1e-5, atol=1e-6)
+
+            def linear(g):  # a loop linear in its input, transposed itself
+                lin = g(lambda v, u: (v @ w) * u, (0, None), out_axis)
+                return jax.linear_transpose(lambda v: lin(v, 2.0), x)(
+                    jnp.cos(ref(*args))
+                )
+
+            tree_allclose(
+                linear(lambda *a: batch_vmap(*a, batch_size=batch)),
+                linear(jax.vmap),
+                rtol=1e-5,
+                atol=1e-6,
+            )
         counts = _primitives(ours, *args)
-        assert counts["bitcast_convert_type"] == 2  # x's chunk, there and back
+        assert counts["reduce_precision"] == 1  # x's chunk, held
         assert counts["dynamic_update_slice"] == 1  # the outputs written in place
 
 
@@ -327,18 +339,18 @@ def test_a_loop_holds_where_it_reads_more_than_it_writes(monkeypatch):
     """On the platforms `HELD` a stacked loop holds its chunks only where it has
     floating inputs (not integers alone), writes no more bytes than it reads (not
     per-example gradients) and has no weakly typed output; elsewhere it is the
-    loop as on every other platform, without a bit cast."""
+    loop as on every other platform, without a hold."""
     from chunkvmap import batch_vmap
 
     monkeypatch.setattr(_loop, "HELD", frozenset({jax.default_backend()}))
     x, ids = jnp.ones((8, 5)), jnp.arange(8)
     cases = [
-        (lambda v: jnp.sum(v), (x,), 2),
+        (lambda v: jnp.sum(v), (x,), 1),
         (lambda v: jnp.outer(v, v), (x,), 0),  # writes 5x what it reads
         (lambda i: jnp.sin(i.astype(np.float32)), (ids,), 0),  # nothing to hold
         (lambda v: 1.0, (x,), 0),  # a weak output
     ]
-    for f, args, casts in cases:
+    for f, args, holds in cases:
         g = batch_vmap(f, batch_size=4)
-        assert _bit_casts(g, *args) == casts
+        assert _holds(g, *args) == holds
         tree_allclose(g(*args), jax.vmap(f)(*args))
