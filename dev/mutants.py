@@ -1610,6 +1610,14 @@ MUTANTS = {
         ),
         ["test_store"],
     ),
+    "takes: __wrapped__ dropped (the source shown is the wrapper's)": (
+        (
+            "chunkvmap/_core/_options.py",
+            "        return checked\n",
+            "        del checked.__wrapped__\n        return checked\n",
+        ),
+        ["test_imports"],
+    ),
     "held loop: chunks not held": (
         (
             "chunkvmap/_core/_loop.py",

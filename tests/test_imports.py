@@ -189,6 +189,17 @@ def test_every_entry_point_takes_the_chunking_options_as_declared_once():
             assert re.search(rf"^\s*{arg}:", doc, re.M), (name, arg, "not documented")
 
 
+def test_every_entry_point_unwraps_to_its_own_code():
+    """`takes` and `decorator_form` keep `__wrapped__` (as `functools.wraps`
+    does): `inspect.getsource` of an entry point shows its own `def`, not the
+    decorators' wrappers, and `inspect.unwrap` reaches the function defined."""
+    for name, fn in _entry_points().items():
+        inner = inspect.unwrap(fn)
+        assert inner.__name__ == fn.__name__, name
+        assert f"def {fn.__name__}(" in inspect.getsource(fn), name
+        assert "__wrapped__" not in vars(inner), name
+
+
 def test_an_entry_point_names_itself_for_a_keyword_it_does_not_take():
     """A misspelt or inapplicable keyword is a TypeError naming the function and
     the keyword (and the closest valid name), as Python's own would."""

@@ -310,9 +310,8 @@ def takes(kind: type) -> Callable[[Any], Any]:
             return fn(*args, **kwargs)
 
         checked.__signature__ = sig.replace(parameters=own + extra)  # pyright: ignore
-        # (the API pages' generator unwraps `__wrapped__` to `fn`'s `**options`,
-        # past this signature: dropped, so that it documents the keywords)
-        del checked.__wrapped__
+        # (`__wrapped__` kept: `inspect.getsource` shows `fn`; the API pages read
+        # this signature through `docs/griffe_signatures.py`)
         return checked
 
     return decorate
