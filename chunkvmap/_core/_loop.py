@@ -296,7 +296,7 @@ HELD = frozenset({"tpu"})
 
 
 def hold(x: Any) -> Any:
-    """`x` itself, for a floating `x`: rounded to its own type's precision
+    """`x` itself, for a float32 or bfloat16 `x`: rounded to its own type's precision
     (`lax.reduce_precision` at its own exponent and mantissa bits, which changes no
     value). XLA:TPU does not narrow a value through it, so each chunk is converted
     where it is used, not the whole input before the loop. It is linear, with
@@ -309,8 +309,14 @@ def hold(x: Any) -> Any:
     return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
+# The types `hold` rounds: the TPU's own floating types (float32 is the one XLA:TPU
+# narrows, and the one measured); float16, float64 (emulated there) and the 8-bit
+# types are read as they are.
+_HELD_TYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+
+
 def _holdable(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating) and not jax.typeof(x).weak_type
+    return x.dtype in _HELD_TYPES and not jax.typeof(x).weak_type
 
 
 def _read(
