@@ -396,24 +396,27 @@ def test_dp_scale_profiles_flat_and_names_the_lines(monkeypatch, tmp_path):
     """`bench_dp_scale.py --profile DIR`: each program's trace and optimised HLO
     lie flat in DIR (a device call brings back no nested folders), and
     `dev/profile_summary.py` finds the traces there and names the Python line that
-    made each instruction of the ghost program (its norms' forms among them)."""
+    made each instruction of a ghost program (its norms' forms among them)."""
     monkeypatch.syspath_prepend(str(GPU.parent))  # (its `_dp_models`)
     bench = _module(GPU.parent / "bench_dp_scale.py")
     summary = _module(GPU.parent.parent / "dev" / "profile_summary.py")
     import jax
+    import jax.numpy as jnp
 
-    argv = ["--model", "vit", "--quick", "--programs", "non-private", "ghost"]
-    argv += ["--sizes", "4", "--budget", "0", "--rounds", "1", "--profile"]
-    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
-        bench.main([*argv, str(tmp_path)])
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [
-        "ghost.hlo.txt",
-        "ghost.trace.json.gz",
-        "non-private.hlo.txt",
-        "non-private.trace.json.gz",
-    ]
+    import chunkvmap
+
+    def loss(p, x, y):
+        return jnp.sum((jnp.tanh(x @ p["w"]) @ p["v"] - y) ** 2)
+
+    p = {"w": jnp.ones((6, 8)) / 8, "v": jnp.ones((8, 2)) / 4}
+    lot = (jnp.ones((8, 6)), jnp.zeros((8, 2)))
+    step = chunkvmap.clipped_grad_sum(loss, 1.0, batch_size=4, method="ghost")
+    built = {"ghost": (jax.jit(step).lower(p, *lot).compile(), None)}
+    bench.profile(str(tmp_path), built, p, lot)
+    names = sorted(q.name for q in tmp_path.iterdir())
+    assert names == ["ghost.hlo.txt", "ghost.trace.json.gz"]
     made = summary.sources(str(tmp_path / "ghost.hlo.txt"))
     files = {where.split(":")[0] for where, _ in made.values()}
     assert "_forms.py" in files, files
     assert not any(i in w for w, _ in made.values() for i in summary.INTERPRETERS)
+    summary.main([str(tmp_path), "--by-source"])  # (finds the flat trace)
