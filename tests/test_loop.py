@@ -338,9 +338,9 @@ def test_a_held_loop_is_jax_vmap(monkeypatch, n, batch, dtype, out_axis):
 
 def test_a_loop_holds_where_it_reads_more_than_it_writes(monkeypatch):
     """On the platforms `HELD` a stacked loop holds its chunks only where it has
-    floating inputs (not integers alone), writes no more bytes than it reads (not
-    per-example gradients) and has no weakly typed output; elsewhere it is the
-    loop as on every other platform, without a hold."""
+    float32 or bfloat16 inputs (not integers alone), writes no more bytes than it
+    reads (not per-example gradients) and has no weakly typed output; elsewhere it
+    is the loop as on every other platform, without a hold."""
     from chunkvmap import batch_vmap
 
     monkeypatch.setattr(_loop, "HELD", frozenset({jax.default_backend()}))

@@ -6,8 +6,8 @@
   mapped axis, so inputs are never transposed or copied (in the stacked loop without
   remainder, a leaf mapped along axis 0 is instead the scan's `xs`, a free reshape to
   `(N / B, B, ...)`; on a TPU a loop that reads more than it writes reads its
-  floating chunks through `hold`, so that XLA does not convert the whole input
-  before the loop);
+  float32 and bfloat16 chunks through `hold`, so that XLA does not convert the
+  whole input before the loop);
 * the loop (`stacked`, `reduced`): a `lax.scan` over chunk indices, each chunk
   checkpointed for reverse mode (`checkpointed`);
 * the remainder: when `B` does not divide `N`, the last chunk is the window of the last
@@ -334,7 +334,7 @@ def _holding(
     leaves: Sequence[Any], axes: Sequence[int | None], out_avals: Sequence[Any]
 ) -> bool:
     """Whether a stacked loop reads its chunks through `hold` and writes its
-    outputs in place: on the platforms `HELD`, where it has floating inputs to hold
+    outputs in place: on the platforms `HELD`, where it has inputs to hold
     and its outputs take no more bytes than they do (on the TPU, writing per-example
     gradients in place took twice the time of stacking them as the scan's outputs:
     `per_example_grads` of the MLP at 0.52x `jax.vmap`'s throughput against 0.98x),
