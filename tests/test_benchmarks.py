@@ -420,3 +420,28 @@ def test_dp_scale_profiles_flat_and_names_the_lines(monkeypatch, tmp_path):
     assert "_forms.py" in files, files
     assert not any(i in w for w, _ in made.values() for i in summary.INTERPRETERS)
     summary.main([str(tmp_path), "--by-source"])  # (finds the flat trace)
+
+
+def test_dp_scale_tries_the_lots_in_turn_and_stops_at_the_first_failure(
+    monkeypatch, tmp_path
+):
+    """`bench_dp_scale.py --lots ...`: each program tries the lots in turn, one row
+    each, and stops at its first lot out of memory (rows past it are not tried)."""
+    monkeypatch.syspath_prepend(str(GPU.parent))  # (its `_dp_models`)
+    bench = _module(GPU.parent / "bench_dp_scale.py")
+    real = bench.compiled
+
+    def fits_to_8(step, params, lot):  # (a device of room for 8 examples)
+        return (None, None) if lot[0].shape[0] > 8 else real(step, params, lot)
+
+    monkeypatch.setattr(bench, "compiled", fits_to_8)
+    out = tmp_path / "lots.md"
+    argv = ["--quick", "--programs", "jax.vmap", "--sizes", "4", "--rounds", "1"]
+    argv += ["--lots", "8", "16", "32", "--budget", "600", "--out", f"{out}"]
+    import jax
+
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+        bench.main(argv)
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| jax.vmap | ")]
+    assert [r.split(" | ")[1] for r in rows] == ["8", "16"], rows
+    assert rows[1].split(" | ")[2] == "OOM" and rows[0].split(" | ")[2] != "OOM"
