@@ -1717,6 +1717,30 @@ MUTANTS = {
         ),
         ["test_ekfac"],
     ),
+    "reused evaluation: rules left out of its key": (
+        (
+            "chunkvmap/_core/_program.py",
+            "    key, _ = _Walk(rules=True).key(jaxpr, hoisting=False)\n",
+            "    key, _ = _Walk(rules=False).key(jaxpr, hoisting=False)\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "reused evaluation: a key holding arrays kept": (
+        (
+            "chunkvmap/_core/_program.py",
+            "        return not _may_hold_arrays(key.value, 0)\n",
+            "        return True\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "reused evaluation: the loss's constants compiled in": (
+        (
+            "chunkvmap/_quantities/ghost/_traced.py",
+            "            self.closed = closed.replace(consts=list(consts))\n",
+            "            self.closed = closed\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
 }
 
 

@@ -715,3 +715,77 @@ def test_a_held_callbacks_state_is_read_at_every_call(held):
         else:
             state["cb"] = Host(scale).run
         np.testing.assert_array_equal(fn(x), np.asarray(x) * scale)
+
+
+def _scaled(scale: float):
+    """A rule of the loss's own: the identity with its derivative scaled."""
+
+    @jax.custom_jvp
+    def rule(v):
+        return v
+
+    rule.defjvp(lambda p, t: (p[0], scale * t[0]))
+    return rule
+
+
+# (the Gram's dot products pair two examples' records outside `over_chunks`: its
+# example is traced at every call)
+_REUSED = [e for e in [*_LOSS_ENTRIES, *_MODEL_ENTRIES] if e != "per_example_grad_gram"]
+
+
+@pytest.mark.parametrize("entry", _REUSED)
+def test_an_eager_ghost_call_traces_its_example_once(entry, always_ghost, monkeypatch):
+    """An eager ghost call evaluates one example with its loss's plan (the
+    instrumented example, `Plan.pullback`) at its first call: a later call of the
+    same loss program reuses that trace with its own arrays (a closed-over array
+    changed among them). A loss with a custom rule (its function made anew at each
+    trace) or closing over an array inside a nested `jit` is traced at every call;
+    a loss traced before is reused again. Every call gives what a new transform
+    gives."""
+    from chunkvmap._quantities.ghost import _plan
+
+    d, n = 6, 9
+    rng = np.random.default_rng(5)
+    p = {"w": jnp.asarray(rng.normal(size=(d, d)) * 0.3, jnp.float32)}
+    state = {"c": jnp.full((d,), 2.0), "rule": None, "jit": False}
+
+    def model(p, x):
+        h = jnp.tanh(x @ p["w"]) * state["c"]
+        h = h if state["rule"] is None else state["rule"](h)
+        return jax.jit(lambda h: h * state["nested"])(h) if state["jit"] else h
+
+    def loss(p, x, y):
+        return jnp.sum((model(p, x) - y) ** 2)
+
+    is_model = entry in _MODEL_ENTRIES
+    make = _MODEL_ENTRIES[entry] if is_model else _LOSS_ENTRIES[entry]
+    fn = make(model if is_model else loss)
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    y = jnp.zeros((n, d), jnp.float32)
+
+    def call(f):
+        return f(p, x) if is_model else f(p, x, y)
+
+    traces = []
+    pullback = _plan.Plan.pullback
+    monkeypatch.setattr(
+        _plan.Plan, "pullback", lambda *a, **k: traces.append(1) or pullback(*a, **k)
+    )
+    steps = [  # (what changes before the call, whether the example is traced)
+        (lambda: None, True),
+        (lambda: state.update(c=jnp.full((d,), 3.0)), False),
+        (lambda: state.update(rule=_scaled(-2.0)), True),
+        (lambda: state.update(c=jnp.full((d,), 0.5)), True),
+        (lambda: state.update(rule=None, jit=True, nested=jnp.ones(d)), True),
+        (lambda: state.update(nested=jnp.full((d,), 4.0)), True),
+        (lambda: state.update(jit=False, c=jnp.full((d,), 5.0)), False),
+    ]
+    for change, traced in steps:
+        change()
+        got = call(fn)
+        count, traces[:] = len(traces), []
+        want = call(make(model if is_model else loss))
+        assert (count > 0) == traced, (change, count)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-6)
+        traces[:] = []

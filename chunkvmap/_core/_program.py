@@ -273,6 +273,61 @@ def _type_key(aval: Any) -> Hashable:
     return (aval.shape, aval.dtype, aval.weak_type)
 
 
+def exact_key(jaxpr: Any) -> tuple:
+    """What evaluating `jaxpr` computes, but for its own constants' values: the key
+    `Program.of` gives it (its text, the Python objects it holds) with its
+    differentiation rules held too (a rule's closure is compared, not left to a
+    later trace) and its nested jaxprs' constants compiled in (by identity, a NumPy
+    array by value). Two jaxprs of equal keys evaluate alike at the same
+    constants."""
+    key, _ = _Walk(rules=True).key(jaxpr, hoisting=False)
+    return key
+
+
+def keepable(key: Any) -> bool:
+    """Whether a key is worth keeping between calls: it holds no array, nor a
+    Python object that may hold one out of its sight (kept, it would keep that
+    array alive after the user let it go), nor a function JAX wraps anew at each
+    trace (a custom rule's: no later call's key would equal it)."""
+    if isinstance(key, Held):
+        return not _may_hold_arrays(key.value, 0)
+    if isinstance(key, tuple):
+        return all(keepable(x) for x in key)
+    return True
+
+
+def _may_hold_arrays(value: Any, depth: int) -> bool:
+    """Whether `value` (an object a key holds) is or may hold an array, or is made
+    anew at each trace."""
+    if depth > 8 or _is_array(value):
+        return True
+    if value is None or isinstance(value, (*_VALUES, float, complex, type)):
+        return False
+    if isinstance(value, (tuple, list)):
+        return any(_may_hold_arrays(x, depth + 1) for x in value)
+    if isinstance(value, dict):
+        return any(_may_hold_arrays(x, depth + 1) for x in value.values())
+    if isinstance(value, types.FunctionType):
+        cells = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
+        return _may_hold_arrays([*cells, *(value.__defaults__ or ())], depth + 1)
+    if isinstance(value, ft.partial):
+        parts = [value.func, value.args, value.keywords]
+        return _may_hold_arrays(parts, depth + 1)
+    if isinstance(value, types.BuiltinFunctionType | types.ModuleType):
+        return False
+    # JAX's own values (meshes, shardings, dimension numbers), but not the
+    # functions it wraps at each trace (`f`: a custom rule's)
+    return not _jax_value(value) or hasattr(value, "f")
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # (an empty cell)
+        return False
+    return True
+
+
 class _Walk:
     """One pass over a program: its key (`key(jaxpr)`: every equation's primitive,
     operands, output types, context and parameters, the Python objects a parameter
@@ -280,7 +335,8 @@ class _Walk:
     become arguments (`hoisted`, each nested ClosedJaxpr's from `slots[id(closed)]`
     on) and the equations evaluated here (`inlined`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rules: bool = False) -> None:
+        self.rules = rules  # (differentiation rules kept in the key, held)
         self.hoisted: list[Any] = []
         self.slots: dict[int, int] = {}
         self.inlined: set[int] = set()
@@ -330,7 +386,8 @@ class _Walk:
             holds |= inner
             return part
 
-        return tuple((k, value(v)) for k, v in params.items() if k not in _RULES), holds
+        kept = [(k, v) for k, v in params.items() if self.rules or k not in _RULES]
+        return tuple((k, value(v)) for k, v in kept), holds
 
     def closed(self, closed: Any, hoisting: bool) -> tuple[tuple, bool]:
         """A nested ClosedJaxpr's key: its constants hoisted where `hoisting` (the

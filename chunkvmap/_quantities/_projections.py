@@ -213,8 +213,11 @@ class _Scored(Quantity):
     """A quantity's per-example rows turned by `post` (one example's row to its
     scores against another batch), as they are made: the rows are never stacked."""
 
+    # (`post`, the call's scoring or whitening, reads the call's arrays: its
+    # trace, not a key, shows what it does)
+    reusable = False
+
     def made_with(self) -> tuple:
-        # (`post` is read by `keep` alone: the chunk's trace shows what it does)
         return (self.inner,)
 
     @property

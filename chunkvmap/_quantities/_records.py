@@ -48,6 +48,11 @@ class Quantity:
 
     traced: ghost.Traced
 
+    # Whether `evaluate` reads nothing but its arguments, its loss (`traced`) and
+    # what the quantity was `made_with`: its trace is then kept and reused
+    # (`Traced.evaluated`) by an eager call whose loss and quantity are the same.
+    reusable: bool = True
+
     def made_with(self) -> tuple:
         """What the quantity was made with besides its loss (`traced`): every value
         its methods read that the loss's plan does not determine."""
@@ -92,7 +97,7 @@ def over_chunks(
 
     def example(*inputs: Any, **kw: Any) -> Any:
         values = traced.arrays(list(inputs[:n]), kw)
-        return quantity.evaluate(traced, values, *inputs[n:])
+        return traced.evaluated(quantity, values, inputs[n:])
 
     # (known by its chunk's trace: computes from the chunks' outputs alone, by the
     # plan their structure holds)

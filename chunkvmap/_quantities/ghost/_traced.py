@@ -116,6 +116,8 @@ class Traced:
         ]
         self._quantities: dict[Hashable, Any] = {}
         self._key: Hashable | None = None
+        self._exact: tuple | None = None
+        self._evaluations = _program.LRU(8)
 
     def memo(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """`build()`, kept with this loss for `key`: what a quantity derives from
@@ -168,6 +170,7 @@ class Traced:
         plan: its jaxpr (the arrays it reads) and its function."""
         self.closed = other.closed
         self._one = other._one
+        self._exact = None
         here = jax.sharding.get_abstract_mesh()
         self._plans = {(here, tuple(self._leaf_types(self._avals))): (self.plan, None)}
 
@@ -178,6 +181,7 @@ class Traced:
         call `adopt`s its own."""
         self.closed = None  # pyright: ignore[reportAttributeAccessIssue]
         self._one = None  # pyright: ignore[reportAttributeAccessIssue]
+        self._exact = None
         if self._plan is not None:
             here = next(k for k, (v, _) in self._plans.items() if v is self._plan)
             self._plans = {here: (self._plan, None)}
@@ -234,8 +238,8 @@ class Traced:
         and the shardings it was traced with; inside a `shard_map` (some axes
         manual) the loss is traced again, on `values` there, with the same plan's
         rules (checked)."""
-        mesh = jax.sharding.get_abstract_mesh()
-        key = (mesh, tuple(self._leaf_types(values)))
+        key = self._here(values)
+        mesh = key[0]
         found = self._plans.get(key)
         if found is not None:
             plan, closed = found
@@ -263,6 +267,59 @@ class Traced:
         plan, closed = self.plan_here(values)
         record, outs = plan.backward(closed, values, per_example, taps)
         return record, self.out_tree.unflatten(outs)
+
+    def evaluated(self, quantity: Any, values: list, extra: Sequence[Any]) -> Any:
+        """`quantity.evaluate(self, values, *extra)`: traced once per quantity
+        (`program_key`: its loss's plan and what it was made with), exact loss
+        program (`_program.exact_key`: its rules and nested constants) and mesh,
+        and reused, the loss's constants its arguments (an eager call traces the
+        instrumented example again only where something it reads changed). A
+        quantity that is not `reusable`, or a mesh context with a plan of its own
+        (inside `shard_map`), is traced as it is called."""
+        plan = self._plans.get(self._here(values))
+        exact = self._exact_key()
+        if (
+            not quantity.reusable
+            or plan is None
+            or plan[1] is not None
+            or exact is None
+        ):
+            return quantity.evaluate(self, values, *extra)
+        mesh = jax.sharding.get_abstract_mesh()
+        key = (quantity.program_key(), exact, mesh)
+        run = self._evaluations.get_or_build(key, lambda: self._reusable(quantity))
+        return run(list(self.closed.consts), list(values), tuple(extra))
+
+    def _reusable(self, quantity: Any) -> Callable[..., Any]:
+        """`quantity.evaluate` as a jitted function of the loss's constants, the
+        example's array leaves and the extras (evaluated with this loss's jaxpr
+        at those constants; the loss's own function, whose closure holds the
+        call's arrays, is not called)."""
+
+        def evaluate(consts: list, values: list, extra: tuple) -> Any:
+            closed, one = self.closed, self._one
+            self.closed = closed.replace(consts=list(consts))
+            self._one = _not_called
+            try:
+                return quantity.evaluate(self, values, *extra)
+            finally:
+                self.closed, self._one = closed, one
+
+        return jax.jit(evaluate)
+
+    def _exact_key(self) -> Hashable | None:
+        """`_program.exact_key` of this call's loss (computed once per jaxpr);
+        None where it is not `_program.keepable` (it holds an array, a nested
+        jaxpr's constant or a rule's closure, or a custom rule's function, which
+        each trace makes anew)."""
+        if self._exact is None or self._exact[0] is not self.closed:
+            key = _program.exact_key(self.closed.jaxpr)
+            self._exact = (self.closed, key if _program.keepable(key) else None)
+        return self._exact[1]
+
+    def _here(self, values: Sequence[Any]) -> Hashable:
+        """The key of the current mesh context's plan (`plan_here`)."""
+        return (jax.sharding.get_abstract_mesh(), tuple(self._leaf_types(values)))
 
     def at_leaves(self, values: Sequence[Any], leaves: Sequence[Any]) -> list:
         """The array leaves `values` with the differentiated ones replaced by
@@ -309,6 +366,10 @@ class Traced:
                 )
             )
         return trees[0] if single else tuple(trees)
+
+
+def _not_called(values: list) -> Any:
+    raise AssertionError("a reused evaluation called the loss's own function")
 
 
 def traced_loss(
