@@ -1736,8 +1736,24 @@ MUTANTS = {
     "reused evaluation: the loss's constants compiled in": (
         (
             "chunkvmap/_quantities/ghost/_traced.py",
-            "            self.closed = closed.replace(consts=list(consts))\n",
-            "            self.closed = closed\n",
+            "        traced.closed = closed.replace(consts=list(consts))\n",
+            "        traced.closed = closed\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "reused evaluation: the quantity left out of its key": (
+        (
+            "chunkvmap/_quantities/ghost/_traced.py",
+            "        key = _program.weakly((made, exact, jax.sharding.get_abstract_mesh()))\n",
+            "        key = _program.weakly((type(quantity), exact, jax.sharding.get_abstract_mesh()))\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "reused evaluation: the call's loss kept by the cache": (
+        (
+            "chunkvmap/_quantities/ghost/_traced.py",
+            "            calling.pop()\n",
+            "            pass\n",
         ),
         ["test_cache", "test_closures"],
     ),

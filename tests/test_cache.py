@@ -740,8 +740,8 @@ def test_an_eager_ghost_call_traces_its_example_once(entry, always_ghost, monkey
     same loss program reuses that trace with its own arrays (a closed-over array
     changed among them). A loss with a custom rule (its function made anew at each
     trace) or closing over an array inside a nested `jit` is traced at every call;
-    a loss traced before is reused again. Every call gives what a new transform
-    gives."""
+    a loss traced before is reused again, also by a new transform (as one built
+    inline). Every call gives what a new transform gives."""
     from chunkvmap._quantities.ghost import _plan
 
     d, n = 6, 9
@@ -780,12 +780,73 @@ def test_an_eager_ghost_call_traces_its_example_once(entry, always_ghost, monkey
         (lambda: state.update(nested=jnp.full((d,), 4.0)), True),
         (lambda: state.update(jit=False, c=jnp.full((d,), 5.0)), False),
     ]
-    for change, traced in steps:
+    for i, (change, traced) in enumerate(steps):
         change()
         got = call(fn)
         count, traces[:] = len(traces), []
-        want = call(make(model if is_model else loss))
-        assert (count > 0) == traced, (change, count)
+        want = call(make(model if is_model else loss))  # (a new transform)
+        assert (count > 0) == traced, (i, count)
+        assert bool(traces) == (traced and i > 0), (i, len(traces))  # (reused too)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-6)
         traces[:] = []
+
+
+def test_reused_evaluations_are_told_apart_by_what_the_quantity_was_made_with(
+    always_ghost,
+):
+    """Two ghost transforms of one loss that differ only in what their quantity
+    reads besides the loss (the clip norm, the per-leaf norms) each give their own
+    result: an instrumented example traced for one is not reused by the other."""
+    import chunkvmap as cv
+
+    def loss(p, x, y):
+        return jnp.sum((jnp.tanh(x @ p["w"]) - y) ** 2)
+
+    rng = np.random.default_rng(6)
+    p = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(7, 5)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)
+    grads = jax.vmap(jax.grad(loss), (None, 0, 0))(p, x, y)["w"]
+    norms = jnp.sqrt(jnp.sum(grads**2, (1, 2)))
+    for clip in (1.0, 0.25, 1.0):
+        clipped = cv.clipped_grad_sum(loss, clip, batch_size=3, method="ghost")
+        got, _ = clipped(p, x, y)
+        scale = jnp.minimum(1.0, clip / norms)
+        want = jnp.einsum("n,nij->ij", scale, grads)
+        np.testing.assert_allclose(got["w"], want, rtol=2e-5, atol=1e-6)
+    for per_leaf in (False, True):
+        got = cv.per_example_grad_norms(
+            loss, per_leaf=per_leaf, batch_size=3, method="ghost"
+        )(p, x, y)
+        got = got["w"] if per_leaf else got
+        np.testing.assert_allclose(got, norms, rtol=2e-5)
+
+
+def test_a_reused_evaluation_keeps_nothing_of_its_call(always_ghost):
+    """The instrumented examples kept for reuse hold nothing of the call that
+    traced them or used them: after eager ghost calls, neither the loss function
+    nor the transform stays alive once the user lets go of them, and no kept
+    evaluation holds a call's loss."""
+    import chunkvmap as cv
+    from chunkvmap._quantities.ghost import _traced
+
+    def make():
+        scale = jnp.full((3,), 2.0)
+
+        def loss(p, x, y):
+            return jnp.sum((jnp.tanh(x @ p["w"]) * scale - y) ** 2)
+
+        return loss
+
+    p = {"w": jnp.ones((5, 3)) / 5}
+    x, y = jnp.ones((7, 5)), jnp.zeros((7, 3))
+    loss = make()
+    clipped = cv.clipped_grad_sum(loss, 1.0, batch_size=3, method="ghost")
+    for _ in range(2):
+        jax.block_until_ready(clipped(p, x, y))
+    refs = [weakref.ref(loss), weakref.ref(clipped)]
+    del loss, clipped
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True], "kept its call alive"
+    assert not any(calling for _, calling in _traced._EVALUATIONS.values())

@@ -34,10 +34,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import dis
+import enum
 import functools as ft
 import hashlib
 import struct
 import types
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -313,8 +315,15 @@ def _may_hold_arrays(value: Any, depth: int) -> bool:
     if isinstance(value, ft.partial):
         parts = [value.func, value.args, value.keywords]
         return _may_hold_arrays(parts, depth + 1)
-    if isinstance(value, types.BuiltinFunctionType | types.ModuleType):
+    if isinstance(value, types.BuiltinFunctionType | types.ModuleType | enum.Enum):
         return False
+    if _keyed(value):  # (a quantity: what it computes)
+        return _may_hold_arrays(value.program_key(), depth + 1)
+    if dataclasses.is_dataclass(value) and _module(value) == "chunkvmap":
+        fields = [getattr(value, f.name) for f in dataclasses.fields(value)]
+        return _may_hold_arrays(fields, depth + 1)
+    if isinstance(value, Held):
+        return _may_hold_arrays(value.value, depth + 1)
     # JAX's own values (meshes, shardings, dimension numbers), but not the
     # functions it wraps at each trace (`f`: a custom rule's)
     return not _jax_value(value) or hasattr(value, "f")
@@ -476,6 +485,41 @@ class Held:
 
     def __hash__(self) -> int:
         return self._hash
+
+
+class WeakHeld:
+    """`Held` of an object referenced weakly, for a key kept longer than the call
+    that made it: equal to another while both objects live and are
+    interchangeable."""
+
+    __slots__ = ("ref", "_hash")
+
+    def __init__(self, value: Any):
+        self.ref = weakref.ref(value)
+        code = getattr(_function(value), "__code__", None)
+        self._hash = hash((type(value), code))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WeakHeld):
+            return False
+        a, b = self.ref(), other.ref()
+        return a is not None and b is not None and interchangeable(a, b)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+def weakly(key: Any) -> Any:
+    """`key` with the objects it holds (`Held`) referenced weakly where they can
+    be (`WeakHeld`): kept, it keeps none of them alive."""
+    if isinstance(key, Held):
+        try:
+            return WeakHeld(key.value)
+        except TypeError:  # (not weakly referable: kept as it is)
+            return key
+    if type(key) is tuple:
+        return tuple(weakly(x) for x in key)
+    return key
 
 
 def _function(value: Any) -> Any:

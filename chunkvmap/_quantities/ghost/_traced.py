@@ -117,7 +117,6 @@ class Traced:
         self._quantities: dict[Hashable, Any] = {}
         self._key: Hashable | None = None
         self._exact: tuple | None = None
-        self._evaluations = _program.LRU(8)
 
     def memo(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """`build()`, kept with this loss for `key`: what a quantity derives from
@@ -272,40 +271,25 @@ class Traced:
         """`quantity.evaluate(self, values, *extra)`: traced once per quantity
         (`program_key`: its loss's plan and what it was made with), exact loss
         program (`_program.exact_key`: its rules and nested constants) and mesh,
-        and reused, the loss's constants its arguments (an eager call traces the
-        instrumented example again only where something it reads changed). A
-        quantity that is not `reusable`, or a mesh context with a plan of its own
-        (inside `shard_map`), is traced as it is called."""
+        and reused by every transform, the loss's constants its arguments (an
+        eager call traces the instrumented example again only where something it
+        reads changed). A quantity that is not `reusable`, a key that cannot be
+        kept (`_program.keepable`), or a mesh context with a plan of its own
+        (inside `shard_map`): traced as it is called."""
         plan = self._plans.get(self._here(values))
         exact = self._exact_key()
-        if (
-            not quantity.reusable
-            or plan is None
-            or plan[1] is not None
-            or exact is None
-        ):
+        if not quantity.reusable or plan is None or plan[1] is not None or not exact:
             return quantity.evaluate(self, values, *extra)
-        mesh = jax.sharding.get_abstract_mesh()
-        key = (quantity.program_key(), exact, mesh)
-        run = self._evaluations.get_or_build(key, lambda: self._reusable(quantity))
-        return run(list(self.closed.consts), list(values), tuple(extra))
-
-    def _reusable(self, quantity: Any) -> Callable[..., Any]:
-        """`quantity.evaluate` as a jitted function of the loss's constants, the
-        example's array leaves and the extras (evaluated with this loss's jaxpr
-        at those constants; the loss's own function, whose closure holds the
-        call's arrays, is not called)."""
-
-        def evaluate(consts: list, values: list, extra: tuple) -> Any:
-            closed, one = self.closed, self._one
-            self.closed = closed.replace(consts=list(consts))
-            self._one = _not_called
-            try:
-                return quantity.evaluate(self, values, *extra)
-            finally:
-                self.closed, self._one = closed, one
-
-        return jax.jit(evaluate)
+        made = quantity.program_key()
+        if not _program.keepable(made):
+            return quantity.evaluate(self, values, *extra)
+        key = _program.weakly((made, exact, jax.sharding.get_abstract_mesh()))
+        run, calling = _EVALUATIONS.get_or_build(key, _reusable)
+        calling.append((self, quantity))  # (read by a trace, let go after it)
+        try:
+            return run(list(self.closed.consts), list(values), tuple(extra))
+        finally:
+            calling.pop()
 
     def _exact_key(self) -> Hashable | None:
         """`_program.exact_key` of this call's loss (computed once per jaxpr);
@@ -366,6 +350,33 @@ class Traced:
                 )
             )
         return trees[0] if single else tuple(trees)
+
+
+# The reused evaluations (`Traced.evaluated`), by what they compute: each a jitted
+# function and the stack of the `(traced, quantity)` a call of it evaluates.
+_EVALUATIONS = _program.LRU(32)
+
+
+def _reusable() -> tuple[Callable[..., Any], list]:
+    """A quantity's `evaluate` as a jitted function of the loss's constants, the
+    example's array leaves and the extras, with the `(traced, quantity)` it
+    evaluates read at its trace from the list returned beside it (the caller's,
+    pushed for the call: the function keeps none). The loss is evaluated from its
+    jaxpr at those constants; its own function, whose closure holds the call's
+    arrays, is not called."""
+    calling: list = []
+
+    def evaluate(consts: list, values: list, extra: tuple) -> Any:
+        traced, quantity = calling[-1]
+        closed, one = traced.closed, traced._one
+        traced.closed = closed.replace(consts=list(consts))
+        traced._one = _not_called
+        try:
+            return quantity.evaluate(traced, values, *extra)
+        finally:
+            traced.closed, traced._one = closed, one
+
+    return jax.jit(evaluate), calling
 
 
 def _not_called(values: list) -> Any:
