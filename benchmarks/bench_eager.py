@@ -42,6 +42,10 @@ def _xent(p, x, y):
     return -jax.nn.log_softmax(mlp(p, x))[y]
 
 
+def _relu_xent(p, x, y):
+    return -jax.nn.log_softmax(mlp(p, x, jax.nn.relu))[y]
+
+
 def cases(quick: bool):
     """(name, chunkvmap's function, its reference, inputs, target ratio or None)."""
     n = 64 if quick else 256
@@ -108,6 +112,14 @@ def cases(quick: bool):
         f"{len(deep)}-layer MLP",
         clipped_grad_sum(_xent, 1.0, batch_size=64, method="ghost"),
         clipped_grad_sum(_xent, 1.0, batch_size=64, method="vmap"),
+        (deep, x, y),
+        1.5,
+    )
+    yield (
+        f'clipped_grad_sum, method="ghost" (reference: method="vmap"), '
+        f"{len(deep)}-layer ReLU MLP (a custom JVP rule per layer)",
+        clipped_grad_sum(_relu_xent, 1.0, batch_size=64, method="ghost"),
+        clipped_grad_sum(_relu_xent, 1.0, batch_size=64, method="vmap"),
         (deep, x, y),
         1.5,
     )

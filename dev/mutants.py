@@ -1720,8 +1720,8 @@ MUTANTS = {
     "reused evaluation: rules left out of its key": (
         (
             "chunkvmap/_core/_program.py",
-            "    key, _ = _Walk(rules=True).key(jaxpr, hoisting=False)\n",
-            "    key, _ = _Walk(rules=False).key(jaxpr, hoisting=False)\n",
+            "    walk = _Walk(rules=True)\n",
+            "    walk = _Walk(rules=False)\n",
         ),
         ["test_cache", "test_closures"],
     ),
@@ -1754,6 +1754,14 @@ MUTANTS = {
             "chunkvmap/_quantities/ghost/_traced.py",
             "            calling.pop()\n",
             "            pass\n",
+        ),
+        ["test_cache", "test_closures"],
+    ),
+    "reused evaluation: a custom JVP rule known by nothing": (
+        (
+            "chunkvmap/_core/_program.py",
+            "    return key if not walk.jvps else (key, _jvp_key(jaxpr))\n",
+            "    return key\n",
         ),
         ["test_cache", "test_closures"],
     ),

@@ -57,6 +57,9 @@ _RULES = frozenset(
     {"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "jvp", "fwd_jaxpr_thunk", "bwd", "fwd",
      "out_trees"}
 )  # fmt: skip
+# A custom JVP rule's function (made anew at each trace; `exact_key` keys the rule
+# by the loss's traced JVP instead).
+_JVP_RULES = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "jvp"})
 
 # Immutable values compared by value (floats by their bits: 0.0 is not -0.0).
 _VALUES = (int, bool, str, bytes, type(None), type(Ellipsis), np.dtype, types.CodeType)
@@ -282,8 +285,28 @@ def exact_key(jaxpr: Any) -> tuple:
     later trace) and its nested jaxprs' constants compiled in (by identity, a NumPy
     array by value). Two jaxprs of equal keys evaluate alike at the same
     constants."""
-    key, _ = _Walk(rules=True).key(jaxpr, hoisting=False)
-    return key
+    walk = _Walk(rules=True)
+    key, _ = walk.key(jaxpr, hoisting=False)
+    return key if not walk.jvps else (key, _jvp_key(jaxpr))
+
+
+def _jvp_key(jaxpr: Any) -> tuple:
+    """The exact key of `jaxpr`'s JVP (its custom JVP rules applied: what they
+    compute, rather than their functions), its own constants compiled in."""
+
+    def tangent(aval: Any) -> Any:
+        inexact = np.issubdtype(aval.dtype, np.inexact)
+        return aval if inexact else aval.update(dtype=jax.dtypes.float0)
+
+    ins = [v.aval for v in jaxpr.invars]
+    consts = [v.aval for v in jaxpr.constvars]
+
+    def jvp(cs: list, xs: list, ts: list) -> Any:
+        return jax.jvp(lambda *a: evaluate(jaxpr, cs, a), xs, ts)
+
+    closed = jax.make_jaxpr(jvp)(consts, ins, [tangent(a) for a in ins])
+    key, _ = _Walk(rules=True).key(closed.jaxpr, hoisting=False)
+    return key, tuple(map(_compiled_in, closed.consts))
 
 
 def keepable(key: Any) -> bool:
@@ -346,6 +369,7 @@ class _Walk:
 
     def __init__(self, rules: bool = False) -> None:
         self.rules = rules  # (differentiation rules kept in the key, held)
+        self.jvps = False  # (whether a custom JVP rule's function was left out)
         self.hoisted: list[Any] = []
         self.slots: dict[int, int] = {}
         self.inlined: set[int] = set()
@@ -395,7 +419,13 @@ class _Walk:
             holds |= inner
             return part
 
-        kept = [(k, v) for k, v in params.items() if self.rules or k not in _RULES]
+        if self.rules and not _JVP_RULES.isdisjoint(params):
+            self.jvps = True
+        kept = [
+            (k, v)
+            for k, v in params.items()
+            if k not in _JVP_RULES and (self.rules or k not in _RULES)
+        ]
         return tuple((k, value(v)) for k, v in kept), holds
 
     def closed(self, closed: Any, hoisting: bool) -> tuple[tuple, bool]:
