@@ -228,7 +228,7 @@ def test_eager_benchmark_runs(tmp_path):
     rows = [
         r for r in out.read_text().splitlines() if r.startswith("| ") and "ms" not in r
     ]
-    assert len(rows) == 9, rows  # (two of them built anew at every call)
+    assert len(rows) == 10, rows  # (two of them built anew at every call)
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[1:4])

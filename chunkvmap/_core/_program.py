@@ -295,7 +295,7 @@ def _jvp_key(jaxpr: Any) -> tuple:
     compute, rather than their functions), its own constants compiled in."""
 
     def tangent(aval: Any) -> Any:
-        inexact = np.issubdtype(aval.dtype, np.inexact)
+        inexact = jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
         return aval if inexact else aval.update(dtype=jax.dtypes.float0)
 
     ins = [v.aval for v in jaxpr.invars]
