@@ -1720,16 +1720,16 @@ MUTANTS = {
     "reused evaluation: rules left out of its key": (
         (
             "chunkvmap/_core/_program.py",
-            "    walk = _Walk(rules=True)\n",
-            "    walk = _Walk(rules=False)\n",
+            "    key, _ = _Walk(rules=True).key(jaxpr, hoisting=False)\n    return key\n",
+            "    key, _ = _Walk(rules=False).key(jaxpr, hoisting=False)\n    return key\n",
         ),
         ["test_cache", "test_closures"],
     ),
     "reused evaluation: a key holding arrays kept": (
         (
             "chunkvmap/_core/_program.py",
-            "        return not _may_hold_arrays(key.value, 0)\n",
-            "        return True\n",
+            "        if _may_hold_arrays(key.value, 0):\n            raise _NotKeepable\n",
+            "        if False:\n            raise _NotKeepable\n",
         ),
         ["test_cache", "test_closures"],
     ),
@@ -1744,8 +1744,8 @@ MUTANTS = {
     "reused evaluation: the quantity left out of its key": (
         (
             "chunkvmap/_quantities/ghost/_traced.py",
-            "        key = _program.weakly((made, exact, jax.sharding.get_abstract_mesh()))\n",
-            "        key = _program.weakly((type(quantity), exact, jax.sharding.get_abstract_mesh()))\n",
+            "        key = (made, exact, jax.sharding.get_abstract_mesh())\n",
+            "        key = (type(quantity), exact, jax.sharding.get_abstract_mesh())\n",
         ),
         ["test_cache", "test_closures"],
     ),
@@ -1760,8 +1760,8 @@ MUTANTS = {
     "reused evaluation: a custom JVP rule known by nothing": (
         (
             "chunkvmap/_core/_program.py",
-            "    return key if not walk.jvps else (key, _jvp_key(jaxpr))\n",
-            "    return key\n",
+            "                part += (_jvp_key(eqn),)\n",
+            "                pass\n",
         ),
         ["test_cache", "test_closures"],
     ),

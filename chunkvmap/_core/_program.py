@@ -282,48 +282,37 @@ def exact_key(jaxpr: Any) -> tuple:
     """What evaluating `jaxpr` computes, but for its own constants' values: the key
     `Program.of` gives it (its text, the Python objects it holds) with its
     differentiation rules held too (a rule's closure is compared, not left to a
-    later trace) and its nested jaxprs' constants compiled in (by identity, a NumPy
-    array by value). Two jaxprs of equal keys evaluate alike at the same
-    constants."""
-    walk = _Walk(rules=True)
-    key, _ = walk.key(jaxpr, hoisting=False)
-    return key if not walk.jvps else (key, _jvp_key(jaxpr))
+    later trace; a custom JVP rule, whose function each trace makes anew, by its
+    equation's traced JVP: what it computes) and its nested jaxprs' constants
+    compiled in (by identity, a NumPy array by value). Two jaxprs of equal keys
+    evaluate alike at the same constants."""
+    key, _ = _Walk(rules=True).key(jaxpr, hoisting=False)
+    return key
 
 
-def _jvp_key(jaxpr: Any) -> tuple:
-    """The exact key of `jaxpr`'s JVP (its custom JVP rules applied: what they
-    compute, rather than their functions), its own constants compiled in."""
+def _jvp_key(eqn: Any) -> tuple:
+    """The key of a custom JVP equation's JVP (its rule applied), its constants
+    compiled in; the rule's equation inside it left as it is (its first order
+    tells the rule)."""
 
     def tangent(aval: Any) -> Any:
         inexact = jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
         return aval if inexact else aval.update(dtype=jax.dtypes.float0)
 
-    ins = [v.aval for v in jaxpr.invars]
-    consts = [v.aval for v in jaxpr.constvars]
+    ins = [v.aval for v in eqn.invars]
 
-    def jvp(cs: list, xs: list, ts: list) -> Any:
-        return jax.jvp(lambda *a: evaluate(jaxpr, cs, a), xs, ts)
+    def jvp(xs: list, ts: list) -> Any:
+        return jax.jvp(lambda *a: bind(eqn, a), xs, ts)
 
-    closed = jax.make_jaxpr(jvp)(consts, ins, [tangent(a) for a in ins])
-    key, _ = _Walk(rules=True).key(closed.jaxpr, hoisting=False)
+    closed = jax.make_jaxpr(jvp)(ins, [tangent(a) for a in ins])
+    key, _ = _Walk(rules=True, jvps=False).key(closed.jaxpr, hoisting=False)
     return key, tuple(map(_compiled_in, closed.consts))
 
 
-def keepable(key: Any) -> bool:
-    """Whether a key is worth keeping between calls: it holds no array, nor a
-    Python object that may hold one out of its sight (kept, it would keep that
-    array alive after the user let it go), nor a function JAX wraps anew at each
-    trace (a custom rule's: no later call's key would equal it)."""
-    if isinstance(key, Held):
-        return not _may_hold_arrays(key.value, 0)
-    if isinstance(key, tuple):
-        return all(keepable(x) for x in key)
-    return True
-
-
 def _may_hold_arrays(value: Any, depth: int) -> bool:
-    """Whether `value` (an object a key holds) is or may hold an array, or is made
-    anew at each trace."""
+    """Whether `value` (an object a key holds) is or may hold an array (kept, the
+    key would keep that array alive after the user let it go), or is made anew at
+    each trace (no later key would equal it)."""
     if depth > 8 or _is_array(value):
         return True
     if value is None or isinstance(value, (*_VALUES, float, complex, type)):
@@ -367,9 +356,9 @@ class _Walk:
     become arguments (`hoisted`, each nested ClosedJaxpr's from `slots[id(closed)]`
     on) and the equations evaluated here (`inlined`)."""
 
-    def __init__(self, rules: bool = False) -> None:
+    def __init__(self, rules: bool = False, jvps: bool = True) -> None:
         self.rules = rules  # (differentiation rules kept in the key, held)
-        self.jvps = False  # (whether a custom JVP rule's function was left out)
+        self.jvps = rules and jvps  # (custom JVP rules by their equations' JVP)
         self.hoisted: list[Any] = []
         self.slots: dict[int, int] = {}
         self.inlined: set[int] = set()
@@ -397,7 +386,10 @@ class _Walk:
             holds |= inner
             ins = tuple(map(read, eqn.invars))
             outs = tuple(map(define, eqn.outvars))
-            parts.append((eqn.primitive, ins, outs, eqn.ctx, params))
+            part = (eqn.primitive, ins, outs, eqn.ctx, params)
+            if self.jvps and not _JVP_RULES.isdisjoint(eqn.params):
+                part += (_jvp_key(eqn),)
+            parts.append(part)
         parts.append(tuple(map(read, jaxpr.outvars)))
         return tuple(parts), holds
 
@@ -419,8 +411,6 @@ class _Walk:
             holds |= inner
             return part
 
-        if self.rules and not _JVP_RULES.isdisjoint(params):
-            self.jvps = True
         kept = [
             (k, v)
             for k, v in params.items()
@@ -540,15 +530,29 @@ class WeakHeld:
 
 
 def weakly(key: Any) -> Any:
-    """`key` with the objects it holds (`Held`) referenced weakly where they can
-    be (`WeakHeld`): kept, it keeps none of them alive."""
+    """`key` to be kept between calls: the objects it holds (`Held`) referenced
+    weakly where they can be (`WeakHeld`), so that it keeps none of them alive;
+    None where it holds an object that cannot be kept (`_may_hold_arrays`)."""
+    try:
+        return _weakly(key)
+    except _NotKeepable:
+        return None
+
+
+class _NotKeepable(Exception):
+    pass
+
+
+def _weakly(key: Any) -> Any:
     if isinstance(key, Held):
+        if _may_hold_arrays(key.value, 0):
+            raise _NotKeepable
         try:
             return WeakHeld(key.value)
         except TypeError:  # (not weakly referable: kept as it is)
             return key
     if type(key) is tuple:
-        return tuple(weakly(x) for x in key)
+        return tuple(_weakly(x) for x in key)
     return key
 
 

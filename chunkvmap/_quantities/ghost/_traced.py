@@ -274,16 +274,16 @@ class Traced:
         and reused by every transform, the loss's constants its arguments (an
         eager call traces the instrumented example again only where something it
         reads changed). A quantity that is not `reusable`, a key that cannot be
-        kept (`_program.keepable`), or a mesh context with a plan of its own
+        kept (`_program.weakly`), or a mesh context with a plan of its own
         (inside `shard_map`): traced as it is called."""
         plan = self._plans.get(self._here(values))
         exact = self._exact_key()
         if not quantity.reusable or plan is None or plan[1] is not None or not exact:
             return quantity.evaluate(self, values, *extra)
-        made = quantity.program_key()
-        if not _program.keepable(made):
+        made = _program.weakly(quantity.program_key())
+        if made is None:
             return quantity.evaluate(self, values, *extra)
-        key = _program.weakly((made, exact, jax.sharding.get_abstract_mesh()))
+        key = (made, exact, jax.sharding.get_abstract_mesh())
         run, calling = _EVALUATIONS.get_or_build(key, _reusable)
         calling.append((self, quantity))  # (read by a trace, let go after it)
         try:
@@ -293,12 +293,12 @@ class Traced:
 
     def _exact_key(self) -> Hashable | None:
         """`_program.exact_key` of this call's loss (computed once per jaxpr);
-        None where it is not `_program.keepable` (it holds an array, a nested
-        jaxpr's constant or a rule's closure, or a custom rule's function, which
-        each trace makes anew)."""
+        to be kept (`_program.weakly`), or None where it cannot be (it holds an
+        array, a nested jaxpr's constant or in a rule's closure, or a custom VJP
+        rule's function, which each trace makes anew)."""
         if self._exact is None or self._exact[0] is not self.closed:
             key = _program.exact_key(self.closed.jaxpr)
-            self._exact = (self.closed, key if _program.keepable(key) else None)
+            self._exact = (self.closed, _program.weakly(key))
         return self._exact[1]
 
     def _here(self, values: Sequence[Any]) -> Hashable:
