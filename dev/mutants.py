@@ -1117,8 +1117,8 @@ MUTANTS = {
     "eager cache: equations' parameters left out of the key": (
         (
             "chunkvmap/_core/_program.py",
-            "            parts.append((eqn.primitive, ins, outs, eqn.ctx, params))\n",
-            "            parts.append((eqn.primitive, ins, outs, eqn.ctx, ()))\n",
+            "            part = (eqn.primitive, ins, outs, eqn.ctx, params)\n",
+            "            part = (eqn.primitive, ins, outs, eqn.ctx, ())\n",
         ),
         ["test_cache", "test_closures"],
     ),
