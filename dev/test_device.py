@@ -17,6 +17,12 @@ group is finished over several calls:
     python3 dev/test_device.py --group 1/4 --progress $OUT/1.txt
     python3 dev/test_device.py --group 1/4 --progress done/1.txt --resume
 
+`--resume-from FILE` reads a kept earlier log (read only, e.g. one committed under
+`benchmarks/results/suite_tpu/`) as `--resume` reads the progress file, the new
+outcomes going to `--progress`:
+
+    python3 dev/test_device.py --group 1/4 --resume-from kept/1.txt --progress $OUT/1b.txt
+
 The suite's `conftest.py` sets what an accelerator needs (the highest matmul
 precision, meshes of the CPU devices on a one-chip machine, child processes on the
 CPU).
@@ -94,16 +100,17 @@ class Progress:
             item.session.shouldstop = f"the deadline of {self.deadline:.0f} s passed"
 
 
-def finished(log: pathlib.Path) -> set[str]:
-    """The test ids a progress log holds as passed or skipped (by their latest
-    outcome): a failed test runs again on `--resume`."""
-    if not log.exists():
-        return set()
+def finished(*logs: pathlib.Path) -> set[str]:
+    """The test ids progress logs hold as passed or skipped (by their latest
+    outcome, the logs read in order): a failed test runs again on `--resume`."""
     latest: dict[str, str] = {}
-    for line in log.read_text().splitlines():
-        if line:
-            outcome, nodeid = line.split(" ", 1)
-            latest[nodeid] = outcome
+    for log in logs:
+        if not log.exists():
+            continue
+        for line in log.read_text().splitlines():
+            if line:
+                outcome, nodeid = line.split(" ", 1)
+                latest[nodeid] = outcome
     return {t for t, outcome in latest.items() if outcome in ("passed", "skipped")}
 
 
@@ -125,6 +132,11 @@ def main(argv=None) -> int:
         "--resume", action="store_true",
         help="leave out the tests the --progress file holds as passed or skipped",
     )  # fmt: skip
+    parser.add_argument(
+        "--resume-from", type=pathlib.Path, action="append", default=[],
+        help="an earlier run's progress file (kept, read only): its passed or "
+        "skipped tests are left out too, unless a later log says they failed",
+    )  # fmt: skip
     args, rest = parser.parse_known_args(argv)
     if args.list:
         for i, files in enumerate(groups(args.list), 1):
@@ -134,7 +146,10 @@ def main(argv=None) -> int:
     files = [f"tests/{f}" for f in groups(k)[i - 1]]
     if any(os.path.exists(r.split("::")[0]) for r in rest):  # tests named instead
         files = []
-    done = finished(args.progress) if args.resume and args.progress else set()
+    logs = [*args.resume_from]
+    if args.resume and args.progress:
+        logs.append(args.progress)
+    done = finished(*logs)
     plugins: list = [Progress(args.progress, args.deadline)]
     if done:
         plugins.append(Deselect(done))

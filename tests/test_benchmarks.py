@@ -294,8 +294,9 @@ def test_runner_paths_benchmark_runs(tmp_path):
 
 
 def test_the_chip_suites_resume_runs_failures_again(tmp_path):
-    """`dev/test_device.py --resume` leaves out what passed or was skipped, by each
-    test's latest outcome: a failure (fixed since) runs again."""
+    """`dev/test_device.py --resume` (and `--resume-from` kept logs) leaves out what
+    passed or was skipped, by each test's latest outcome over the logs in order: a
+    failure (fixed since) runs again."""
     runner = _module(GPU.parents[1] / "dev" / "test_device.py")
     log = tmp_path / "progress.txt"
     log.write_text(
@@ -307,6 +308,11 @@ def test_the_chip_suites_resume_runs_failures_again(tmp_path):
         "tests/a.py::one", "tests/a.py::three", "tests/a.py::four"
     }  # fmt: skip
     assert runner.finished(tmp_path / "missing.txt") == set()
+    later = tmp_path / "later.txt"  # (a later log, read after a kept one)
+    later.write_text("failed tests/a.py::one\npassed tests/a.py::two\n")
+    assert runner.finished(log, later) == {
+        "tests/a.py::two", "tests/a.py::three", "tests/a.py::four"
+    }  # fmt: skip
 
 
 def test_lds_benchmark_runs_every_method():
