@@ -107,22 +107,16 @@ def cases(quick: bool):
         1.5,
     )
     deep = init_mlp(jax.random.key(2), [64] + [64] * (4 if quick else 30) + [10])
-    yield (
-        f'clipped_grad_sum, method="ghost" (reference: method="vmap"), '
-        f"{len(deep)}-layer MLP",
-        clipped_grad_sum(_xent, 1.0, batch_size=64, method="ghost"),
-        clipped_grad_sum(_xent, 1.0, batch_size=64, method="vmap"),
-        (deep, x, y),
-        1.5,
-    )
-    yield (
-        f'clipped_grad_sum, method="ghost" (reference: method="vmap"), '
-        f"{len(deep)}-layer ReLU MLP (a custom JVP rule per layer)",
-        clipped_grad_sum(_relu_xent, 1.0, batch_size=64, method="ghost"),
-        clipped_grad_sum(_relu_xent, 1.0, batch_size=64, method="vmap"),
-        (deep, x, y),
-        1.5,
-    )
+    for loss, kind in ((_xent, ""), (_relu_xent, " ReLU")):
+        yield (
+            f'clipped_grad_sum, method="ghost" (reference: method="vmap"), '
+            f"{len(deep)}-layer{kind} MLP"
+            + (" (a custom JVP rule per layer)" if kind else ""),
+            clipped_grad_sum(loss, 1.0, batch_size=64, method="ghost"),
+            clipped_grad_sum(loss, 1.0, batch_size=64, method="vmap"),
+            (deep, x, y),
+            1.5,
+        )
 
 
 def _ensemble(quick: bool):

@@ -277,10 +277,10 @@ class Traced:
         kept (`_program.weakly`), or a mesh context with a plan of its own
         (inside `shard_map`): traced as it is called."""
         plan = self._plans.get(self._here(values))
-        exact = self._exact_key()
-        if not quantity.reusable or plan is None or plan[1] is not None or not exact:
+        if not quantity.reusable or plan is None or plan[1] is not None:
             return quantity.evaluate(self, values, *extra)
-        made = _program.weakly(quantity.program_key())
+        exact = self._exact_key()  # (walked and its JVP rules traced: last)
+        made = None if exact is None else _program.weakly(quantity.program_key())
         if made is None:
             return quantity.evaluate(self, values, *extra)
         key = (made, exact, jax.sharding.get_abstract_mesh())
