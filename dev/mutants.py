@@ -1765,6 +1765,25 @@ MUTANTS = {
         ),
         ["test_cache", "test_closures"],
     ),
+    "MC labels: a typed key's generator dropped": (
+        (
+            "chunkvmap/_quantities/_curvature.py",
+            "            return [key, jnp.arange(n, dtype=jnp.uint32)]\n",
+            "            data = jax.random.key_data(key) if _typed(key) else key\n"
+            "            return [data, jnp.arange(n, dtype=jnp.uint32)]\n",
+        ),
+        ["test_curvature", "test_ekfac"],
+    ),
+    "store: each block's program makes the whitening": (
+        (
+            "chunkvmap/_quantities/_store.py",
+            '        extra["precondition"] = prepared_whitening(\n'
+            '            "build_store", params, precondition, dim=dim, seed=seed, '
+            "damping=damping\n        )\n",
+            '        extra = {"precondition": precondition, "damping": damping}\n',
+        ),
+        ["test_store"],
+    ),
 }
 
 

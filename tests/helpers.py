@@ -513,9 +513,10 @@ def output_cotangents(likelihood, fisher, f, label=None, key=None, samples=1):
 
 def example_cotangents(likelihood, fisher, outputs, labels=None, key=None, samples=1):
     """`output_cotangents` of every example's output (`outputs` stacked), with
-    example `i`'s key `jax.random.split(key, N)[i]`."""
+    example `i`'s key `jax.random.fold_in(key, i)` (as documented: with JAX's
+    default generator, `jax.random.split(key, N)[i]`)."""
     n = len(outputs)
-    keys = jax.random.split(key, n) if key is not None else [None] * n
+    keys = [None] * n if key is None else [jax.random.fold_in(key, i) for i in range(n)]
     labels = [None] * n if labels is None else labels
     return [
         output_cotangents(likelihood, fisher, f, y, k, samples)

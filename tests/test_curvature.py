@@ -303,6 +303,25 @@ def test_ggn_diagonal_fisher_types_and_per_example(likelihood, fisher, samples):
         tree_allclose(jax.jit(each)(params, x, **call), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+def test_mc_draws_keep_the_keys_generator(impl):
+    """A typed key of another generator than JAX's default (rbg, unsafe_rbg: the
+    fast ones on a TPU) draws each example's labels from `fold_in(key, i)` of that
+    generator: eagerly, jitted, over 8 devices with N uneven, both methods."""
+    params, x, _, model = _model(_tokens)
+    key = jax.random.key(11, impl=impl)
+    cots = _cotangents("categorical", "mc", model, params, x, None, key, 2)
+    rows, unravel = ggn_diagonal_dense(model, params, x, cots)
+    expected = jax.vmap(unravel)(jnp.asarray(rows, jnp.float32))
+    mesh = make_mesh((8,), ("d",))
+    opts = dict(likelihood="categorical", fisher="mc", samples=2, per_example=True)
+    for method, shard in (("vmap", False), ("ghost", False), ("ghost", True)):
+        each = ggn_diagonal(model, batch_size=1, method=method, shard=shard,
+                            mesh=mesh if shard else None, **opts)  # fmt: skip
+        for f in (each, jax.jit(each)):
+            tree_allclose(f(params, x, key=key), expected, rtol=1e-5, atol=1e-6)
+
+
 def _kron_leaf(got, name):
     return got["ws"] if name.startswith("ws") else got[name]
 

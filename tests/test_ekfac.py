@@ -79,11 +79,15 @@ def test_ekfac_matches_the_eigen_corrected_blocks_built_by_hand(name, method):
 
 @pytest.mark.parametrize(
     "shape",
-    [(1, 5, 7, 3, 200), (2, 13, 32, 300, 130), (1, 1, 1, 1, 1), (3, 9, 4, 129, 257)],
-)
+    [
+        (1, 5, 7, 3, 200), (2, 13, 32, 300, 130), (1, 1, 1, 1, 1), (3, 9, 4, 129, 257),
+        (1, 3, 1600, 384, 1152),
+    ],
+)  # fmt: skip
 def test_the_squares_kernel_is_the_sum_of_squared_products(shape):
     """`sum_e (a_e^T d_e)^2` by the Pallas kernel (interpreted off the TPU):
-    examples, rows and columns not whole tiles, one position, several layers."""
+    examples, rows and columns not whole tiles, one position, several layers,
+    tiles of 384 and positions too long for several examples a step."""
     from chunkvmap._quantities import _squares
 
     layers, examples, positions, rows, cols = shape

@@ -143,6 +143,35 @@ def test_a_preconditioned_store_scores_influence(tmp_path):
         store.query(loss, params, *queries)
 
 
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_a_preconditioned_build_whitens_its_blocks_without_eigendecompositions(
+    tmp_path, monkeypatch, kind
+):
+    """The whitening's eigendecompositions are made once per build, of the
+    factors as they are, not by each block's program: no eigendecomposition
+    is traced, whatever the number of blocks; the rows are the in-memory ones."""
+    from chunkvmap._quantities import _projections
+
+    params, model, loss, data, _ = _setup()
+    made = getattr(cv, f"{kind}_factors")(model, likelihood="categorical",
+                                          batch_size=8)(params, data[0])  # fmt: skip
+    calls = []
+    eigh = _projections.eigh
+
+    def counted(x):
+        calls.append(isinstance(x, jax.core.Tracer))
+        return eigh(x)
+
+    monkeypatch.setattr(_projections, "eigh", counted)
+    store = cv.build_store(tmp_path, loss, params, *data, dim=4, write_size=5,
+                           precondition=made, damping=0.3)  # fmt: skip
+    assert calls and not any(calls), calls
+    monkeypatch.setattr(_projections, "eigh", eigh)
+    project = cv.per_example_grad_projections(loss, dim=4)
+    rows = project(params, *data, precondition=made, damping=0.3)
+    np.testing.assert_allclose(store.rows, np.asarray(rows), rtol=1e-5, atol=1e-6)
+
+
 def test_sharded_ghost_build_and_an_equinox_model_holding_a_function(tmp_path):
     """The blocks projected over 8 devices by ghost rules (N = 37 uneven over
     them) give the rows made in memory; an Equinox MLP (holding its activation)

@@ -207,8 +207,8 @@ class Curvature(NamedTuple):
             # example i's key is jax.random.fold_in(key, i) (with JAX's default
             # generator, jax.random.split(key, n)[i]), made in its chunk from its
             # index: nothing of size n is held
-            data = jax.random.key_data(key) if _typed(key) else key
-            return [data, jnp.arange(n, dtype=jnp.uint32)]
+            # (a typed key as it is: its generator, rbg or threefry, goes with it)
+            return [key, jnp.arange(n, dtype=jnp.uint32)]
         return []
 
     def extra_axes(self) -> tuple:
@@ -224,8 +224,9 @@ class Curvature(NamedTuple):
         labels = extra[0] if self.fisher is Fisher.EMPIRICAL else None
         self.check_output(f, labels)
         key = None
-        if self.fisher is Fisher.MC:  # (raw key data and the example's index)
-            key = jax.random.fold_in(jax.random.wrap_key_data(extra[0]), extra[1])
+        if self.fisher is Fisher.MC:  # (the key and the example's index)
+            key = extra[0] if _typed(extra[0]) else jax.random.wrap_key_data(extra[0])
+            key = jax.random.fold_in(key, extra[1])
         vectors = backward_vectors(
             self.likelihood, self.fisher, f, labels, key, self.samples
         )

@@ -38,6 +38,7 @@ from .._transforms._grads import (
     FloatLeaves,
     differentiable_floats,
     filtered_value_and_grad,
+    floats_to_arrays,
     grad_transform,
 )
 from . import _clipping, ghost
@@ -436,15 +437,9 @@ def _preconditioner(
         if damping is not None:
             raise TypeError(f"{name} damping is for precondition=, which is missing.")
         return None
-    damping = 0.1 if damping is None else damping
-    if (
-        isinstance(damping, bool)
-        or not isinstance(damping, (int, float))
-        or damping < 0
-    ):
-        raise TypeError(
-            f"{name} damping must be a non-negative float, but got damping={damping!r}."
-        )
+    if isinstance(precondition, Whitening) and damping is None:  # (made once)
+        return precondition
+    damping = checked_damping(name, 0.1 if damping is None else damping)
     diff, in_axes = transform.resolve(args)
     args = differentiable_floats(args, diff, in_axes)
     return _whitening(
@@ -504,6 +499,32 @@ def _rows(
             known=known,
         )
     return rows, aux
+
+
+def checked_damping(name: str, damping: Any) -> float:
+    """`damping=` of a whitening: a non-negative Python number."""
+    if (
+        isinstance(damping, bool)
+        or not isinstance(damping, (int, float))
+        or damping < 0
+    ):
+        raise TypeError(
+            f"{name} damping must be a non-negative float, but got damping={damping!r}."
+        )
+    return damping
+
+
+def prepared_whitening(
+    name: str, params: Any, precondition: Any, *, dim: int, seed: int, damping: Any
+) -> Whitening:
+    """The whitening of `precondition=` factors for the projected gradients of
+    `params` (a loss's argument 0, differentiated), its eigendecompositions made
+    now, once: passed as `precondition=` (without `damping=`), a call whitens by
+    it as it would by the factors, without making them again."""
+    args = (floats_to_arrays(params),)
+    damping = checked_damping(name, damping)
+    return _whitening(name, args, (0,), True, precondition, dim, seed=seed,
+                      damping=damping)  # fmt: skip
 
 
 def _positions(
@@ -580,16 +601,68 @@ def _inverse_root(values: jax.Array, damping: float) -> jax.Array:
     return jax.lax.rsqrt(values + jnp.where(lam > 0, lam, 1.0))
 
 
-def _dense_whitening(h: jax.Array, damping: float) -> Callable[[Any], Any]:
+@jax.tree_util.register_pytree_node_class
+class Whitened:
+    """One leaf's whitening with its arrays computed (the eigendecompositions
+    made): `kind` "dense" (`u`, `scale`: `u (scale * u^T x)`), "kronecker" (`u_in`,
+    `u_out`, `scale`, per block) or "eigen" (`u`, `scale`, per block), `layout`
+    the projected leaf's `(kept sizes, (blocks, ins, outs) axes, grouped tail)`
+    for the last two. A pytree of its arrays: a program takes them as arguments."""
+
+    def __init__(self, kind: str, arrays: tuple, layout: tuple = ()):
+        self.kind, self.arrays, self.layout = kind, tuple(arrays), layout
+
+    def tree_flatten(self) -> tuple:
+        return self.arrays, (self.kind, self.layout)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple, arrays: Any) -> Whitened:
+        return cls(aux[0], arrays, aux[1])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.kind == "dense":
+            u, scale = self.arrays
+            return u @ ((u.T @ x) * scale)
+        to, back = _regrouped(*self.layout)
+        if self.kind == "kronecker":
+            ua, ug, scale = self.arrays
+            x = jnp.swapaxes(ua, -1, -2) @ to(x) @ ug
+            return back(ua @ (x * scale) @ jnp.swapaxes(ug, -1, -2))
+        vecs, scale = self.arrays
+        x = jnp.einsum("...ij,...i->...j", vecs, to(x)) * scale
+        return back(jnp.einsum("...ij,...j->...i", vecs, x))
+
+
+@jax.tree_util.register_pytree_node_class
+class Whitening:
+    """A projected row to its whitened row, every leaf's part by its `Whitened`
+    (`splits` the parts' ends): what `precondition=` factors become, computed
+    once (`build_store` makes it once for all its blocks)."""
+
+    def __init__(self, leaves: Sequence[Whitened], splits: tuple):
+        self.leaves, self.splits = list(leaves), tuple(splits)
+
+    def tree_flatten(self) -> tuple:
+        return self.leaves, self.splits
+
+    @classmethod
+    def tree_unflatten(cls, splits: tuple, leaves: Any) -> Whitening:
+        return cls(leaves, splits)
+
+    def __call__(self, row: jax.Array) -> jax.Array:
+        parts = jnp.split(row, list(self.splits))
+        return jnp.concatenate([f(x) for f, x in zip(self.leaves, parts)])
+
+
+def _dense_whitening(h: jax.Array, damping: float) -> Whitened:
     s, u = eigh((h + h.T) / 2)
-    scale = _inverse_root(s, damping)
-    return lambda x: u @ ((u.T @ x) * scale)
+    return Whitened("dense", (u, _inverse_root(s, damping)))
 
 
 def _kronecker_whitening(
     entry: Kronecker, shape: Sequence[int], mats: Sequence[Any], damping: float,
     where: str,
-) -> Callable[[Any], Any]:  # fmt: skip
+) -> Whitened:  # fmt: skip
     """A leaf's projected gradient to `(A' x G' + lambda)^(-1/2)` of it, with
     `A' = P_in^T inputs P_in` and `G' = P_out^T outputs P_out / count` per block,
     through their eigendecompositions."""
@@ -604,20 +677,19 @@ def _kronecker_whitening(
     (sa, ua), (sg, ug) = eigh(a), eigh(g / entry.count)
     values = jnp.maximum(sa, 0)[..., :, None] * jnp.maximum(sg, 0)[..., None, :]
     scale = _inverse_root(values.reshape(-1), damping).reshape(values.shape)
-    to, back = _regrouped(shape, mats, entry.axes, (a.shape[-1], g.shape[-1]))
-
-    def whiten(x: jax.Array) -> jax.Array:
-        x = jnp.swapaxes(ua, -1, -2) @ to(x) @ ug
-        return back(ua @ (x * scale) @ jnp.swapaxes(ug, -1, -2))
-
-    return whiten
+    layout = (_kept(shape, mats), entry.axes, (a.shape[-1], g.shape[-1]))
+    return Whitened("kronecker", (ua, ug, scale), layout)
 
 
-def _regrouped(shape, mats, axes, tail) -> tuple:
-    """A leaf's projected part (flat) to its `(blocks, inputs, outputs)` axes
-    grouped as `(*blocks, *tail)`, and back."""
+def _kept(shape: Sequence[int], mats: Sequence[Any]) -> tuple:
+    """A leaf's axes' sizes once projected."""
+    return tuple(min(d, m.shape[1]) if m is not None else d for d, m in zip(shape, mats))
+
+
+def _regrouped(kept: tuple, axes: tuple, tail: tuple) -> tuple:
+    """A leaf's projected part (flat; `kept` its axes' sizes) to its `(blocks,
+    inputs, outputs)` axes grouped as `(*blocks, *tail)`, and back."""
     blocks, ins, outs = axes
-    kept = [min(d, m.shape[1]) if m is not None else d for d, m in zip(shape, mats)]
     order = (*blocks, *ins, *outs)
     grouped = (*[kept[j] for j in blocks], *tail)
 
@@ -647,7 +719,7 @@ def _block_axes(entry: Any, mats: Sequence[Any], where: str) -> tuple:
 
 def _bias_whitening(
     weight: Any, shape: Sequence[int], mats: Sequence[Any], damping: float
-) -> Callable[[Any], Any]:
+) -> Whitened:
     """A bias joined to `weight`'s factors, its block projected (the weight-bias
     cross terms left out): for KFAC's, the weight's `outputs / count` times the
     last entry of `inputs`, which is `count` (the activations' entry 1, summed);
@@ -676,7 +748,7 @@ def _projected_rows(q: jax.Array, sizes: Sequence[int], mats: Sequence[Any]) -> 
 def _eigen_whitening(
     entry: EigenKronecker, shape: Sequence[int], mats: Sequence[Any], damping: float,
     where: str,
-) -> Callable[[Any], Any]:  # fmt: skip
+) -> Whitened:  # fmt: skip
     """A leaf's projected gradient to `(H + lambda)^(-1/2)` of it, `H = P^T F P`
     of its EK-FAC block `F = K diag(vec(eigenvalues)) K^T` (`K = Q_in x Q_out`;
     a joined bias's row left out), formed densely per block from `U = P_in^T
@@ -703,13 +775,8 @@ def _eigen_whitening(
     h = h.reshape(*h.shape[:-4], k_in * k_out, k_in * k_out)
     s, vecs = eigh((h + jnp.swapaxes(h, -1, -2)) / 2)
     scale = _inverse_root(s.reshape(-1), damping).reshape(s.shape)
-    to, back = _regrouped(shape, mats, entry.axes, (k_in * k_out,))
-
-    def whiten(x: jax.Array) -> jax.Array:
-        x = jnp.einsum("...ij,...i->...j", vecs, to(x)) * scale
-        return back(jnp.einsum("...ij,...j->...i", vecs, x))
-
-    return whiten
+    layout = (_kept(shape, mats), entry.axes, (k_in * k_out,))
+    return Whitened("eigen", (vecs, scale), layout)
 
 
 DENSE_LIMIT = 8192  # the projected size up to which a diagonal is whitened densely
@@ -718,7 +785,7 @@ DENSE_LIMIT = 8192  # the projected size up to which a diagonal is whitened dens
 def _diagonal_whitening(
     diagonal: Any, shape: Sequence[int], mats: Sequence[Any], damping: float,
     where: str,
-) -> Callable[[Any], Any]:  # fmt: skip
+) -> Whitened:  # fmt: skip
     """A leaf's diagonal curvature `D`, projected: `P^T diag(D) P` (dense)."""
     if jnp.shape(diagonal) != tuple(shape):
         raise ValueError(
@@ -747,7 +814,7 @@ def _diagonal_whitening(
 def _whitening(
     name: str, args: Sequence[Any], diff: Sequence[int], single: bool,
     precondition: Any, dim: int, *, seed: int, damping: float,
-) -> Callable[[Any], Any]:  # fmt: skip
+) -> Whitening:  # fmt: skip
     """One example's projected row to its whitened row: each leaf's part times
     `(P^T F P + lambda)^(-1/2)`, `F` the leaf's block of `precondition` (a
     `Kronecker`, a diagonal, or None for a bias joined to a weight's factors)."""
@@ -789,9 +856,4 @@ def _whitening(
         else:
             maps.append(_diagonal_whitening(entry, shape, mats[k], damping, where))
     splits = np.cumsum([projected_size(s, dim) for s in shapes])[:-1]
-
-    def whiten(row: jax.Array) -> jax.Array:
-        parts = jnp.split(row, splits)
-        return jnp.concatenate([f(x) for f, x in zip(maps, parts)])
-
-    return whiten
+    return Whitening(maps, tuple(int(i) for i in splits))

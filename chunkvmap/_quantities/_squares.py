@@ -24,8 +24,11 @@ from .._core import _memory
 
 
 IN_KERNEL = frozenset({"tpu"})
-TILE = 256  # (the output tile's rows and columns; a multiple of the lanes, 128)
-EXAMPLES = 8  # (examples per kernel step)
+TILES = (512, 384, 256, 128)  # (an output tile's rows or columns: the largest that
+# divides the size rounded up to the lanes, 128, so that no tile is mostly padding)
+EXAMPLES = 8  # (examples per kernel step, fewer where long positions would not fit)
+BLOCKS_BYTES = 12 * 2**20  # (the operands' blocks, double-buffered, in the core's
+# memory: within the 16 MiB a kernel may use by default)
 INTERPRET = False  # (the kernel interpreted: where the platform has no compiler)
 
 
@@ -90,15 +93,18 @@ def _kernel_sum(a: jax.Array, d: jax.Array, *, interpret: bool) -> jax.Array:
 
     layers, examples, positions, rows = a.shape
     cols = d.shape[-1]
-    ti, tj = min(TILE, _up(rows, 128)), min(TILE, _up(cols, 128))
-    te = min(EXAMPLES, examples)
+    ti, tj = _tile(rows), _tile(cols)
+    precision = _precision()
+    narrow = precision == lax.Precision.DEFAULT and not interpret  # (the TPU's
+    # default for float32 products, as XLA's: one pass of bfloat16 operands)
+    size = 2 if narrow else 4
+    fits = BLOCKS_BYTES // (2 * size * positions * (ti + tj))
+    te = max(1, min(EXAMPLES, examples, fits))
     big_i, big_j, big_e = _up(rows, ti), _up(cols, tj), _up(examples, te)
     a_t = jnp.swapaxes(a, -1, -2)  # (L, E, I, P): each example's a^T
     a_t = jnp.pad(a_t, ((0, 0), (0, big_e - examples), (0, big_i - rows), (0, 0)))
     d = jnp.pad(d, ((0, 0), (0, big_e - examples), (0, 0), (0, big_j - cols)))
-    precision = _precision()
-    if precision == lax.Precision.DEFAULT and not interpret:  # (the TPU's default
-        # for float32 products, as XLA's: one pass of bfloat16 operands)
+    if narrow:
         a_t, d = a_t.astype(jnp.bfloat16), d.astype(jnp.bfloat16)
     grid = (layers, big_i // ti, big_j // tj, big_e // te)
     kernel = functools.partial(_kernel, examples=te, precision=precision)
@@ -135,6 +141,13 @@ def _kernel(a_ref, d_ref, out_ref, *, examples: int, precision) -> None:
         )
         total = total + x * x
     out_ref[...] = total
+
+
+def _tile(n: int) -> int:
+    """An output tile's side for `n` rows (or columns): the largest of `TILES`
+    that divides `n` rounded up to 128."""
+    whole = _up(n, 128)
+    return next(t for t in TILES if whole % t == 0)
 
 
 def _up(n: int, multiple: int) -> int:

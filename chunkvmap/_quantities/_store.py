@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import _axes, _memory, _program, _progress
-from ._projections import per_example_grad_projections
+from ._projections import per_example_grad_projections, prepared_whitening
 
 
 FORMAT = 1
@@ -345,7 +345,11 @@ def build_store(
     projections = per_example_grad_projections(
         loss, dim=dim, seed=seed, method=method, **options
     )
-    extra = _precondition_kwargs(precondition, config)
+    extra = {}  # (the whitening made once, not by every block's program)
+    if precondition is not None:
+        extra["precondition"] = prepared_whitening(
+            "build_store", params, precondition, dim=dim, seed=seed, damping=damping
+        )
     project = _one_program(projections, params, extra)
     done = _resumed(path, config)
     if done is None:  # a new store: its width from the first block's rows' type
