@@ -683,7 +683,9 @@ def _kronecker_whitening(
 
 def _kept(shape: Sequence[int], mats: Sequence[Any]) -> tuple:
     """A leaf's axes' sizes once projected."""
-    return tuple(min(d, m.shape[1]) if m is not None else d for d, m in zip(shape, mats))
+    return tuple(
+        min(d, m.shape[1]) if m is not None else d for d, m in zip(shape, mats)
+    )
 
 
 def _regrouped(kept: tuple, axes: tuple, tail: tuple) -> tuple:
