@@ -175,8 +175,8 @@ class Curvature(NamedTuple):
 
     def extra(self, name: str, n: int, labels: Any, key: Any) -> list:
         """The per-example inputs a call adds after `fun`'s: the labels
-        (`"empirical"`) and a key per example (`"mc"`: `jax.random.split(key, n)`,
-        as raw key data)."""
+        (`"empirical"`), or (`"mc"`) the key and the examples' indices, from which
+        example `i`'s key `fold_in(key, i)` is made in its chunk."""
         if self.fisher is Fisher.EMPIRICAL:
             if labels is None:
                 raise TypeError(
