@@ -1784,6 +1784,15 @@ MUTANTS = {
         ),
         ["test_store"],
     ),
+    "benchmarks: a timed call right after another function's": (
+        (
+            "benchmarks/_common.py",
+            "        for t, f in zip(times, jitted):\n"
+            "            jax.block_until_ready(f(*args))\n",
+            "        for t, f in zip(times, jitted):\n",
+        ),
+        ["test_benchmarks"],
+    ),
 }
 
 

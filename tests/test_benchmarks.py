@@ -290,7 +290,23 @@ def test_runner_paths_benchmark_runs(tmp_path):
     assert [r.split("|")[2].strip() for r in rows] == ["clipped sum", "statistics"]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert all(float(c) > 0 for c in cells[2:])
+        assert all(float(c) > 0 for c in cells[2:-1])
+    # the clipped sum's forced program is method="vmap"'s: the same flops and bytes
+    assert [r.strip("|").split("|")[-1].strip() for r in rows][0] == "yes"
+
+
+def test_interleaved_times_each_call_after_one_of_its_own():
+    """`interleaved` makes an untimed call of a function before each timed one:
+    a timed call never follows another function's call."""
+    sys.path.insert(0, str(GPU.parent))
+    import _common
+
+    calls = []
+    fns = [lambda x, k=k: calls.append(k) or x for k in range(3)]
+    _common.interleaved(fns, (1,), 3, 0, jit=False)
+    # every timed call (the second of each pair) repeats the call before it
+    assert len(calls) == 3 * 3 * 2
+    assert all(calls[i] == calls[i - 1] for i in range(1, len(calls), 2))
 
 
 def test_the_chip_suites_resume_runs_failures_again(tmp_path):
