@@ -120,7 +120,8 @@ def main(argv=None) -> None:
         machine(),
         "",
         "| model | quantity | forced per-example ms | method='vmap' ms "
-        "| jax.vmap ms | forced / vmap | forced / jax.vmap | the same flops and bytes |",
+        "| jax.vmap ms | forced / vmap | forced / jax.vmap "
+        "| the same flops and bytes |",
         "|---|---|---|---|---|---|---|---|",
     )
     for model, (params, loss, batch) in cases(args.quick, n).items():
