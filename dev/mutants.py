@@ -1777,10 +1777,10 @@ MUTANTS = {
     "store: each block's program makes the whitening": (
         (
             "chunkvmap/_quantities/_store.py",
-            '        extra["precondition"] = prepared_whitening(\n'
+            '    return {\n        "precondition": prepared_whitening(\n'
             '            "build_store", params, precondition, dim=dim, seed=seed, '
-            "damping=damping\n        )\n",
-            '        extra = {"precondition": precondition, "damping": damping}\n',
+            "damping=damping\n        )\n    }\n",
+            '    return {"precondition": precondition, "damping": damping}\n',
         ),
         ["test_store"],
     ),

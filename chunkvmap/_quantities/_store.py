@@ -345,11 +345,7 @@ def build_store(
     projections = per_example_grad_projections(
         loss, dim=dim, seed=seed, method=method, **options
     )
-    extra = {}  # (the whitening made once, not by every block's program)
-    if precondition is not None:
-        extra["precondition"] = prepared_whitening(
-            "build_store", params, precondition, dim=dim, seed=seed, damping=damping
-        )
+    extra = _whitened(params, precondition, dim, seed, damping)
     project = _one_program(projections, params, extra)
     done = _resumed(path, config)
     if done is None:  # a new store: its width from the first block's rows' type
@@ -370,6 +366,18 @@ def build_store(
             report(done // write_size + b, blocks)
     del rows
     return load_store(path)
+
+
+def _whitened(params: Any, precondition: Any, dim: int, seed: int, damping) -> dict:
+    """The blocks' `precondition=`: the whitening made once for the build, not by
+    every block's program (its eigendecompositions)."""
+    if precondition is None:
+        return {}
+    return {
+        "precondition": prepared_whitening(
+            "build_store", params, precondition, dim=dim, seed=seed, damping=damping
+        )
+    }
 
 
 def _one_program(project: Callable[..., Any], params: Any, extra: dict) -> Any:
