@@ -307,7 +307,10 @@ def test_ggn_diagonal_fisher_types_and_per_example(likelihood, fisher, samples):
 def test_mc_draws_keep_the_keys_generator(impl):
     """A typed key of another generator than JAX's default (rbg, unsafe_rbg: the
     fast ones on a TPU) draws each example's labels from `fold_in(key, i)` of that
-    generator: eagerly, jitted, over 8 devices with N uneven, both methods."""
+    generator: eagerly, jitted, over 8 devices with N uneven, both methods. (In
+    chunks of one example: these generators' draws under `jax.vmap` depend on the
+    batch in JAX itself, so only a chunk of one draws what the oracle's example
+    alone draws.)"""
     params, x, _, model = _model(_tokens)
     key = jax.random.key(11, impl=impl)
     cots = _cotangents("categorical", "mc", model, params, x, None, key, 2)

@@ -314,7 +314,10 @@ def ggn_diagonal(
     is `jax.random.split(key, N)[i]`; it draws
     `jax.random.categorical(k_i, logits, shape=(samples, *logits.shape[:-1]))`,
     or `jax.random.normal(k_i, (samples, *f.shape))` noise for "gaussian")
-    with `fisher="mc"`.
+    with `fisher="mc"`. (Keys of the `rbg` and `unsafe_rbg` generators draw
+    differently under `jax.vmap` than alone, in JAX itself: with them, labels are
+    these draws in chunks of one example, and other draws of the same
+    distribution in larger chunks.)
 
     Args:
       fun: the model's output of one example, `fun(params, *example)` (a real
