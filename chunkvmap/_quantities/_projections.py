@@ -439,7 +439,7 @@ def _preconditioner(
         return None
     if isinstance(precondition, Whitening) and damping is None:  # (made once)
         return precondition
-    damping = checked_damping(name, 0.1 if damping is None else damping)
+    damping = _checked_damping(name, 0.1 if damping is None else damping)
     diff, in_axes = transform.resolve(args)
     args = differentiable_floats(args, diff, in_axes)
     return _whitening(
@@ -501,7 +501,7 @@ def _rows(
     return rows, aux
 
 
-def checked_damping(name: str, damping: Any) -> float:
+def _checked_damping(name: str, damping: Any) -> float:
     """`damping=` of a whitening: a non-negative Python number."""
     if (
         isinstance(damping, bool)
@@ -522,7 +522,7 @@ def prepared_whitening(
     now, once: passed as `precondition=` (without `damping=`), a call whitens by
     it as it would by the factors, without making them again."""
     args = (floats_to_arrays(params),)
-    damping = checked_damping(name, damping)
+    damping = _checked_damping(name, damping)
     return _whitening(name, args, (0,), True, precondition, dim, seed=seed,
                       damping=damping)  # fmt: skip
 
