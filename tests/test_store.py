@@ -103,6 +103,32 @@ def test_an_interrupted_build_resumes_after_its_last_block(tmp_path, monkeypatch
     assert seen == []
 
 
+def test_the_next_block_runs_while_one_is_written(tmp_path, monkeypatch):
+    """Each block's rows are written after the next block's projection is
+    dispatched (the device is not idle during the writes), and the rows are those
+    made in memory."""
+    params, _, loss, data, _ = _setup()
+    events = []
+    made, written = _store._one_program, _store.write_block
+
+    def logged(*args):
+        call = made(*args)
+        return lambda block: events.append(("run", len(block[0]))) or call(block)
+
+    monkeypatch.setattr(_store, "_one_program", logged)
+    monkeypatch.setattr(
+        _store, "write_block",
+        lambda r, s, b: events.append(("write", s)) or written(r, s, b),
+    )  # fmt: skip
+    store = cv.build_store(tmp_path, loss, params, *data, dim=4, write_size=16)
+    assert events == [
+        ("run", 16), ("run", 16), ("write", 0), ("run", 5), ("write", 16),
+        ("write", 32),
+    ]  # fmt: skip
+    rows = cv.per_example_grad_projections(loss, dim=4)(params, *data)
+    np.testing.assert_allclose(store.rows, np.asarray(rows), rtol=1e-6, atol=1e-7)
+
+
 def test_memory_holds_one_block(tmp_path, monkeypatch):
     """The build projects at most `write_size` examples at a time and the query
     moves at most `read_size` rows to the device at a time, whatever N."""

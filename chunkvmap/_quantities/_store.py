@@ -286,7 +286,8 @@ def build_store(
     `shard`, `mesh`...), one program for the call's blocks (traced once per call, the
     loss's closure read then; compiled once per traced program, so that a build
     at new parameters compiles nothing), and each block's rows are
-    written and flushed before the block is recorded as done. Called again on a
+    written and flushed before the block is recorded as done, while the next
+    block's projection runs. Called again on a
     folder that holds an unfinished store of the same configuration, it resumes
     after the last block recorded; on a finished one, it returns it. A folder
     holding a store of another configuration (other parameters, data shapes,
@@ -357,15 +358,27 @@ def build_store(
         rows = np.load(path / "rows.npy", mmap_mode="r+")
     report = _progress.reporter(progress)
     blocks = -(-n // write_size)
-    for b, start in enumerate(range(done, n, write_size)):
-        stop = min(start + write_size, n)
-        block = jax.tree.map(lambda x: x[start:stop], data)
-        write_block(rows, start, project(block))
-        _write_json(path / "state.json", {"done": stop})
+    starts = range(done, n, write_size)
+    for b, (start, out) in enumerate(_dispatched(project, data, starts, write_size)):
+        write_block(rows, start, out)
+        _write_json(path / "state.json", {"done": min(start + write_size, n)})
         if report is not None:
             report(done // write_size + b, blocks)
     del rows
     return load_store(path)
+
+
+def _dispatched(project: Callable[..., Any], data: Any, starts: range, size: int):
+    """Each block's `(start, rows)`, the next block's projection dispatched before
+    one is given: the device runs it while the rows given are written."""
+    held = None
+    for start in starts:
+        running = (start, project(jax.tree.map(lambda x: x[start : start + size], data)))
+        if held is not None:
+            yield held
+        held = running
+    if held is not None:
+        yield held
 
 
 def _whitened(params: Any, precondition: Any, dim: int, seed: int, damping) -> dict:
