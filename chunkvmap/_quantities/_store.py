@@ -373,7 +373,8 @@ def _dispatched(project: Callable[..., Any], data: Any, starts: range, size: int
     one is given: the device runs it while the rows given are written."""
     held = None
     for start in starts:
-        running = (start, project(jax.tree.map(lambda x: x[start : start + size], data)))
+        block = jax.tree.map(lambda x: x[start : start + size], data)
+        running = (start, project(block))
         if held is not None:
             yield held
         held = running
