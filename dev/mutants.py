@@ -1784,6 +1784,42 @@ MUTANTS = {
         ),
         ["test_store"],
     ),
+    "MC labels: a draw at the total not held to a class of mass": (
+        (
+            "chunkvmap/_quantities/_curvature.py",
+            "    return jnp.minimum(first, last)\n",
+            "    return jnp.minimum(first, size - 1)\n",
+        ),
+        ["test_curvature"],
+    ),
+    "MC labels: the block holding the draw counted by <": (
+        (
+            "chunkvmap/_quantities/_curvature.py",
+            "    first = jnp.sum(ends <= v[..., None], -1)\n",
+            "    first = jnp.sum(ends < v[..., None], -1)\n",
+        ),
+        ["test_curvature"],
+    ),
+    "MC labels: drawn by jax.random.categorical again": (
+        (
+            "chunkvmap/_quantities/_curvature.py",
+            "        drawn = jax.nn.one_hot(drawn_classes(key, p, samples), classes, "
+            "dtype=f.dtype)\n",
+            "        drawn = jax.random.categorical(key, f, shape=(samples, "
+            "*f.shape[:-1]))\n        drawn = jax.nn.one_hot(drawn, classes, "
+            "dtype=f.dtype)\n",
+        ),
+        ["test_curvature", "test_ekfac"],
+    ),
+    "store: each block written before the next is dispatched": (
+        (
+            "chunkvmap/_quantities/_store.py",
+            "        running = (start, project(block))\n        if held is not None:\n"
+            "            yield held\n        held = running\n",
+            "        yield (start, project(block))\n",
+        ),
+        ["test_store"],
+    ),
     "benchmarks: a timed call right after another function's": (
         (
             "benchmarks/_common.py",

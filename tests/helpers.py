@@ -488,7 +488,7 @@ def output_cotangents(likelihood, fisher, f, label=None, key=None, samples=1):
     without the library: `"exact"`, the columns of a square root of the loss's
     Hessian in `f` (`jax.hessian`, eigendecomposed); `"empirical"`, `jax.grad` of
     the loss at `label`; `"mc"`, `jax.grad` at labels drawn as documented
-    (`jax.random.categorical(key, f, shape=(samples, ...))`, or `f` plus
+    (`drawn_by_hand`, or `f` plus
     `jax.random.normal(key, (samples, *f.shape))`), over `sqrt(samples)`."""
     f = np.asarray(f, np.float64)
     if fisher == "exact":
@@ -504,11 +504,27 @@ def output_cotangents(likelihood, fisher, f, label=None, key=None, samples=1):
     if fisher == "empirical":
         return np.asarray(grad(fj, label), np.float64)[None]
     if likelihood == "categorical":
-        drawn = jax.random.categorical(key, fj, axis=-1, shape=(samples, *f.shape[:-1]))
+        drawn = drawn_by_hand(key, f, samples)
     else:
         drawn = fj[None] + jax.random.normal(key, (samples, *f.shape))
     cots = [np.asarray(grad(fj, y), np.float64) for y in drawn]
     return np.stack(cots) / np.sqrt(samples)
+
+
+def drawn_by_hand(key, f, samples):
+    """The classes drawn as documented from logits `f` (last axis), by NumPy in
+    float64: `u = jax.random.uniform(key, (samples, *positions))`, each the first
+    class whose cumulative probability exceeds `u` times the total."""
+    u = np.asarray(jax.random.uniform(key, (samples, *f.shape[:-1])), np.float64)
+    z = np.exp(f - f.max(-1, keepdims=True))
+    cdf = np.cumsum(z / z.sum(-1, keepdims=True), -1)
+    cdf, v = cdf.reshape(-1, f.shape[-1]), u.reshape(samples, -1)
+    drawn = [
+        [np.searchsorted(c, t * c[-1], side="right") for c, t in zip(cdf, row)]
+        for row in v
+    ]
+    drawn = np.minimum(np.array(drawn), f.shape[-1] - 1)
+    return drawn.reshape(u.shape).astype(np.int32)
 
 
 def example_cotangents(likelihood, fisher, outputs, labels=None, key=None, samples=1):

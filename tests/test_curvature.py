@@ -12,7 +12,9 @@ import pytest
 from jax import lax
 
 from chunkvmap import Kronecker, ggn_diagonal, kfac_factors
+from chunkvmap._quantities import _curvature
 from tests.helpers import (
+    drawn_by_hand,
     example_cotangents,
     ggn_diagonal_dense,
     kfac_by_hand,
@@ -724,6 +726,36 @@ def test_monte_carlo_keys_cost_an_index_per_example():
         f = ggn_diagonal(model, likelihood="categorical", fisher="mc", batch_size=256)
         temps.append(temp_bytes(lambda p, x: f(p, x, key=jax.random.key(0)), p, x))
     assert temps[1] - temps[0] <= 5 * (65536 - 4096), temps
+
+
+@pytest.mark.parametrize("classes", [9, 128, 300, 4096])
+def test_mc_labels_are_the_inverse_cdf_draws(classes):
+    """`fisher="mc"` draws its categorical labels as documented (one uniform per
+    position and sample, under the inverse cumulative distribution, in blocks of
+    classes past 128): equal to NumPy's float64 draws of the same uniforms, at
+    the frequencies of the probabilities; classes of probability zero (leading,
+    inside and trailing) never drawn."""
+    logits = 3 * jax.random.normal(jax.random.key(0), (2, 3, classes))
+    logits = logits.at[..., :2].set(-jnp.inf).at[..., -3:].set(-jnp.inf)
+    logits = logits.at[..., classes // 2].set(-jnp.inf)
+    p = jax.nn.softmax(logits, -1)
+    key = jax.random.key(1)
+    got = np.asarray(jax.jit(_curvature.drawn_classes, static_argnums=2)(key, p, 7))
+    np.testing.assert_array_equal(got, drawn_by_hand(key, np.asarray(logits), 7))
+    many = _curvature.drawn_classes(key, p[0, 0], 40_000)
+    counts = np.bincount(np.asarray(many), minlength=classes) / 40_000
+    p0 = np.asarray(p[0, 0], np.float64)
+    assert counts[p0 == 0].sum() == 0
+    np.testing.assert_allclose(counts, p0, atol=5 * np.sqrt(p0.max() / 40_000))
+
+
+def test_mc_labels_never_draw_zero_mass_at_the_ends():
+    """Where rounding puts the scaled uniform at (or past) the total, or at zero
+    before leading classes of no mass, the draw is held to a class of mass."""
+    mass = jnp.array([[0.0, 0.0, 0.5, 0.5, 0.0]])
+    ends = jnp.cumsum(mass, -1)
+    for v, want in ((0.0, 2), (0.49, 2), (0.5, 3), (1.0, 3), (1.5, 3)):
+        assert int(_curvature._first_above(ends, mass, jnp.array([v]))[0]) == want
 
 
 def _bias_cases():

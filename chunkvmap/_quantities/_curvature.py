@@ -93,8 +93,7 @@ def backward_vectors(
     if fisher is Fisher.EMPIRICAL:
         return (p - jax.nn.one_hot(labels, classes, dtype=f.dtype))[None]
     if fisher is Fisher.MC:
-        drawn = jax.random.categorical(key, f, axis=-1, shape=(samples, *f.shape[:-1]))
-        drawn = jax.nn.one_hot(drawn, classes, dtype=f.dtype)
+        drawn = jax.nn.one_hot(drawn_classes(key, p, samples), classes, dtype=f.dtype)
         return (p[None] - drawn) / math.sqrt(samples)
     # S[..., j, c] = sqrt(p_c) (delta_jc - p_j): S S^T = diag(p) - p p^T per
     # position; one cotangent per (position, class), zero at the other positions
@@ -105,6 +104,47 @@ def backward_vectors(
     one = jnp.eye(positions, dtype=f.dtype)
     vectors = jnp.einsum("pq,qjc->pcqj", one, root)
     return vectors.reshape(positions * classes, *f.shape)
+
+
+# Classes per block of `drawn_classes` (a single block up to twice this many).
+_BLOCK = 64
+
+
+def drawn_classes(key: Any, p: jax.Array, samples: int) -> jax.Array:
+    """`samples` classes drawn from each position's probabilities `p` (last axis),
+    `(samples, *p.shape[:-1])`, by the inverse of the cumulative distribution: with
+    `u = jax.random.uniform(key, (samples, *p.shape[:-1]))`, the first class whose
+    cumulative probability exceeds `u` times the total. The cumulative sums are
+    taken over blocks of classes, then within the block that holds the draw (one
+    uniform and a few passes over `p` per position, where `jax.random.categorical`
+    draws and takes two logarithms per class). A class of probability zero is
+    never drawn."""
+    u = jax.random.uniform(key, (samples, *p.shape[:-1]), p.dtype)
+    classes = p.shape[-1]
+    width = classes if classes <= 2 * _BLOCK else _BLOCK
+    blocks = -(-classes // width)
+    pad = [(0, 0)] * (p.ndim - 1) + [(0, blocks * width - classes)]
+    q = jnp.pad(p, pad).reshape(*p.shape[:-1], blocks, width)
+    q = jnp.broadcast_to(q, (samples, *q.shape))  # (samples, ..., blocks, width)
+    mass = q.sum(-1)
+    ends = jnp.cumsum(mass, -1)
+    v = u * ends[..., -1]
+    j = _first_above(ends, mass, v)
+    pick = jax.nn.one_hot(j, blocks, dtype=p.dtype)  # (samples, ..., blocks)
+    below = jnp.sum(pick * (ends - mass), -1)
+    row = jnp.sum(pick[..., None] * q, -2)
+    i = _first_above(jnp.cumsum(row, -1), row, v - below)
+    return j * width + i
+
+
+def _first_above(ends: jax.Array, mass: jax.Array, v: jax.Array) -> jax.Array:
+    """The first index whose cumulative `ends` (of `mass`, last axis) exceeds `v`
+    (`ends`' other axes), held to the last index of positive
+    mass where rounding puts `v` at or past the total."""
+    first = jnp.sum(ends <= v[..., None], -1)
+    size = mass.shape[-1]
+    last = size - 1 - jnp.argmax(jnp.flip(mass > 0, -1), -1)
+    return jnp.minimum(first, last)
 
 
 class Curvature(NamedTuple):
@@ -311,8 +351,9 @@ def ggn_diagonal(
     labels, stacked along axis 0: integer classes for "categorical", targets for
     "gaussian") with `fisher="empirical"`, or `key=` (a PRNG key; example `i`'s
     key is `k_i = jax.random.fold_in(key, i)`, which with JAX's default generator
-    is `jax.random.split(key, N)[i]`; it draws
-    `jax.random.categorical(k_i, logits, shape=(samples, *logits.shape[:-1]))`,
+    is `jax.random.split(key, N)[i]`; it draws the classes of
+    `jax.random.uniform(k_i, (samples, *logits.shape[:-1]))` under the inverse of
+    each position's cumulative distribution (`drawn_classes`),
     or `jax.random.normal(k_i, (samples, *f.shape))` noise for "gaussian")
     with `fisher="mc"`. (Keys of the `rbg` and `unsafe_rbg` generators draw
     differently under `jax.vmap` than alone, in JAX itself: with them, labels are
