@@ -1525,8 +1525,8 @@ MUTANTS = {
     "store: each block an eager call (traced per block)": (
         (
             "chunkvmap/_quantities/_store.py",
-            "        write_block(rows, start, project(block))\n",
-            "        write_block(rows, start, projections(params, *block, **extra))\n",
+            "    project = _one_program(projections, params, extra)\n",
+            "    project = lambda block: projections(params, *block, **extra)\n",
         ),
         ["test_store"],
     ),
@@ -1541,8 +1541,8 @@ MUTANTS = {
     "store: a resumed build starts over": (
         (
             "chunkvmap/_quantities/_store.py",
-            "    for b, start in enumerate(range(done, n, write_size)):\n",
-            "    for b, start in enumerate(range(0, n, write_size)):\n",
+            "    starts = range(done, n, write_size)\n",
+            "    starts = range(0, n, write_size)\n",
         ),
         ["test_store"],
     ),
