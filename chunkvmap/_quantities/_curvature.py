@@ -88,7 +88,7 @@ def backward_vectors(
             noise = jax.random.normal(key, (samples, *f.shape), f.dtype)
             return noise / math.sqrt(samples)
         return jnp.eye(f.size, dtype=f.dtype).reshape(f.size, *f.shape)
-    p = jax.nn.softmax(f, axis=-1)
+    p = _softmax(f)
     classes = f.shape[-1]
     if fisher is Fisher.EMPIRICAL:
         return (p - jax.nn.one_hot(labels, classes, dtype=f.dtype))[None]
@@ -104,6 +104,15 @@ def backward_vectors(
     one = jnp.eye(positions, dtype=f.dtype)
     vectors = jnp.einsum("pq,qjc->pcqj", one, root)
     return vectors.reshape(positions * classes, *f.shape)
+
+
+def _softmax(f: jax.Array) -> jax.Array:
+    """`jax.nn.softmax` over the last axis, its exponentials scaled by one
+    reciprocal per position rather than divided one by one (the division of every
+    entry was 3.6% of EK-FAC's second pass of an LM on a TPU; the two differ in the
+    last bits)."""
+    e = jnp.exp(f - f.max(-1, keepdims=True))
+    return e * (1 / e.sum(-1, keepdims=True))
 
 
 # Classes per block of `drawn_classes` (a single block up to twice this many).
