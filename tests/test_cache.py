@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from chunkvmap import batch_map, batch_vmap
-from chunkvmap._core import _program
+from chunkvmap._core import _equivalence
 
 from .helpers import CompileCounter, tree_allclose
 
@@ -268,8 +268,8 @@ def test_a_recursive_closure_is_a_key():
         return countdown
 
     first, second = make(), make()
-    assert _program.interchangeable(first, first)
-    assert not _program.interchangeable(first, second)
+    assert _equivalence.interchangeable(first, first)
+    assert not _equivalence.interchangeable(first, second)
 
 
 def test_a_linen_call_leaves_nothing_of_itself_in_the_live_transform():
@@ -304,7 +304,7 @@ def test_held_callables_are_interchangeable_only_when_they_would_do_the_same():
     calling either does the same thing: floats by their bits, defaults and
     closures compared, a mutable value or an object only by identity, a function
     that rebinds its closure only by identity."""
-    same = _program.interchangeable
+    same = _equivalence.interchangeable
 
     def scaled(s):
         return lambda x, s=s: x * s

@@ -23,6 +23,7 @@ from . import (
     _accumulators,
     _axes,
     _conv,
+    _equivalence,
     _loop,
     _memory,
     _program,
@@ -109,7 +110,8 @@ def _body_key(
     out_tree, out_avals, out_axes = signature
     return (
         traced.first.key, length, convolutions, tuple(axes), out_tree,
-        tuple(out_avals), tuple(out_axes), _program.Held(options), _program.Held(own),
+        tuple(out_avals), tuple(out_axes),
+        _equivalence.Held(options), _equivalence.Held(own),
     )  # fmt: skip
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from .._core import _program
+from .._core import _equivalence
 from .._core._loop import Accumulator
 from . import ghost
 
@@ -61,10 +61,10 @@ class Quantity:
     def program_key(self) -> Hashable:
         """What the quantity computes: its type, its loss's plan (`Traced.key`) and
         what it was `made_with` (held: each compared as
-        `_program.interchangeable` does).
+        `_equivalence.interchangeable` does).
         Two quantities of equal keys compute alike, so an eager program of either
-        serves both (`_program.interchangeable` compares them by it)."""
-        made = tuple(_program.Held(x) for x in self.made_with())
+        serves both (`_equivalence.interchangeable` compares them by it)."""
+        made = tuple(_equivalence.Held(x) for x in self.made_with())
         return (type(self), self.traced.key(), made)
 
     def keep(self, record: ghost.Record, out: Any, *extra: Any) -> Any:

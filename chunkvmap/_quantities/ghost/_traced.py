@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._core import _axes, _program
+from ..._core import _axes, _equivalence, _program
 from ._plan import Plan, Record
 
 
@@ -29,7 +29,7 @@ def _scalar(c: Any) -> Any:
     """A scalar constant by its value (its bits), a traced one by identity, a typed
     PRNG key by its type alone (the analysis reads neither: `known_value`)."""
     if isinstance(c, jax.core.Tracer):
-        return _program.Held(c)
+        return _equivalence.Held(c)
     if jnp.issubdtype(c.dtype, jax.dtypes.prng_key):
         return ("prng key", str(jax.typeof(c)))
     value = np.asarray(c)
@@ -155,7 +155,7 @@ class Traced:
             tuple(jax.typeof(c) for c in trace.consts),
             tuple(_scalar(c) for c in trace.consts if np.ndim(c) == 0),
             tuple(self._avals),
-            tuple(_program.Held(x) for x in self._static),
+            tuple(_equivalence.Held(x) for x in self._static),
             tuple((tree, tuple(arr)) for tree, arr in self.arg_defs),
             self.diff,
             self.batch_args,
@@ -274,13 +274,13 @@ class Traced:
         and reused by every transform, the loss's constants its arguments (an
         eager call traces the instrumented example again only where something it
         reads changed). A quantity that is not `reusable`, a key that cannot be
-        kept (`_program.weakly`), or a mesh context with a plan of its own
+        kept (`_equivalence.weakly`), or a mesh context with a plan of its own
         (inside `shard_map`): traced as it is called."""
         plan = self._plans.get(self._here(values))
         if not quantity.reusable or plan is None or plan[1] is not None:
             return quantity.evaluate(self, values, *extra)
         exact = self._exact_key()  # (walked and its JVP rules traced: last)
-        made = None if exact is None else _program.weakly(quantity.program_key())
+        made = None if exact is None else _equivalence.weakly(quantity.program_key())
         if made is None:
             return quantity.evaluate(self, values, *extra)
         key = (made, exact, jax.sharding.get_abstract_mesh())
@@ -293,12 +293,12 @@ class Traced:
 
     def _exact_key(self) -> Hashable | None:
         """`_program.exact_key` of this call's loss (computed once per jaxpr);
-        to be kept (`_program.weakly`), or None where it cannot be (it holds an
+        to be kept (`_equivalence.weakly`), or None where it cannot be (it holds an
         array, a nested jaxpr's constant or in a rule's closure, or a custom VJP
         rule's function, which each trace makes anew)."""
         if self._exact is None or self._exact[0] is not self.closed:
             key = _program.exact_key(self.closed.jaxpr)
-            self._exact = (self.closed, _program.weakly(key))
+            self._exact = (self.closed, _equivalence.weakly(key))
         return self._exact[1]
 
     def _here(self, values: Sequence[Any]) -> Hashable:
