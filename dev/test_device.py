@@ -19,9 +19,11 @@ group is finished over several calls:
 
 `--resume-from FILE` reads a kept earlier log (read only, e.g. one committed under
 `benchmarks/results/suite_tpu/`) as `--resume` reads the progress file, the new
-outcomes going to `--progress`:
+outcomes going to `--progress`; given a folder, it reads every log in it, so the
+whole suite less what has passed on the chip so far runs with
 
-    python3 dev/test_device.py --group 1/4 --resume-from kept/1.txt --progress $OUT/1b.txt
+    python3 dev/test_device.py --resume-from benchmarks/results/suite_tpu \
+        --progress $OUT/next.txt
 
 The suite's `conftest.py` sets what an accelerator needs (the highest matmul
 precision, meshes of the CPU devices on a one-chip machine, child processes on the
@@ -102,9 +104,12 @@ class Progress:
 
 def finished(*logs: pathlib.Path) -> set[str]:
     """The test ids progress logs hold as passed or skipped (by their latest
-    outcome, the logs read in order): a failed test runs again on `--resume`."""
+    outcome, the logs read in order; a folder's `*.txt` logs by their names): a
+    failed test runs again on `--resume`."""
     latest: dict[str, str] = {}
-    for log in logs:
+    for log in [
+        x for p in logs for x in (sorted(p.glob("*.txt")) if p.is_dir() else [p])
+    ]:
         if not log.exists():
             continue
         for line in log.read_text().splitlines():
@@ -134,8 +139,9 @@ def main(argv=None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--resume-from", type=pathlib.Path, action="append", default=[],
-        help="an earlier run's progress file (kept, read only): its passed or "
-        "skipped tests are left out too, unless a later log says they failed",
+        help="an earlier run's progress file (kept, read only), or a folder of them "
+        "(its *.txt by name): their passed or skipped tests are left out too, "
+        "unless a later log says they failed",
     )  # fmt: skip
     args, rest = parser.parse_known_args(argv)
     if args.list:
