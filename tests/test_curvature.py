@@ -305,6 +305,26 @@ def test_ggn_diagonal_fisher_types_and_per_example(likelihood, fisher, samples):
         tree_allclose(jax.jit(each)(params, x, **call), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_mc_curvature_keeps_float64():
+    """`fisher="mc"` on float64 parameters and inputs (x64 on): the labels drawn
+    from float64 probabilities as documented (float64 uniforms: other draws than
+    float32's), each example's diagonal float64 and the oracle's, both methods,
+    eagerly and jitted."""
+    with jax.enable_x64(True):
+        params, x, _, model = _model(_tokens)
+        params, x = jax.tree.map(lambda a: a.astype(jnp.float64), (params, x))
+        key = jax.random.key(5)
+        cots = _cotangents("categorical", "mc", model, params, x, None, key, 2)
+        rows, unravel = ggn_diagonal_dense(model, params, x, cots)
+        expected = jax.vmap(unravel)(jnp.asarray(rows))
+        opts = dict(likelihood="categorical", fisher="mc", samples=2, per_example=True)
+        for method in ("vmap", "ghost"):
+            each = ggn_diagonal(model, batch_size=2, method=method, **opts)
+            for f in (each, jax.jit(each)):
+                # (the oracle's cotangents are float32 gradients: its last digits)
+                tree_allclose(f(params, x, key=key), expected, rtol=1e-6, atol=1e-9)
+
+
 @pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
 def test_mc_draws_keep_the_keys_generator(impl):
     """A typed key of another generator than JAX's default (rbg, unsafe_rbg: the
