@@ -297,7 +297,8 @@ def test_runner_paths_benchmark_runs(tmp_path):
 
 def test_interleaved_times_each_call_after_one_of_its_own():
     """`interleaved` makes an untimed call of a function before each timed one:
-    a timed call never follows another function's call."""
+    a timed call never follows another function's call; the rounds run the
+    functions forwards and backwards in turn."""
     sys.path.insert(0, str(GPU.parent))
     import _common
 
@@ -307,6 +308,7 @@ def test_interleaved_times_each_call_after_one_of_its_own():
     # every timed call (the second of each pair) repeats the call before it
     assert len(calls) == 3 * 3 * 2
     assert all(calls[i] == calls[i - 1] for i in range(1, len(calls), 2))
+    assert calls[::2] == [0, 1, 2, 2, 1, 0, 0, 1, 2]
 
 
 def test_the_chip_suites_resume_runs_failures_again(tmp_path):
@@ -329,6 +331,13 @@ def test_the_chip_suites_resume_runs_failures_again(tmp_path):
     assert runner.finished(log, later) == {
         "tests/a.py::two", "tests/a.py::three", "tests/a.py::four"
     }  # fmt: skip
+    # a folder of kept logs: its *.txt read by name (the .failures beside not read)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "a.txt").write_text(log.read_text())
+    (kept / "b.txt").write_text(later.read_text())
+    (kept / "b.txt.failures").write_text("passed tests/a.py::six\n")
+    assert runner.finished(kept) == runner.finished(log, later)
 
 
 def test_lds_benchmark_runs_every_method():
