@@ -1821,12 +1821,20 @@ MUTANTS = {
         ),
         ["test_store"],
     ),
+    "benchmarks: every round in the same order": (
+        (
+            "benchmarks/_common.py",
+            "        for t, f in pairs if r % 2 == 0 else pairs[::-1]:\n",
+            "        for t, f in pairs:\n",
+        ),
+        ["test_benchmarks"],
+    ),
     "benchmarks: a timed call right after another function's": (
         (
             "benchmarks/_common.py",
-            "        for t, f in zip(times, jitted):\n"
+            "        for t, f in pairs if r % 2 == 0 else pairs[::-1]:\n"
             "            jax.block_until_ready(f(*args))\n",
-            "        for t, f in zip(times, jitted):\n",
+            "        for t, f in pairs if r % 2 == 0 else pairs[::-1]:\n",
         ),
         ["test_benchmarks"],
     ),
