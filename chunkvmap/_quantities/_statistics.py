@@ -491,9 +491,13 @@ class _GhostMoments(Quantity):
         # each leaf's squared norm per example (zero for a leaf no use reaches)
         sq_norms = [jnp.zeros(ones.shape, self.acc) for _ in range(n)]
         for k, g in record.grads.items():  # formed per example: axis 0
-            # (moved last: the reductions contiguous, as `_formed_moments`' are)
-            shifts[k], means[k], m2s[k] = moments_of(jnp.moveaxis(g, 0, -1), -1, real)
-            sq_norms[k] = _sq_norm(g, self.acc, rows=True)
+            # (moved last: the reductions contiguous, as `_formed_moments`' are;
+            # the norms too, else a convolution's gradients, laid out with the
+            # examples inside, would be copied examples-first)
+            last = jnp.moveaxis(g, 0, -1)
+            shifts[k], means[k], m2s[k] = moments_of(last, -1, real)
+            sq = jnp.real(last * jnp.conj(last)).astype(self.acc)
+            sq_norms[k] = jnp.sum(sq, axis=tuple(range(sq.ndim - 1)))
         ruled = [k for k in self.ruled if self.leaves[k].uses]
         uses = record.replace(grads={})
 
@@ -536,11 +540,9 @@ class _GhostMoments(Quantity):
         return (count, shifts, means, m2s), (sq_norms, aux)
 
 
-def _sq_norm(g: jax.Array, acc: Any, rows: bool = False) -> jax.Array:
-    """`||g||^2` in `acc`, or of each row of `g` (examples along axis 0) with
-    `rows`."""
-    sq = jnp.real(g * jnp.conj(g)).astype(acc)
-    return jnp.sum(sq.reshape(g.shape[0], -1), 1) if rows else jnp.sum(sq)
+def _sq_norm(g: jax.Array, acc: Any) -> jax.Array:
+    """`||g||^2` in `acc`."""
+    return jnp.sum(jnp.real(g * jnp.conj(g)).astype(acc))
 
 
 def examples(transform: Transform, args: tuple, in_axes: tuple, kwargs: dict) -> int:
