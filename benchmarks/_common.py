@@ -66,8 +66,8 @@ def interleaved(fns, args, repeats, values=3, jit=True):
     programs of equal counts read 1.08x in a fixed order, 0.95x alternated)."""
     jitted = [jax.jit(f) if jit else f for f in fns]
     times = [[] for _ in fns]
+    pairs = list(zip(times, jitted))
     for r in range(repeats):
-        pairs = list(zip(times, jitted))
         for t, f in pairs if r % 2 == 0 else pairs[::-1]:
             jax.block_until_ready(f(*args))
             t0 = time.perf_counter()

@@ -133,8 +133,8 @@ def drawn_classes(key: Any, p: jax.Array, samples: int) -> jax.Array:
     width = classes if classes <= 2 * _BLOCK else _BLOCK
     blocks = -(-classes // width)
     pad = [(0, 0)] * (p.ndim - 1) + [(0, blocks * width - classes)]
-    q = jnp.pad(p, pad).reshape(*p.shape[:-1], blocks, width)
-    q = jnp.broadcast_to(q, (samples, *q.shape))  # (samples, ..., blocks, width)
+    # the probabilities' blocks once for every sample (the samples' axis: size 1)
+    q = jnp.pad(p, pad).reshape(1, *p.shape[:-1], blocks, width)
     mass = q.sum(-1)
     ends = jnp.cumsum(mass, -1)
     v = u * ends[..., -1]

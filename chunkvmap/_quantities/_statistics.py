@@ -496,8 +496,7 @@ class _GhostMoments(Quantity):
             # examples inside, would be copied examples-first)
             last = jnp.moveaxis(g, 0, -1)
             shifts[k], means[k], m2s[k] = moments_of(last, -1, real)
-            sq = jnp.real(last * jnp.conj(last)).astype(self.acc)
-            sq_norms[k] = jnp.sum(sq, axis=tuple(range(sq.ndim - 1)))
+            sq_norms[k] = _sq_norm(last, self.acc, tuple(range(last.ndim - 1)))
         ruled = [k for k in self.ruled if self.leaves[k].uses]
         uses = record.replace(grads={})
 
@@ -540,9 +539,9 @@ class _GhostMoments(Quantity):
         return (count, shifts, means, m2s), (sq_norms, aux)
 
 
-def _sq_norm(g: jax.Array, acc: Any) -> jax.Array:
-    """`||g||^2` in `acc`."""
-    return jnp.sum(jnp.real(g * jnp.conj(g)).astype(acc))
+def _sq_norm(g: jax.Array, acc: Any, axis: Any = None) -> jax.Array:
+    """`||g||^2` in `acc`, summed over `axis` (all of them by default)."""
+    return jnp.sum(jnp.real(g * jnp.conj(g)).astype(acc), axis)
 
 
 def examples(transform: Transform, args: tuple, in_axes: tuple, kwargs: dict) -> int:
