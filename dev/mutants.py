@@ -1785,6 +1785,14 @@ MUTANTS = {
         ),
         ["test_store"],
     ),
+    "clipped sums in passes: the eager pass run as it is (compiled at every call)": (
+        (
+            "chunkvmap/_quantities/_clipping.py",
+            "    return _program.run_traced(summed, [], programs, ())\n",
+            "    return summed()\n",
+        ),
+        ["test_closures"],
+    ),
     "MC labels: a draw at the total not held to a class of mass": (
         (
             "chunkvmap/_quantities/_curvature.py",

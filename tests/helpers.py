@@ -511,10 +511,13 @@ def output_cotangents(likelihood, fisher, f, label=None, key=None, samples=1):
     return np.stack(cots) / np.sqrt(samples)
 
 
-def drawn_by_hand(key, f, samples):
+def drawn_by_hand(key, f, samples, margins=False):
     """The classes drawn as documented from logits `f` (last axis), by NumPy in
     float64: `u = jax.random.uniform(key, (samples, *positions))`, each the first
-    class whose cumulative probability exceeds `u` times the total."""
+    class whose cumulative probability exceeds `u` times the total. With
+    `margins`, also each draw's distance from the nearest cumulative probability
+    (a draw that close to a class's edge may fall on either side of it in
+    float32 sums taken in another order)."""
     u = np.asarray(jax.random.uniform(key, (samples, *f.shape[:-1])), np.float64)
     z = np.exp(f - f.max(-1, keepdims=True))
     cdf = np.cumsum(z / z.sum(-1, keepdims=True), -1)
@@ -524,7 +527,11 @@ def drawn_by_hand(key, f, samples):
         for row in v
     ]
     drawn = np.minimum(np.array(drawn), f.shape[-1] - 1)
-    return drawn.reshape(u.shape).astype(np.int32)
+    drawn = drawn.reshape(u.shape).astype(np.int32)
+    if not margins:
+        return drawn
+    edge = [[np.min(np.abs(c - t * c[-1])) for c, t in zip(cdf, row)] for row in v]
+    return drawn, np.array(edge).reshape(u.shape)
 
 
 def example_cotangents(likelihood, fisher, outputs, labels=None, key=None, samples=1):

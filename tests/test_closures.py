@@ -334,6 +334,16 @@ ENTRIES = {
         ),
         lambda u: _grads(u).sum(0), derivative=True, reverse_only=True,
     ),
+    # (the TPU's NaN-safe sum in passes, run here on the CPU)
+    "clipped_grad(in passes)": Entry(
+        _made(
+            lambda u: cv.clipped_grad(
+                _loss(u), l2_clip_norm=CLIP, keep_batch_dim=False, batch_size=B
+            ),
+            W, X,
+        ),
+        lambda u: _grads(u).sum(0), derivative=True, reverse_only=True,
+    ),
     "per_example_grad_norms": Entry(
         _made(lambda u: cv.per_example_grad_norms(_loss(u), batch_size=B), W, X),
         lambda u: jnp.linalg.norm(_flat(_grads(u)), axis=1),
@@ -488,6 +498,8 @@ def test_a_changed_closure_is_seen(entry, kind, mode, request):
         pytest.importorskip("equinox" if "eqx" in entry + kind else "flax")
     if entry == "clipped_grad_sum(ghost)":
         request.getfixturevalue("always_ghost")
+    if entry == "clipped_grad(in passes)":
+        request.getfixturevalue("in_passes")
     e, k = ENTRIES[entry], KINDS[kind]
     S["p"] = P0
     k.set(0)

@@ -305,6 +305,7 @@ def test_ggn_diagonal_fisher_types_and_per_example(likelihood, fisher, samples):
         tree_allclose(jax.jit(each)(params, x, **call), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.runs_on_cpu("float64 precision: a TPU has no native float64")
 def test_mc_curvature_keeps_float64():
     """`fisher="mc"` on float64 parameters and inputs (x64 on): the labels drawn
     from float64 probabilities as documented (float64 uniforms: other draws than
@@ -761,7 +762,15 @@ def test_mc_labels_are_the_inverse_cdf_draws(classes):
     p = jax.nn.softmax(logits, -1)
     key = jax.random.key(1)
     got = np.asarray(jax.jit(_curvature.drawn_classes, static_argnums=2)(key, p, 7))
-    np.testing.assert_array_equal(got, drawn_by_hand(key, np.asarray(logits), 7))
+    want, margin = drawn_by_hand(key, np.asarray(logits), 7, margins=True)
+    # equal but where the draw lies within float32 rounding of a class's edge
+    # (the device's sums of thousands of probabilities, in its own order)
+    clear = margin > 2e-5
+    assert clear.mean() > 0.9, margin
+    np.testing.assert_array_equal(got[clear], want[clear])
+    # (there the class beside it, past a class of no mass in between)
+    assert np.all(np.abs(got - want)[~clear] <= 2)
+    assert np.all(np.take_along_axis(np.asarray(p)[None], got[..., None], -1) > 0)
     many = _curvature.drawn_classes(key, p[0, 0], 40_000)
     counts = np.bincount(np.asarray(many), minlength=classes) / 40_000
     p0 = np.asarray(p[0, 0], np.float64)

@@ -251,10 +251,12 @@ def test_a_padded_buffer_split_over_a_mesh(entry, hold, where, rng, always_ghost
         tree_allclose(got, oracle(p, x[:size], y[:size], pad), rtol=2e-5, atol=1e-6)
     # 64 over 8 devices: 8 each, in 4 chunks of 2. The first device holds 3 real
     # examples at the end (2 chunks); shuffled, no device holds more than
-    # `most` real ones. (`shard=True` spreads over the default backend's devices:
-    # on an accelerator with one device, that device holds all 64.)
+    # `most` real ones. (`shard=True` spreads over the devices of the default
+    # device's platform: on an accelerator's machine this test runs on its CPU,
+    # the module holding a mesh of CPU devices, and spreads over those.)
     jax.effects_barrier()
-    d = len(jax.devices()) if hold == "shard=True" else MESH.size
+    platform = jnp.zeros(()).devices().pop().platform
+    d = len(jax.devices(platform)) if hold == "shard=True" else MESH.size
     each = size // d
     most = max(np.sum(~pad[k * each : (k + 1) * each]) for k in range(d))
     first = np.sum(~pad[:each])

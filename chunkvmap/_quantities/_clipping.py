@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core import _accumulators, _axes, _cache, _memory, _padding
+from .._core import _accumulators, _axes, _cache, _memory, _padding, _program
 from .._core._accumulators import Fold, Stack
 from .._core._loop import example_at
 from .._core._options import (
@@ -687,16 +687,26 @@ def weighted_sums(
             accumulator=_accumulators.compose(Fold(jnp.add, lambda c: c.sum(0))),
         )  # fmt: skip
 
-    if stand_in is None:
-        return jax.grad(total)(params)
-    # Where no example counts (an empty lot, or every example non-finite), no
-    # example can stand in: the pass is not run, and the sum is zero.
-    return lax.cond(
-        jnp.any(counted),
-        jax.grad(total),
-        lambda ps: jax.tree.map(jnp.zeros_like, ps),
-        params,
-    )
+    def summed() -> Any:
+        if stand_in is None:
+            return jax.grad(total)(params)
+        # Where no example counts (an empty lot, or every example non-finite), no
+        # example can stand in: the pass is not run, and the sum is zero.
+        return lax.cond(
+            jnp.any(counted),
+            jax.grad(total),
+            lambda ps: jax.tree.map(jnp.zeros_like, ps),
+            params,
+        )
+
+    leaves = jax.tree.leaves((params, args, kwargs, scales, counted))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return summed()
+    # Eagerly, the pass is one program compiled once (`_program.run_traced`): run
+    # as it is, its derivative's loop and branch are programs traced, and
+    # compiled, anew at every call.
+    programs = transform.memo(("weighted_sums",), _program.LRU)
+    return _program.run_traced(summed, [], programs, ())
 
 
 class _Parts(NamedTuple):
