@@ -395,13 +395,37 @@ MUTANTS = {
         ),
         ["test_statistics", "test_reductions", "test_conformance", "test_clipping"],
     ),
-    "ghost: a close call for memory taken without measuring": (
+    "ghost: a program predicted slower run for its memory without checking it": (
         (
             "chunkvmap/_quantities/_choice.py",
-            "    return report.slower and verdict is not None and verdict.kept_share > _CLEAR_SHARE\n",
+            "    return report.slower and report.verdict is not None\n",
             "    return False\n",
         ),
         [*GHOST_TESTS, "test_choice"],
+    ),
+    "choice: a vmap program whose chunk fits the budget not run": (
+        (
+            "chunkvmap/_quantities/_choice.py",
+            "    if budget is not None and v <= budget:\n",
+            "    if budget is not None and v < 0:\n",
+        ),
+        [*GHOST_TESTS, "test_choice"],
+    ),
+    "choice: a call's memory_limit not its budget": (
+        (
+            "chunkvmap/_quantities/_choice.py",
+            "    return limit if limit is not None else _memory.host_budget()\n",
+            "    return _memory.host_budget()\n",
+        ),
+        ["test_choice"],
+    ),
+    "choice: the budget the machine's whole memory": (
+        (
+            "chunkvmap/_core/_memory.py",
+            "HOST_FRACTION = 0.25\n",
+            "HOST_FRACTION = 1.0\n",
+        ),
+        ["test_choice"],
     ),
     "auto: an accelerator's temporary figure taken for its memory": (
         (

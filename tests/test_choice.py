@@ -117,18 +117,52 @@ def test_nothing_fitting_leaves_the_verdict_to_the_call():
 
 
 @pytest.mark.parametrize(
-    "ghost, vmap, runs",
-    [(0, 0, "vmap"), (0, 100, "ghost"), (75, 100, "ghost"), (76, 100, "vmap")],
+    "ghost, vmap, budget, runs",
+    [
+        (0, 0, None, "vmap"),  # nothing against nothing: nothing saved
+        (0, 100, None, "ghost"),  # no budget known: the memory saved decides
+        (75, 100, 99, "ghost"),
+        (76, 100, 99, "vmap"),  # saves little
+        (10, 100, 100, "vmap"),  # the vmap program's chunk fits: the faster runs
+        (10, 100, 10**9, "vmap"),
+    ],
 )
-def test_the_memory_verdict_needs_memory_shown_saved(ghost, vmap, runs):
-    """On CPU, a ghost program predicted slower runs for its memory only where
-    XLA's estimate shows it keeping at most three quarters of the vmap program's:
-    an estimate of nothing against nothing shows nothing saved."""
+def test_the_memory_verdict_runs_the_faster_program_that_fits(
+    ghost, vmap, budget, runs
+):
+    """On CPU, a ghost program predicted slower runs for its memory only where the
+    vmap program's chunk does not fit the budget and XLA's estimate shows the ghost
+    program keeping at most three quarters of the vmap program's: an estimate of
+    nothing against nothing shows nothing saved."""
     report = _report("ghost").replace(slower=True)
-    checked = _choice.memory_checked(report, {Method.GHOST: ghost, Method.VMAP: vmap})
+    figures = {Method.GHOST: ghost, Method.VMAP: vmap}
+    checked = _choice.memory_checked(report, figures, 16, budget)
     assert checked.runs == runs
     assert checked.slower == (runs == "ghost")
-    assert "XLA's estimate for chunks of 8 examples" in checked.why
+    assert "XLA's estimate for chunks of 16 examples" in checked.why
+    fits = budget is not None and vmap <= budget
+    assert ("fits in memory" in checked.why) == fits, checked.why
+
+
+def test_the_budget_is_the_calls_memory_limit_or_a_share_of_the_machine():
+    """The CPU's budget for a chunk: a call's `memory_limit` where it has one
+    (`batch_size="auto"`), else a quarter of the machine's physical memory."""
+    import os
+
+    from chunkvmap._core import _memory
+    from chunkvmap._transforms._grads import grad_transform
+
+    def loss(w, x):
+        return jnp.sum(x @ w)
+
+    def made(**options):
+        return grad_transform("clipped_grad_sum", loss, 0, None, **options)
+
+    limited = made(batch_size="auto", memory_limit="3MiB")
+    assert _choice.budget(limited) == 3 * 2**20
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert _choice.budget(made(batch_size=4)) == physical // 4
+    assert _memory.host_budget() == physical // 4
 
 
 def _entries(p, x, y):

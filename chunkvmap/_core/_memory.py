@@ -14,6 +14,7 @@ evaluates the fewest examples (the last chunk's window included).
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -76,6 +77,23 @@ def parse_memory(name: str, value: Any) -> int:
             f"memory_limit={value!r}."
         )
     return int(number)
+
+
+# On CPU, `method="ghost"`'s choice takes this share of the machine's memory as what
+# a chunk of the vmap program may hold (`host_budget`).
+HOST_FRACTION = 0.25
+
+
+def host_budget() -> int | None:
+    """`HOST_FRACTION` of the machine's physical memory, in bytes (None where the
+    system does not say)."""
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # (no sysconf, or no such name)
+        return None
+    if pages <= 0 or size <= 0:
+        return None
+    return int(pages * size * HOST_FRACTION)
 
 
 def default_limit(name: str) -> int:

@@ -15,7 +15,12 @@ program, example shapes, chunk size and device, and kept with the loss's plan.
 
 Where the call cannot be measured (a loss closing over a value traced by an
 enclosing `jax.grad`, a call spread over a mesh, keys of an extended type it cannot
-stand in for) or on CPU, the cost model decides, as before.
+stand in for) or on CPU, the cost model decides. On CPU it decides by the same rule,
+the faster program that fits: a ghost program it predicts slower runs only where
+the vmap program's chunk does not fit the memory budget (XLA's compiled estimate of
+the program as the call runs it, against the call's `memory_limit`, else a quarter
+of the machine's memory, `_memory.host_budget`) and the ghost program's keeps at
+most `1 - _MEMORY_GAIN` of it.
 """
 
 from __future__ import annotations
@@ -47,13 +52,10 @@ _TIE = 1.05
 _RUNS = 3
 _LONG = 0.5
 
-# On CPU, a ghost program predicted slower runs for its memory where XLA's compiled
-# estimate for a chunk of this many examples shows it keeping at most
-# `1 - _MEMORY_GAIN` of the vmap program's; a prediction that keeps under
-# `_CLEAR_SHARE` of the gradient entries it avoids is taken as it is (no compile).
-_MEMORY_CHUNK = 8
+# On CPU, a ghost program predicted slower runs for its memory where the vmap
+# program's chunk does not fit the budget and XLA's compiled estimate shows the
+# ghost program keeping at most `1 - _MEMORY_GAIN` of the vmap program's.
 _MEMORY_GAIN = _plan._MEMORY_GAIN
-_CLEAR_SHARE = 1 / 3
 
 # Platforms whose choice is measured (the tests add "cpu" to measure there).
 MEASURED_PLATFORMS = frozenset({"tpu", "gpu", "cuda", "rocm"})
@@ -249,26 +251,47 @@ def measured_report(report: ghost.GhostReport, timing: Timing) -> ghost.GhostRep
     return report.replace(runs=runs, slower=False, why=why, timing=timing)
 
 
-def memory_checked(report: ghost.GhostReport, figures: dict) -> ghost.GhostReport:
-    """`report`, whose ghost program is predicted slower but runs for its memory,
-    kept where XLA's estimates `figures` (bytes by method, for one chunk of
-    `_MEMORY_CHUNK` examples) show it keeping at most `1 - _MEMORY_GAIN` of the vmap
-    program's memory; else the vmap program runs. An estimate of zero bytes for the
-    vmap program shows nothing saved."""
+def memory_checked(
+    report: ghost.GhostReport, figures: dict, chunk: int, budget: int | None
+) -> ghost.GhostReport:
+    """`report`, whose ghost program is predicted slower (it would run for its
+    memory), decided by XLA's estimates `figures` (bytes by method, for one chunk
+    of `chunk` examples) as on an accelerator, the faster program that fits: the
+    vmap program runs where its chunk fits `budget` (bytes; None: not known);
+    else the ghost program runs where it keeps at most `1 - _MEMORY_GAIN` of the
+    vmap program's memory, and the vmap program where it saves less (an estimate
+    of zero bytes for the vmap program shows nothing saved)."""
     g, v = figures[ghost.Method.GHOST], figures[ghost.Method.VMAP]
     sizes = (
-        f"XLA's estimate for chunks of {_MEMORY_CHUNK} examples is {g / 2**20:.3g} "
-        f"MiB against the vmap program's {v / 2**20:.3g} MiB"
+        f"XLA's estimate for chunks of {chunk} examples is {g / 2**20:.3g} MiB "
+        f"against the vmap program's {v / 2**20:.3g} MiB"
     )
-    if v > 0 and g <= (1 - _MEMORY_GAIN) * v:
-        return report.replace(why=f"{report.why} ({sizes})")
+    limit = "no memory budget known" if budget is None else (
+        f"a budget of {budget / 2**20:.3g} MiB"
+    )  # fmt: skip
     counts = report.verdict.counts if report.verdict is not None else ""
+    if budget is not None and v <= budget:
+        return report.replace(
+            runs=ghost.Method.VMAP,
+            slower=False,
+            why=f"the ghost program is predicted slower ({counts}), and the vmap "
+            f"program's chunk fits in memory ({sizes}; {limit})",
+        )
+    if v > 0 and g <= (1 - _MEMORY_GAIN) * v:
+        return report.replace(why=f"{report.why} ({sizes}; {limit})")
     return report.replace(
         runs=ghost.Method.VMAP,
         slower=False,
         why=f"the ghost program is predicted no faster ({counts}) and saves little "
         f"memory ({sizes})",
     )
+
+
+def budget(transform: Transform) -> int | None:
+    """What a chunk of a call of `transform` on CPU may hold: its `memory_limit`,
+    else `_memory.host_budget`."""
+    limit = transform.options.memory_limit
+    return limit if limit is not None else _memory.host_budget()
 
 
 def _unmeasured(report: ghost.GhostReport) -> ghost.GhostReport:
@@ -287,16 +310,15 @@ def _unmeasured(report: ghost.GhostReport) -> ghost.GhostReport:
 
 def _needs_memory(report: ghost.GhostReport) -> bool:
     """Whether the model's verdict runs a ghost program predicted slower for the
-    memory it saves, by a prediction not clear enough to take as it is."""
-    verdict = report.verdict
-    return report.slower and verdict is not None and verdict.kept_share > _CLEAR_SHARE
+    memory it saves (then the programs' memory decides: `memory_checked`)."""
+    return report.slower and report.verdict is not None
 
 
 def settled_report(report: ghost.GhostReport, timed: bool) -> Any:
     """The report `choose` gives without measuring anything (no leaf has a ghost
-    norm; on CPU a verdict that is no close call for memory; an accelerator's call
-    it cannot measure), or None where it measures (`timed`: the call can be
-    timed)."""
+    norm; on CPU a verdict other than a ghost program predicted slower; an
+    accelerator's call it cannot measure), or None where it measures (`timed`: the
+    call can be timed)."""
     if not any(rule == ghost.GHOST for _, _, rule, _ in report.rows):
         return report  # no leaf has a ghost norm: nothing to measure
     if timed:
@@ -324,8 +346,9 @@ def choose(
 ) -> ghost.GhostReport:
     """The report whose `runs` a call of `size` examples follows: on an accelerator,
     the two programs measured on one chunk (of `chunk` examples where given);
-    on CPU the model's `report`, its memory checked where it runs a ghost program
-    predicted slower. `program(twin, method)` is the call's program for `method`,
+    on CPU the model's `report`, where it runs a ghost program predicted slower
+    the programs' memory for one chunk checked against the budget
+    (`memory_checked`). `program(twin, method)` is the call's program for `method`,
     `call` its `(args, kwargs, in_axes)`; the measurements are kept (`MEASURED`)
     by `quantity`'s `program_key` (the ghost program's quantity)."""
     if size == 0:
@@ -335,7 +358,7 @@ def choose(
     if settled is not None:
         return settled
     if chunk is None:
-        chunk = chunk_size(transform, size) if timed else _MEMORY_CHUNK
+        chunk = chunk_size(transform, size)
     device = jax.devices()[0]
 
     def measure() -> Any:
@@ -358,7 +381,9 @@ def choose(
         warnings.simplefilter("ignore")
         measured = MEASURED.get_or_build((quantity.program_key(), key), measure)
     if not timed:
-        return report if measured is None else memory_checked(report, measured)
+        if measured is None:
+            return report
+        return memory_checked(report, measured, chunk, budget(transform))
     chosen = report if measured is None else measured_report(report, measured)
     if chosen is report:  # nothing measured: the model's program, not its "slower"
         return _unmeasured(report)

@@ -382,8 +382,8 @@ def report_for(
 ) -> ghost.GhostReport:  # fmt: skip
     """`ghost_report`'s report of one example's arguments (`traced`: its loss):
     the verdict of `clipped_grad_sum(method="ghost")`'s choice for chunks of
-    `_REPORT_CHUNK` examples (measured on an accelerator; the model's on CPU, its
-    close calls for memory compiled)."""
+    `_REPORT_CHUNK` examples (measured on an accelerator; the model's on CPU, a
+    ghost program it predicts slower checked for memory)."""
     timed = _choice.measurable()
     modelled = ghost.report_of(traced.plan)
     settled = _choice.settled_report(modelled, timed)
@@ -392,19 +392,15 @@ def report_for(
     try:
         with warnings.catch_warnings():  # (the clipping call's, not the report's)
             warnings.simplefilter("ignore")
-            return _measured_report(
-                fun, args, kwargs, diff, mapped, has_aux, timed=timed
-            )
+            return _measured_report(fun, args, kwargs, diff, mapped, has_aux)
     except Exception:  # noqa: BLE001 (arguments a clipping call would map otherwise)
         return _choice.settled_report(modelled, False) or modelled
 
 
-def _measured_report(
-    fun, args, kwargs, diff, mapped, has_aux, *, timed
-) -> ghost.GhostReport:
+def _measured_report(fun, args, kwargs, diff, mapped, has_aux) -> ghost.GhostReport:
     """`report_for`'s measured verdict: a clipping call of the example (its arrays
-    given a batch axis of one) measured for chunks of `_REPORT_CHUNK` (`timed`),
-    else its memory checked."""
+    given a batch axis of one), its programs measured for chunks of
+    `_REPORT_CHUNK` (timed on an accelerator; on CPU, their memory)."""
     name = "ghost_report"
     transform = grad_transform(name, fun, diff, mapped, exclusive=True)
     config = Clipping(1.0, nan_safe=False, has_aux=has_aux, method=ghost.Method.GHOST)
@@ -418,7 +414,7 @@ def _measured_report(
     kwargs = one(kwargs)
     call = _ClippedCall.of(transform, config, batched, kwargs)
     sums = _GhostSums.of(transform, fun, config, call)
-    return _chosen(transform, fun, config, call, sums, _REPORT_CHUNK if timed else None)
+    return _chosen(transform, fun, config, call, sums, _REPORT_CHUNK)
 
 
 class _ClippedCall(NamedTuple):
@@ -1092,14 +1088,16 @@ class GhostFallbackWarning(UserWarning):
 
     Issued once per clipping function, at its first call:
 
-    * when the ghost program is predicted no faster than `method="vmap"`'s and
-      saves little memory, or no parameter has a ghost norm: the per-example path
-      of `method="vmap"` then runs itself (the same result), and the message says
+    * when the ghost program is predicted slower than `method="vmap"`'s and the
+      vmap program's chunk fits in memory, or it is predicted no faster and saves
+      little memory, or no parameter has a ghost norm: the per-example path of
+      `method="vmap"` then runs itself (the same result), and the message says
       why, with the predicted costs;
     * when more than 5% of the parameters have a use no ghost rule covers (they get
       exact per-example gradients, as with `method="vmap"`), naming those leaves;
     * when the ghost program runs though it is predicted slower than
-      `method="vmap"`'s, because it keeps much less memory.
+      `method="vmap"`'s, because the vmap program's chunk does not fit in memory
+      and the ghost program's keeps much less.
 
     `chunkvmap.ghost_report` shows each leaf's rule and why, and the same verdict.
 

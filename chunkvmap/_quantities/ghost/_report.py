@@ -44,11 +44,13 @@ class GhostReport:
       uses: for each leaf's path, the kinds of its uses (`"dense"`, `"conv"`,
         `"embedding"`, `"elementwise"`, or a primitive's name).
       runs: `"ghost"` when the ghost program runs; `"vmap"` when no leaf has a
-        ghost norm, or when the ghost program is predicted no faster than
-        `method="vmap"`'s and saves little memory: `method="ghost"` then runs the
-        per-example path of `method="vmap"` itself (the same result).
+        ghost norm, or when the ghost program is predicted slower than
+        `method="vmap"`'s and the vmap program's chunk fits in memory (or it saves
+        little memory): `method="ghost"` then runs the per-example path of
+        `method="vmap"` itself (the same result).
       slower: the ghost program runs though it is predicted slower than
-        `method="vmap"`'s, for the memory it saves.
+        `method="vmap"`'s, for the memory it saves (the vmap program's chunk does
+        not fit the memory budget).
       why: the reason for `runs`, with the predicted (or measured) costs.
       timing: on an accelerator, where a clipping function measured both programs
         for a chunk of its examples: `(chunk, device, seconds, failed)`, each
