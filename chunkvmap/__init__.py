@@ -9,10 +9,10 @@ import importlib.metadata
 
 from ._core._cache import last_batch_size as last_batch_size
 from ._core._options import identity as identity
+from ._quantities._choice import GhostFallbackWarning as GhostFallbackWarning
 from ._quantities._clipping import (
     AuxiliaryOutput as AuxiliaryOutput,
     ClippedGrad as ClippedGrad,
-    GhostFallbackWarning as GhostFallbackWarning,
     clipped_grad as clipped_grad,
     clipped_grad_sum as clipped_grad_sum,
 )

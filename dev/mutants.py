@@ -411,6 +411,57 @@ MUTANTS = {
         ),
         [*GHOST_TESTS, "test_choice"],
     ),
+    "policy: projections run their ghost program whatever the choice": (
+        (
+            "chunkvmap/_quantities/_projections.py",
+            "        if runs is None:\n            runs = _chosen(",
+            "        if runs is None:\n"
+            "            runs = ghost.Method.GHOST or _chosen(",
+        ),
+        ["test_choice", "test_projections"],
+    ),
+    "policy: the GGN diagonal runs its ghost program whatever the choice": (
+        (
+            "chunkvmap/_quantities/_curvature.py",
+            "            runs = self._chosen("
+            "transform, quantity, args, kwargs, extra)\n",
+            "            runs = ghost.Method.GHOST\n",
+        ),
+        ["test_choice", "test_curvature"],
+    ),
+    "policy: EK-FAC runs its ghost program whatever the choice": (
+        (
+            "chunkvmap/_quantities/_ekfac.py",
+            "            runs = _chosen(transform, fun, found, data, how, quantity, "
+            "redo=redo)\n",
+            "            runs = ghost.Method.GHOST\n",
+        ),
+        ["test_choice", "test_ekfac"],
+    ),
+    "policy: the Gram matrix runs its ghost program whatever the choice": (
+        (
+            "chunkvmap/_quantities/_statistics.py",
+            "                runs = self.chosen(rows, dots, args, diff, in_axes)\n",
+            "                runs = ghost.Method.GHOST\n",
+        ),
+        ["test_choice", "test_statistics"],
+    ),
+    "policy: a quantity's ghost program taken to help where it helps no leaf": (
+        (
+            "chunkvmap/_quantities/_choice.py",
+            "    if not helped:\n",
+            "    if False:\n",
+        ),
+        ["test_choice", "test_projections", "test_curvature", "test_ekfac"],
+    ),
+    "policy: a fallback not warned": (
+        (
+            "chunkvmap/_quantities/_choice.py",
+            "    warn_fallback(transform, fun, report)\n    return report.runs\n",
+            "    return report.runs\n",
+        ),
+        [*GHOST_TESTS, "test_choice", "test_statistics"],
+    ),
     "choice: a call's memory_limit not its budget": (
         (
             "chunkvmap/_quantities/_choice.py",

@@ -127,13 +127,20 @@ collect_ignore = ["multihost_worker.py"]
 @pytest.fixture
 def always_ghost(monkeypatch):
     """`method="ghost"` runs the ghost program wherever some leaf has a ghost norm,
-    even where it is predicted no faster than the vmap program (for tests of the
-    ghost program on models too small for it to pay)."""
+    even where it is predicted no faster than the vmap program; the projections,
+    the Gram matrix and curvature run theirs even where it takes no parameter's
+    share from its operands (for tests of the ghost program on models too small
+    for it to pay, or that it does not help)."""
     import math
 
+    from chunkvmap._quantities import _choice
     from chunkvmap._quantities.ghost import _plan
 
     monkeypatch.setattr(_plan, "_GAIN", -math.inf)
+    ruled = _choice.ruled
+    monkeypatch.setattr(
+        _choice, "ruled", lambda report, helped, what: ruled(report, True, what)
+    )
 
 
 @pytest.fixture

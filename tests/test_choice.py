@@ -186,6 +186,32 @@ def _entries(p, x, y):
             chunkvmap.per_example_grad_stats(_loss, batch_size=5, method="ghost"),
             chunkvmap.per_example_grad_stats(_loss, batch_size=5),
         ),
+        *_quantities(),
+    ]
+
+
+def _model(p, x, y):
+    """`_loss`'s model: its residuals, one example's output."""
+    return jnp.tanh(x @ p["w"] + p["b"]) @ p["head"] - y
+
+
+def _quantities(model=_model, loss=_loss):
+    """(name, function, reference) of the ghost quantities beside clipping and the
+    statistics, each by the one policy (`_choice.decided`)."""
+    curvature = dict(likelihood="gaussian", batch_size=5)
+    made = [
+        (
+            chunkvmap.per_example_grad_projections,
+            loss,
+            dict(dim=8, batch_size=5),
+        ),
+        (chunkvmap.per_example_grad_gram, loss, dict(batch_size=5)),
+        (chunkvmap.ggn_diagonal, model, curvature),
+        (chunkvmap.ekfac_factors, model, curvature),
+    ]
+    return [
+        (f.__name__, f(fun, method="ghost", **options), f(fun, **options))
+        for f, fun, options in made
     ]
 
 
@@ -211,15 +237,19 @@ def _called(how, f):
 @pytest.mark.parametrize("how", ["eager", "jit", "grad"])
 @pytest.mark.parametrize("winner", ["ghost", "vmap"])
 def test_every_entry_point_runs_the_measured_choice(measured, how, winner):
-    """clipped_grad_sum, clipped_grad and the statistics, eager, under jit and under
-    grad of the result, N = 13 in chunks of 5: one measurement of a chunk of 5 per
-    function; the program measured faster runs (the vmap program's run is the
-    vmap method's own program, warned once), and the results are the vmap
-    method's."""
+    """clipped_grad_sum, clipped_grad, the statistics, the projections, the Gram
+    matrix, the GGN diagonal and EK-FAC's factors, eager, under jit and under grad
+    of the result (the last four eager and under grad), N = 13 in chunks of 5: one
+    measurement of a chunk of 5 per function; the program measured faster runs
+    (the vmap program's run is the vmap method's own program, warned once), and
+    the results are the vmap method's."""
     timings, times = measured
     times(*((1e-3, 5e-3) if winner == "ghost" else (5e-3, 1e-3)))
     p, x, y = _problem()
-    for name, ghost, vmap in _entries(p, x, y):
+    # (the quantities beside clipping and the statistics: eager and under grad here,
+    # jitted in test_every_quantity_follows_the_one_policy_on_cpu)
+    entries = _entries(p, x, y)[: 3 if how == "jit" else None]
+    for name, ghost, vmap in entries:
         before = len(timings)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -244,6 +274,48 @@ def test_every_entry_point_runs_the_measured_choice(measured, how, winner):
             assert str(jax.make_jaxpr(ghost)(p, x, y)) != str(
                 jax.make_jaxpr(vmap)(p, x, y)
             )
+
+
+def _unhelped_model(p, x, y):
+    """A model whose one parameter no ghost rule covers (read through `exp`)."""
+    return jnp.tanh(x @ jnp.exp(p["g"])) - y
+
+
+def _unhelped_loss(p, x, y):
+    return jnp.sum(_unhelped_model(p, x, y) ** 2)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+@pytest.mark.parametrize("helped", [True, False])
+def test_every_quantity_follows_the_one_policy_on_cpu(how, helped):
+    """Unmeasured (the CPU): the projections, the Gram matrix, the GGN diagonal
+    and EK-FAC's factors run their ghost program where it takes some parameter's
+    share from its operands, silently; where it helps no parameter, the vmap
+    method's own program runs (the same jaxpr, the same values) and one
+    GhostFallbackWarning says so, as clipping's does."""
+    p, x, y = _problem()
+    if helped:
+        made = _quantities()
+    else:
+        p = {"g": p["w"][:, :3]}
+        made = _quantities(_unhelped_model, _unhelped_loss)
+    for name, ghost, vmap in made:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = _called(how, ghost)(p, x, y)
+            _called(how, ghost)(p, x, y)
+        said = [
+            str(w.message)
+            for w in caught
+            if issubclass(w.category, chunkvmap.GhostFallbackWarning)
+        ]
+        tree_allclose(got, _called(how, vmap)(p, x, y), rtol=2e-5, atol=1e-5)
+        same = str(jax.make_jaxpr(ghost)(p, x, y)) == str(jax.make_jaxpr(vmap)(p, x, y))
+        if helped:
+            assert not said and not same, name
+        else:
+            assert len(said) == 1 and same, name
+            assert f"{name} method='ghost' runs as method='vmap'" in said[0]
 
 
 def test_the_measurement_is_kept_per_shapes_and_chunk(measured):

@@ -262,7 +262,7 @@ def _call_args(fisher, labels, key):
         for name in ("mlp", "scanned", "conv-NCHW", "attention-layernorm")
     ],
 )
-def test_ggn_diagonal_matches_the_dense_ggn(name, method):
+def test_ggn_diagonal_matches_the_dense_ggn(name, method, always_ghost):
     params, x, _, model = _model(MODELS[name])
     cots = _cotangents("categorical", "exact", model, params, x, None, None, 1)
     rows, unravel = ggn_diagonal_dense(model, params, x, cots)
@@ -285,7 +285,9 @@ def test_ggn_diagonal_matches_the_dense_ggn(name, method):
         ("gaussian", "empirical", 1),
     ],
 )
-def test_ggn_diagonal_fisher_types_and_per_example(likelihood, fisher, samples):
+def test_ggn_diagonal_fisher_types_and_per_example(
+    likelihood, fisher, samples, always_ghost
+):
     params, x, _, model = _model(_tokens)
     key = jax.random.key(7)
     labels = _labels(likelihood, model, params, x, jax.random.key(8))
@@ -306,7 +308,7 @@ def test_ggn_diagonal_fisher_types_and_per_example(likelihood, fisher, samples):
 
 
 @pytest.mark.runs_on_cpu("float64 precision: a TPU has no native float64")
-def test_mc_curvature_keeps_float64():
+def test_mc_curvature_keeps_float64(always_ghost):
     """`fisher="mc"` on float64 parameters and inputs (x64 on): the labels drawn
     from float64 probabilities as documented (float64 uniforms: other draws than
     float32's), each example's diagonal float64 and the oracle's, both methods,
@@ -327,7 +329,7 @@ def test_mc_curvature_keeps_float64():
 
 
 @pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
-def test_mc_draws_keep_the_keys_generator(impl):
+def test_mc_draws_keep_the_keys_generator(impl, always_ghost):
     """A typed key of another generator than JAX's default (rbg, unsafe_rbg: the
     fast ones on a TPU) draws each example's labels from `fold_in(key, i)` of that
     generator: eagerly, jitted, over 8 devices with N uneven, both methods. (In

@@ -505,7 +505,7 @@ def test_a_changed_closure_or_parameters_are_seen(method):
 
 
 @pytest.mark.parametrize("name", ["mlp", "scanned", "embedding"])
-def test_ekfac_preconditioned_projections(name):
+def test_ekfac_preconditioned_projections(name, always_ghost):
     """`per_example_grad_projections(..., precondition=ekfac_factors(...))`: each
     leaf's projected gradient whitened by `(P^T F P + lambda)^(-1/2)`, `F` its
     EK-FAC block (a joined bias's row its own block, the cross terms left out; a

@@ -372,12 +372,13 @@ def _ghost_dots(loss, params, x, chunk):
     return _statistics._GhostDots(traced, chunk)
 
 
-def test_ghost_gram_takes_a_layers_ghost_terms_only_where_they_cost_less():
+def test_ghost_gram_takes_a_layers_ghost_terms_only_where_they_cost_less(always_ghost):
     """Per pair of examples, a dense use's ghost terms cost `T^2 (d_in + d_out)`
     and its formed gradients' dot product `d_in d_out`, plus their formation shared
     by a chunk of rows (16 here): a 128 -> 128 layer keeps its ghost terms on 4
     positions and has its gradient formed on 48, where its ghost norm still pays
-    (clipping's rule: under 64 positions). Both give the oracle's Gram."""
+    (clipping's rule: under 64 positions). Both give the oracle's Gram (the ghost
+    program run where it takes no layer's terms too: `always_ghost`)."""
 
     def loss(p, x):
         return jnp.sum(jnp.tanh(x @ p["w"]) ** 2)

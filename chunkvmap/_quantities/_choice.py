@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import _axes, _memory, _program
-from .._transforms._batch_vmap import Transform
+from .._core._options import check_choice, identity
+from .._transforms._batch_vmap import Transform, function_name
 from . import ghost
 from .ghost import _plan
 
@@ -142,6 +143,31 @@ def stand_ins(
     )
     new_kwargs = {k: one(f"kwargs[{k!r}]", v, 0) for k, v in kwargs.items()}
     return new_args, new_kwargs
+
+
+def mapped_leaves(
+    name: str, args: tuple, in_axes: tuple, kwargs: dict
+) -> tuple[list[str], list, list]:
+    """Key paths, leaves and axes of the mapped arguments (for the size check)."""
+    paths, leaves, axes = [], [], []
+    named = [(f"args[{i}]", a, x) for i, (a, x) in enumerate(zip(args, in_axes))]
+    named += [(f"kwargs[{k!r}]", v, 0) for k, v in kwargs.items()]
+    for root, arg, axis in named:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            paths.append(root + jax.tree_util.keystr(path))
+            leaves.append(leaf)
+            axes.append(
+                _axes.canonical_in_axis(
+                    axis, leaf, paths[-1], transform=name, arg="batch_argnums"
+                )
+            )
+    return paths, leaves, axes
+
+
+def examples(transform: Transform, args: tuple, in_axes: tuple, kwargs: dict) -> int:
+    """The number of examples of a call (its mapped arguments' leading size)."""
+    mapped = mapped_leaves(transform.name, args, in_axes, kwargs)
+    return _axes.mapped_size(*mapped, None, transform=transform.name)
 
 
 def measuring(transform: Transform, chunk: int) -> Transform:
@@ -314,13 +340,21 @@ def _needs_memory(report: ghost.GhostReport) -> bool:
     return report.slower and report.verdict is not None
 
 
+def _nothing_to_gain(report: ghost.GhostReport) -> bool:
+    """Whether the ghost program helps no leaf: for a quantity's own rule
+    (`ruled`, no verdict) its `runs`; else no leaf has a ghost norm."""
+    if report.verdict is None:
+        return report.runs is ghost.Method.VMAP
+    return not any(rule == ghost.GHOST for _, _, rule, _ in report.rows)
+
+
 def settled_report(report: ghost.GhostReport, timed: bool) -> Any:
     """The report `choose` gives without measuring anything (no leaf has a ghost
     norm; on CPU a verdict other than a ghost program predicted slower; an
     accelerator's call it cannot measure), or None where it measures (`timed`: the
     call can be timed)."""
-    if not any(rule == ghost.GHOST for _, _, rule, _ in report.rows):
-        return report  # no leaf has a ghost norm: nothing to measure
+    if _nothing_to_gain(report):
+        return report  # the ghost program helps no leaf: nothing to measure
     if timed:
         return None
     if platform() != "cpu":
@@ -391,3 +425,135 @@ def choose(
         "%s method='ghost' runs %s: %s", transform.name, chosen.runs, chosen.why
     )
     return chosen
+
+
+def ruled(report: ghost.GhostReport, helped: bool, quantity: str) -> ghost.GhostReport:
+    """The model's verdict for a quantity with no cost model of its own
+    (projections, curvature: their ghost programs share clipping's analysis, not
+    its costs): the ghost program where it `helped` some parameter (a leaf whose
+    share it takes without forming the leaf's per-example gradient), else the vmap
+    program, the same result; never predicted slower. On an accelerator `choose`
+    measures it as any other."""
+    if not helped:
+        return report.replace(
+            runs=ghost.Method.VMAP, slower=False, verdict=None,
+            why=f"the ghost program takes no parameter's {quantity} from its "
+            f"operands (each gradient is formed per example, as method='vmap' "
+            f"forms it)",
+        )  # fmt: skip
+    return report.replace(
+        runs=ghost.Method.GHOST, slower=False, verdict=None,
+        why=f"the ghost program takes some parameters' {quantity} without their "
+        f"per-example gradients",
+    )  # fmt: skip
+
+
+def decided(
+    transform: Transform,
+    fun: Any,
+    report: ghost.GhostReport,
+    quantity: Any,
+    program: Callable[[Transform, ghost.Method], Callable[..., Any]],
+    *,
+    call: tuple,
+    size: int,
+    chunk: int | None = None,
+) -> ghost.Method:
+    """The program a `method="ghost"` call runs, by the one policy of every ghost
+    quantity: the quantity's model `report` checked as `choose` checks it
+    (measured on an accelerator; on CPU the memory of a ghost program predicted
+    slower), then warned (`warn_fallback`) where the vmap program runs in its
+    place, where many parameters fall back to per-example gradients, or where a
+    program predicted slower runs. `program`, `call` and `chunk` are `choose`'s."""
+    report = choose(transform, report, quantity, program, call, size, chunk=chunk)
+    warn_fallback(transform, fun, report)
+    return report.runs
+
+
+class GhostFallbackWarning(UserWarning):
+    """`method="ghost"` forms per-example gradients for a sizeable share of the
+    parameters, runs as `method="vmap"`, or is predicted slower than it.
+
+    Issued once per function of a ghost quantity (clipped sums and norms,
+    statistics, projections, curvature), at its first call:
+
+    * when the ghost program is predicted slower than `method="vmap"`'s and the
+      vmap program's chunk fits in memory, or it is predicted no faster and saves
+      little memory, or no parameter has a ghost norm (for projections, the Gram
+      matrix and curvature: the ghost program takes no parameter's share from its
+      operands), or on an accelerator the vmap program was measured faster: the
+      per-example path of `method="vmap"` then runs itself (the same result), and
+      the message says why, with the predicted or measured costs;
+    * when more than 5% of the parameters have a use no ghost rule covers (they get
+      exact per-example gradients, as with `method="vmap"`), naming those leaves;
+    * when the ghost program runs though it is predicted slower than
+      `method="vmap"`'s, because the vmap program's chunk does not fit in memory
+      and the ghost program's keeps much less.
+
+    `chunkvmap.ghost_report` shows each leaf's rule and why, and the same verdict.
+
+    Attributes:
+      args: the message, as for any `Warning`.
+
+    Examples:
+      >>> import warnings
+      >>> import chunkvmap
+      >>> with warnings.catch_warnings():  # once ghost_report has been read
+      ...     warnings.simplefilter("ignore", chunkvmap.GhostFallbackWarning)
+    """
+
+
+_FALLBACK_SHARE = 0.05
+
+
+def warn_fallback(transform: Transform, fun: Any, report: ghost.GhostReport) -> None:
+    """Once per function of a ghost quantity: say when the vmap program runs in
+    ghost's place, when more than 5% of the parameters fall back to per-example
+    gradients, or when the ghost program runs though it is predicted slower
+    (`report`'s verdict)."""
+    if transform.warned("ghost fallback"):
+        return
+    shares = report.shares()
+    share = shares.get(ghost.PER_EXAMPLE, 0.0)
+    fallback = report.fallback()
+    if report.runs is ghost.Method.VMAP:
+        message = (
+            f"{transform.name} method='ghost' runs as method='vmap' for "
+            f"{function_name(fun)} (the same result): {report.why}."
+        )
+    elif share > _FALLBACK_SHARE:
+        message = (
+            f"{transform.name} method='ghost': {100 * share:.0f}% of the parameters of "
+            f"{function_name(fun)} use per-example gradients (no rule covers one of "
+            f"their uses): {', '.join(fallback)}."
+        )
+    elif report.slower:
+        message = (
+            f"{transform.name} method='ghost' is predicted slower than method='vmap' "
+            f"for {function_name(fun)}: {report.why}. method='vmap' is faster where "
+            "its per-example gradients fit in memory."
+        )
+    else:
+        return
+    transform.warn_once(
+        "ghost fallback",
+        message + " chunkvmap.ghost_report(fun, *one_example) shows each leaf's rule "
+        "and why.",
+        GhostFallbackWarning,
+        stacklevel=4,
+    )
+
+
+def check_method(
+    name: str, method: Any, pre_clipping_transform: Any = identity
+) -> ghost.Method:
+    """The `method` a user passed (`"vmap"` or `"ghost"`), checked."""
+    method = check_choice(name, "method", method, ghost.Method)
+    if method is ghost.Method.GHOST and pre_clipping_transform is not identity:
+        raise ValueError(
+            f"{name} method='ghost' cannot apply pre_clipping_transform="
+            f"{pre_clipping_transform!r}: ghost clipping never forms the per-example "
+            f"gradients a transform would act on. Use method='vmap' (the default) "
+            f"with a pre-clipping transform."
+        )
+    return method

@@ -36,12 +36,11 @@ from .._core._options import (
     check_bool,
     check_bools,
     check_callable,
-    check_choice,
     decorator_form,
     identity,
     takes,
 )
-from .._transforms._batch_vmap import Transform, function_name
+from .._transforms._batch_vmap import Transform
 from .._transforms._grads import (
     FloatLeaves,
     differentiable_floats,
@@ -339,9 +338,7 @@ def _sums(transform, fun, config, call, known) -> tuple:
         sums = _GhostSums.of(transform, fun, config, call)
         runs = config.runs
         if runs is None:
-            report = _chosen(transform, fun, config, call, sums)
-            warn_fallback(transform, fun, report)
-            runs = report.runs
+            runs = _chosen(transform, fun, config, call, sums)
         if runs is ghost.Method.GHOST:  # (else: the per-example path)
             return (
                 *sums(call.args, call.in_axes, call.kwargs, call.padding, known),
@@ -350,9 +347,9 @@ def _sums(transform, fun, config, call, known) -> tuple:
     return _formed_sums(transform, fun, config, call, known)
 
 
-def _chosen(transform, fun, config, call, sums, chunk=None) -> ghost.GhostReport:
-    """The verdict a ghost call follows: on an accelerator, both programs of one
-    chunk of the call measured (`_choice`); else the plan's."""
+def _method_program(fun, config, call) -> Callable[..., Any]:
+    """`program(twin, method)`: the clipping call's program for `method`, as a
+    function of `(args, kwargs)` (`_choice.choose`'s)."""
 
     def program(twin: Transform, method: ghost.Method) -> Callable[..., Any]:
         forced = dataclasses.replace(config, runs=method)
@@ -366,9 +363,16 @@ def _chosen(transform, fun, config, call, sums, chunk=None) -> ghost.GhostReport
 
         return run
 
+    return program
+
+
+def _chosen(transform, fun, config, call, sums) -> ghost.Method:
+    """The program a ghost call runs (`_choice.decided`: both programs of one
+    chunk of the call measured on an accelerator; else the plan's verdict)."""
     inputs = (call.args, call.kwargs, call.in_axes)
-    return _choice.choose(
-        transform, sums.report, sums, program, inputs, call.size, chunk=chunk
+    program = _method_program(fun, config, call)
+    return _choice.decided(
+        transform, fun, sums.report, sums, program, call=inputs, size=call.size
     )
 
 
@@ -414,7 +418,11 @@ def _measured_report(fun, args, kwargs, diff, mapped, has_aux) -> ghost.GhostRep
     kwargs = one(kwargs)
     call = _ClippedCall.of(transform, config, batched, kwargs)
     sums = _GhostSums.of(transform, fun, config, call)
-    return _chosen(transform, fun, config, call, sums, _REPORT_CHUNK)
+    inputs = (call.args, call.kwargs, call.in_axes)
+    program = _method_program(fun, config, call)
+    return _choice.choose(
+        transform, sums.report, sums, program, inputs, call.size, chunk=_REPORT_CHUNK
+    )
 
 
 class _ClippedCall(NamedTuple):
@@ -439,7 +447,7 @@ class _ClippedCall(NamedTuple):
         diff, in_axes = transform.resolve(args)
         batch_args = [i for i, a in enumerate(in_axes) if a is not None]
         args = differentiable_floats(args, diff, in_axes)  # as jax.grad differentiates
-        mapped = mapped_leaves(name, args, in_axes, kwargs)
+        mapped = _choice.mapped_leaves(name, args, in_axes, kwargs)
         size = _axes.mapped_size(
             *mapped, None, transform=name,
             # jax-privacy's phrase, for code that matches it
@@ -1082,76 +1090,6 @@ class _GhostSums(Quantity):
         )  # fmt: skip
 
 
-class GhostFallbackWarning(UserWarning):
-    """`method="ghost"` forms per-example gradients for a sizeable share of the
-    parameters, runs as `method="vmap"`, or is predicted slower than it.
-
-    Issued once per clipping function, at its first call:
-
-    * when the ghost program is predicted slower than `method="vmap"`'s and the
-      vmap program's chunk fits in memory, or it is predicted no faster and saves
-      little memory, or no parameter has a ghost norm: the per-example path of
-      `method="vmap"` then runs itself (the same result), and the message says
-      why, with the predicted costs;
-    * when more than 5% of the parameters have a use no ghost rule covers (they get
-      exact per-example gradients, as with `method="vmap"`), naming those leaves;
-    * when the ghost program runs though it is predicted slower than
-      `method="vmap"`'s, because the vmap program's chunk does not fit in memory
-      and the ghost program's keeps much less.
-
-    `chunkvmap.ghost_report` shows each leaf's rule and why, and the same verdict.
-
-    Attributes:
-      args: the message, as for any `Warning`.
-
-    Examples:
-      >>> import warnings
-      >>> import chunkvmap
-      >>> with warnings.catch_warnings():  # once ghost_report has been read
-      ...     warnings.simplefilter("ignore", chunkvmap.GhostFallbackWarning)
-    """
-
-
-_FALLBACK_SHARE = 0.05
-
-
-def warn_fallback(transform: Transform, fun: Any, report: ghost.GhostReport) -> None:
-    """Once per clipping function: say when the vmap program runs in ghost's place,
-    when more than 5% of the parameters fall back to per-example gradients, or when
-    the ghost program runs though it is predicted slower (`report`'s verdict)."""
-    if transform.warned("ghost fallback"):
-        return
-    shares = report.shares()
-    share = shares.get(ghost.PER_EXAMPLE, 0.0)
-    fallback = report.fallback()
-    if report.runs is ghost.Method.VMAP:
-        message = (
-            f"{transform.name} method='ghost' runs as method='vmap' for "
-            f"{function_name(fun)} (the same result): {report.why}."
-        )
-    elif share > _FALLBACK_SHARE:
-        message = (
-            f"{transform.name} method='ghost': {100 * share:.0f}% of the parameters of "
-            f"{function_name(fun)} use per-example gradients (no rule covers one of "
-            f"their uses): {', '.join(fallback)}."
-        )
-    elif report.slower:
-        message = (
-            f"{transform.name} method='ghost' is predicted slower than method='vmap' "
-            f"for {function_name(fun)}: {report.why}. method='vmap' is faster where "
-            "its per-example gradients fit in memory."
-        )
-    else:
-        return
-    transform.warn_once(
-        "ghost fallback",
-        message + " chunkvmap.ghost_report(fun, *one_example) shows each leaf's rule "
-        "and why.",
-        GhostFallbackWarning,
-        stacklevel=4,
-    )
-
-
 def _one_example_avals(
     fn: Callable[..., Any], args: tuple, kwargs: dict, in_axes: Sequence[Any]
 ) -> Any:
@@ -1166,25 +1104,6 @@ def _one_example_avals(
 
     avals = [jax.tree.map(example, args[i]) for i in mapped]
     return jax.eval_shape(one_example, avals, jax.tree.map(example, kwargs))
-
-
-def mapped_leaves(
-    name: str, args: tuple, in_axes: tuple, kwargs: dict
-) -> tuple[list[str], list, list]:
-    """Key paths, leaves and axes of the mapped arguments (for the size check)."""
-    paths, leaves, axes = [], [], []
-    named = [(f"args[{i}]", a, x) for i, (a, x) in enumerate(zip(args, in_axes))]
-    named += [(f"kwargs[{k!r}]", v, 0) for k, v in kwargs.items()]
-    for root, arg, axis in named:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            paths.append(root + jax.tree_util.keystr(path))
-            leaves.append(leaf)
-            axes.append(
-                _axes.canonical_in_axis(
-                    axis, leaf, paths[-1], transform=name, arg="batch_argnums"
-                )
-            )
-    return paths, leaves, axes
 
 
 # --------------------------------------------------------------------------------------
@@ -1350,7 +1269,7 @@ def clipped_grad(
     """
     name = "clipped_grad"
     _check_clip_norm(name, l2_clip_norm)
-    method = check_method(name, method, pre_clipping_transform)
+    method = _choice.check_method(name, method, pre_clipping_transform)
     flags = dict(
         has_aux=has_aux, rescale_to_unit_norm=rescale_to_unit_norm,
         keep_batch_dim=keep_batch_dim, return_values=return_values,
@@ -1396,21 +1315,6 @@ def _check_normalize_by(name: str, value: Any) -> None:
             f"{name} normalize_by must be a positive number, but got "
             f"normalize_by={value!r}."
         )
-
-
-def check_method(
-    name: str, method: Any, pre_clipping_transform: Any = identity
-) -> ghost.Method:
-    """The `method` a user passed (`"vmap"` or `"ghost"`), checked."""
-    method = check_choice(name, "method", method, ghost.Method)
-    if method is ghost.Method.GHOST and pre_clipping_transform is not identity:
-        raise ValueError(
-            f"{name} method='ghost' cannot apply pre_clipping_transform="
-            f"{pre_clipping_transform!r}: ghost clipping never forms the per-example "
-            f"gradients a transform would act on. Use method='vmap' (the default) "
-            f"with a pre-clipping transform."
-        )
-    return method
 
 
 def _check_dtype(name: str, dtype: Any) -> Any:
@@ -1520,7 +1424,7 @@ def clipped_grad_sum(
     name = "clipped_grad_sum"
     _check_clip_norm(name, l2_clip_norm)
     check_bool(name, "return_norms", return_norms)
-    method = check_method(name, method)
+    method = _choice.check_method(name, method)
     transform = grad_transform(
         name,
         fun,

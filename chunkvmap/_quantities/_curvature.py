@@ -40,8 +40,7 @@ from .._core._accumulators import Fold, compose
 from .._core._loop import regroup
 from .._core._options import Chunking, check_choice, decorator_form, takes
 from .._transforms._grads import FloatLeaves, differentiable_floats, grad_transform
-from . import _statistics, ghost
-from ._clipping import check_method
+from . import _choice, ghost
 from ._records import Quantity, over_chunks
 from .ghost._context import explicit_spec
 from .ghost._forms import EinsumForm, LeafAxis, Mark, Part, RowsForm, _equation
@@ -205,7 +204,7 @@ class Curvature(NamedTuple):
                 f"as params)."
             )
         args = differentiable_floats(args, diff, in_axes)
-        n = _statistics.examples(transform, args, in_axes, kwargs)
+        n = _choice.examples(transform, args, in_axes, kwargs)
         return diff, in_axes, args, kwargs, self.extra(name, n, labels, key)
 
     def check_unused(self, name: str, labels: Any, key: Any) -> None:
@@ -405,36 +404,84 @@ def ggn_diagonal(
     """
     name = "ggn_diagonal"
     settings = Curvature.make(name, likelihood, fisher, samples)
-    method = check_method(name, method)
+    method = _choice.check_method(name, method)
     transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True, **options
     )
 
     def call(args: tuple, kwargs: dict, known: Any) -> Any:
         diff, in_axes, args, kwargs, extra = settings.prepare(transform, args, kwargs)
-        if method is ghost.Method.GHOST:
-            traced = traced_model(
-                transform, name, fun, args, kwargs, diff, in_axes=in_axes
-            )
-            quantity = traced.memo(
-                ("ggn diagonal", settings, per_example),
-                lambda: _GhostDiagonal(traced, settings, per_example),
-            )
-            summary, rows = over_chunks(
-                transform,
-                traced,
-                quantity,
-                args,
-                in_axes,
-                kwargs,
-                known=known,
-                extra=extra,
-                extra_axes=settings.extra_axes(),
-            )
-            return traced.grads_tree(
-                rows if per_example else summary, transform.args.single
-            )
+        made = _Diagonal(fun, settings, per_example, diff, in_axes)
+        return made(transform, method, args, kwargs, extra, known=known)
+
+    return transform.public(call, fun)
+
+
+class _Diagonal(NamedTuple):
+    """`ggn_diagonal`'s call, once its arguments are prepared (`Curvature.prepare`:
+    `extra` the per-example inputs its Fisher adds)."""
+
+    fun: Callable[..., Any]
+    settings: Curvature
+    per_example: bool
+    diff: tuple
+    in_axes: tuple
+
+    def __call__(self, transform, method, args, kwargs, extra, *, known, runs=None):
+        """The diagonal by `method` (with `method="ghost"`: the program `runs`,
+        where given, else the one `_choice.decided` says)."""
+        if method is ghost.Method.VMAP:
+            return self._formed(transform, args, kwargs, extra, known)
+        name, diff, in_axes = transform.name, self.diff, self.in_axes
+        traced = traced_model(
+            transform, name, self.fun, args, kwargs, diff, in_axes=in_axes
+        )
+        quantity = traced.memo(
+            ("ggn diagonal", self.settings, self.per_example),
+            lambda: _GhostDiagonal(traced, self.settings, self.per_example),
+        )
+        if runs is None:
+            runs = self._chosen(transform, quantity, args, kwargs, extra)
+        if runs is ghost.Method.VMAP:
+            return self._formed(transform, args, kwargs, extra, known)
+        summary, rows = over_chunks(
+            transform, traced, quantity, args, in_axes, kwargs, known=known,
+            extra=extra, extra_axes=self.settings.extra_axes(),
+        )  # fmt: skip
+        tree = rows if self.per_example else summary
+        return traced.grads_tree(tree, transform.args.single)
+
+    def _chosen(self, transform, quantity, args, kwargs, extra) -> ghost.Method:
+        """The program a ghost call runs (`_choice.decided`): the model's, the ghost
+        program where a leaf takes its share from its operands
+        (`_GhostDiagonal.outer`), measured on an accelerator."""
+        plan = quantity.traced.plan
+        report = quantity.traced.memo(
+            ("ruled", "diagonal"),
+            lambda: _choice.ruled(
+                ghost.report_of(plan), any(quantity.outer), "diagonal"
+            ),
+        )
         n = len(args)
+
+        def program(twin: Any, runs: ghost.Method) -> Callable[..., Any]:
+            def run(inputs: tuple, kw: dict) -> Any:
+                ghostly = ghost.Method.GHOST
+                extra = list(inputs[n:])
+                return self(twin, ghostly, inputs[:n], kw, extra, known=None, runs=runs)
+
+            return run
+
+        call = ((*args, *extra), kwargs, (*self.in_axes, *self.settings.extra_axes()))
+        size = _choice.examples(transform, args, self.in_axes, kwargs)
+        return _choice.decided(
+            transform, self.fun, report, quantity, program, call=call, size=size
+        )
+
+    def _formed(self, transform, args, kwargs, extra, known) -> Any:
+        """The diagonal from each cotangent's formed gradients (`method="vmap"`)."""
+        fun, settings, diff, n = self.fun, self.settings, self.diff, len(args)
+        name = transform.name
 
         def example(*inputs: Any, **kw: Any) -> Any:
             floats = FloatLeaves(inputs[:n], diff)
@@ -445,16 +492,14 @@ def ggn_diagonal(
             squares = [[jnp.sum(jnp.square(g), 0) for g in part] for part in grads]
             return floats.trees(squares, transform.args.single)
 
-        axes = (*in_axes, *settings.extra_axes())
-        if per_example:
-            return transform.map(example, (*args, *extra), kwargs, axes, 0, known=known)
+        axes = (*self.in_axes, *settings.extra_axes())
+        inputs = (*args, *extra)
+        if self.per_example:
+            return transform.map(example, inputs, kwargs, axes, 0, known=known)
         total = Fold(jnp.add, lambda out: jax.tree.map(lambda x: jnp.sum(x, 0), out))
         return transform.map(
-            example, (*args, *extra), kwargs, axes, 0, known=known,
-            accumulator=compose(total),
-        )  # fmt: skip
-
-    return transform.public(call, fun)
+            example, inputs, kwargs, axes, 0, known=known, accumulator=compose(total)
+        )
 
 
 def traced_model(transform, name, fun, args, kwargs, diff, *, in_axes) -> ghost.Traced:

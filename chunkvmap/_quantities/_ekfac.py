@@ -33,8 +33,7 @@ from .._core._accumulators import Fold, compose
 from .._core._loop import regroup
 from .._core._options import Chunking, decorator_form, takes
 from .._transforms._grads import FloatLeaves, grad_transform
-from . import ghost
-from ._clipping import check_method
+from . import _choice, ghost
 from ._curvature import (
     Curvature,
     Kronecker,
@@ -297,7 +296,7 @@ def ekfac_factors(
     """
     name = "ekfac_factors"
     settings = Curvature.make(name, likelihood, fisher, samples)
-    method = check_method(name, method)
+    method = _choice.check_method(name, method)
     kfac = _kfac_factors(
         fun, argnums, likelihood=likelihood, fisher=fisher, samples=samples,
         variant=variant, batch_argnums=batch_argnums, **options,
@@ -324,8 +323,12 @@ def ekfac_factors(
         ]  # fmt: skip
         data, how = (args, kwargs, extra, bases), (diff, in_axes, known)
         redo = given is not None  # (the diagonals too are these examples')
+        runs = method
         if method is ghost.Method.GHOST:
-            sums = _ghost_moments(transform, fun, settings, found, data, how, redo=redo)
+            quantity = _quantity(transform, fun, settings, found, data, how, redo=redo)
+            runs = _chosen(transform, fun, found, data, how, quantity, redo=redo)
+        if runs is ghost.Method.GHOST:
+            sums = _ghost_moments(transform, data, how, quantity)
         else:
             sums = _second_moments(
                 transform, fun, settings, found, data, how, redo=redo
@@ -564,20 +567,65 @@ def _summed_squares(kept: Any) -> Any:
     return regroup(out, (*lead, *out.shape[-2:]))
 
 
-def _ghost_moments(transform, fun, settings, found, data, how, *, redo) -> list:
-    """`_second_moments` by the model's ghost records (`_GhostMoments`)."""
-    args, kwargs, extra, bases = data
-    diff, in_axes, known = how
+def _quantity(transform, fun, settings, found, data, how, *, redo) -> _GhostMoments:
+    """The call's `_GhostMoments` (its model traced, planned once)."""
+    args, kwargs, _, _ = data
+    diff, in_axes, _ = how
     traced = traced_model(
         transform, transform.name, fun, args, kwargs, diff, in_axes=in_axes
     )
     meta = _layouts(found, redo)
-    quantity = traced.memo(
+    return traced.memo(
         ("ekfac", settings, meta), lambda: _GhostMoments(traced, settings, meta)
     )
+
+
+def _chosen(transform, fun, found, data, how, quantity, *, redo) -> ghost.Method:
+    """The program a ghost call's second pass runs (`_choice.decided`): the
+    model's, the ghost program where a leaf's rotated gradient is made from its
+    records (`_from_records`), measured on an accelerator (the bases fixed)."""
+    args, kwargs, extra, bases = data
+    diff, in_axes, _ = how
+    plan = quantity.traced.plan
+    helped = any(
+        isinstance(m, tuple) and _from_records(plan.leaves[k], m, bases[k])
+        for k, m in enumerate(quantity.meta)
+    )
+    report = quantity.traced.memo(
+        ("ruled", "rotated moments", helped),
+        lambda: _choice.ruled(ghost.report_of(plan), helped, "rotated moments"),
+    )
+    n = len(args)
+
+    settings = quantity.settings
+
+    def program(twin: Any, runs: ghost.Method) -> Callable[..., Any]:
+        def run(inputs: tuple, kw: dict) -> Any:  # (the bases an argument)
+            mine = (inputs[:n], kw, list(inputs[n:-1]), inputs[-1])
+            how = (diff, in_axes, None)
+            if runs is ghost.Method.VMAP:
+                return _second_moments(twin, fun, settings, found, mine, how, redo=redo)
+            made = _quantity(twin, fun, settings, found, mine, how, redo=redo)
+            return _ghost_moments(twin, mine, how, made)
+
+        return run
+
+    axes = (*in_axes, *settings.extra_axes(), None)
+    call = ((*args, *extra, bases), kwargs, axes)
+    size = _choice.examples(transform, args, in_axes, kwargs)
+    return _choice.decided(
+        transform, fun, report, quantity, program, call=call, size=size
+    )
+
+
+def _ghost_moments(transform, data, how, quantity: _GhostMoments) -> list:
+    """`_second_moments` by the model's ghost records (`quantity`)."""
+    args, kwargs, extra, bases = data
+    _, in_axes, known = how
+    traced = quantity.traced
     sums, _ = over_chunks(
         transform, traced, quantity, args, in_axes, kwargs, known=known,
-        extra=[*extra, bases], extra_axes=[*settings.extra_axes(), None],
+        extra=[*extra, bases], extra_axes=[*quantity.settings.extra_axes(), None],
     )  # fmt: skip
     return sums
 

@@ -41,7 +41,7 @@ from .._transforms._grads import (
     floats_to_arrays,
     grad_transform,
 )
-from . import _clipping, ghost
+from . import _choice, ghost
 from ._curvature import Kronecker, f32
 from ._eigh import eigh
 from ._ekfac import EigenKronecker
@@ -410,7 +410,7 @@ def _checked(name, *, has_aux, dim, seed, method, similarity, per_position) -> A
         raise TypeError(f"{name} dim must be a positive int, but got dim={dim!r}.")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{name} seed must be an int, but got seed={seed!r}.")
-    method = _clipping.check_method(name, method)
+    method = _choice.check_method(name, method)
     check_bool(name, "per_position", per_position)
     if per_position and (method is ghost.Method.GHOST or has_aux):
         raise TypeError(
@@ -456,49 +456,65 @@ def _preconditioner(
 
 def _rows(
     transform: Transform, fun: Any, name: str, has_aux: bool, *, dim: int, seed: int,
-    method: Any, args: tuple, kwargs: dict, known: Any, post: Any,
+    method: Any, args: tuple, kwargs: dict, known: Any, post: Any, runs: Any = None,
 ) -> tuple:  # fmt: skip
-    """Each example's row (`post` of it, where given) and aux, by `method`."""
+    """Each example's row (`post` of it, where given) and aux, by `method` (with
+    `method="ghost"`: by the program `runs`, where given, else the one
+    `_choice.decided` says)."""
     diff, in_axes = transform.resolve(args)
     args = differentiable_floats(args, diff, in_axes)
-    rows = None
     if method is ghost.Method.GHOST:
         traced = ghost.traced_loss(
-            transform.memo,
-            name,
-            fun,
-            args,
-            kwargs,
-            diff,
-            in_axes=in_axes,
+            transform.memo, name, fun, args, kwargs, diff, in_axes=in_axes,
             has_aux=has_aux,
+        )  # fmt: skip
+        quantity = traced.memo(
+            ("projections", dim, seed), lambda: _GhostProjections(traced, dim, seed)
         )
-        if any(x.rule == ghost.GHOST for x in traced.plan.leaves):
-            quantity = traced.memo(
-                ("projections", dim, seed),
-                lambda: _GhostProjections(traced, dim, seed),
-            )
-            if post is not None:
-                quantity = _Scored(quantity, post)
+        if runs is None:
+            runs = _chosen(transform, fun, quantity, has_aux, dim=dim, seed=seed,
+                           call=(args, kwargs, in_axes))  # fmt: skip
+        if runs is ghost.Method.GHOST:
+            scored = quantity if post is None else _Scored(quantity, post)
             _, (rows, aux) = over_chunks(
-                transform, traced, quantity, args, in_axes, kwargs, known=known
+                transform, traced, scored, args, in_axes, kwargs, known=known
             )
-    if rows is None:
-        rows, aux = _formed(
-            transform,
-            fun,
-            diff,
-            has_aux,
-            name,
-            dim=dim,
-            seed=seed,
-            post=post,
-            args=args,
-            kwargs=kwargs,
-            in_axes=in_axes,
-            known=known,
-        )
-    return rows, aux
+            return rows, aux
+    return _formed(
+        transform, fun, diff, has_aux, name, dim=dim, seed=seed, post=post,
+        args=args, kwargs=kwargs, in_axes=in_axes, known=known,
+    )  # fmt: skip
+
+
+def _chosen(
+    transform: Transform, fun: Any, quantity: _GhostProjections, has_aux: bool, *,
+    dim: int, seed: int, call: tuple,
+) -> ghost.Method:  # fmt: skip
+    """The program a ghost call (`call`: its `(args, kwargs, in_axes)`) runs:
+    `_choice.decided`, the model's the ghost program wherever a leaf has a ghost
+    rule (its projection is taken from the leaf's operands)."""
+    args, kwargs, in_axes = call
+    plan = quantity.traced.plan
+    helped = any(x.rule == ghost.GHOST for x in plan.leaves)
+    report = quantity.traced.memo(
+        ("ruled", "projection"),
+        lambda: _choice.ruled(ghost.report_of(plan), helped, "projection"),
+    )
+
+    def program(twin: Transform, runs: ghost.Method) -> Callable[..., Any]:
+        def run(args: tuple, kwargs: dict) -> Any:
+            return _rows(
+                twin, fun, transform.name, has_aux, dim=dim, seed=seed,
+                method=ghost.Method.GHOST, args=args, kwargs=kwargs,
+                known=_axes.NOTHING_KNOWN, post=None, runs=runs,
+            )  # fmt: skip
+
+        return run
+
+    size = _choice.examples(transform, args, in_axes, kwargs)
+    return _choice.decided(
+        transform, fun, report, quantity, program, call=call, size=size
+    )
 
 
 def _checked_damping(name: str, damping: Any) -> float:

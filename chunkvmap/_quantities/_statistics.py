@@ -137,7 +137,7 @@ def per_example_grad_norms(
     name = "per_example_grad_norms"
     check_bool(name, "has_aux", has_aux)
     check_bool(name, "per_leaf", per_leaf)
-    method = _clipping.check_method(name, method)
+    method = _choice.check_method(name, method)
     transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True, **options
     )
@@ -276,7 +276,7 @@ def per_example_grad_stats(
     name = "per_example_grad_stats"
     check_bool(name, "has_aux", has_aux)
     check_bool(name, "per_leaf", per_leaf)
-    method = _clipping.check_method(name, method)
+    method = _choice.check_method(name, method)
     transform = grad_transform(
         name, fun, argnums, batch_argnums, exclusive=True, **options
     )
@@ -301,7 +301,7 @@ def per_example_grad_stats(
         padding = kwargs.pop("is_padding_example", None)
         diff, in_axes = transform.resolve(args)
         args = differentiable_floats(args, diff, in_axes)
-        size = examples(transform, args, in_axes, kwargs)
+        size = _choice.examples(transform, args, in_axes, kwargs)
         if size == 0:
             raise ValueError(
                 f"{name} needs at least one example (the mean over zero examples is "
@@ -360,9 +360,9 @@ def _chosen(
 
         return run
 
-    report = _choice.choose(transform, report, moments, program, call, size)
-    _clipping.warn_fallback(transform, fun, report)
-    return report.runs
+    return _choice.decided(
+        transform, fun, report, moments, program, call=call, size=size
+    )
 
 
 def _formed_moments(
@@ -544,15 +544,9 @@ def _sq_norm(g: jax.Array, acc: Any, axis: Any = None) -> jax.Array:
     return jnp.sum(jnp.real(g * jnp.conj(g)).astype(acc), axis)
 
 
-def examples(transform: Transform, args: tuple, in_axes: tuple, kwargs: dict) -> int:
-    """The number of examples of a call (its mapped arguments' leading size)."""
-    mapped = _clipping.mapped_leaves(transform.name, args, in_axes, kwargs)
-    return _axes.mapped_size(*mapped, None, transform=transform.name)
-
-
 def _chunk_length(rows: Transform, args: tuple, in_axes: tuple) -> tuple[int, int]:
     """A call's number of examples and the length of its chunks of rows."""
-    size = examples(rows, args, in_axes, {})
+    size = _choice.examples(rows, args, in_axes, {})
     batch = rows.options.batch_size
     return size, batch if isinstance(batch, int) and 0 < batch < size else size
 
@@ -633,7 +627,7 @@ class _GhostDots:
         return traced.memo(("dots", chunk), lambda: cls(traced, chunk))
 
     def __init__(self, traced: ghost.Traced, chunk: int):
-        self.traced = traced
+        self.traced, self.chunk = traced, chunk
         leaves = traced.plan.leaves
         plan = traced.plan
         self.ghost = [
@@ -646,6 +640,10 @@ class _GhostDots:
         ]
         self.pe = plan.with_rule(ghost.PER_EXAMPLE)
         self.acc = ghost.accumulation_dtype([x.dtype for x in leaves])
+
+    def program_key(self) -> Any:
+        """What the dot products compute (`Quantity.program_key`'s)."""
+        return (type(self), self.traced.key(), self.chunk)
 
     def parts(self, *example: Any) -> tuple[Any, Any]:
         """One example's record as the dot products read it (the forms' arrays of
@@ -863,7 +861,7 @@ def per_example_grad_gram(
     """
     name = "per_example_grad_gram"
     check_bool(name, "has_aux", has_aux)
-    method = _clipping.check_method(name, method)
+    method = _choice.check_method(name, method)
     other_batch_size = _axes.check_positive_int(
         "other_batch_size", other_batch_size, transform=name
     )
@@ -925,16 +923,22 @@ class _Gram:
             )  # fmt: skip
         return self.fixed[b, measuring]
 
-    def parts(self, rows: Transform, args: tuple, diff: Any, in_axes: tuple) -> tuple:
+    def parts(
+        self, rows: Transform, args: tuple, diff: Any, in_axes: tuple, runs: Any
+    ) -> tuple:
         """`(rep, dot)`: an example's representation `(rep, aux)` and the dot
-        product of two representations."""
+        product of two representations (with `method="ghost"`: by the program
+        `runs`, where given, else the one `_choice.decided` says)."""
         if self.method is ghost.Method.GHOST:
             chunk = _chunk_length(rows, args, in_axes)[1]
             dots = _GhostDots.of(
                 self.transform, self.name, self.fun, args=args, diff=diff,
                 in_axes=in_axes, has_aux=self.has_aux, chunk=chunk,
             )  # fmt: skip
-            return dots.parts, dots.dot
+            if runs is None:
+                runs = self.chosen(rows, dots, args, diff, in_axes)
+            if runs is ghost.Method.GHOST:
+                return dots.parts, dots.dot
         grad = filtered_value_and_grad(
             self.fun, diff, rows.args.single, self.has_aux, self.name
         )
@@ -945,15 +949,41 @@ class _Gram:
 
         return rep, _tree_vdot
 
+    def chosen(self, rows, dots: _GhostDots, args, diff, in_axes) -> ghost.Method:
+        """The program a ghost call runs (`_choice.decided`): the model's, the
+        ghost program where a leaf's dot products are taken from its operands
+        (`_GhostDots.ghost`), measured on an accelerator for the rows' chunk."""
+        plan = dots.traced.plan
+        report = dots.traced.memo(
+            ("ruled", "dot products", bool(dots.ghost)),
+            lambda: _choice.ruled(
+                ghost.report_of(plan), bool(dots.ghost), "dot products"
+            ),
+        )
+        resolved = (diff, in_axes, in_axes)
+
+        def program(twin: Transform, runs: ghost.Method) -> Callable[..., Any]:
+            def run(args: tuple, kwargs: dict) -> Any:
+                b = twin.options.batch_size
+                return self.evaluate(twin, b, args, None, None, resolved, runs=runs)
+
+            return run
+
+        size, chunk = _chunk_length(rows, args, in_axes)
+        call = (args, {}, in_axes)
+        return _choice.decided(
+            rows, self.fun, report, dots, program, call=call, size=size, chunk=chunk
+        )
+
     def evaluate(
         self, rows: Transform, inner_size: Any, args: tuple, other: tuple | None,
-        known: Any, resolved: tuple,
+        known: Any, resolved: tuple, *, runs: Any = None,
     ) -> Any:  # fmt: skip
         """The matrix of `args` against `other` (None: against themselves;
         `resolved`: the call's differentiated arguments, its `in_axes` and the other
-        batch's)."""
+        batch's; `runs`: `parts`')."""
         diff, in_axes, other_axes = resolved
-        rep, dot = self.parts(rows, args, diff, in_axes)
+        rep, dot = self.parts(rows, args, diff, in_axes, runs)
         if other is None:
             return self.symmetric(rows, inner_size, args, known, in_axes, rep, dot=dot)
         axes = (None, *other_axes)
@@ -1010,7 +1040,7 @@ class _Gram:
             return _memory.temp_bytes(self.name, program, abstract)
 
         key = (treedef, tuple(jax.typeof(leaves[i]) for i in dyn))
-        size = examples(self.transform, args, resolved[1], {})
+        size = _choice.examples(self.transform, args, resolved[1], {})
         return self.transform.auto.choose(key, measure, size)
 
     def resolve(self, args: tuple, kwargs: dict) -> tuple:
@@ -1045,8 +1075,12 @@ class _Gram:
 
     def call(self, args: tuple, kwargs: dict, known: _cache.Known) -> Any:
         args, against, resolved = self.resolve(args, kwargs)
-        n = examples(self.transform, args, resolved[1], {})
-        m = n if against is None else examples(self.inner, against, resolved[2], {})
+        n = _choice.examples(self.transform, args, resolved[1], {})
+        m = (
+            n
+            if against is None
+            else _choice.examples(self.inner, against, resolved[2], {})
+        )
         if n == 0 or m == 0:
             return self.empty(args, n, m, resolved)
         if self.joint:
