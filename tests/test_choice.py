@@ -318,6 +318,23 @@ def test_every_quantity_follows_the_one_policy_on_cpu(how, helped):
             assert f"{name} method='ghost' runs as method='vmap'" in said[0]
 
 
+def test_the_gram_searching_auto_warns_once():
+    """`batch_size="auto"` tries several sizes of the Gram's rows, each its own
+    chunking: a ghost program that helps no leaf is still warned once per
+    function."""
+    p, x, y = _problem()
+    gram = chunkvmap.per_example_grad_gram(
+        _unhelped_loss, method="ghost", batch_size="auto", memory_limit="64MiB"
+    )
+    q = {"g": p["w"][:, :3]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gram(q, x, y)
+        gram(q, x, y)
+    said = [w for w in caught if issubclass(w.category, chunkvmap.GhostFallbackWarning)]
+    assert len(said) == 1 and "runs as method='vmap'" in str(said[0].message)
+
+
 def test_the_measurement_is_kept_per_shapes_and_chunk(measured):
     """A new number of examples with the same chunk reuses the measurement; a call
     whose chunk differs (fewer examples than the batch size) or whose examples

@@ -296,6 +296,16 @@ def _projected(u):
     return projected_rows(_grads(u), 2)
 
 
+_CLIPPED_GRAD = Entry(
+    _made(
+        lambda u: cv.clipped_grad(
+            _loss(u), l2_clip_norm=CLIP, keep_batch_dim=False, batch_size=B
+        ),
+        W, X,
+    ),
+    lambda u: _grads(u).sum(0), derivative=True, reverse_only=True,
+)  # fmt: skip
+
 ENTRIES = {
     "batch_vmap": Entry(
         _made(lambda u: cv.batch_vmap(u, batch_size=B), X), lambda u: jax.vmap(u)(X)
@@ -325,25 +335,9 @@ ENTRIES = {
         _made(lambda u: _part(_clipped_sum(u, "ghost"), 0), W, X),
         lambda u: _grads(u).sum(0), derivative=True, reverse_only=True,
     ),
-    "clipped_grad": Entry(
-        _made(
-            lambda u: cv.clipped_grad(
-                _loss(u), l2_clip_norm=CLIP, keep_batch_dim=False, batch_size=B
-            ),
-            W, X,
-        ),
-        lambda u: _grads(u).sum(0), derivative=True, reverse_only=True,
-    ),
-    # (the TPU's NaN-safe sum in passes, run here on the CPU)
-    "clipped_grad(in passes)": Entry(
-        _made(
-            lambda u: cv.clipped_grad(
-                _loss(u), l2_clip_norm=CLIP, keep_batch_dim=False, batch_size=B
-            ),
-            W, X,
-        ),
-        lambda u: _grads(u).sum(0), derivative=True, reverse_only=True,
-    ),
+    "clipped_grad": _CLIPPED_GRAD,
+    # (the same entry, run by the TPU's NaN-safe sum in passes here on the CPU)
+    "clipped_grad(in passes)": _CLIPPED_GRAD,
     "per_example_grad_norms": Entry(
         _made(lambda u: cv.per_example_grad_norms(_loss(u), batch_size=B), W, X),
         lambda u: jnp.linalg.norm(_flat(_grads(u)), axis=1),

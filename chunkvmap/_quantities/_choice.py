@@ -448,6 +448,15 @@ def ruled(report: ghost.GhostReport, helped: bool, quantity: str) -> ghost.Ghost
     )  # fmt: skip
 
 
+def ruled_report(traced: ghost.Traced, helped: bool, quantity: str) -> Any:
+    """`ruled` of the report of `traced`'s plan, made once per loss (kept with its
+    plan, `Traced.memo`)."""
+    return traced.memo(
+        ("ruled", quantity, helped),
+        lambda: ruled(ghost.report_of(traced.plan), helped, quantity),
+    )
+
+
 def decided(
     transform: Transform,
     fun: Any,

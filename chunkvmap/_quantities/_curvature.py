@@ -455,13 +455,8 @@ class _Diagonal(NamedTuple):
         """The program a ghost call runs (`_choice.decided`): the model's, the ghost
         program where a leaf takes its share from its operands
         (`_GhostDiagonal.outer`), measured on an accelerator."""
-        plan = quantity.traced.plan
-        report = quantity.traced.memo(
-            ("ruled", "diagonal"),
-            lambda: _choice.ruled(
-                ghost.report_of(plan), any(quantity.outer), "diagonal"
-            ),
-        )
+        helped = any(quantity.outer)
+        report = _choice.ruled_report(quantity.traced, helped, "diagonal")
         n = len(args)
 
         def program(twin: Any, runs: ghost.Method) -> Callable[..., Any]:

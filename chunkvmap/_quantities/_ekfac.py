@@ -323,13 +323,13 @@ def ekfac_factors(
         ]  # fmt: skip
         data, how = (args, kwargs, extra, bases), (diff, in_axes, known)
         redo = given is not None  # (the diagonals too are these examples')
-        runs = method
+        sums = None
         if method is ghost.Method.GHOST:
             quantity = _quantity(transform, fun, settings, found, data, how, redo=redo)
             runs = _chosen(transform, fun, found, data, how, quantity, redo=redo)
-        if runs is ghost.Method.GHOST:
-            sums = _ghost_moments(transform, data, how, quantity)
-        else:
+            if runs is ghost.Method.GHOST:
+                sums = _ghost_moments(transform, data, how, quantity)
+        if sums is None:
             sums = _second_moments(
                 transform, fun, settings, found, data, how, redo=redo
             )
@@ -591,13 +591,8 @@ def _chosen(transform, fun, found, data, how, quantity, *, redo) -> ghost.Method
         isinstance(m, tuple) and _from_records(plan.leaves[k], m, bases[k])
         for k, m in enumerate(quantity.meta)
     )
-    report = quantity.traced.memo(
-        ("ruled", "rotated moments", helped),
-        lambda: _choice.ruled(ghost.report_of(plan), helped, "rotated moments"),
-    )
-    n = len(args)
-
-    settings = quantity.settings
+    report = _choice.ruled_report(quantity.traced, helped, "rotated moments")
+    n, settings = len(args), quantity.settings
 
     def program(twin: Any, runs: ghost.Method) -> Callable[..., Any]:
         def run(inputs: tuple, kw: dict) -> Any:  # (the bases an argument)

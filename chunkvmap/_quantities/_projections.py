@@ -496,10 +496,7 @@ def _chosen(
     args, kwargs, in_axes = call
     plan = quantity.traced.plan
     helped = any(x.rule == ghost.GHOST for x in plan.leaves)
-    report = quantity.traced.memo(
-        ("ruled", "projection"),
-        lambda: _choice.ruled(ghost.report_of(plan), helped, "projection"),
-    )
+    report = _choice.ruled_report(quantity.traced, helped, "projection")
 
     def program(twin: Transform, runs: ghost.Method) -> Callable[..., Any]:
         def run(args: tuple, kwargs: dict) -> Any:

@@ -952,14 +952,9 @@ class _Gram:
     def chosen(self, rows, dots: _GhostDots, args, diff, in_axes) -> ghost.Method:
         """The program a ghost call runs (`_choice.decided`): the model's, the
         ghost program where a leaf's dot products are taken from its operands
-        (`_GhostDots.ghost`), measured on an accelerator for the rows' chunk."""
-        plan = dots.traced.plan
-        report = dots.traced.memo(
-            ("ruled", "dot products", bool(dots.ghost)),
-            lambda: _choice.ruled(
-                ghost.report_of(plan), bool(dots.ghost), "dot products"
-            ),
-        )
+        (`_GhostDots.ghost`), measured on an accelerator for the rows' chunk;
+        warned once per function (its transform's, not each size "auto" tries)."""
+        report = _choice.ruled_report(dots.traced, bool(dots.ghost), "dot products")
         resolved = (diff, in_axes, in_axes)
 
         def program(twin: Transform, runs: ghost.Method) -> Callable[..., Any]:
@@ -972,8 +967,9 @@ class _Gram:
         size, chunk = _chunk_length(rows, args, in_axes)
         call = (args, {}, in_axes)
         return _choice.decided(
-            rows, self.fun, report, dots, program, call=call, size=size, chunk=chunk
-        )
+            self.transform, self.fun, report, dots, program, call=call, size=size,
+            chunk=chunk,
+        )  # fmt: skip
 
     def evaluate(
         self, rows: Transform, inner_size: Any, args: tuple, other: tuple | None,
